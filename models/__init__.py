@@ -1,0 +1,1 @@
+"""Example models for tvmfuse: factories returning ``(nn.Module, example_inputs)``."""

@@ -1,0 +1,123 @@
+"""AOT export: the .so embeds an nvcc fatbin (SASS for the target's archs) and metadata."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+import tvmfuse
+from tvmfuse.build.export import parse_cuda_payload, rewrite_cuda_modules
+from tvmfuse.build.inspect import cuda_images, embedded_modules, fatbin_sass, find_cuobjdump
+from tvmfuse.runtime import read_metadata
+
+
+class Tiny(torch.nn.Module):
+    """y = relu(x·Wᵀ + b) + x, x: (4, 32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) + x
+
+
+@pytest.fixture(scope="module")
+def libs(tmp_path_factory):
+    torch.manual_seed(0)
+    m, x = Tiny().eval(), torch.randn(4, 32)
+    out = {}
+    for target in ("sm80", "sm90"):
+        path = tmp_path_factory.mktemp(target) / f"tiny_{target}.so"
+        tvmfuse.compile(m, (x,), target=target).export(path)
+        out[target] = path
+    return out
+
+
+def test_cuda_module_is_a_fatbin_not_source(libs):
+    for path in libs.values():
+        images = cuda_images(path)
+        assert len(images) == 1
+        fmt, code = images[0]
+        assert fmt == "fatbin"
+        assert b"__global__" not in code and b"extern \"C\"" not in code  # no CUDA source left
+        assert struct.unpack_from("<I", code)[0] == 0xBA55ED50  # fatbin magic
+
+
+@pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not installed")
+@pytest.mark.parametrize("target, archs", [("sm80", {"sm_80", "sm_90"}), ("sm90", {"sm_90a"})])
+def test_fatbin_holds_sass_for_target(libs, target, archs):
+    (_, code), = cuda_images(libs[target])
+    sass = fatbin_sass(code)
+    assert set(k for k in sass if k.startswith("sm_")) == archs
+    assert "ptx" not in sass  # SASS only: nothing for the driver to JIT
+    for arch in archs:
+        assert "Function :" in sass[arch] and "EXIT" in sass[arch]
+
+
+def test_metadata_signature_target_versions(libs):
+    import tvm  # noqa: F401
+
+    meta = read_metadata(libs["sm90"])
+    assert meta["target"] == "sm90" and meta["sass"] == ["sm_90a"]
+    assert meta["inputs"] == [{"name": "x", "shape": [4, 32], "dtype": "float32"}]
+    assert meta["outputs"] == [{"name": "output0", "shape": [4, 32], "dtype": "float32"}]
+    assert meta["versions"]["tvm"] == "0.27.0.post1"
+    assert read_metadata(libs["sm80"])["sass"] == ["sm_80", "sm_90"]
+
+
+def test_blob_rewrite_roundtrip(libs):
+    """Re-running the rewrite on an exported blob changes nothing (already fatbin)."""
+    mods = embedded_modules(libs["sm90"])
+    kinds = [k for k, _ in mods]
+    assert "cuda" in kinds and "_lib" in kinds
+    payload = dict(mods)["cuda"]
+    fmt, fmap, code = parse_cuda_payload(payload)
+    assert fmt == "fatbin" and len(fmap) > 8 and len(code) > 1000
+
+
+def test_rewrite_replaces_source_payload():
+    """A synthetic blob with one CUDA-source module gets the compiled bytes and fmt fatbin."""
+
+    def s(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    fmap = struct.pack("<Q", 0)
+    payload = s(b"cuda") + fmap + s(b"__global__ void k() {}")
+    body = struct.pack("<QQQ", 2, 0, 1) + struct.pack("<Q", 0) + s(b"cuda") + s(payload)
+    blob = struct.pack("<Q", len(body)) + body
+    new, n = rewrite_cuda_modules(blob, lambda src: b"FATBIN:" + src.encode())
+    assert n == 1
+    (kind_payload,) = [p for k, p in _walk(new) if k == b"cuda"]
+    assert parse_cuda_payload(kind_payload) == ("fatbin", fmap, b"FATBIN:__global__ void k() {}")
+
+
+def _walk(blob: bytes):
+    from tvmfuse.build.export import _Reader
+
+    r = _Reader(blob, 8)
+    indptr = r.u64_vec()
+    r.u64_vec()
+    for _ in range(len(indptr) - 1):
+        kind = r.raw()
+        yield kind, (b"" if kind == b"_lib" else r.raw())
+
+
+def test_failed_export_keeps_existing_library(libs, tmp_path, monkeypatch):
+    """A failing nvcc leaves the previous library at the path untouched."""
+    from tvmfuse.errors import CompileError
+
+    dest = tmp_path / "keep.so"
+    dest.write_bytes(libs["sm90"].read_bytes())
+    before = dest.read_bytes()
+    monkeypatch.setenv("TVMFUSE_NVCC", str(tmp_path / "false-nvcc"))
+    (tmp_path / "false-nvcc").write_text("#!/bin/sh\necho 'nvcc: simulated failure' >&2\nexit 1\n")
+    (tmp_path / "false-nvcc").chmod(0o755)
+    torch.manual_seed(0)
+    lib = tvmfuse.compile(Tiny().eval(), (torch.randn(4, 32),), target="sm90")
+    with pytest.raises(CompileError, match="nvcc failed for target sm90"):
+        lib.export(dest)
+    assert dest.read_bytes() == before
+    assert not list(tmp_path.glob(".keep.so.tmp*"))

@@ -1,0 +1,77 @@
+"""On the H200: compile the example models for sm80 and sm90, run the exported library, compare.
+
+Marked ``gpu``: skipped where torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tvmfuse
+from models import decoder_layer, mlp_block
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.gpu
+
+MODELS = {"mlp_block": mlp_block.small, "decoder_layer": decoder_layer.small}
+
+
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fp32_matches_torch(name, target, tmp_path):
+    module, example = MODELS[name]()
+    lib = tvmfuse.compile(module, example, target=target)
+    model = tvmfuse.load(lib.export(tmp_path / f"{name}.so"), device="cuda")
+    x = torch.randn_like(example[0])
+    with torch.no_grad():
+        ref = module.double()(x.double())
+    y = model(x.cuda())
+    assert y.device.type == "cuda" and y.dtype == torch.float32
+    assert rel_err(y, ref) <= 1e-4
+    y_np = model(x.numpy())  # numpy in, numpy out
+    assert rel_err(y_np, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype, tol", [("float16", 5e-3), ("bfloat16", 2e-2)])
+def test_mixed_precision_on_gpu(dtype, tol, tmp_path):
+    module, example = mlp_block.small()
+    lib = tvmfuse.compile(module, example, target="sm90", dtype=dtype)
+    model = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
+    x = torch.randn_like(example[0])
+    with torch.no_grad():
+        ref = module.double()(x.double())
+    assert rel_err(model(x.cuda()), ref) <= tol
+
+
+def test_fp16_model_zero_copy(tmp_path):
+    """An fp16 module keeps its dtype; outputs alias no input and land on the same GPU."""
+    module, example = mlp_block.build(batch=2, seq=64, hidden=256, dtype=torch.float16)
+    lib = tvmfuse.compile(module, example, target="sm90")
+    model = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
+    x = torch.randn(2, 64, 256, dtype=torch.float16, device="cuda")
+    with torch.no_grad():
+        ref = module.cuda().float()(x.float())
+    y = model(x)
+    assert y.dtype == torch.float16 and y.device == x.device
+    assert rel_err(y, ref) <= 5e-3
+
+
+def test_gpu_input_errors(tmp_path):
+    module, example = mlp_block.small()
+    model = tvmfuse.load(
+        tvmfuse.compile(module, example, target="sm90").export(tmp_path / "m.so"), device="cuda")
+    x = torch.randn_like(example[0])
+    with pytest.raises(tvmfuse.InputError, match="is on cpu"):
+        model(x)
+    with pytest.raises(tvmfuse.InputError, match="expected dtype float32, got float16"):
+        model(x.half().cuda())
+    with pytest.raises(tvmfuse.InputError, match="expected shape"):
+        model(torch.randn(3, 5, device="cuda"))
+
+
+def test_cpu_library_refuses_cuda(tmp_path):
+    module, example = mlp_block.small()
+    path = tvmfuse.compile(module, example, target="cpu").export(tmp_path / "c.so")
+    with pytest.raises(tvmfuse.DeviceError, match="built for target cpu"):
+        tvmfuse.load(path, device="cuda")

@@ -1,0 +1,34 @@
+"""tvmfuse: a kernel-fusion compiler on Apache TVM for NVIDIA GPUs.
+
+    lib = tvmfuse.compile(model, example_inputs, target="sm90", dtype="float16")
+    lib.export("model.so")
+    model = tvmfuse.load("model.so", device="cuda")
+    y = model(x)
+"""
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CompileError,
+    DeviceError,
+    InputError,
+    InputSpecError,
+    LibraryError,
+    ModelError,
+    TvmfuseError,
+    UnsupportedOpError,
+)
+from .runtime import CompiledModel, load  # noqa: E402
+
+
+def compile(*args, **kwargs):  # noqa: A001
+    """See :func:`tvmfuse.compiler.compile` (imported lazily: the runtime needs no compiler)."""
+    from .compiler import compile as _compile
+
+    return _compile(*args, **kwargs)
+
+
+__all__ = [
+    "CompileError", "CompiledModel", "DeviceError", "InputError", "InputSpecError", "LibraryError",
+    "ModelError", "TvmfuseError", "UnsupportedOpError", "compile", "load",
+]

@@ -1,0 +1,87 @@
+"""Read back what an exported library embeds: the serialised modules and the fatbin's SASS."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..errors import LibraryError
+from .export import _Reader, parse_cuda_payload
+
+BLOB_SYMBOL = "__tvm_ffi__library_bin"
+
+
+def embedded_modules(path: str | os.PathLike) -> list[tuple[str, bytes]]:
+    """``[(kind, payload)]`` of every serialised module in the library's import blob."""
+    import tvm  # noqa: F401  (loads the FFI symbols the library refers to)
+
+    try:
+        lib = ctypes.CDLL(os.fspath(path))
+        base = ctypes.addressof(ctypes.c_char.in_dll(lib, BLOB_SYMBOL))
+    except (OSError, ValueError) as err:
+        raise LibraryError(f"{path}: no TVM module blob ({err})") from err
+    (nbytes,) = struct.unpack("<Q", ctypes.string_at(base, 8))
+    r = _Reader(ctypes.string_at(base, nbytes + 8), 8)
+    indptr = r.u64_vec()
+    r.u64_vec()
+    mods = []
+    for _ in range(len(indptr) - 1):
+        kind = r.raw().decode()
+        mods.append((kind, b"" if kind == "_lib" else r.raw()))
+    return mods
+
+
+def cuda_images(path: str | os.PathLike) -> list[tuple[str, bytes]]:
+    """``[(fmt, code)]`` of the CUDA modules: fmt is "fatbin" for tvmfuse exports."""
+    images = []
+    for kind, payload in embedded_modules(path):
+        if kind == "cuda":
+            fmt, _, code = parse_cuda_payload(payload)
+            images.append((fmt, code))
+    return images
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from PATH, $CUDA_HOME or PyPI's ``nvidia-cuda-cuobjdump``."""
+    cands = [shutil.which("cuobjdump")]
+    if os.environ.get("CUDA_HOME"):
+        cands.append(os.path.join(os.environ["CUDA_HOME"], "bin", "cuobjdump"))
+    try:
+        import nvidia
+
+        cands += [os.path.join(p, "cu13", "bin", "cuobjdump") for p in nvidia.__path__]
+    except ImportError:
+        pass
+    return next((c for c in cands if c and os.path.isfile(c)), None)
+
+
+def fatbin_sass(fatbin: bytes) -> dict[str, str]:
+    """``{sm_XX: SASS text}`` for every ELF in a fatbin (needs cuobjdump)."""
+    tool = find_cuobjdump()
+    if tool is None:
+        raise LibraryError("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    with tempfile.TemporaryDirectory() as tmp:
+        f = Path(tmp) / "k.fatbin"
+        f.write_bytes(fatbin)
+        listing = subprocess.run([tool, "--list-elf", str(f)], capture_output=True, text=True)
+        if listing.returncode != 0:
+            raise LibraryError(f"cuobjdump cannot read the fatbin: {listing.stderr.strip()}")
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(tool) + os.pathsep + env.get("PATH", "")  # nvdisasm beside it
+        result = {}
+        for arch in sorted(set(re.findall(r"\.(sm_\d+a?)\.cubin", listing.stdout))):
+            sass = subprocess.run([tool, "-sass", "-arch", arch, str(f)],
+                                  capture_output=True, text=True, env=env)
+            if sass.returncode != 0:
+                raise LibraryError(f"cuobjdump -sass failed: {sass.stderr.strip()}")
+            result[arch] = sass.stdout
+        ptx = subprocess.run([tool, "--list-ptx", str(f)], capture_output=True, text=True)
+        if ptx.stdout.strip():
+            result["ptx"] = ptx.stdout
+        return result

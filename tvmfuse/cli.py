@@ -1,0 +1,147 @@
+"""The ``tvmfuse`` command line (contract in DESIGN.md)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .errors import TvmfuseError
+
+
+class _Group(click.Group):
+    """Turns every tvmfuse error into one clear line on stderr and exit code 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except TvmfuseError as err:
+            click.echo(f"error: {err}", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=_Group)
+@click.version_option(package_name="tvmfuse")
+def main() -> None:
+    """tvmfuse: compile ONNX / PyTorch models into fused CUDA libraries."""
+
+
+def _random_inputs(specs, seed: int = 0) -> list:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for s in specs:
+        if s.dtype.startswith("float") or s.dtype == "bfloat16":
+            arrays.append(rng.standard_normal(s.shape).astype(s.dtype))
+        elif s.dtype == "bool":
+            arrays.append(rng.integers(0, 2, s.shape).astype(bool))
+        else:
+            arrays.append(rng.integers(0, 8, s.shape).astype(s.dtype))
+    return arrays
+
+
+def check_against_reference(lib, seed: int = 0) -> list[float]:
+    """Run a cpu-target Library on random inputs; ‖out − ref‖/‖ref‖ per output vs the framework."""
+    import numpy as np
+
+    if lib.model.reference is None:
+        raise TvmfuseError("no reference runtime for this model (install onnxruntime or torch)")
+    arrays = _random_inputs(lib.model.inputs, seed)
+    outs = lib.load("cpu")(*arrays)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    refs = lib.model.reference(*arrays)
+    errs = []
+    for o, r in zip(outs, refs):
+        o64, r64 = np.asarray(o, np.float64), np.asarray(r, np.float64)
+        errs.append(float(np.linalg.norm(o64 - r64) / max(np.linalg.norm(r64), 1e-30)))
+    return errs
+
+
+@main.command()
+@click.argument("model")
+@click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
+              help="Library to write (.so).")
+@click.option("--target", type=click.Choice(["sm90", "sm80", "cpu"]), default="sm90",
+              show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None,
+              help="Convert a float32 model to mixed precision (fp32 accumulation).")
+@click.option("--input", "inputs", multiple=True, metavar="NAME:SHAPE[:DTYPE]",
+              help="Fix an input's shape, e.g. x:1x2048x4096.")
+@click.option("--tuning-db", type=click.Path(file_okay=False), default=None,
+              help="MetaSchedule database to apply (not available yet in this version).")
+@click.option("--check", is_flag=True,
+              help="Also build for cpu and compare with onnxruntime/torch on random inputs.")
+def compile(model: str, output: str, target: str, dtype: str | None, inputs: tuple[str, ...],
+            tuning_db: str | None, check: bool) -> None:  # noqa: A001
+    """Compile MODEL (.onnx, .pt2 or package.module:factory) into LIB.so."""
+    from .compiler import compile as tvmfuse_compile
+
+    if tuning_db is not None:
+        raise click.UsageError("--tuning-db: applying tuning records is not implemented yet")
+    t0 = time.perf_counter()
+    lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs))
+    path = lib.export(output)
+    sig = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.model.inputs)
+    outs = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.outputs)
+    click.echo(f"wrote {path} (target {target}, {time.perf_counter() - t0:.1f} s)")
+    click.echo(f"  inputs:  {sig}\n  outputs: {outs}")
+    if check:
+        cpu_lib = lib if target == "cpu" else tvmfuse_compile(
+            model, target="cpu", dtype=dtype, inputs=list(inputs))
+        errs = check_against_reference(cpu_lib)
+        tol = 1e-4 if dtype in (None, "float32") else 2e-2
+        verdict = "ok" if all(e <= tol for e in errs) else "MISMATCH"
+        errs_text = ", ".join(f"{e:.2e}" for e in errs)
+        click.echo(f"  check (cpu build vs {lib.model.frontend} reference): "
+                   f"rel err {errs_text} (tol {tol:g}): {verdict}")
+        if verdict != "ok":
+            sys.exit(3)
+
+
+@main.command()
+@click.argument("library", type=click.Path(dir_okay=False))
+@click.option("--inputs", "inputs_path", required=True, type=click.Path(dir_okay=False),
+              help=".npz with one array per model input name.")
+@click.option("--output", "output_path", type=click.Path(dir_okay=False), default=None,
+              help=".npz to write, one array per output name.")
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Default: cuda for GPU targets, cpu for the cpu target.")
+def run(library: str, inputs_path: str, output_path: str | None, device: str | None) -> None:
+    """Run LIBRARY on the arrays in IN.npz."""
+    import numpy as np
+
+    from .runtime import load, read_metadata
+
+    if not Path(inputs_path).is_file():
+        raise TvmfuseError(f"inputs file {inputs_path} does not exist")
+    try:
+        data = dict(np.load(inputs_path))
+    except Exception as err:
+        raise TvmfuseError(f"{inputs_path}: not a readable .npz ({err})") from err
+    if device is None:
+        import tvm  # noqa: F401  (read_metadata needs TVM's symbols)
+
+        if not Path(library).is_file():
+            raise TvmfuseError(f"library {library} does not exist")
+        device = "cpu" if read_metadata(library)["target"] == "cpu" else "cuda"
+    model = load(library, device=device)
+    names = [i["name"] for i in model.inputs]
+    missing = [n for n in names if n not in data]
+    if missing:
+        raise TvmfuseError(f"{inputs_path}: missing array(s) for input(s) {missing}; "
+                           f"it has {sorted(data)}")
+    outs = model(**{n: data[n] for n in names})
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    result = dict(zip(model.output_names, outs))
+    for name, arr in result.items():
+        click.echo(f"{name}: {arr.dtype}{list(arr.shape)}")
+    if output_path:
+        np.savez(output_path, **result)
+        click.echo(f"wrote {output_path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""``tvmfuse.compile``: model → Relax → fused, scheduled kernels → Library."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import InputSpecError
+from .frontend import ImportedModel, InputOverride, TensorSpec, import_model, parse_input_override
+from .targets import TargetSpec, get_target
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return None
+
+
+def _output_specs(mod, names: list[str]) -> list[TensorSpec]:
+    ret = mod["main"].ret_ty
+    fields = list(ret.fields) if hasattr(ret, "fields") else [ret]
+    specs = []
+    for name, sinfo in zip(names, fields):
+        shape = tuple(int(d) for d in sinfo.shape.values) if sinfo.shape is not None else ()
+        specs.append(TensorSpec(name, shape, str(sinfo.dtype)))
+    return specs
+
+
+@dataclass
+class Library:
+    """A compiled model: ``export(path)`` writes the ``.so``; ``load()`` runs it in-process."""
+
+    executable: Any  # tvm.relax.VMExecutable
+    target: TargetSpec
+    model: ImportedModel
+    dtype: str | None
+    outputs: list[TensorSpec]
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        from . import __version__
+
+        return {
+            "format": "tvmfuse-library/1",
+            "target": self.target.name,
+            "sass": [real for _, real in self.target.gencode],
+            "dtype": self.dtype,
+            "frontend": self.model.frontend,
+            "source": self.model.source,
+            "inputs": [s.to_json() for s in self.model.inputs],
+            "outputs": [s.to_json() for s in self.outputs],
+            "versions": {"tvmfuse": __version__, "tvm": _version("apache-tvm"),
+                         "tvm_ffi": _version("apache-tvm-ffi")},
+        }
+
+    def export(self, path: str | os.PathLike) -> Path:
+        """Write one self-contained ``.so`` (fatbin inside for CUDA targets)."""
+        from .build import export_library
+
+        return export_library(self.executable, path, self.target, self.metadata)
+
+    def load(self, device: str | None = None, workdir: str | None = None):
+        """Export to a temporary file and load it (``tvmfuse.load``)."""
+        import tempfile
+
+        from .runtime import load
+
+        workdir = workdir or tempfile.mkdtemp(prefix="tvmfuse-")
+        path = self.export(Path(workdir) / "model.so")
+        return load(path, device or ("cpu" if not self.target.is_cuda else "cuda"))
+
+
+def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
+    model: Any,
+    example_inputs: tuple | None = None,
+    *,
+    target: str = "sm90",
+    dtype: str | None = None,
+    inputs: dict[str, Any] | list[str] | None = None,
+) -> Library:
+    """Compile ``model`` (ONNX path/proto, .pt2 path, ``pkg.mod:factory`` or nn.Module).
+
+    ``dtype``: None/"float32" keeps the model's precision; "float16"/"bfloat16" converts a float32
+    model to mixed precision (fp32 accumulation). ``inputs`` fixes dynamic dims:
+    ``{"x": (2, 64)}`` or ``["x:2x64"]``.
+    """
+    from .pipeline import build, lower
+
+    spec = get_target(target)
+    if dtype not in (None, "float32", "float16", "bfloat16"):
+        raise InputSpecError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
+    overrides = _overrides(inputs)
+    imported = import_model(model, example_inputs, overrides)
+    lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None)
+    outputs = _output_specs(imported.mod, imported.output_names)
+    executable = build(lowered, spec)
+    return Library(executable, spec, imported, dtype, outputs)
+
+
+def _overrides(inputs: dict[str, Any] | list[str] | None) -> dict[str, InputOverride]:
+    if not inputs:
+        return {}
+    if isinstance(inputs, dict):
+        result = {}
+        for name, value in inputs.items():
+            if isinstance(value, InputOverride):
+                result[name] = value
+            elif isinstance(value, str):
+                result[name] = parse_input_override(f"{name}:{value}")[1]
+            else:
+                result[name] = InputOverride(tuple(int(v) for v in value))
+        return result
+    return dict(parse_input_override(t) for t in inputs)

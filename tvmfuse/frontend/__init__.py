@@ -1,0 +1,67 @@
+"""Frontends: ONNX and PyTorch (torch.export) models into Relax.
+
+Every frontend scans the whole graph first and reports *all* unsupported operators at once
+(:class:`~tvmfuse.errors.UnsupportedOpError`), then converts with TVM's importer.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import ModelError
+from .spec import ImportedModel, InputOverride, TensorSpec, parse_input_override
+
+__all__ = ["ImportedModel", "InputOverride", "TensorSpec", "import_model", "parse_input_override"]
+
+
+def import_model(
+    model: Any,
+    example_inputs: tuple | None = None,
+    overrides: dict[str, InputOverride] | None = None,
+) -> ImportedModel:
+    """Import ``model`` into Relax.
+
+    ``model`` is an ``.onnx`` path or ``onnx.ModelProto``, a ``.pt2`` path, a
+    ``package.module:factory`` string whose factory returns ``(nn.Module, example_inputs)``, or a
+    ``torch.nn.Module`` (with ``example_inputs``).
+    """
+    overrides = overrides or {}
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if path.endswith(".onnx"):
+            from .onnx_import import import_onnx
+
+            return import_onnx(path, overrides)
+        if path.endswith(".pt2"):
+            from .torch_import import import_pt2
+
+            return import_pt2(path, overrides)
+        if ":" in path and not os.path.exists(path):
+            from .torch_import import import_factory
+
+            return import_factory(path, overrides)
+        raise ModelError(
+            f"cannot tell the model format of {path!r}: expected a .onnx file, a .pt2 file "
+            "(torch.export.save) or package.module:factory"
+        )
+    type_name = type(model).__module__ + "." + type(model).__name__
+    if type_name.startswith("onnx") and hasattr(model, "graph"):
+        from .onnx_import import import_onnx
+
+        return import_onnx(model, overrides)
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is optional
+        torch = None
+    if torch is not None and isinstance(model, torch.nn.Module):
+        from .torch_import import import_module
+
+        if example_inputs is None:
+            raise ModelError("a torch.nn.Module needs example_inputs (a tuple of tensors)")
+        return import_module(model, tuple(example_inputs), overrides)
+    if torch is not None and isinstance(model, torch.export.ExportedProgram):
+        from .torch_import import import_exported
+
+        return import_exported(model, overrides, source="ExportedProgram")
+    raise ModelError(f"unsupported model object of type {type_name}")

@@ -1,0 +1,128 @@
+"""ONNX → Relax through ``tvm.relax.frontend.onnx.from_onnx``."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..errors import InputSpecError, ModelError, UnsupportedOpError
+from .spec import ImportedModel, InputOverride, TensorSpec, check_override_names
+
+# ONNX TensorProto elem_type -> dtype name
+_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64", 7: "int64",
+                6: "int32", 3: "int8", 2: "uint8", 9: "bool"}
+
+
+def _load(model: Any, source: str):
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    if not isinstance(model, (str, os.PathLike)):
+        return model
+    if not os.path.isfile(model):
+        raise ModelError(f"ONNX model {source!r} does not exist")
+    try:
+        proto = onnx.load(os.fspath(model))
+    except (DecodeError, ValueError, RuntimeError, OSError) as err:
+        raise ModelError(f"{source}: not a readable ONNX model ({type(err).__name__}: {err})") from err
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelError(f"{source}: ONNX file holds an empty graph (corrupt or not ONNX)")
+    return proto
+
+
+def scan_unsupported(graph) -> list[tuple[str, str]]:
+    """Every node (subgraphs included) whose op has no Relax converter, as (node, op_type)."""
+    from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
+
+    supported = set(_get_convert_map()) | {"Constant", "If"}
+    found: list[tuple[str, str]] = []
+
+    def visit(g, prefix: str) -> None:
+        for i, node in enumerate(g.node):
+            name = node.name or f"{prefix}#{i}"
+            if node.domain not in ("", "ai.onnx") or node.op_type not in supported:
+                op = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+                found.append((name, op))
+            for attr in node.attribute:
+                if attr.g is not None and attr.g.node:
+                    visit(attr.g, f"{name}/{attr.name}")
+
+    visit(graph, "node")
+    return found
+
+
+def _input_specs(proto, overrides: dict[str, InputOverride], source: str) -> list[TensorSpec]:
+    init_names = {t.name for t in proto.graph.initializer}
+    graph_inputs = [i for i in proto.graph.input if i.name not in init_names]
+    check_override_names(overrides, [i.name for i in graph_inputs], source)
+    specs = []
+    for inp in graph_inputs:
+        ttype = inp.type.tensor_type
+        dtype = _ONNX_DTYPES.get(ttype.elem_type)
+        if dtype is None:
+            raise ModelError(f"{source}: input {inp.name!r} has unsupported elem_type {ttype.elem_type}")
+        dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or "?")
+                for d in ttype.shape.dim]
+        if inp.name in overrides:
+            ov = overrides[inp.name]
+            if len(ov.shape) != len(dims):
+                raise InputSpecError(
+                    f"{source}: --input {inp.name} has rank {len(ov.shape)}, the model input has "
+                    f"rank {len(dims)} (shape {dims})"
+                )
+            for d, v in zip(dims, ov.shape):
+                if isinstance(d, int) and d != v:
+                    raise InputSpecError(
+                        f"{source}: --input {inp.name} shape {list(ov.shape)} contradicts the "
+                        f"model's static shape {dims}"
+                    )
+            specs.append(TensorSpec(inp.name, ov.shape, ov.dtype or dtype))
+            continue
+        dynamic = [d for d in dims if not isinstance(d, int)]
+        if dynamic:
+            raise InputSpecError(
+                f"{source}: input {inp.name!r} has dynamic dimension(s) {dynamic} (shape {dims}); "
+                f"fix them with --input {inp.name}:" + "x".join(
+                    str(d) if isinstance(d, int) else "N" for d in dims)
+            )
+        specs.append(TensorSpec(inp.name, tuple(dims), dtype))
+    return specs
+
+
+def _ort_reference(proto):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    names = None
+
+    def run(*arrays):
+        nonlocal names
+        sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+        names = [i.name for i in sess.get_inputs()]
+        return sess.run(None, dict(zip(names, arrays)))
+
+    return run
+
+
+def import_onnx(model: Any, overrides: dict[str, InputOverride]) -> ImportedModel:
+    """Import an ONNX file or ModelProto; fixed shapes come from the model or ``overrides``."""
+    from tvm.relax.frontend.onnx import from_onnx
+
+    source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else "<onnx.ModelProto>"
+    proto = _load(model, source)
+    unsupported = scan_unsupported(proto.graph)
+    if unsupported:
+        raise UnsupportedOpError(f"ONNX ({source})", unsupported)
+    specs = _input_specs(proto, overrides, source)
+    try:
+        mod = from_onnx(
+            proto,
+            shape_dict={s.name: list(s.shape) for s in specs},
+            dtype_dict={s.name: s.dtype for s in specs},
+            keep_params_in_input=False,
+        )
+    except Exception as err:  # the importer raises many kinds; name the model
+        raise ModelError(f"{source}: ONNX import failed: {type(err).__name__}: {err}") from err
+    outputs = [o.name for o in proto.graph.output]
+    return ImportedModel(mod, specs, outputs, "onnx", source, _ort_reference(proto))

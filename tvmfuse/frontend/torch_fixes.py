@@ -1,0 +1,47 @@
+"""Converters that replace TVM 0.27's for matrix products in ``from_exported_program``.
+
+0.27 converts ``mm``/``matmul``/``bmm``/``addmm`` with ``out_dtype="float32"`` whatever the inputs
+are: an fp16 model then returns fp32 where torch returns fp16, and ``addmm`` with an fp16 bias fails
+("Binary operators must have the same datatype"). Here products accumulate in fp32 and the result
+is cast back to the input dtype, as torch does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tvm import relax
+
+_ACCUMULATE = {"float16": "float32", "bfloat16": "float32", "float32": "float32"}
+
+
+def _product(with_bias: bool) -> Callable:
+    def convert(node, importer) -> relax.Var:
+        bb, env = importer.block_builder, importer.env
+        if with_bias:
+            bias, a, b = (env[arg] for arg in node.args[:3])
+            alpha, beta = node.kwargs.get("alpha", 1), node.kwargs.get("beta", 1)
+        else:
+            (a, b), bias, alpha, beta = (env[arg] for arg in node.args[:2]), None, 1, 0
+        dtype = str(a.ty.dtype)
+        acc = _ACCUMULATE.get(dtype, dtype)
+        res = bb.emit(relax.op.matmul(a, b, out_dtype=acc))
+        if alpha != 1:
+            res = bb.emit(relax.op.multiply(res, relax.const(alpha, acc)))
+        if bias is not None and beta != 0:
+            bias = bias if str(bias.ty.dtype) == acc else bb.emit(relax.op.astype(bias, acc))
+            if beta != 1:
+                bias = bb.emit(relax.op.multiply(bias, relax.const(beta, acc)))
+            res = bb.emit(relax.op.add(res, bias))
+        if acc != dtype:
+            res = bb.emit(relax.op.astype(res, dtype))
+        return res
+
+    return convert
+
+
+def custom_convert_map() -> dict[str, Callable]:
+    """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
+    plain = _product(with_bias=False)
+    return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
+            "addmm.default": _product(with_bias=True)}

@@ -1,0 +1,99 @@
+"""The tvmfuse compilation pipeline: imported Relax → scheduled, lowered IRModule.
+
+One linear function; every stage is named and, with ``TVMFUSE_DUMP_IR=DIR``, the IR after each
+stage is written to ``DIR/NN_name.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from .errors import CompileError, TvmfuseError
+from .passes import MixedPrecision
+from .passes.legalize_fixes import legalize_overrides
+from .schedules import gpu_rules
+from .targets import TargetSpec
+
+
+class _Stages:
+    """Runs named stages in order, dumping IR after each when ``TVMFUSE_DUMP_IR`` is set."""
+
+    def __init__(self) -> None:
+        dump = os.environ.get("TVMFUSE_DUMP_IR")
+        self.dump_dir = Path(dump) if dump else None
+        self.count = 0
+        if self.dump_dir:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, name: str, pass_: tvm.transform.Pass, mod: tvm.IRModule) -> tvm.IRModule:
+        try:
+            mod = pass_(mod)
+        except TvmfuseError:
+            raise
+        except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
+            raise CompileError(f"stage {name!r} failed: {err}") from err
+        self.count += 1
+        if self.dump_dir:
+            (self.dump_dir / f"{self.count:02d}_{name}.py").write_text(mod.script(show_meta=False))
+        return mod
+
+
+def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> tvm.IRModule:
+    """Run every tvmfuse stage on ``mod`` for ``spec``; the result goes to ``relax.build``."""
+    target = spec.tvm_target()
+    run = _Stages()
+    with target:
+        # Normalise exporter output first so every pattern below sees one canonical form.
+        mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
+        mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
+        # Precision changes op dtypes, so it runs before anything matches on dtype-specific ops.
+        if dtype in ("float16", "bfloat16"):
+            mod = run("mixed_precision", MixedPrecision(dtype), mod)
+        # Library dispatch (sort/scan/sampling) must replace ops before they are legalised.
+        mod = run("dispatch", tvm.transform.Sequential(
+            [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan()]), mod)
+        # Ops become TIR; FuseOps groups them by TIR op pattern, FuseTIR merges each group.
+        mod = run("legalize", relax.transform.LegalizeOps(legalize_overrides()), mod)
+        mod = run("annotate_patterns", relax.transform.AnnotateTIROpPattern(), mod)
+        mod = run("fold_constants", relax.transform.FoldConstant(), mod)
+        mod = run("fuse_ops", relax.transform.FuseOps(), mod)
+        mod = run("fuse_tir", relax.transform.FuseTIR(), mod)
+        # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
+        if spec.is_cuda:
+            from tvm.s_tir import dlight as dl
+
+            mod = run("schedule", dl.ApplyDefaultSchedule(*gpu_rules()), mod)
+        # From here on it is TVM's VM lowering: dataflow removal, memory planning, shapes.
+        mod = run("dataflow_lower", tvm.transform.Sequential([
+            relax.transform.RewriteDataflowReshape(),
+            relax.transform.ToNonDataflow(),
+            relax.transform.RemovePurityChecking(),
+            relax.transform.CallTIRRewrite(),
+        ]), mod)
+        finalize = [relax.transform.StaticPlanBlockMemory()]
+        if spec.is_cuda:
+            finalize.append(relax.transform.RewriteCUDAGraph())
+        finalize += [
+            relax.transform.LowerAllocTensor(),
+            relax.transform.KillAfterLastUse(),
+            relax.transform.LowerRuntimeBuiltin(),
+            relax.transform.ComputePrimValue(),
+            relax.transform.VMShapeLower(),
+            relax.transform.AttachGlobalSymbol(),
+        ]
+        mod = run("finalize", tvm.transform.Sequential(finalize), mod)
+    return mod
+
+
+def build(mod: tvm.IRModule, spec: TargetSpec):
+    """Codegen: ``relax.build`` of a lowered module (CUDA kept as source; export compiles it)."""
+    # Same behaviour with or without a GPU driver: CUDA stays source here; export runs nvcc.
+    os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
+    try:
+        return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None)
+    except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
+        raise CompileError(f"codegen for target {spec.name} failed: {err}") from err

@@ -1,0 +1,181 @@
+"""Load an exported tvmfuse library and call it. Needs only the TVM runtime.
+
+Imports nothing from the frontend, passes, schedules or build code, so a library loads where only
+``libtvm_runtime`` is installed (``TVM_USE_RUNTIME_LIB=1``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import DeviceError, InputError, LibraryError
+from ..targets import get_target
+
+METADATA_SYMBOL = "tvmfuse_metadata"
+
+
+def _ensure_cuda_runtime() -> None:
+    """Runtime-only TVM does not load its CUDA device API by itself: load it (RTLD_GLOBAL)."""
+    import tvm
+
+    if tvm.get_global_func("device_api.cuda", allow_missing=True) is not None:
+        return
+    lib_dir = Path(tvm.__file__).parent / "lib"
+    candidates = [lib_dir / "libtvm_runtime_cuda.so"]
+    for cand in candidates:
+        if cand.exists():
+            try:
+                ctypes.CDLL(str(cand), mode=ctypes.RTLD_GLOBAL)
+            except OSError as err:
+                raise DeviceError(f"cannot load TVM's CUDA runtime {cand}: {err}") from err
+            return
+    raise DeviceError(f"TVM's CUDA runtime (libtvm_runtime_cuda.so) not found in {lib_dir}")
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON metadata a tvmfuse export embedded (signature, target, versions)."""
+    try:
+        lib = ctypes.CDLL(os.fspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
+        raw = ctypes.c_char_p(ctypes.addressof(ctypes.c_char.in_dll(lib, METADATA_SYMBOL))).value
+    except (OSError, ValueError) as err:
+        raise LibraryError(f"{path}: no tvmfuse metadata ({err}); not a tvmfuse library?") from err
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LibraryError(f"{path}: tvmfuse metadata is corrupt ({err})") from err
+
+
+def _check_file(path: Path) -> None:
+    if not path.is_file():
+        raise LibraryError(f"library {path} does not exist")
+    with open(path, "rb") as f:
+        if f.read(4) != b"\x7fELF":
+            raise LibraryError(f"{path} is not a shared library (bad ELF header): corrupt or wrong file")
+
+
+def _device(kind: str, meta: dict[str, Any], path: Path):
+    import tvm
+
+    target = meta["target"]
+    if kind == "cpu":
+        if target != "cpu":
+            raise DeviceError(f"{path} was built for target {target}; it cannot run on device 'cpu'")
+        return tvm.cpu(0)
+    if not kind.startswith("cuda"):
+        raise DeviceError(f"unknown device {kind!r}; use 'cuda', 'cuda:N' or 'cpu'")
+    if target == "cpu":
+        raise DeviceError(f"{path} was built for target cpu; load it with device='cpu'")
+    _ensure_cuda_runtime()
+    index = int(kind.split(":")[1]) if ":" in kind else 0
+    dev = tvm.cuda(index)
+    if not dev.exist:
+        raise DeviceError(f"no CUDA device {index} is visible (library {path} targets {target})")
+    cc = dev.compute_version
+    if not get_target(target).can_run_on(cc):
+        raise DeviceError(
+            f"{path} holds SASS for {meta.get('sass', target)} (target {target}); this GPU "
+            f"({dev.device_name}) is sm_{cc.replace('.', '')}. Rebuild with the matching --target."
+        )
+    return dev
+
+
+class CompiledModel:
+    """A loaded tvmfuse library: ``model(*inputs)`` runs one forward pass.
+
+    Inputs are torch tensors (passed zero-copy through DLPack) or numpy arrays; outputs come
+    back as the same kind: one tensor, or a tuple for several outputs.
+    """
+
+    def __init__(self, path: str | os.PathLike, device: str = "cuda") -> None:
+        import tvm
+        from tvm.runtime.vm import VirtualMachine
+
+        self.path = Path(path)
+        _check_file(self.path)
+        # Metadata and device first: a wrong-arch or missing GPU is named before TVM loads CUDA code.
+        self.metadata = read_metadata(self.path)
+        self.device = _device(device, self.metadata, self.path)
+        try:
+            self.lib = tvm.runtime.load_module(str(self.path))
+        except Exception as err:  # TVM raises several error kinds for broken files
+            raise LibraryError(f"cannot load {self.path}: {type(err).__name__}: {err}") from err
+        try:
+            self.vm = VirtualMachine(self.lib, self.device)
+        except Exception as err:
+            raise LibraryError(f"cannot start {self.path} on {device}: {err}") from err
+        self._main = self.vm["main"]
+        self.inputs = self.metadata["inputs"]
+        self.output_names = [o["name"] for o in self.metadata["outputs"]]
+
+    def __repr__(self) -> str:
+        sig = ", ".join(f"{i['name']}: {i['dtype']}{i['shape']}" for i in self.inputs)
+        return f"CompiledModel({self.path.name}, target={self.metadata['target']}, ({sig}))"
+
+    def _convert(self, value: Any, spec: dict[str, Any], position: int):
+        import numpy as np
+        import tvm
+
+        name, shape, dtype = spec["name"], tuple(spec["shape"]), spec["dtype"]
+        where = f"input {position} {name!r}"
+        if hasattr(value, "__dlpack__") and type(value).__module__.startswith("torch"):
+            got_dtype = str(value.dtype).replace("torch.", "")
+            if got_dtype != dtype:
+                raise InputError(f"{where}: expected dtype {dtype}, got {got_dtype}")
+            if tuple(value.shape) != shape:
+                raise InputError(f"{where}: expected shape {list(shape)}, got {list(value.shape)}")
+            want = "cpu" if self.device.dlpack_device_type() == 1 else "cuda"
+            if value.device.type != want or (
+                want == "cuda" and value.device.index != self.device.index
+            ):
+                raise InputError(
+                    f"{where}: tensor is on {value.device}, the library runs on "
+                    f"{want}:{self.device.index}"
+                )
+            return tvm.runtime.from_dlpack(value.contiguous()), "torch"
+        if isinstance(value, np.ndarray):
+            if str(value.dtype) != dtype:
+                raise InputError(f"{where}: expected dtype {dtype}, got {value.dtype}")
+            if value.shape != shape:
+                raise InputError(f"{where}: expected shape {list(shape)}, got {list(value.shape)}")
+            return tvm.runtime.tensor(np.ascontiguousarray(value), self.device), "numpy"
+        raise InputError(f"{where}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        names = [i["name"] for i in self.inputs]
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise InputError(f"unknown input name(s) {unknown}; the library's inputs are {names}")
+        values = list(args) + [None] * (len(names) - len(args))
+        if len(args) > len(names):
+            raise InputError(f"{len(args)} inputs given, the library takes {len(names)}: {names}")
+        for k, v in kwargs.items():
+            i = names.index(k)
+            if values[i] is not None:
+                raise InputError(f"input {k!r} given twice")
+            values[i] = v
+        missing = [n for n, v in zip(names, values) if v is None]
+        if missing:
+            raise InputError(f"missing input(s) {missing}; the library takes {names}")
+        converted = [self._convert(v, s, i) for i, (v, s) in enumerate(zip(values, self.inputs))]
+        kinds = {k for _, k in converted}
+        out = self._main(*[t for t, _ in converted])
+        outs = list(out) if not hasattr(out, "shape") else [out]
+        if "torch" in kinds:
+            import torch
+
+            result = [torch.from_dlpack(o) for o in outs]
+        else:
+            result = [o.numpy() for o in outs]
+        return result[0] if len(result) == 1 else tuple(result)
+
+
+def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel:
+    """Load a library written by ``tvmfuse compile`` / ``Library.export``; returns a callable."""
+    return CompiledModel(path, device)
+
+
+__all__ = ["CompiledModel", "load", "read_metadata"]
