@@ -235,7 +235,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{row.get('workload', '?'):<16} {row.get('dtype', ''):<8} "
             f"{_fmt_ms(row.get('tvmfuse_ms')):>10} "
-            f"{'-' if rate is None else f'{rate:.2f} {unit}':>12}  {', '.join(parts):<58} "
+            f"{'-' if rate is None else f'{rate:.3g} {unit}':>12}  {', '.join(parts):<58} "
             f"{'-' if err is None else f'{err:.1e}':>8}  {row.get('notes', '')}"
         )
     return "\n".join(lines)

@@ -10,7 +10,6 @@ import importlib
 import os
 import sys
 
-
 from ..errors import InputSpecError, ModelError, UnsupportedOpError
 from .spec import ImportedModel, InputOverride, TensorSpec, check_override_names
 
@@ -178,7 +177,8 @@ def import_pt2(path: str, overrides: dict[str, InputOverride]) -> ImportedModel:
     try:
         ep = torch.export.load(path)
     except Exception as err:
-        raise ModelError(f"{path}: not a readable torch.export .pt2 file ({type(err).__name__}: {err})") from err
+        why = f"{type(err).__name__}: {err}"
+        raise ModelError(f"{path}: not a readable torch.export .pt2 file ({why})") from err
     return import_exported(ep, overrides, path)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ def _ensure_cuda_runtime() -> None:
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON metadata a tvmfuse export embedded (signature, target, versions)."""
+    _check_file(Path(path))
     try:
         lib = ctypes.CDLL(os.fspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
         raw = ctypes.c_char_p(ctypes.addressof(ctypes.c_char.in_dll(lib, METADATA_SYMBOL))).value
@@ -50,11 +52,34 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def _check_file(path: Path) -> None:
+    """Validate the ELF64 layout before dlopen: a truncated file would SIGBUS on first touch."""
     if not path.is_file():
         raise LibraryError(f"library {path} does not exist")
-    with open(path, "rb") as f:
-        if f.read(4) != b"\x7fELF":
-            raise LibraryError(f"{path} is not a shared library (bad ELF header): corrupt or wrong file")
+    data = path.read_bytes()
+    size = len(data)
+
+    def bad(why: str) -> LibraryError:
+        return LibraryError(f"{path} is not a valid shared library ({why}): corrupt or wrong file")
+
+    if size < 64 or data[:4] != b"\x7fELF":
+        raise bad("bad ELF header")
+    if data[4] != 2 or data[5] != 1:
+        raise bad("not a 64-bit little-endian ELF")
+    e_phoff, e_shoff = struct.unpack_from("<QQ", data, 0x20)
+    e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from("<HHHH", data, 0x36)
+    if e_phentsize < 56 or e_phnum == 0 or e_phoff + e_phnum * e_phentsize > size:
+        raise bad("program headers missing or truncated")
+    if e_shoff + e_shnum * e_shentsize > size:
+        raise bad(f"section headers end past the file's {size} bytes (truncated)")
+    kinds = set()
+    for i in range(e_phnum):
+        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(
+            "<IIQQQQ", data, e_phoff + i * e_phentsize)
+        kinds.add(p_type)
+        if p_type == 1 and p_offset + p_filesz > size:
+            raise bad(f"segment {i} ends past the file's {size} bytes (truncated)")
+    if not {1, 2} <= kinds:  # PT_LOAD and PT_DYNAMIC
+        raise bad("no loadable dynamic segments")
 
 
 def _device(kind: str, meta: dict[str, Any], path: Path):
