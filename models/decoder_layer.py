@@ -111,13 +111,9 @@ class Attention(nn.Module):
         v = repeat_kv(v, n_rep)
 
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
-        # Additive causal mask: -inf above the diagonal, 0 on and below it. Built with masked_fill
-        # rather than torch.full(-inf).triu(): TVM 0.27 cannot legalize relax.op.full with an
-        # infinite fill value (topi.full gets a PrimType dtype: "argument of type 'PrimType' is
-        # not iterable"). Both forms export to the same math.
-        future = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=x.device), diagonal=1)
-        mask = torch.zeros(seq, seq, dtype=scores.dtype, device=x.device)
-        scores = scores + mask.masked_fill(future, float("-inf"))
+        # Additive causal mask: -inf above the diagonal, 0 on and below it.
+        mask = torch.full((seq, seq), float("-inf"), dtype=scores.dtype, device=x.device)
+        scores = scores + torch.triu(mask, diagonal=1)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, v)  # (batch, n_heads, seq, head_dim)
         out = out.transpose(1, 2).contiguous().reshape(batch, seq, -1)

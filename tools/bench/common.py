@@ -54,6 +54,11 @@ ERROR_CHARS = 400  # error messages are cut to this length in rows
 # measurement
 
 
+def default_device() -> str:
+    """``cuda`` where torch sees a GPU, else ``cpu``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def sync(device: str) -> None:
     """Wait for queued GPU work (no-op on CPU)."""
     if device.startswith("cuda"):
@@ -61,15 +66,16 @@ def sync(device: str) -> None:
 
 
 def time_stats(
-    fn: Callable[[], Any], warmup: int = 10, iters: int = 50, device: str = "cuda"
+    fn: Callable[[], Any], warmup: int = 10, iters: int = 50, device: str | None = None
 ) -> tuple[float, float]:
     """``(median ms per call, wall ms per call)`` of ``fn()`` after ``warmup`` untimed calls.
 
     CUDA: one ``torch.cuda.Event`` pair per iteration on the current stream (the median of the
     per-iteration device times). CPU: ``time.perf_counter`` around each call. The wall figure is
     the whole timed loop (with a final synchronize) divided by ``iters``; it cross-checks that
-    the events saw the work.
+    the events saw the work. ``device`` defaults to :func:`default_device`.
     """
+    device = device or default_device()
     for _ in range(warmup):
         fn()
     sync(device)
@@ -94,7 +100,7 @@ def time_stats(
 
 
 def time_ms(
-    fn: Callable[[], Any], warmup: int = 10, iters: int = 50, device: str = "cuda"
+    fn: Callable[[], Any], warmup: int = 10, iters: int = 50, device: str | None = None
 ) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` runs after ``warmup`` runs."""
     return time_stats(fn, warmup, iters, device)[0]
@@ -231,6 +237,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             name = key.removesuffix("_ms").removeprefix("torch_")
             ratio = speedup.get(key.removesuffix("_ms"))
             parts.append(f"{name} {_fmt_ms(ms)}" + (f" ({ratio:.2f}x)" if ratio else ""))
+        if row.get("floor_ms") is not None:
+            parts.append(f"HBM floor {_fmt_ms(row['floor_ms'])}")
         err = row.get("rel_err")
         lines.append(
             f"{row.get('workload', '?'):<16} {row.get('dtype', ''):<8} "
@@ -280,13 +288,14 @@ def baselines(
     use_compile: bool = True,
     warmup: int = 10,
     iters: int = 50,
-    device: str = "cuda",
+    device: str | None = None,
 ) -> dict[str, Any]:
     """Median ms of ``fn_eager(*inputs)`` (``torch_eager_ms``), of ``torch.compile(fn_eager)``
     (``torch_compile_ms``, default mode, warmed up) and of each ``extra`` callable (its key, e.g.
     ``cublas_ms``). A failing baseline is ``None`` and its error goes under ``"errors"``;
     ``"torch_compile_s"`` is the first compiled call's wall time.
     """
+    device = device or default_device()
     result: dict[str, Any] = {"torch_eager_ms": None, "torch_compile_ms": None}
     errors: dict[str, str] = {}
 

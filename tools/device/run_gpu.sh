@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU-machine job, run in ONE device call from the checkout root:
+#
+#   bash .tvmdev/setup.sh && export PYTHONPATH=/tmp/tvmdev/site:$PWD && bash tools/device/run_gpu.sh
+#
+# 1. machine summary (nvidia-smi, python / torch / tvm versions)     -> $OUT/env.log
+# 2. python3 -m pytest -q -m gpu tests/                              -> $OUT/pytest.log, junit.xml
+# 3. python3 tools/bench/run_all.py --out $OUT/bench.json            -> $OUT/bench.log, bench.json
+#
+# Env: SKIP_TESTS=1, SKIP_BENCH=1, BENCH_ONLY=gemm,layernorm (run_all --only),
+#      BENCH_ARGS="--target sm80 --iters 100" (more run_all options),
+#      TIME_LIMIT_S=480: no benchmark starts later than this many seconds into the script (the
+#      device call is killed at 600 s; bench.json is rewritten after each workload).
+# Exit status: pytest's when tests fail (the benchmarks still run), otherwise run_all's.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+
+{
+  echo "== $(date -u +%FT%TZ) on $(hostname)"
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm,power.limit \
+    --format=csv || echo "nvidia-smi failed"
+  python3 - <<'PY'
+import platform
+
+import torch
+
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+print(f"python {platform.python_version()}  torch {torch.__version__}  cuda {torch.version.cuda}"
+      f"  gpu {gpu}")
+try:
+    import tvm
+
+    print(f"tvm {tvm.__version__} from {tvm.__file__}")
+except Exception as err:  # report, the steps below show the consequences
+    print(f"tvm import failed: {err}")
+PY
+} 2>&1 | tee "$OUT/env.log"
+
+tests_rc=0
+if [[ ${SKIP_TESTS:-0} != 1 ]]; then
+  echo "== pytest -m gpu ($SECONDS s)"
+  python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --junitxml="$OUT/junit.xml" 2>&1 \
+    | tee "$OUT/pytest.log"
+  tests_rc=$?
+  if [[ $tests_rc == 5 ]]; then  # pytest: no tests collected
+    echo "(no gpu tests collected)"
+    tests_rc=0
+  fi
+fi
+
+bench_rc=0
+if [[ ${SKIP_BENCH:-0} != 1 ]]; then
+  echo "== benchmarks ($SECONDS s)"
+  args=(--out "$OUT/bench.json" --budget-s "$(( ${TIME_LIMIT_S:-480} - SECONDS ))")
+  if [[ -n ${BENCH_ONLY:-} ]]; then
+    args+=(--only "$BENCH_ONLY")
+  fi
+  read -ra extra <<< "${BENCH_ARGS:-}"
+  python3 tools/bench/run_all.py "${args[@]}" "${extra[@]}" 2>&1 | tee "$OUT/bench.log"
+  bench_rc=$?
+fi
+
+echo "== done in $SECONDS s: tests rc=$tests_rc, bench rc=$bench_rc; files in $OUT:"
+ls -l "$OUT"
+if [[ $tests_rc != 0 ]]; then
+  exit "$tests_rc"
+fi
+exit "$bench_rc"
