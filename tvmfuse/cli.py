@@ -143,5 +143,38 @@ def run(library: str, inputs_path: str, output_path: str | None, device: str | N
         click.echo(f"wrote {output_path}")
 
 
+@main.command()
+@click.argument("model")
+@click.option("--target", type=click.Choice(["sm90", "sm80", "cpu"]), default="sm90", show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@click.option("--input", "inputs", multiple=True, metavar="NAME:SHAPE[:DTYPE]")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in DESIGN.md).")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a roofline PNG.")
+@click.option("--times", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="JSON {kernel name: measured ms} from a benchmark run, placed on the plot.")
+def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...], as_json: bool,
+           plot: str | None, times: str | None) -> None:
+    """Kernels after fusion, with FLOPs and HBM bytes against the unfused graph."""
+    import json
+
+    from .compiler import _overrides
+    from .frontend import import_model
+    from .report import analyze, format_table, plot_roofline
+    from .targets import get_target
+
+    imported = import_model(model, None, _overrides(list(inputs)))
+    result = analyze(imported.mod, get_target(target), dtype if dtype != "float32" else None)
+    times_ms = json.loads(Path(times).read_text()) if times else None
+    if times_ms:
+        for k in result["kernels"]:
+            if k["name"] in times_ms:
+                k["measured_ms"] = times_ms[k["name"]]
+    if plot:
+        plot_roofline(result, plot, times_ms)
+    click.echo(json.dumps(result, indent=1) if as_json else format_table(result))
+    if plot and not as_json:
+        click.echo(f"roofline written to {plot}")
+
+
 if __name__ == "__main__":
     main()

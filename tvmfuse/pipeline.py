@@ -7,13 +7,15 @@ stage is written to ``DIR/NN_name.py``.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import tvm
 from tvm import relax
+from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
 from .errors import CompileError, TvmfuseError
-from .passes import MixedPrecision
+from .passes import FuseDecomposedNorms, MixedPrecision, SinkReshape
 from .passes.legalize_fixes import legalize_overrides
 from .schedules import gpu_rules
 from .targets import TargetSpec
@@ -22,7 +24,8 @@ from .targets import TargetSpec
 class _Stages:
     """Runs named stages in order, dumping IR after each when ``TVMFUSE_DUMP_IR`` is set."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_stage: Callable[[str, tvm.IRModule], None] | None = None) -> None:
+        self.on_stage = on_stage
         dump = os.environ.get("TVMFUSE_DUMP_IR")
         self.dump_dir = Path(dump) if dump else None
         self.count = 0
@@ -37,19 +40,31 @@ class _Stages:
         except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
             raise CompileError(f"stage {name!r} failed: {err}") from err
         self.count += 1
+        if self.on_stage:
+            self.on_stage(name, mod)
         if self.dump_dir:
             (self.dump_dir / f"{self.count:02d}_{name}.py").write_text(mod.script(show_meta=False))
         return mod
 
 
-def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> tvm.IRModule:
-    """Run every tvmfuse stage on ``mod`` for ``spec``; the result goes to ``relax.build``."""
+def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
+          on_stage: Callable[[str, tvm.IRModule], None] | None = None) -> tvm.IRModule:
+    """Run every tvmfuse stage on ``mod`` for ``spec``; the result goes to ``relax.build``.
+
+    ``on_stage(name, mod)`` sees the module after each named stage (the report uses it).
+    """
     target = spec.tvm_target()
-    run = _Stages()
+    run = _Stages(on_stage)
     with target:
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
+        # Spelled-out norms/softmax become single ops before anything else can split them.
+        mod = run("fuse_decomposed_norms", FuseDecomposedNorms(), mod)
+        # Reshapes between a GEMM and its epilogue move below it, so FuseOps fuses the epilogue.
+        mod = run("sink_reshape", SinkReshape(), mod)
+        # reshape(reshape(x)) and no-op reshapes that sinking leaves behind collapse to one view.
+        mod = run("remove_redundant_reshape", RemoveRedundantReshape(), mod)
         # Precision changes op dtypes, so it runs before anything matches on dtype-specific ops.
         if dtype in ("float16", "bfloat16"):
             mod = run("mixed_precision", MixedPrecision(dtype), mod)
@@ -62,6 +77,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> tvm.
         mod = run("fold_constants", relax.transform.FoldConstant(), mod)
         mod = run("fuse_ops", relax.transform.FuseOps(), mod)
         mod = run("fuse_tir", relax.transform.FuseTIR(), mod)
+        # Pure-reshape kernels become views; must run before scheduling hides the reshape pattern.
+        mod = run("reshape_to_view", relax.transform.RewriteDataflowReshape(), mod)
         # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
         if spec.is_cuda:
             from tvm.s_tir import dlight as dl
@@ -69,7 +86,6 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> tvm.
             mod = run("schedule", dl.ApplyDefaultSchedule(*gpu_rules()), mod)
         # From here on it is TVM's VM lowering: dataflow removal, memory planning, shapes.
         mod = run("dataflow_lower", tvm.transform.Sequential([
-            relax.transform.RewriteDataflowReshape(),
             relax.transform.ToNonDataflow(),
             relax.transform.RemovePurityChecking(),
             relax.transform.CallTIRRewrite(),

@@ -1,5 +1,7 @@
 """Relax → Relax passes, one pattern per file. Each is a named module pass."""
 
 from .mixed_precision import MixedPrecision
+from .norm_patterns import FuseDecomposedNorms
+from .sink_reshape import SinkReshape
 
-__all__ = ["MixedPrecision"]
+__all__ = ["FuseDecomposedNorms", "MixedPrecision", "SinkReshape"]

@@ -23,11 +23,11 @@ class _Fp16ToBf16(PyExprMutator):
             return relax.op.astype(call.args[0], "bfloat16")
         return call
 
-    def visit_constant_(self, const: relax.Constant) -> relax.Expr:
-        if const.data.dtype == "float16":
+    def visit_constant_(self, const: tvm.ir.expr.Constant) -> relax.Expr:
+        if isinstance(const.value, tvm.runtime.Tensor) and const.value.dtype == "float16":
             import ml_dtypes
 
-            arr = const.data.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)
+            arr = const.value.numpy().astype(np.float32).astype(ml_dtypes.bfloat16)
             return relax.const(tvm.runtime.tensor(arr), "bfloat16")
         return const
 

@@ -1,11 +1,18 @@
 """Schedule rules for fused kernels, tried in order per PrimFunc (dlight style).
 
 A rule returns ``None`` when a function is not its kind; the first rule that returns a schedule
-wins. Later issues add tensor-core GEMM, flash attention and memory-bound rules in front of
-TVM's generic ones.
+wins. Order: dlight's Matmul and GEMV first (they only take GEMM / GEMV shapes), then tvmfuse's
+memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`Elementwise`
+for purely spatial functions; both mark the PrimFunc with ``"tvmfuse.rule"``), then dlight's
+generic Reduction, GeneralReduction and Fallback for everything else.
 """
 
 from __future__ import annotations
+
+from .elementwise import Elementwise
+from .row_norm import RowNorm
+
+RULE_ATTR = "tvmfuse.rule"  # PrimFunc attribute naming the tvmfuse rule that scheduled it
 
 
 def gpu_rules() -> list:
@@ -15,7 +22,12 @@ def gpu_rules() -> list:
     return [
         dl.gpu.Matmul(),
         dl.gpu.GEMV(),
+        RowNorm(),
+        Elementwise(),
         dl.gpu.Reduction(),
         dl.gpu.GeneralReduction(),
         dl.gpu.Fallback(),
     ]
+
+
+__all__ = ["RULE_ATTR", "Elementwise", "RowNorm", "gpu_rules"]

@@ -1,0 +1,172 @@
+"""FuseDecomposedNorms: spelled-out RMSNorm / LayerNorm / softmax become one op each."""
+
+from __future__ import annotations
+
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from tests.relax_util import assert_same_numerics
+from tvmfuse.passes import FuseDecomposedNorms
+
+
+@I.ir_module
+class RMSTorch:
+    """HF Llama RMSNorm as torch.export writes it: pow, mean, add, rsqrt, mul, mul."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), w: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            sq = R.power(x, R.const(2.0, "float32"))
+            ms = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(ms, R.const(0.0009765625, "float32"))
+            inv = R.rsqrt(ve)
+            n = R.multiply(x, inv)
+            y = R.multiply(w, n)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSOnnx:
+    """The ONNX spelling: Pow → ReduceMean → Add → Sqrt → Reciprocal → Mul → Mul."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), w: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            sq = R.power(x, R.const(2.0, "float32"))
+            ms = R.mean(sq, axis=[1], keepdims=True)
+            ve = R.add(ms, R.const(0.0009765625, "float32"))
+            sd = R.sqrt(ve)
+            inv = R.divide(R.const(1.0, "float32"), sd)
+            n = R.multiply(x, inv)
+            y = R.multiply(n, w)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), w: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            y = R.nn.rms_norm(x, w, axes=[-1], epsilon=0.0009765625)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class LayerNormDecomposed:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), g: R.Tensor((64,), "float32"),
+             b: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            mu = R.mean(x, axis=[-1], keepdims=True)
+            d = R.subtract(x, mu)
+            sq = R.power(d, R.const(2.0, "float32"))
+            var = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(var, R.const(0.0009765625, "float32"))
+            sd = R.sqrt(ve)
+            n = R.divide(d, sd)
+            s = R.multiply(n, g)
+            y = R.add(s, b)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class LayerNormExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), g: R.Tensor((64,), "float32"),
+             b: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            y = R.nn.layer_norm(x, g, b, axes=[-1], epsilon=0.0009765625)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class SoftmaxDecomposed:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            m = R.max(x, axis=[-1], keepdims=True)
+            d = R.subtract(x, m)
+            e = R.exp(d)
+            s = R.sum(e, axis=[-1], keepdims=True)
+            y = R.divide(e, s)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class SoftmaxExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            y = R.nn.softmax(x, axis=-1)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSWrongAxis:
+    """Mean over axis 0 is not an RMSNorm over rows: must stay as it is."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), w: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            sq = R.power(x, R.const(2.0, "float32"))
+            ms = R.mean(sq, axis=[0], keepdims=True)
+            ve = R.add(ms, R.const(0.0009765625, "float32"))
+            inv = R.rsqrt(ve)
+            n = R.multiply(x, inv)
+            y = R.multiply(n, w)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSCube:
+    """Exponent 3 is not a mean square: must stay as it is."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), w: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            sq = R.power(x, R.const(3.0, "float32"))
+            ms = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(ms, R.const(0.0009765625, "float32"))
+            inv = R.rsqrt(ve)
+            n = R.multiply(x, inv)
+            y = R.multiply(n, w)
+            R.output(y)
+        return y
+
+
+def test_rms_norm_torch_form():
+    after = FuseDecomposedNorms()(RMSTorch)
+    tvm.ir.assert_structural_equal(after, RMSExpected)
+    assert_same_numerics(RMSTorch, after)
+
+
+def test_rms_norm_onnx_form():
+    after = FuseDecomposedNorms()(RMSOnnx)
+    tvm.ir.assert_structural_equal(after, RMSExpected)
+    assert_same_numerics(RMSOnnx, after)
+
+
+def test_layer_norm_decomposed():
+    after = FuseDecomposedNorms()(LayerNormDecomposed)
+    tvm.ir.assert_structural_equal(after, LayerNormExpected)
+    assert_same_numerics(LayerNormDecomposed, after)
+
+
+def test_softmax_decomposed():
+    after = FuseDecomposedNorms()(SoftmaxDecomposed)
+    tvm.ir.assert_structural_equal(after, SoftmaxExpected)
+    assert_same_numerics(SoftmaxDecomposed, after)
+
+
+def test_not_a_norm_is_left_alone():
+    for mod in (RMSWrongAxis, RMSCube):
+        tvm.ir.assert_structural_equal(FuseDecomposedNorms()(mod), mod)

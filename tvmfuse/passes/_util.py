@@ -1,0 +1,49 @@
+"""Small helpers shared by the pattern passes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tvm
+from tvm import relax
+
+
+def scalar_value(expr: relax.Expr) -> float | None:
+    """The value of a one-element constant, else None."""
+    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
+        arr = expr.value.numpy()
+        if arr.size == 1:
+            return float(arr.reshape(-1)[0])
+    return None
+
+
+def static_shape(expr: relax.Expr) -> list[int] | None:
+    """Static shape of a tensor expression, else None."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    try:
+        return [int(d) for d in ty.shape.values]
+    except TypeError:  # symbolic dimension
+        return None
+
+
+def shape_expr(dims: list[int]) -> relax.ShapeExpr:
+    """A static ShapeExpr with int64 dims, as importers and TVMScript write them."""
+    return relax.ShapeExpr([tvm.tirx.IntImm("int64", d) for d in dims])
+
+
+def last_axis_only(axis, ndim: int) -> bool:
+    """True when a reduction's ``axis`` attribute is exactly the last axis."""
+    if axis is None or len(axis) != 1:
+        return False
+    a = int(axis[0])
+    return a == -1 or a == ndim - 1
+
+
+def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], relax.Function]) -> tvm.IRModule:
+    """Apply ``rewrite`` to every Relax function of ``mod`` (not to PrimFuncs)."""
+    updates = {gv: rewrite(f) for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
+    for gv, f in updates.items():
+        mod[gv] = f
+    return mod

@@ -1,0 +1,116 @@
+"""Move reshapes below elementwise ops so a GEMM meets its epilogue (layout folding, part 1).
+
+torch.export writes ``Linear`` on a 3-D input as reshape → matmul → reshape → add(bias/residual).
+The reshape between the matmul and the add stops FuseOps from fusing the epilogue (a GEMM only
+takes elementwise consumers). Rewrites, for elementwise ``op``:
+
+    op(reshape(a, s))            → reshape(op(a), s)
+    op(reshape(a, s), b)         → reshape(op(a, b), s)            b broadcasts on the last axis only
+    op(reshape(a, s), c)         → reshape(op(a, reshape(c, a.shape)), s)   c.shape == s
+
+The moved reshape ends up after the fused kernel, where RewriteDataflowReshape makes it a view.
+Sits before LegalizeOps, after the norm patterns (which match on the un-reshaped forms).
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import relax
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+from ._util import rewrite_functions, shape_expr, static_shape
+
+UNARY = ["relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
+         "relax.tanh", "relax.exp", "relax.erf", "relax.negative", "relax.astype"]
+BINARY = ["relax.add", "relax.subtract", "relax.multiply", "relax.divide"]
+
+
+def _same_last_axis(a_shape: list[int], s: list[int]) -> bool:
+    return bool(a_shape) and bool(s) and a_shape[-1] == s[-1]
+
+
+def _last_axis_broadcast(b_shape: list[int], n: int) -> bool:
+    return b_shape == [] or (b_shape[-1] in (1, n) and all(d == 1 for d in b_shape[:-1]))
+
+
+def _is_call(expr: relax.Expr, op: str) -> bool:
+    return isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get(op))
+
+
+def _bindings(func: relax.Function) -> dict:
+    """var → bound value over the function's blocks (to look through dataflow vars)."""
+    table = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            table[binding.var] = binding.value
+    return table
+
+
+def _gemm_rooted(expr: relax.Expr, table: dict, depth: int = 4) -> bool:
+    """True for a matmul, or an elementwise chain over one (what FuseOps makes a GEMM epilogue)."""
+    expr = table.get(expr, expr)
+    if _is_call(expr, "relax.matmul"):
+        return True
+    if depth == 0 or not isinstance(expr, relax.Call) or not isinstance(expr.op, tvm.ir.Op):
+        return False
+    if expr.op.name not in BINARY + UNARY:
+        return False
+    return any(_gemm_rooted(arg, table, depth - 1) for arg in expr.args)
+
+
+def _sink(func: relax.Function) -> relax.Function:
+    table: dict = {}
+    a, b, shape = wildcard(), wildcard(), wildcard()
+    reshaped = is_op("relax.reshape")(a, shape)
+    unary = None
+    for name in UNARY:
+        pat = is_op(name)(reshaped)
+        unary = pat if unary is None else unary | pat
+    binary = None
+    for name in BINARY:
+        pat = is_op(name)(reshaped, b) | is_op(name)(b, reshaped)
+        binary = pat if binary is None else binary | pat
+
+    def rewrite_unary(expr, m):
+        inner = m[a]
+        new = relax.Call(expr.op, [inner], expr.attrs)
+        return relax.op.reshape(new, m[reshaped].args[1])
+
+    def rewrite_binary(expr, m):
+        inner, other, target = m[a], m[b], m[reshaped]
+        a_shape, s, o_shape = static_shape(inner), static_shape(target), static_shape(other)
+        if None in (a_shape, s, o_shape) or str(inner.ty.dtype) != str(other.ty.dtype):
+            return expr
+        if _is_call(other, "relax.reshape"):
+            return expr  # both sides reshaped: rewriting would just move the reshape back and forth
+        if o_shape == s:
+            # Full-shape operand: only for a GEMM(-epilogue) output meeting a non-GEMM tensor; the reverse
+            # match on the reshape this creates would otherwise move it back and forth.
+            if not _gemm_rooted(inner, table) or _gemm_rooted(other, table):
+                return expr
+            other_new = relax.op.reshape(other, shape_expr(a_shape))
+        elif _same_last_axis(a_shape, s) and len(o_shape) <= len(a_shape) and _last_axis_broadcast(
+                o_shape, s[-1]):
+            other_new = other if len(o_shape) <= 1 else relax.op.reshape(other, shape_expr([o_shape[-1]]))
+        else:
+            return expr
+        args = [other_new, inner] if expr.args[0].same_as(other) else [inner, other_new]
+        return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])
+
+    for _ in range(16):  # each round moves every reshape one op further down
+        table.clear()
+        table.update(_bindings(func))
+        new = rewrite_call(binary, rewrite_binary, rewrite_call(unary, rewrite_unary, func))
+        if tvm_ffi.structural_equal(new, func):
+            break
+        func = new
+    return func
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmfuse.SinkReshape")
+class SinkReshape:
+    """Reshapes move below elementwise consumers so FuseOps can give GEMMs their epilogues."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return rewrite_functions(mod, _sink)

@@ -1,0 +1,344 @@
+"""``tvmfuse report``: what fusion saved, in HBM bytes, kernel by kernel.
+
+Bytes follow the "do the math" rule: a kernel reads each input once and writes each output once.
+``unfused`` is the same sum over the graph with one kernel per operator (views such as reshape
+move no bytes and launch nothing in either case). Schema in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import tvm
+from tvm import relax, tirx
+
+from .targets import TargetSpec
+
+VIEW_OPS = {"reshape", "expand_dims", "squeeze", "flatten"}
+REDUCTION_OPS = {"softmax", "layer_norm", "rms_norm", "group_norm", "mean", "sum", "max", "min",
+                 "variance", "log_softmax", "argmax", "argmin", "prod", "std"}
+LAYOUT_OPS = {"transpose", "permute_dims", "strided_slice", "concatenate", "take", "broadcast_to",
+              "split", "reshape"}
+GEMM_OPS = {"matmul", "dense", "conv2d", "conv1d", "batch_matmul", "attention"}
+# Ceilings measured on the H200 (DESIGN.md): copy bandwidth and cuBLAS fp16 at 4096³.
+H200_BANDWIDTH = 4.21e12
+H200_FP16_FLOPS = 775e12
+# AnnotateTIROpPattern kinds
+_K_REDUCE, _K_GEMM = 3, 4
+
+
+@dataclass
+class KernelInfo:
+    """One kernel launch: its ops, FLOPs and the bytes it moves."""
+
+    name: str
+    pattern: str
+    ops: list[str]
+    flops: int
+    bytes: int
+    measured_ms: float | None = field(default=None)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if d["measured_ms"] is None:
+            del d["measured_ms"]
+        return d
+
+
+def op_name(gvar_name: str) -> str:
+    """Legalised PrimFunc name → operator: ``tir_rsqrt3`` → ``rsqrt``, ``add12`` → ``add``."""
+    name = re.sub(r"\d+$", "", gvar_name)
+    return name[4:] if name.startswith("tir_") else name
+
+
+def _tensor_bytes(ty) -> int:
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return 0
+    dims = [int(d) for d in ty.shape.values]
+    return math.prod(dims) * tvm.runtime.DataType(str(ty.dtype)).bits // 8
+
+
+def _param_bytes(param) -> int:
+    if not hasattr(param, "shape") or param.shape is None:
+        return 0  # scalar parameters (shape vars) move no tensor bytes
+    return math.prod(int(d) for d in param.shape) * tvm.runtime.DataType(str(param.dtype)).bits // 8
+
+
+def _primfunc_bytes(func: tirx.PrimFunc) -> int:
+    """Every buffer parameter read or written once (a kernel's minimal HBM traffic)."""
+    return sum(_param_bytes(p) for p in func.params)
+
+
+def _flops(func: tirx.PrimFunc) -> int:
+    from tvm.s_tir.analysis import estimate_tir_flops
+
+    try:
+        return int(estimate_tir_flops(tvm.IRModule({"main": func})))
+    except Exception:  # scheduled or opaque functions: FLOPs unknown, bytes still exact
+        return 0
+
+
+def _main_calls(mod: tvm.IRModule) -> list[relax.Call]:
+    """Calls in ``main``'s bindings, in program order."""
+    calls: list[relax.Call] = []
+    body = mod["main"].body
+    for block in body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.Call):
+                calls.append((binding.var, value))
+    return calls
+
+
+def _classify(ops: list[str], kinds: list[int]) -> str:
+    # AnnotateTIROpPattern also marks reductions with an epilogue kOutEWiseFusable: names decide GEMMs.
+    has_gemm = any(o in GEMM_OPS for o in ops)
+    has_reduce = any(o in REDUCTION_OPS for o in ops) or any(
+        k in (_K_REDUCE, _K_GEMM) and o not in GEMM_OPS for o, k in zip(ops, kinds))
+    if "attention" in ops or (has_gemm and "softmax" in ops):
+        return "attention"
+    if has_gemm and any(o in ("layer_norm", "rms_norm") for o in ops):
+        return "norm_gemm"
+    if has_gemm:
+        return "gemm_epilogue"
+    if has_reduce:
+        return "norm"
+    if kinds and all(0 <= k <= 2 for k in kinds):  # elemwise, broadcast, injective
+        return "elementwise"
+    return "other"
+
+
+class _StageCapture:
+    """Keeps the modules a report needs from a ``pipeline.lower`` run."""
+
+    wanted = ("fold_constants", "fuse_ops", "fuse_tir", "finalize")
+
+    def __init__(self) -> None:
+        self.mods: dict[str, tvm.IRModule] = {}
+
+    def __call__(self, name: str, mod: tvm.IRModule) -> None:
+        if name in self.wanted:
+            self.mods[name] = mod
+
+
+def _unfused(legalized: tvm.IRModule) -> list[KernelInfo]:
+    """One kernel per graph operator: every call_tir of the legalised, unfused ``main``."""
+    kernels = []
+    for var, call in _main_calls(legalized):
+        if call.op != tvm.ir.Op.get("relax.call_tir"):
+            continue
+        gvar = call.args[0]
+        op = op_name(gvar.name_hint)
+        if op in VIEW_OPS:
+            continue
+        func = legalized[gvar]
+        kind = int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else -1
+        args = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+        nbytes = sum(_tensor_bytes(a.ty) for a in args) + _tensor_bytes(var.ty)
+        kernels.append(KernelInfo(gvar.name_hint, _classify([op], [kind]), [op], _flops(func), nbytes))
+    return kernels
+
+
+def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
+    """Kernels in launch order from the final module; ops from the FuseOps groups."""
+    fuse_ops, fuse_tir, final = stages["fuse_ops"], stages["fuse_tir"], stages["finalize"]
+    groups: dict[str, tuple[list[str], list[int]]] = {}
+    for gvar, func in fuse_ops.functions.items():
+        if isinstance(func, relax.Function) and func.attrs and "Primitive" in func.attrs:
+            ops, kinds = [], []
+            for _, call in _main_calls(tvm.IRModule({"main": func})):
+                if call.op == tvm.ir.Op.get("relax.call_tir"):
+                    callee = fuse_ops[call.args[0]]
+                    ops.append(op_name(call.args[0].name_hint))
+                    attrs = callee.attrs
+                    kinds.append(int(attrs["op_pattern"]) if attrs and "op_pattern" in attrs else -1)
+            groups[gvar.name_hint] = (ops, kinds)
+    prim_names = {gv.name_hint for gv, f in final.functions.items() if isinstance(f, tirx.PrimFunc)}
+    kernels = []
+    for _, call in _main_calls(final):
+        if not isinstance(call.op, tvm.ir.GlobalVar) or call.op.name_hint not in prim_names:
+            continue
+        name = call.op.name_hint
+        if name in groups:
+            ops, kinds = groups[name]
+        else:
+            callee = fuse_ops[name] if name in [g.name_hint for g in fuse_ops.functions] else None
+            attrs = callee.attrs if callee is not None else None
+            ops = [op_name(name)]
+            kinds = [int(attrs["op_pattern"])] if attrs and "op_pattern" in attrs else [-1]
+        unscheduled = fuse_tir[name] if name in [g.name_hint for g in fuse_tir.functions] else final[name]
+        kernels.append(KernelInfo(name, _classify(ops, kinds), ops, _flops(unscheduled),
+                                  _primfunc_bytes(final[name])))
+    return kernels
+
+
+def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
+    p, c = prod.pattern, cons.pattern
+    if p in ("gemm_epilogue", "norm_gemm", "attention") and c == "norm":
+        return ("consumer reduces over whole rows of a GEMM output: a row spans several GEMM tiles, "
+                "so it needs a cross-block reduction first")
+    if p in ("gemm_epilogue", "norm_gemm", "attention") and c in ("gemm_epilogue", "norm_gemm"):
+        return ("GEMM feeding a GEMM: fusing would recompute the first product for every tile of "
+                "the second")
+    if p == "norm" and c in ("gemm_epilogue",):
+        return "norm → Linear prologue fusion (norm_gemm) is not applied to this pair yet"
+    if p == "norm" and c == "norm":
+        return "a second reduction over a finished reduction's broadcast result needs another pass"
+    if p == "elementwise" and c in ("gemm_epilogue", "norm_gemm", "attention"):
+        return "elementwise/layout producer of a GEMM operand is not folded into the GEMM's loads yet"
+    if p in ("gemm_epilogue", "norm_gemm") and c == "elementwise" and any(
+            o in LAYOUT_OPS for o in cons.ops):
+        return ("consumer moves data across the tile (" + ", ".join(
+            sorted({o for o in cons.ops if o in LAYOUT_OPS})) + "): FuseOps only fuses pointwise "
+                "consumers into a GEMM, and layout folding into the GEMM's store is not done yet")
+    if p == "norm" and c == "elementwise":
+        return ("the reduction's output is broadcast back over the reduced axis: FuseOps does not "
+                "put a broadcasting consumer after a reduction")
+    return f"FuseOps grouping rule: {p} → {c} kept apart"
+
+
+def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[dict[str, Any]]:
+    """Producer → consumer pairs between kernels, each with the reason they stayed apart."""
+    by_name = {k.name: k for k in kernels}
+    producer_of: dict[Any, KernelInfo] = {}
+    found: list[dict[str, Any]] = []
+    for var, call in _main_calls(stages["fuse_tir"]):
+        if call.op != tvm.ir.Op.get("relax.call_tir"):
+            continue
+        kernel = by_name.get(call.args[0].name_hint)
+        args = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+        if kernel is not None:
+            for arg in args:
+                prod = producer_of.get(arg)
+                if prod is not None and prod is not kernel:
+                    found.append({"ops": [prod.ops[-1], kernel.ops[0]],
+                                  "kernels": [prod.name, kernel.name],
+                                  "reason": _boundary_reason(prod, kernel)})
+            producer_of[var] = kernel
+        else:  # a view (reshape) between kernels: pass the producer through
+            for arg in args:
+                if arg in producer_of:
+                    producer_of[var] = producer_of[arg]
+    return found
+
+
+def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
+    """Kernel launches of the same graph under TVM's stock default pipeline.
+
+    Stock stages in stock order, with one change: 0.27's broken ``full(-inf)`` legalisation is
+    replaced by the fixed one, without which the stock pipeline fails on every causal mask.
+    """
+    from .passes.legalize_fixes import legalize_overrides
+
+    if spec.is_cuda:
+        from tvm.relax.backend.cuda import pipeline as stock
+    else:
+        from tvm.relax.backend.cpu_generic import pipeline as stock
+    target = spec.tvm_target()
+    legalize = [relax.transform.LegalizeOps(legalize_overrides())] + [
+        p for p in stock.legalize_passes(target) if "LegalizeOps" not in str(p.info.name)][:4]
+    try:
+        with target:
+            lowered = tvm.transform.Sequential(
+                stock.library_dispatch_passes(target) + legalize
+                + stock.dataflow_lower_passes(target) + stock.finalize_passes(target))(mod)
+    except Exception:  # report "unknown" rather than guess
+        return None
+    prims = {gv.name_hint for gv, f in lowered.functions.items() if isinstance(f, tirx.PrimFunc)}
+    return sum(1 for _, c in _main_calls(lowered)
+               if isinstance(c.op, tvm.ir.GlobalVar) and c.op.name_hint in prims)
+
+
+def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> dict[str, Any]:
+    """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema)."""
+    from .pipeline import lower
+
+    capture = _StageCapture()
+    lower(mod, spec, dtype, on_stage=capture)
+    unfused = _unfused(capture.mods["fold_constants"])
+    fused = _fused(capture.mods)
+    return {
+        "target": spec.name,
+        "unfused_kernel_count": len(unfused),
+        "stock_tvm_kernel_count": stock_kernel_count(mod, spec) if dtype is None else None,
+        "fused_kernel_count": len(fused),
+        "hbm_bytes_unfused": sum(k.bytes for k in unfused),
+        "hbm_bytes_fused": sum(k.bytes for k in fused),
+        "flops": sum(k.flops for k in fused),
+        "kernels": [k.to_json() for k in fused],
+        "not_fused": _edges(capture.mods, fused),
+        "ceilings": {"bandwidth_Bps": H200_BANDWIDTH, "fp16_flops": H200_FP16_FLOPS,
+                     "source": "measured on the H200 (DESIGN.md)"},
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """Human-readable report: one line per kernel, then the totals and the boundaries."""
+    stock = report.get("stock_tvm_kernel_count")
+    lines = [f"target {report['target']}: {report['fused_kernel_count']} kernels "
+             f"(unfused graph: {report['unfused_kernel_count']}, stock TVM pipeline: "
+             f"{stock if stock is not None else 'n/a'})", ""]
+    lines.append(f"{'#':>3} {'pattern':<14} {'MB':>9} {'GFLOP':>9} {'floor us':>9}  ops")
+    for i, k in enumerate(report["kernels"]):
+        floor = max(k["bytes"] / H200_BANDWIDTH, k["flops"] / H200_FP16_FLOPS) * 1e6
+        ops = ",".join(k["ops"])
+        lines.append(f"{i:>3} {k['pattern']:<14} {k['bytes'] / 1e6:>9.3f} {k['flops'] / 1e9:>9.3f} "
+                     f"{floor:>9.2f}  {ops[:70]}")
+    uf, f = report["hbm_bytes_unfused"], report["hbm_bytes_fused"]
+    lines += ["", f"HBM bytes unfused {uf / 1e6:.3f} MB → fused {f / 1e6:.3f} MB "
+                  f"({uf / max(f, 1):.2f}x less); memory floor {f / H200_BANDWIDTH * 1e6:.1f} us "
+                  f"at 4.21 TB/s (unfused {uf / H200_BANDWIDTH * 1e6:.1f} us)"]
+    if report["not_fused"]:
+        lines += ["", "kept apart:"]
+        for nf in report["not_fused"]:
+            lines.append(f"  {nf['ops'][0]} → {nf['ops'][1]}: {nf['reason']}")
+    return "\n".join(lines)
+
+
+def plot_roofline(report: dict[str, Any], path: str, times_ms: dict[str, float] | None = None) -> None:
+    """Roofline PNG: each kernel at its arithmetic intensity; measured TFLOP/s when times given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bw, peak = H200_BANDWIDTH, H200_FP16_FLOPS
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
+    xs = [10 ** (e / 10) for e in range(-50, 41)]
+    ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], color="black", lw=2,
+            label="H200 roof: 4.21 TB/s copy, 775 TFLOP/s fp16")
+    colors = {"elementwise": "tab:blue", "norm": "tab:green", "gemm_epilogue": "tab:red",
+              "norm_gemm": "tab:purple", "attention": "tab:orange", "other": "tab:gray"}
+    seen = set()
+    for k in report["kernels"]:
+        if k["bytes"] == 0:
+            continue
+        ai = max(k["flops"], 1) / k["bytes"]
+        measured = (times_ms or {}).get(k["name"])
+        if measured:
+            y, marker = k["flops"] / (measured * 1e-3) / 1e12, "o"
+        else:  # no measurement: place at the attainable bound, hollow marker
+            y, marker = min(peak, ai * bw) / 1e12, "o"
+        label = k["pattern"] if k["pattern"] not in seen else None
+        seen.add(k["pattern"])
+        ax.scatter([ai], [y], s=60, marker=marker, label=label,
+                   facecolors=colors[k["pattern"]] if measured else "none",
+                   edgecolors=colors[k["pattern"]])
+        ax.annotate(str(report["kernels"].index(k)), (ai, y), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
+    ax.set_ylabel("TFLOP/s")
+    title = (f"{report['target']}: {report['fused_kernel_count']} kernels, "
+             f"{report['hbm_bytes_fused'] / 1e6:.1f} MB fused vs "
+             f"{report['hbm_bytes_unfused'] / 1e6:.1f} MB unfused")
+    ax.set_title(title + ("" if times_ms else "\n(hollow: attainable bound, no measured time)"))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
