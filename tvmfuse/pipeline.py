@@ -15,7 +15,7 @@ from tvm import relax
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
 from .errors import CompileError, TvmfuseError
-from .passes import FuseDecomposedNorms, MixedPrecision, SinkReshape
+from .passes import FuseDecomposedNorms, MixedPrecision, NormGemmPrologue, SinkReshape
 from .passes.legalize_fixes import legalize_overrides
 from .schedules import gpu_rules
 from .targets import TargetSpec
@@ -61,6 +61,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
         mod = run("fuse_decomposed_norms", FuseDecomposedNorms(), mod)
+        # A norm feeding Linear(s) becomes row stats + GEMM epilogue: the normed tensor stays on chip.
+        mod = run("norm_gemm_prologue", NormGemmPrologue(), mod)
         # Reshapes between a GEMM and its epilogue move below it, so FuseOps fuses the epilogue.
         mod = run("sink_reshape", SinkReshape(), mod)
         # reshape(reshape(x)) and no-op reshapes that sinking leaves behind collapse to one view.

@@ -51,6 +51,37 @@ def scan_unsupported(graph) -> list[tuple[str, str]]:
     return found
 
 
+def fold_scalar_constant_of_shape(proto) -> int:
+    """ConstantOfShape with a constant empty shape → a scalar Constant node (in place).
+
+    TVM 0.27's converter only folds rank-1 shapes; a rank-0 result (transformers' ``and_masks``
+    writes ``new_ones((), dtype=bool)``) becomes ``broadcast_to(const (1,), ())`` and fails type
+    inference. Returns how many nodes were rewritten.
+    """
+    from onnx import helper, numpy_helper
+
+    graph = proto.graph
+    empty = {t.name for t in graph.initializer if numpy_helper.to_array(t).size == 0 and t.dims == [0]}
+    empty |= {n.output[0] for n in graph.node if n.op_type == "Constant" and n.attribute
+              and n.attribute[0].HasField("t") and list(n.attribute[0].t.dims) == [0]}
+    count = 0
+    for i, node in enumerate(graph.node):
+        if node.op_type != "ConstantOfShape" or not node.input or node.input[0] not in empty:
+            continue
+        value = next((a.t for a in node.attribute if a.name == "value"), None)
+        scalar = numpy_helper.to_array(value).reshape(()) if value is not None else None
+        if scalar is None:
+            import numpy as np
+
+            scalar = np.zeros((), np.float32)  # the ONNX default value
+        new = helper.make_node("Constant", [], list(node.output), name=node.name,
+                               value=numpy_helper.from_array(scalar))
+        graph.node.remove(node)
+        graph.node.insert(i, new)
+        count += 1
+    return count
+
+
 def _input_specs(proto, overrides: dict[str, InputOverride], source: str) -> list[TensorSpec]:
     init_names = {t.name for t in proto.graph.initializer}
     graph_inputs = [i for i in proto.graph.input if i.name not in init_names]
@@ -115,6 +146,7 @@ def import_onnx(model: Any, overrides: dict[str, InputOverride]) -> ImportedMode
     if unsupported:
         raise UnsupportedOpError(f"ONNX ({source})", unsupported)
     specs = _input_specs(proto, overrides, source)
+    fold_scalar_constant_of_shape(proto)
     try:
         mod = from_onnx(
             proto,

@@ -1,7 +1,8 @@
 """Relax → Relax passes, one pattern per file. Each is a named module pass."""
 
 from .mixed_precision import MixedPrecision
+from .norm_gemm import NormGemmPrologue
 from .norm_patterns import FuseDecomposedNorms
 from .sink_reshape import SinkReshape
 
-__all__ = ["FuseDecomposedNorms", "MixedPrecision", "SinkReshape"]
+__all__ = ["FuseDecomposedNorms", "MixedPrecision", "NormGemmPrologue", "SinkReshape"]

@@ -1,0 +1,276 @@
+"""CPU checks of the memory-bound schedule rules (``tvmfuse/schedules/row_norm.py``, ``elementwise.py``).
+
+Per graph (LayerNorm, RMSNorm, softmax with and without scale + mask, an add → mul → gelu → cast
+chain, and an HF-style RMSNorm spelled out with ``mean(keepdim=True)``):
+
+* which rule scheduled each fused PrimFunc (the ``"tvmfuse.rule"`` attribute),
+* the CUDA source has 16-byte vector types, nvcc compiles it without spills, and the SASS holds
+  128-bit global loads and stores (``LDG.E.128`` / ``STG.E.128``; 64-bit where a row of 4100 fp16
+  values only allows 8-byte alignment),
+* the schedules keep the function's semantics: the scheduled PrimFunc is well formed, and with its
+  thread bindings turned into serial loops it computes, on the CPU, what the unscheduled PrimFunc
+  computes (GPU numerics: ``tests/test_gpu_memory_bound.py`` on the device).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tvmfuse import pipeline
+from tvmfuse.build.inspect import fatbin_sass, find_cuobjdump
+from tvmfuse.build.nvcc import compile_fatbin, find_nvcc
+from tvmfuse.schedules import RULE_ATTR, Elementwise, RowNorm, gpu_rules
+from tvmfuse.schedules.row_norm import choose_threads
+from tvmfuse.targets import get_target
+
+SM90 = get_target("sm90")
+CPU = get_target("cpu")
+
+
+def _has_tool(find) -> bool:
+    try:
+        return find() is not None
+    except Exception:  # noqa: BLE001 - CompileError / LibraryError: the tool is missing
+        return False
+
+
+needs_nvcc = pytest.mark.skipif(not (_has_tool(find_nvcc) and _has_tool(find_cuobjdump)),
+                                reason="needs nvcc and cuobjdump")
+
+
+# ---------------------------------------------------------------------------------------------
+# graphs
+
+
+def graph(kind: str, shape: tuple[int, ...], dtype: str) -> tvm.IRModule:
+    """A one-output Relax function ``main(x, w, b[, mask])`` of the given kind."""
+    n = shape[-1]
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    w = relax.Var("w", relax.TensorType((n,), dtype))
+    b = relax.Var("b", relax.TensorType((n,), dtype))
+    params = [x, w, b]
+    if kind == "softmax_scale_mask":
+        mask = relax.Var("mask", relax.TensorType(shape[-2:], dtype))
+        params.append(mask)
+    with bb.function("main", params):
+        with bb.dataflow():
+            if kind == "layer_norm":
+                y = bb.emit(relax.op.nn.layer_norm(x, w, b, axes=[-1], epsilon=1e-5))
+            elif kind == "rms_norm":
+                y = bb.emit(relax.op.nn.rms_norm(x, w, axes=[-1], epsilon=1e-6))
+            elif kind == "rms_norm_hf":  # x * rsqrt(mean(x², -1, keepdim) + eps) * w, in fp32
+                xf = bb.emit(relax.op.astype(x, "float32"))
+                ms = bb.emit(relax.op.mean(relax.op.multiply(xf, xf), axis=[-1], keepdims=True))
+                r = bb.emit(relax.op.rsqrt(relax.op.add(ms, relax.const(1e-6, "float32"))))
+                y = bb.emit(relax.op.multiply(relax.op.astype(relax.op.multiply(xf, r), dtype), w))
+            elif kind == "softmax":
+                y = bb.emit(relax.op.nn.softmax(x, axis=-1))
+            elif kind == "softmax_scale_mask":
+                s = bb.emit(relax.op.add(relax.op.multiply(x, relax.const(0.125, dtype)), mask))
+                y = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            elif kind == "elementwise":  # add → mul → gelu → cast
+                a = bb.emit(relax.op.add(x, w))
+                a = bb.emit(relax.op.multiply(a, b))
+                a = bb.emit(relax.op.nn.gelu(a))
+                y = bb.emit(relax.op.astype(a, "float32" if dtype == "float16" else "float16"))
+            else:
+                raise ValueError(kind)
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def prim_funcs(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
+    """The kernels of a lowered module (not the VM's shape functions)."""
+    return {gv.name_hint: f for gv, f in mod.functions_items()
+            if isinstance(f, tvm.tirx.PrimFunc) and not gv.name_hint.startswith("vm.")}
+
+
+def cuda_source(executable) -> str:
+    mods = [executable.mod]
+    while mods:
+        mod = mods.pop()
+        if mod.kind == "cuda":
+            return mod.inspect_source()
+        mods += list(mod.imports)
+    raise AssertionError("no CUDA module in the executable")
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: rule choice, vector types, SASS, resources
+
+# (kind, shape, dtype, {kernel: rule}, bits of the global loads, bits of the global stores)
+CUDA_CASES = [
+    ("layer_norm", (64, 4096), "float16", {"layer_norm": "row_norm"}, 128, 128),
+    ("layer_norm", (32, 4100), "float16", {"layer_norm": "row_norm"}, 64, 64),  # 8-byte aligned rows
+    ("layer_norm", (64, 4096), "float32", {"layer_norm": "row_norm"}, 128, 128),
+    ("rms_norm", (2, 32, 4096), "float16", {"rms_norm": "row_norm"}, 128, 128),
+    ("rms_norm", (32, 4100), "float32", {"rms_norm": "row_norm"}, 128, 128),
+    ("softmax", (64, 4096), "float16", {"softmax": "row_norm"}, 128, 128),
+    ("softmax", (2, 4, 64, 128), "float16", {"softmax": "row_norm"}, 128, 128),  # 8 rows a block
+    ("softmax_scale_mask", (2, 4, 64, 64), "float32",
+     {"fused_multiply_add": "elementwise", "softmax": "row_norm"}, 128, 128),
+    ("elementwise", (64, 4096), "float16", {"fused_add_multiply_gelu_cast": "elementwise"}, 128, 128),
+    ("elementwise", (64, 4096), "float32", {"fused_add_multiply_gelu_cast": "elementwise"}, 128, 128),
+    # 4100 % 8 != 0: 4-wide vectors, 16-byte fp32 loads and 8-byte fp16 stores
+    ("elementwise", (64, 4100), "float32", {"fused_add_multiply_gelu_cast": "elementwise"}, 128, 64),
+]
+VECTOR_TYPES = {128: r"\*\((uint4|float4)\*\)", 64: r"\*\((uint2|half4|float2)\*\)"}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("kind, shape, dtype, rules, ld_bits, st_bits", CUDA_CASES,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}" for c in CUDA_CASES])
+def test_cuda_vector_access(kind, shape, dtype, rules, ld_bits, st_bits, tmp_path):
+    lowered = pipeline.lower(graph(kind, shape, dtype), SM90)
+    funcs = prim_funcs(lowered)
+    assert {name: f.attrs.get(RULE_ATTR) for name, f in funcs.items()} == rules
+
+    source = cuda_source(pipeline.build(lowered, SM90))
+    for bits in {ld_bits, st_bits}:
+        assert re.search(VECTOR_TYPES[bits], source), f"no {bits}-bit vector access in the source"
+
+    sass = fatbin_sass(compile_fatbin(source, SM90, tmp_path))["sm_90a"]
+    assert re.search(rf"LDG\.E\.{ld_bits}\b", sass), f"no {ld_bits}-bit global load"
+    assert re.search(rf"STG\.E\.{st_bits}\b", sass), f"no {st_bits}-bit global store"
+    # Every global access has the vector width (no scalar loads or stores left behind).
+    loads = set(re.findall(r"LDG\.E(?:\.(\w+))?", sass))
+    stores = set(re.findall(r"STG\.E(?:\.(\w+))?", sass))
+    assert loads == {str(ld_bits)} and stores == {str(st_bits)}, (loads, stores)
+    log = (tmp_path / "kernels.ptxas.log").read_text()
+    assert set(re.findall(r"(\d+) bytes spill", log)) <= {"0"}, log
+    assert all(int(r) <= 128 for r in re.findall(r"Used (\d+) registers", log)), log
+
+
+@needs_nvcc
+def test_layer_norm_reads_x_once(tmp_path):
+    """One 16-byte load per thread and vector of x, w and b: 8192 × 4096 fp16 with 256 threads
+    holds 2 vectors of each per thread, so 6 LDG.E.128 and 2 STG.E.128 in all."""
+    lowered = pipeline.lower(graph("layer_norm", (8192, 4096), "float16"), SM90)
+    source = cuda_source(pipeline.build(lowered, SM90))
+    assert "__launch_bounds__(256)" in source
+    sass = fatbin_sass(compile_fatbin(source, SM90, tmp_path))["sm_90a"]
+    assert len(re.findall(r"LDG\.E\.128", sass)) == 6
+    assert len(re.findall(r"STG\.E\.128", sass)) == 2
+    assert len(re.findall(r"MUFU\.RSQ", sass)) == 1  # rsqrt once per row, not per element
+
+
+# ---------------------------------------------------------------------------------------------
+# semantics on the CPU
+
+SEMANTIC_CASES = [
+    ("layer_norm", (16, 256), "float16"),
+    ("layer_norm", (4, 3, 4100), "float32"),
+    ("rms_norm", (8, 4096), "float16"),
+    ("rms_norm_hf", (2, 8, 512), "float16"),
+    ("softmax", (2, 4, 16, 128), "float16"),
+    ("softmax", (8, 4100), "float32"),
+    ("softmax", (30, 8), "float32"),
+    ("softmax_scale_mask", (2, 3, 16, 64), "float32"),
+    ("elementwise", (16, 4096), "float16"),
+    ("elementwise", (7, 13), "float32"),
+]
+
+
+def _serial(func: tvm.tirx.PrimFunc) -> tvm.tirx.PrimFunc:
+    """``func`` with every thread binding a serial loop: plain TIR that runs on the CPU."""
+    text = re.sub(r'T\.thread_binding\(([^,]+), thread="[^"]+"\)', r"T.serial(\1)",
+                  tvm.IRModule({"main": func}).script())
+    return tvm.script.from_source(text)["main"]
+
+
+def _run_llvm(func: tvm.tirx.PrimFunc, args: list[np.ndarray]) -> np.ndarray:
+    lib = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                         target="llvm")
+    tensors = [tvm.runtime.tensor(a) for a in args]
+    lib(*tensors)
+    return tensors[-1].numpy().astype(np.float64)
+
+
+def _schedule(func: tvm.tirx.PrimFunc):
+    """The first of ``gpu_rules()`` that takes ``func`` (what ``ApplyDefaultSchedule`` does)."""
+    target = SM90.tvm_target()
+    with target:
+        for rule in gpu_rules():
+            sch = rule.apply(func, target, False)
+            if sch is not None:
+                return sch
+    raise AssertionError("no rule took the function")
+
+
+@pytest.mark.parametrize("kind, shape, dtype", SEMANTIC_CASES,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}" for c in SEMANTIC_CASES])
+def test_schedule_keeps_semantics(kind, shape, dtype):
+    # Lowered for the CPU, the fused PrimFuncs are the ones the CUDA path schedules, unscheduled.
+    funcs = prim_funcs(pipeline.lower(graph(kind, shape, dtype), CPU))
+    rng = np.random.default_rng(0)
+    rules = set()
+    for func in funcs.values():
+        sch = _schedule(func)
+        scheduled = sch.mod["main"]
+        rules.add(scheduled.attrs.get(RULE_ATTR))
+        assert tvm.s_tir.analysis.verify_well_formed(sch.mod)
+        # Positive inputs: a kernel's input may be a mean of squares that goes into rsqrt.
+        args = [rng.uniform(0.25, 2.0, [int(d) for d in p.shape]).astype(str(p.dtype))
+                for p in func.params]
+        want = _run_llvm(func, args)
+        got = _run_llvm(_serial(scheduled), args)
+        tol = 1e-3 if dtype == "float16" else 1e-5
+        assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+    assert rules <= {"row_norm", "elementwise"} and rules
+
+
+# ---------------------------------------------------------------------------------------------
+# what the rules must leave alone
+
+
+def test_gemm_and_plain_reductions_are_not_taken():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64, 256), "float16"))
+    w = relax.Var("w", relax.TensorType((256, 512), "float16"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.gelu(relax.op.matmul(x, w)))  # GEMM + epilogue
+            s = bb.emit(relax.op.sum(y, axis=[-1]))  # a reduction with no row epilogue
+            c = bb.emit(relax.op.sum(y, axis=[0]))  # over a leading axis
+            out = bb.emit_output((s, c))
+        bb.emit_func_output(out)
+    funcs = prim_funcs(pipeline.lower(bb.get(), CPU))
+    target = SM90.tvm_target()
+    with target:
+        for name, func in funcs.items():
+            assert RowNorm().apply(func, target, False) is None, name
+            assert Elementwise().apply(func, target, False) is None, name
+    lowered = prim_funcs(pipeline.lower(bb.get(), SM90))
+    assert not any(f.attrs.get(RULE_ATTR) for f in lowered.values())
+
+
+def test_rules_decline_cpu_targets():
+    func = next(iter(prim_funcs(pipeline.lower(graph("softmax", (4, 64), "float32"), CPU)).values()))
+    llvm = CPU.tvm_target()
+    assert RowNorm().apply(func, llvm, False) is None
+    assert Elementwise().apply(func, llvm, False) is None
+
+
+def test_gpu_rules_order():
+    names = [type(r).__name__ for r in gpu_rules()]
+    assert names[:4] == ["Matmul", "GEMV", "RowNorm", "Elementwise"]
+    assert names[-1] == "Fallback"
+
+
+@pytest.mark.parametrize("n_vec, rows, want", [
+    (512, 8192, (256, 1)),   # 4096 fp16: 256 threads, 2 vectors each
+    (1024, 64, (512, 1)),    # 4096 fp32
+    (1025, 64, (205, 1)),    # 4100: a divisor, not a multiple of 32
+    (16, 800, (16, 8)),      # 128 fp16: a half warp per row, 8 rows per block
+    (2, 30, (2, 30)),        # 8 fp32: rows packed up to the row count
+    (4099, 10, None),        # prime: no exact split; dlight takes it
+])
+def test_choose_threads(n_vec, rows, want):
+    assert choose_threads(n_vec, rows) == want

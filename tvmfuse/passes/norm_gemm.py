@@ -1,0 +1,163 @@
+"""Norm + following Linear(s) → row statistics + one GEMM whose epilogue applies them.
+
+    rms_norm(x, g) · W       = rstd ⊙ (x · W')                        W' = diag(g) · W
+    layer_norm(x, γ, β) · W  = rstd ⊙ (x · W' − μ ⊗ colsum(W')) + β · W   W' = diag(γ) · W
+
+with μ, rstd per row of x (one small reduction kernel that writes 1–2 numbers per row). The
+normalised tensor is never written to HBM: the GEMM reads x itself and the statistics are applied
+to its accumulators, in fp32. Q/K/V projections of one normed input share the statistics.
+Only constant weights are folded (W' and colsum are computed at compile time); anything else is
+left alone. Sits after FuseDecomposedNorms (which makes the norm ops this pass looks for) and
+before LegalizeOps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax, te, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ._util import static_shape
+
+_NORMS = ("relax.nn.rms_norm", "relax.nn.layer_norm")
+
+
+def _row_stats(x: te.Tensor, eps: float, centered: bool):
+    """TE: per-row mean and rstd of the last axis (fp32), shapes (..., 1)."""
+    *lead, k = x.shape
+    r = te.reduce_axis((0, k), name="k")
+    f32 = "float32"
+    if centered:
+        s1 = te.compute((*lead, 1), lambda *i: te.sum(x[(*i[:-1], r)].astype(f32), axis=r), name="s1")
+        mean = te.compute((*lead, 1), lambda *i: s1[i] / tirx.const(int(k), f32), name="mean")
+        r2 = te.reduce_axis((0, k), name="k2")
+        s2 = te.compute((*lead, 1), lambda *i: te.sum(
+            (x[(*i[:-1], r2)].astype(f32) - mean[i]) * (x[(*i[:-1], r2)].astype(f32) - mean[i]),
+            axis=r2), name="s2")
+    else:
+        s2 = te.compute((*lead, 1), lambda *i: te.sum(
+            x[(*i[:-1], r)].astype(f32) * x[(*i[:-1], r)].astype(f32), axis=r), name="s2")
+        mean = None
+    rstd = te.compute((*lead, 1), lambda *i: tirx.rsqrt(s2[i] / tirx.const(int(k), f32)
+                                                        + tirx.const(eps, f32)), name="rstd")
+    return (mean, rstd) if centered else rstd
+
+
+def _is_op(expr: relax.Expr, name: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
+
+
+def _const(expr: relax.Expr) -> np.ndarray | None:
+    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
+        return expr.value.numpy()
+    return None
+
+
+@mutator
+class _NormGemm(PyExprMutator):
+    def __init__(self, mod: tvm.IRModule) -> None:
+        super().__init__(mod)
+        self.mod_ = mod
+        self.stats: dict = {}
+        self.reshaped: dict = {}
+        self.rewritten = 0
+
+    def _bound(self, expr: relax.Expr) -> relax.Expr:
+        if isinstance(expr, relax.Var):
+            bound = self.lookup_binding(expr)
+            return expr if bound is None else bound
+        return expr
+
+    def _norm_of(self, expr: relax.Expr):
+        """(norm call, reshape shape or None) when ``expr`` is norm(x) or reshape(norm(x))."""
+        bound, new_shape = self._bound(expr), None
+        if _is_op(bound, "relax.reshape"):
+            new_shape, bound = bound.args[1], self._bound(bound.args[0])
+        if isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name in _NORMS:
+            return bound, new_shape
+        return None, None
+
+    def _weight(self, expr: relax.Expr) -> np.ndarray | None:
+        """A constant (K, N) weight, looking through permute_dims of a constant."""
+        bound = self._bound(expr)
+        if _is_op(bound, "relax.permute_dims"):
+            inner = _const(self._bound(bound.args[0]))
+            if inner is None:
+                return None
+            axes = bound.attrs.axes
+            return np.transpose(inner, [int(a) for a in axes] if axes is not None else None)
+        return _const(bound)
+
+    def _get_stats(self, x: relax.Expr, eps: float, centered: bool):
+        key = (x, eps, centered)
+        if key not in self.stats:
+            name = "layer_norm_stats" if centered else "rms_norm_stats"
+            out = self.builder_.emit(self.builder_.call_te(_row_stats, x, eps, centered,
+                                                            primfunc_name_hint=name))
+            if centered:
+                out = (self.builder_.emit(relax.TupleGetItem(out, 0)),
+                       self.builder_.emit(relax.TupleGetItem(out, 1)))
+            self.stats[key] = out
+        return self.stats[key]
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul"):
+            return call
+        norm, new_shape = self._norm_of(call.args[0])
+        w = self._weight(call.args[1])
+        if norm is None or w is None or w.ndim != 2:
+            return call
+        x = norm.args[0]
+        shape = static_shape(x)
+        if shape is not None and new_shape is not None:
+            if [int(d) for d in new_shape.values][-1] != shape[-1]:
+                return call  # the reshape regroups the normalised axis
+            key = (x, tuple(int(d) for d in new_shape.values))
+            if key not in self.reshaped:  # Q/K/V share one view and one set of statistics
+                self.reshaped[key] = self.builder_.emit(relax.op.reshape(x, new_shape))
+            x = self.reshaped[key]
+            shape = static_shape(x)
+        axes = [int(a) for a in norm.attrs.axes]
+        if shape is None or axes not in ([-1], [len(norm.args[0].ty.shape.values) - 1]) \
+                or shape[-1] != w.shape[0]:
+            return call
+        centered = norm.op.name == "relax.nn.layer_norm"
+        if centered and not (norm.attrs.center and norm.attrs.scale):
+            return call
+        gamma = _const(norm.args[1])
+        beta = _const(norm.args[2]) if centered else None
+        if gamma is None or (centered and beta is None):
+            return call
+        dtype = str(call.ty.dtype)
+        w32 = gamma.astype(np.float64).reshape(-1, 1) * w.astype(np.float64)
+        w_fold = relax.const(w32.astype(w.dtype))
+        acc = self.builder_.emit(relax.op.matmul(x, w_fold, out_dtype="float32"))
+        if centered:
+            mean, rstd = self._get_stats(x, float(norm.attrs.epsilon), True)
+            colsum = relax.const(w32.astype(w.dtype).astype(np.float64).sum(0).astype("float32"))
+            shift = relax.const((beta.astype(np.float64) @ w.astype(np.float64)).astype("float32"))
+            acc = relax.op.subtract(acc, relax.op.multiply(mean, colsum))
+            out = relax.op.add(relax.op.multiply(acc, rstd), shift)
+        else:
+            rstd = self._get_stats(x, float(norm.attrs.epsilon), False)
+            out = relax.op.multiply(acc, rstd)
+        if dtype != "float32":
+            out = relax.op.astype(out, dtype)
+        self.rewritten += 1
+        return out
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmfuse.NormGemmPrologue")
+class NormGemmPrologue:
+    """matmul(norm(x), W) with constant W and norm params → stats + GEMM with a norm epilogue."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        rewriter = _NormGemm(mod)
+        for gvar, func in list(mod.functions.items()):
+            if isinstance(func, relax.Function):
+                new = rewriter.visit_expr(func)
+                rewriter.builder_.update_func(gvar, new)
+        mod = rewriter.builder_.get()
+        return relax.transform.DeadCodeElimination()(mod)
