@@ -15,7 +15,7 @@ from tvm import relax
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
 from .errors import CompileError, TvmfuseError
-from .passes import FuseDecomposedNorms, MixedPrecision, NormGemmPrologue, SinkReshape
+from .passes import FuseDecomposedNorms, MixedPrecision, NormGemmPrologue, SimplifyNoOps, SinkReshape
 from .passes.legalize_fixes import legalize_overrides
 from .schedules import gpu_rules
 from .targets import TargetSpec
@@ -59,6 +59,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
+        # Exporters' no-op casts and x*1 would hide the patterns below and add kernel boundaries.
+        mod = run("simplify_noops", SimplifyNoOps(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
         mod = run("fuse_decomposed_norms", FuseDecomposedNorms(), mod)
         # A norm feeding Linear(s) becomes row stats + GEMM epilogue: the normed tensor stays on chip.

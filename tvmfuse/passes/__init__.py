@@ -3,6 +3,7 @@
 from .mixed_precision import MixedPrecision
 from .norm_gemm import NormGemmPrologue
 from .norm_patterns import FuseDecomposedNorms
+from .simplify import SimplifyNoOps
 from .sink_reshape import SinkReshape
 
-__all__ = ["FuseDecomposedNorms", "MixedPrecision", "NormGemmPrologue", "SinkReshape"]
+__all__ = ["FuseDecomposedNorms", "MixedPrecision", "NormGemmPrologue", "SimplifyNoOps", "SinkReshape"]

@@ -61,6 +61,7 @@ class _NormGemm(PyExprMutator):
         self.mod_ = mod
         self.stats: dict = {}
         self.reshaped: dict = {}
+        self.only_gemm_users: list = []
         self.rewritten = 0
 
     def _bound(self, expr: relax.Expr) -> relax.Expr:
@@ -107,8 +108,9 @@ class _NormGemm(PyExprMutator):
             return call
         norm, new_shape = self._norm_of(call.args[0])
         w = self._weight(call.args[1])
-        if norm is None or w is None or w.ndim != 2:
-            return call
+        if norm is None or w is None or w.ndim != 2 or not any(
+                norm.same_as(n) for n in self.only_gemm_users):
+            return call  # a norm that is also needed elsewhere (e.g. BERT's residual) stays a kernel
         x = norm.args[0]
         shape = static_shape(x)
         if shape is not None and new_shape is not None:
@@ -149,12 +151,48 @@ class _NormGemm(PyExprMutator):
         return out
 
 
+def _only_matmul_lhs(var, users: dict, outputs: set, depth: int = 0) -> bool:
+    """Every use of ``var`` is a matmul's first operand (through at most one reshape)."""
+    if var in outputs or not users.get(var):
+        return False
+    for user_var, call, i in users[var]:
+        if _is_op(call, "relax.matmul") and i == 0:
+            continue
+        if _is_op(call, "relax.reshape") and depth == 0 and _only_matmul_lhs(user_var, users, outputs, 1):
+            continue
+        return False
+    return True
+
+
+def _norms_used_only_by_gemms(mod: tvm.IRModule) -> list[relax.Call]:
+    """Norm calls whose every use is a matmul's first operand, directly or through one reshape."""
+    result = []
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function):
+            continue
+        users: dict = {}
+        bound: dict = {}
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                bound[binding.var] = binding.value
+                if isinstance(binding.value, relax.Call):
+                    for i, arg in enumerate(binding.value.args):
+                        if isinstance(arg, relax.Var):
+                            users.setdefault(arg, []).append((binding.var, binding.value, i))
+        outputs = set(relax.analysis.free_vars(func.body.body)) | {func.body.body}
+
+        result += [v for var, v in bound.items() if isinstance(v, relax.Call) and isinstance(
+            v.op, tvm.ir.Op) and v.op.name in _NORMS and _only_matmul_lhs(var, users, outputs)]
+    return result
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.NormGemmPrologue")
 class NormGemmPrologue:
     """matmul(norm(x), W) with constant W and norm params → stats + GEMM with a norm epilogue."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         rewriter = _NormGemm(mod)
+        rewriter.only_gemm_users = _norms_used_only_by_gemms(mod)
         for gvar, func in list(mod.functions.items()):
             if isinstance(func, relax.Function):
                 new = rewriter.visit_expr(func)

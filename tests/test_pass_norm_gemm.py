@@ -1,0 +1,57 @@
+"""NormGemmPrologue: norm → Linear becomes row statistics + a GEMM with a norm epilogue."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from tests.relax_util import assert_same_numerics
+from tvmfuse.passes import NormGemmPrologue
+
+
+def _build(norm: str, residual: bool, n_linear: int = 1) -> tvm.IRModule:
+    """x (8, 32) → norm → n_linear × matmul(·, W_i (32, 16)) [+ the normed tensor as residual]."""
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((8, 32), "float32"))
+    g = relax.const(rng.standard_normal(32).astype("float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if norm == "rms":
+                normed = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=1e-5))
+            else:
+                b = relax.const(rng.standard_normal(32).astype("float32"))
+                normed = bb.emit(relax.op.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-5))
+            outs = [bb.emit(relax.op.matmul(normed, relax.const(
+                rng.standard_normal((32, 16)).astype("float32")))) for _ in range(n_linear)]
+            if residual:
+                outs.append(bb.emit(relax.op.add(normed, normed)))
+            out = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _names(mod: tvm.IRModule) -> set[str]:
+    return {gv.name_hint for gv in mod.functions}
+
+
+@pytest.mark.parametrize("norm, stats", [("rms", "rms_norm_stats"), ("layer", "layer_norm_stats")])
+def test_norm_becomes_stats_and_epilogue(norm, stats):
+    before = _build(norm, residual=False)
+    after = NormGemmPrologue()(before)
+    script = after.script()
+    assert "R.nn.rms_norm" not in script and "R.nn.layer_norm" not in script
+    assert stats in _names(after)
+    assert_same_numerics(before, after, rtol=1e-5)
+
+
+def test_qkv_share_one_statistics_kernel():
+    after = NormGemmPrologue()(_build("rms", residual=False, n_linear=3))
+    assert after["main"].script().count("rms_norm_stats") == 1
+
+
+def test_norm_needed_elsewhere_is_left_alone():
+    before = _build("rms", residual=True)
+    tvm.ir.assert_structural_equal(NormGemmPrologue()(before), before)
