@@ -121,3 +121,16 @@ def test_failed_export_keeps_existing_library(libs, tmp_path, monkeypatch):
         lib.export(dest)
     assert dest.read_bytes() == before
     assert not list(tmp_path.glob(".keep.so.tmp*"))
+
+
+def test_bool_mask_graph_builds_for_sm90(tmp_path):
+    """A causal mask (bool tensors) must not be vectorised: TVM has no CUDA boolx16 type."""
+    import torch.nn.functional as F
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q = torch.randn(1, 2, 64, 32, dtype=torch.float16)
+    path = tvmfuse.compile(Attn(), (q, q, q), target="sm90").export(tmp_path / "attn.so")
+    assert cuda_images(path)[0][0] == "fatbin"

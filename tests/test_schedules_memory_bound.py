@@ -161,6 +161,25 @@ def test_layer_norm_reads_x_once(tmp_path):
     assert len(re.findall(r"MUFU\.RSQ", sass)) == 1  # rsqrt once per row, not per element
 
 
+@pytest.mark.parametrize("kind, shape, dtype, warp", [
+    ("softmax", (1, 4, 16, 16), "float32", True),     # 4 lanes a row, 32 rows a block
+    ("rms_norm", (37, 96), "float32", True),          # 8 lanes a row, rows predicated
+    ("layer_norm", (64, 4096), "float16", False),     # 256 threads a row
+])
+def test_reduction_results(kind, shape, dtype, warp):
+    """A row within a warp keeps its reduction results in registers (shuffles, no shared memory,
+    no barrier); a row of several warps publishes them in shared memory behind a barrier."""
+    lowered = pipeline.lower(graph(kind, shape, dtype), SM90)
+    source = cuda_source(pipeline.build(lowered, SM90))
+    body = source[source.index("__global__"):]
+    assert "__shfl_down_sync" in body
+    if warp:
+        assert "__shared__" not in body and "__syncthreads" not in body
+    else:
+        assert re.search(r"_shared_ptr\[0\] = \(\(volatile float\*\)red_result_ptr\)\[0\];\s*\}\s*"
+                         r"__syncthreads\(\);", body)
+
+
 # ---------------------------------------------------------------------------------------------
 # semantics on the CPU
 
@@ -172,6 +191,7 @@ SEMANTIC_CASES = [
     ("softmax", (2, 4, 16, 128), "float16"),
     ("softmax", (8, 4100), "float32"),
     ("softmax", (30, 8), "float32"),
+    ("rms_norm", (37, 96), "float32"),
     ("softmax_scale_mask", (2, 3, 16, 64), "float32"),
     ("elementwise", (16, 4096), "float16"),
     ("elementwise", (7, 13), "float32"),
@@ -226,6 +246,33 @@ def test_schedule_keeps_semantics(kind, shape, dtype):
     assert rules <= {"row_norm", "elementwise"} and rules
 
 
+@needs_nvcc
+def test_fused_scale_mask_softmax(tmp_path):
+    """softmax(x · 0.125 + mask) in ONE PrimFunc (as a fusion pass that pulls the prologue into
+    the softmax would leave it): x and the broadcast (S, N) mask both become register tiles
+    loaded with 16-byte vectors; same results as the unscheduled function."""
+    from tvm import te, topi
+
+    x = te.placeholder((2, 3, 16, 64), "float16", name="x")
+    mask = te.placeholder((16, 64), "float16", name="mask")
+    s = te.compute(x.shape, lambda b, h, i, j: x[b, h, i, j] * tvm.tirx.const(0.125, "float16")
+                   + mask[i, j], name="s")
+    func = te.create_prim_func([x, mask, topi.nn.softmax(s, axis=-1)])
+    target = SM90.tvm_target()
+    with target:
+        sch = RowNorm().apply(func, target, False)
+    assert sch is not None and sch.mod["main"].attrs[RULE_ATTR] == "row_norm"
+    rng = np.random.default_rng(0)
+    args = [rng.uniform(0.25, 2.0, [int(d) for d in p.shape]).astype("float16") for p in func.params]
+    want, got = _run_llvm(func, args), _run_llvm(_serial(sch.mod["main"]), args)
+    assert np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+    kernel = sch.mod["main"].with_attr("global_symbol", "main").with_attr("target", target)
+    source = tvm.tirx.build(tvm.IRModule({"main": kernel}), target=target).imports[0].inspect_source()
+    sass = fatbin_sass(compile_fatbin(source, SM90, tmp_path))["sm_90a"]
+    assert set(re.findall(r"LDG\.E(?:\.(\w+))?", sass)) == {"128"}  # x and mask
+    assert set(re.findall(r"STG\.E(?:\.(\w+))?", sass)) == {"128"}
+
+
 # ---------------------------------------------------------------------------------------------
 # what the rules must leave alone
 
@@ -270,6 +317,8 @@ def test_gpu_rules_order():
     (1025, 64, (205, 1)),    # 4100: a divisor, not a multiple of 32
     (16, 800, (16, 8)),      # 128 fp16: a half warp per row, 8 rows per block
     (2, 30, (2, 30)),        # 8 fp32: rows packed up to the row count
+    (24, 100, (8, 16)),      # 3 vectors a thread on a power-of-two sub-warp
+    (3, 100, None),          # odd and short: one thread a row would be no reduction at all
     (4099, 10, None),        # prime: no exact split; dlight takes it
 ])
 def test_choose_threads(n_vec, rows, want):

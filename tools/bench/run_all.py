@@ -3,11 +3,11 @@
     python3 tools/bench/run_all.py [--only gemm,layernorm] [--out bench.json] [--budget-s 480]
     python3 tools/bench/run_all.py --device cpu --no-compile      # CPU smoke run, tiny shapes
 
-Workloads, in this order: layernorm, gemm, attention, mlp, decoder. Results go to --out or to
-tools/bench/results/<gpu>_<target>_<UTC time>.json, rewritten after each workload so a run killed
-half-way keeps what it measured. A workload that raises is recorded with ``ERROR: …`` in its
-notes and the others still run; the exit status is 1 when any did. The last lines printed are a
-compact table (speedup = baseline ms / tvmfuse ms).
+Workloads, in this order: layernorm, rmsnorm, softmax, elementwise, gemm, attention, mlp, decoder.
+Results go to --out or to tools/bench/results/<gpu>_<target>_<UTC time>.json, rewritten after each
+workload so a run killed half-way keeps what it measured. A workload that raises is recorded with
+``ERROR: …`` in its notes and the others still run; the exit status is 1 when any did. The last
+lines printed are a compact table (speedup = baseline ms / tvmfuse ms).
 """
 
 from __future__ import annotations
@@ -26,14 +26,20 @@ from typing import Any
 
 import bench_attention
 import bench_decoder
+import bench_elementwise
 import bench_gemm
 import bench_layernorm
 import bench_mlp
+import bench_rmsnorm
+import bench_softmax
 import common
 import torch
 
 WORKLOADS: dict[str, ModuleType] = {
     "layernorm": bench_layernorm,
+    "rmsnorm": bench_rmsnorm,
+    "softmax": bench_softmax,
+    "elementwise": bench_elementwise,
     "gemm": bench_gemm,
     "attention": bench_attention,
     "mlp": bench_mlp,
