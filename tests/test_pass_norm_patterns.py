@@ -143,6 +143,41 @@ class RMSCube:
         return y
 
 
+@I.ir_module
+class RMSHalf:
+    """HF Llama RMSNorm on fp16: upcast, normalise in fp32, cast back, then the weight."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float16"), w: R.Tensor((64,), "float16")) -> R.Tensor((4, 64), "float16"):
+        with R.dataflow():
+            xf = R.astype(x, "float32")
+            sq = R.power(xf, R.const(2.0, "float32"))
+            ms = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(ms, R.const(0.0009765625, "float32"))
+            inv = R.rsqrt(ve)
+            n = R.multiply(xf, inv)
+            nh = R.astype(n, "float16")
+            y = R.multiply(w, nh)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSHalfExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float16"), w: R.Tensor((64,), "float16")) -> R.Tensor((4, 64), "float16"):
+        with R.dataflow():
+            y = R.nn.rms_norm(x, w, axes=[-1], epsilon=0.0009765625)
+            R.output(y)
+        return y
+
+
+def test_rms_norm_half_precision_hf_form():
+    after = FuseDecomposedNorms()(RMSHalf)
+    tvm.ir.assert_structural_equal(after, RMSHalfExpected)
+    assert_same_numerics(RMSHalf, after, rtol=2e-3)
+
+
 def test_rms_norm_torch_form():
     after = FuseDecomposedNorms()(RMSTorch)
     tvm.ir.assert_structural_equal(after, RMSExpected)

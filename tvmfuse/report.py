@@ -114,7 +114,7 @@ def _classify(ops: list[str], kinds: list[int]) -> str:
 class _StageCapture:
     """Keeps the modules a report needs from a ``pipeline.lower`` run."""
 
-    wanted = ("fold_constants", "fuse_ops", "fuse_tir", "finalize")
+    wanted = ("fuse_ops", "fuse_tir", "finalize")
 
     def __init__(self) -> None:
         self.mods: dict[str, tvm.IRModule] = {}
@@ -140,6 +140,20 @@ def _unfused(legalized: tvm.IRModule) -> list[KernelInfo]:
         nbytes = sum(_tensor_bytes(a.ty) for a in args) + _tensor_bytes(var.ty)
         kernels.append(KernelInfo(gvar.name_hint, _classify([op], [kind]), [op], _flops(func), nbytes))
     return kernels
+
+
+def _legalize_unfused(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None) -> tvm.IRModule:
+    """The imported graph legalised op by op, without tvmfuse's fusion passes: the baseline."""
+    from .passes import MixedPrecision
+    from .passes.legalize_fixes import legalize_overrides
+
+    seq = [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings()]
+    if dtype in ("float16", "bfloat16"):
+        seq.append(MixedPrecision(dtype))
+    seq += [relax.transform.LegalizeOps(legalize_overrides()), relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant()]
+    with spec.tvm_target():
+        return tvm.transform.Sequential(seq)(mod)
 
 
 def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
@@ -258,7 +272,7 @@ def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> di
 
     capture = _StageCapture()
     lower(mod, spec, dtype, on_stage=capture)
-    unfused = _unfused(capture.mods["fold_constants"])
+    unfused = _unfused(_legalize_unfused(mod, spec, dtype))
     fused = _fused(capture.mods)
     return {
         "target": spec.name,

@@ -23,7 +23,10 @@ def _commutative(op: str, a, b):
 
 
 def _rms_norm_pattern():
-    x, w, eps, two = wildcard(), wildcard(), is_const(), is_const()
+    # HF in fp16/bf16 upcasts first and casts the normalised row back before the weight.
+    x0, w, eps, two = wildcard(), wildcard(), is_const(), is_const()
+    up = is_op("relax.astype")(x0)
+    x = up | x0
     square = is_op("relax.power")(x, two) | is_op("relax.multiply")(x, x)
     mean = is_op("relax.mean")(square)
     var_eps = _commutative("relax.add", mean, eps)
@@ -31,8 +34,9 @@ def _rms_norm_pattern():
     one = is_const()
     inv = is_op("relax.rsqrt")(var_eps) | is_op("relax.divide")(one, sqrt)
     normed = _commutative("relax.multiply", x, inv) | is_op("relax.divide")(x, sqrt)
-    out = _commutative("relax.multiply", normed, w)
-    return out, dict(x=x, w=w, eps=eps, two=two, mean=mean, one=one, square=square)
+    down = is_op("relax.astype")(normed)
+    out = _commutative("relax.multiply", down | normed, w)
+    return out, dict(x=x0, up=up, down=down, w=w, eps=eps, two=two, mean=mean, one=one, square=square)
 
 
 def _layer_norm_pattern():
@@ -74,6 +78,11 @@ def _rewrite_rms(func: relax.Function) -> relax.Function:
         shape = static_shape(x)
         if shape is None or not _row_vector(w, shape[-1]):
             return expr
+        if (p["up"] in m) != (p["down"] in m):
+            return expr  # a cast on one side only changes the result's precision: leave it
+        if p["up"] in m and not (str(m[p["up"]].attrs.dtype) == "float32"
+                                 and str(m[p["down"]].attrs.dtype) == str(x.ty.dtype)):
+            return expr  # rms_norm computes in fp32 and returns x's dtype: only that form maps
         if not _reduces_last_keepdims(m[p["mean"]], len(shape)):
             return expr
         if p["two"] in m and m[p["square"]].op.name == "relax.power" and scalar_value(m[p["two"]]) != 2:
