@@ -43,15 +43,7 @@ def workload(args: argparse.Namespace) -> common.Workload:
     from models import decoder_layer
 
     size = SIZES[args.device]
-    module, inputs = decoder_layer.build(**size, dtype=common.DTYPES[args.dtype], seed=0)
-    return common.Workload(
-        name="decoder_layer",
-        module=module,
-        inputs=inputs,
-        shape=" ".join(f"{k}={v}" for k, v in size.items()),
-        dtype=args.dtype,
-        flops=flops(**size),
-    )
+    return common.model_workload("decoder_layer", decoder_layer.build, size, args.dtype, flops(**size))
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

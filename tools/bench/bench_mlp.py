@@ -31,15 +31,7 @@ def workload(args: argparse.Namespace) -> common.Workload:
     from models import mlp_block
 
     size = SIZES[args.device]
-    module, inputs = mlp_block.build(**size, dtype=common.DTYPES[args.dtype], seed=0)
-    return common.Workload(
-        name="mlp_block",
-        module=module,
-        inputs=inputs,
-        shape=" ".join(f"{k}={v}" for k, v in size.items()),
-        dtype=args.dtype,
-        flops=flops(**size),
-    )
+    return common.model_workload("mlp_block", mlp_block.build, size, args.dtype, flops(**size))
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -524,3 +524,11 @@ def main(run: Callable[[argparse.Namespace], list[dict[str, Any]]], description:
         path = write_results(args.out, rows, command_line(), append=True)
         print(f"appended {len(rows)} row(s) to {path}")
     return 0
+
+
+def model_workload(name: str, build: Callable[..., Any], size: dict[str, int], dtype: str,
+                   flops: float) -> Workload:
+    """A ``models/`` module built at ``size`` (random init, seed 0) as a Workload."""
+    module, inputs = build(**size, dtype=DTYPES[dtype], seed=0)
+    return Workload(name=name, module=module, inputs=inputs,
+                    shape=" ".join(f"{k}={v}" for k, v in size.items()), dtype=dtype, flops=flops)

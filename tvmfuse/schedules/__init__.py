@@ -9,10 +9,8 @@ generic Reduction, GeneralReduction and Fallback for everything else.
 
 from __future__ import annotations
 
-from .elementwise import Elementwise
+from .elementwise import RULE_ATTR, Elementwise
 from .row_norm import RowNorm
-
-RULE_ATTR = "tvmfuse.rule"  # PrimFunc attribute naming the tvmfuse rule that scheduled it
 
 
 def gpu_rules() -> list:

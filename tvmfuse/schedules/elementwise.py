@@ -29,7 +29,7 @@ from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-RULE_ATTR = "tvmfuse.rule"
+RULE_ATTR = "tvmfuse.rule"  # PrimFunc attribute naming the tvmfuse rule that scheduled it
 NAME = "elementwise"
 VECTOR_BYTES = 16
 THREADS = 256

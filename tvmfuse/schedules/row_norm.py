@@ -44,16 +44,14 @@ from __future__ import annotations
 
 import math
 
-from tvm import DataType, s_tir, tirx
+from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-from .elementwise import vector_copy
+from .elementwise import RULE_ATTR, VECTOR_BYTES, _bytes, _int, vector_copy
 
-RULE_ATTR = "tvmfuse.rule"
 NAME = "row_norm"
-VECTOR_BYTES = 16
 MAX_THREADS = 1024
 MAX_TILE_BYTES = 512  # register tiles of one thread: all inputs, kept intermediates and the output
 MIN_BLOCK_THREADS = 128  # short rows: rows are packed into a thread block up to this many threads
@@ -62,16 +60,6 @@ VECTORS_PER_THREAD = 2  # long rows: the number of 16-byte vectors of a row each
 Role = tuple  # ("row", i) | ("col", i) | ("unit",) | ("const", value)
 
 
-def _int(e) -> int | None:
-    if isinstance(e, int):
-        return e
-    if isinstance(e, tirx.IntImm):
-        return int(e.value)
-    return None
-
-
-def _bytes(buffer) -> int:
-    return max(1, DataType(str(buffer.dtype)).bits // 8)
 
 
 def choose_threads(n_vec: int, rows: int) -> tuple[int, int] | None:
