@@ -134,3 +134,25 @@ def test_bool_mask_graph_builds_for_sm90(tmp_path):
     q = torch.randn(1, 2, 64, 32, dtype=torch.float16)
     path = tvmfuse.compile(Attn(), (q, q, q), target="sm90").export(tmp_path / "attn.so")
     assert cuda_images(path)[0][0] == "fatbin"
+
+
+def _pypi_nvcc():
+    import os
+
+    try:
+        import nvidia
+    except ImportError:
+        return None
+    cands = [os.path.join(p, "cu13", "bin", "nvcc") for p in nvidia.__path__]
+    return next((c for c in cands if os.path.isfile(c)), None)
+
+
+@pytest.mark.skipif(_pypi_nvcc() is None, reason="PyPI nvidia-cuda-nvcc not installed")
+def test_export_with_pypi_nvcc_only(tmp_path, monkeypatch):
+    """AOT export works with PyPI's nvcc alone (no CUDA toolkit on PATH)."""
+    monkeypatch.setenv("TVMFUSE_NVCC", _pypi_nvcc())
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    torch.manual_seed(0)
+    lib = tvmfuse.compile(Tiny().eval(), (torch.randn(4, 32),), target="sm90")
+    (fmt, code), = cuda_images(lib.export(tmp_path / "pypi.so"))
+    assert fmt == "fatbin" and struct.unpack_from("<I", code)[0] == 0xBA55ED50
