@@ -112,8 +112,14 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
 def build(mod: tvm.IRModule, spec: TargetSpec):
     """Codegen: ``relax.build`` of a lowered module (CUDA kept as source; export compiles it)."""
     # Same behaviour with or without a GPU driver: CUDA stays source here; export runs nvcc.
+    previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
     os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
     try:
         return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None)
     except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
         raise CompileError(f"codegen for target {spec.name} failed: {err}") from err
+    finally:  # leave the caller's environment as it was
+        if previous is None:
+            del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
+        else:
+            os.environ["TVM_COMPILE_FORCE_FALLBACK"] = previous
