@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CompileError
+from ..runtime import METADATA_SYMBOL  # one name, defined where the loader reads it
 from ..targets import TargetSpec
 from .nvcc import compile_fatbin
-
-METADATA_SYMBOL = "tvmfuse_metadata"
 
 
 class _Reader:
