@@ -94,3 +94,53 @@ def test_fewer_kernels_for_torch_linear():
     assert report["fused_kernel_count"] == 1
     assert report["kernels"][0]["pattern"] == "gemm_epilogue"
     assert report["kernels"][0]["ops"] == ["matmul", "add", "gelu", "add"]
+
+
+@I.ir_module
+class TanhGeluHops:
+    """HF GPT-2's tanh-GELU as exported: the chain hops between 2-D and 3-D around the GEMM output."""
+
+    @R.function
+    def main(x: R.Tensor((16, 8), "float32"), w: R.Tensor((8, 32), "float32")
+             ) -> R.Tensor((16, 32), "float32"):
+        with R.dataflow():
+            h = R.matmul(x, w)
+            h3 = R.reshape(h, R.shape([2, 8, 32]))
+            cube = R.power(h3, R.const(3.0, "float32"))
+            small = R.multiply(cube, R.const(0.044715, "float32"))
+            small2 = R.reshape(small, R.shape([16, 32]))
+            inner = R.add(h, small2)
+            t = R.tanh(R.multiply(inner, R.const(0.7978845608, "float32")))
+            half = R.reshape(R.multiply(h, R.const(0.5, "float32")), R.shape([2, 8, 32]))
+            one = R.reshape(R.add(t, R.const(1.0, "float32")), R.shape([2, 8, 32]))
+            y3 = R.multiply(half, one)
+            y = R.reshape(y3, R.shape([16, 32]))
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class TanhGeluFlat:
+    @R.function
+    def main(x: R.Tensor((16, 8), "float32"), w: R.Tensor((8, 32), "float32")
+             ) -> R.Tensor((16, 32), "float32"):
+        with R.dataflow():
+            h = R.matmul(x, w)
+            cube = R.power(h, R.const(3.0, "float32"))
+            small = R.multiply(cube, R.const(0.044715, "float32"))
+            inner = R.add(h, small)
+            t = R.tanh(R.multiply(inner, R.const(0.7978845608, "float32")))
+            half = R.multiply(h, R.const(0.5, "float32"))
+            one = R.add(t, R.const(1.0, "float32"))
+            y = R.multiply(half, one)
+            R.output(y)
+        return y
+
+
+def test_reshapes_inside_an_elementwise_chain_cancel():
+    """Every reshape of the chain cancels: the whole GELU becomes the GEMM's epilogue."""
+    after = SinkReshape()(TanhGeluHops)
+    after = tvm.relax.transform.CanonicalizeBindings()(after)
+    after = tvm.relax.transform.DeadCodeElimination()(after)
+    tvm.ir.assert_structural_equal(after, TanhGeluFlat)
+    assert_same_numerics(TanhGeluHops, after)

@@ -7,8 +7,12 @@ takes elementwise consumers). Rewrites, for elementwise ``op``:
     op(reshape(a, s))            → reshape(op(a), s)
     op(reshape(a, s), b)         → reshape(op(a, b), s)            b broadcasts on the last axis only
     op(reshape(a, s), c)         → reshape(op(a, reshape(c, a.shape)), s)   c.shape == s
+    op(reshape(a, s), reshape(c, s)) → reshape(op(a, c), s)         a.shape == c.shape
 
-The moved reshape ends up after the fused kernel, where RewriteDataflowReshape makes it a view.
+    reshape(reshape(a, s1), s2)  → reshape(a, s2);   reshape(a, a.shape) → a
+
+The moved reshape ends up after the fused kernel, where RewriteDataflowReshape makes it a view;
+reshapes that meet on the way (HF GPT-2's tanh-GELU hops between 2-D and 3-D) cancel out.
 Sits before LegalizeOps, after the norm patterns (which match on the un-reshaped forms).
 """
 
@@ -22,8 +26,10 @@ from tvm.relax.dpl import is_op, rewrite_call, wildcard
 from ._util import rewrite_functions, shape_expr, static_shape
 
 UNARY = ["relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
-         "relax.tanh", "relax.exp", "relax.erf", "relax.negative", "relax.astype"]
-BINARY = ["relax.add", "relax.subtract", "relax.multiply", "relax.divide"]
+         "relax.tanh", "relax.exp", "relax.erf", "relax.negative", "relax.astype", "relax.sqrt",
+         "relax.rsqrt", "relax.abs", "relax.square", "relax.log"]
+BINARY = ["relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.power",
+          "relax.maximum", "relax.minimum"]
 
 
 def _same_last_axis(a_shape: list[int], s: list[int]) -> bool:
@@ -83,7 +89,12 @@ def _sink(func: relax.Function) -> relax.Function:
         if None in (a_shape, s, o_shape) or str(inner.ty.dtype) != str(other.ty.dtype):
             return expr
         if _is_call(other, "relax.reshape"):
-            return expr  # both sides reshaped: rewriting would just move the reshape back and forth
+            source = other.args[0]
+            if static_shape(source) == a_shape and str(source.ty.dtype) == str(inner.ty.dtype):
+                # both sides reshaped from one shape: the op runs on the originals
+                args = [source, inner] if expr.args[0].same_as(other) else [inner, source]
+                return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])
+            return expr  # different origins: moving one reshape would move it back and forth
         if o_shape == s:
             # Full-shape operand: only for a GEMM(-epilogue) output meeting a non-GEMM tensor; the reverse
             # match on the reshape this creates would otherwise move it back and forth.
@@ -98,10 +109,22 @@ def _sink(func: relax.Function) -> relax.Function:
         args = [other_new, inner] if expr.args[0].same_as(other) else [inner, other_new]
         return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])
 
+    inner_reshape = is_op("relax.reshape")(a, wildcard())
+    outer_reshape = is_op("relax.reshape")(inner_reshape, shape) | is_op("relax.reshape")(a, shape)
+
+    def rewrite_collapse(expr, m):
+        source = m[inner_reshape].args[0] if inner_reshape in m else m[a]
+        if static_shape(source) is not None and static_shape(source) == static_shape(expr):
+            return source  # the reshapes cancel: same shape as the original tensor
+        if inner_reshape in m:
+            return relax.op.reshape(source, m[shape])
+        return expr
+
     for _ in range(16):  # each round moves every reshape one op further down
         table.clear()
         table.update(_bindings(func))
         new = rewrite_call(binary, rewrite_binary, rewrite_call(unary, rewrite_unary, func))
+        new = rewrite_call(outer_reshape, rewrite_collapse, new)
         if tvm_ffi.structural_equal(new, func):
             break
         func = new

@@ -1,0 +1,77 @@
+"""Attention kernels: the contract between the attention rewrite and the kernel generators.
+
+The rewrite (``tvmfuse.passes.attention``) turns an attention subgraph into ``R.nn.attention``;
+its legalisation calls :func:`attention_primfunc` with an :class:`AttentionSpec` read off the call,
+and emits ``R.call_tir`` to the returned PrimFunc. Layout is TVM's ``R.nn.attention`` layout::
+
+    q    (B, Sq,  Hq,  D)        k, v (B, Skv, Hkv, D)        Hq % Hkv == 0 (GQA / MQA)
+    bias (B|1, Hq|1, Sq|1, Skv)  additive, optional (padding masks arrive as (B, 1, 1, Skv))
+    out  (B, Sq,  Hq,  D)
+    out[b, i, h] = Σ_j softmax_j(scale · q[b, i, h]·k[b, j, h // (Hq/Hkv)] + bias[..] + causal(i, j))
+                   · v[b, j, h // (Hq/Hkv)]
+
+``causal``: ``"none"``, ``"TopLeft"`` (key j visible to query i iff j ≤ i) or ``"BottomRight"``
+(iff j ≤ i + Skv − Sq; the KV-cache alignment). Both are the same when Sq == Skv.
+The returned PrimFunc takes its buffers in the order ``q, k, v, [bias,] out`` and is already
+scheduled for ``target`` (attribute ``tir.is_scheduled``) where ``target`` is CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+
+CAUSAL_KINDS = ("none", "TopLeft", "BottomRight")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention call (all shapes static)."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str  # q/k/v dtype: float16 | bfloat16 | float32
+    scale: float
+    causal: str = "none"  # one of CAUSAL_KINDS
+    bias_shape: tuple[int, int, int, int] | None = None  # (B|1, Hq|1, Sq|1, Skv) or None
+    bias_dtype: str | None = None
+    out_dtype: str | None = None  # defaults to dtype
+
+    def __post_init__(self) -> None:
+        if self.causal not in CAUSAL_KINDS:
+            raise ValueError(f"causal must be one of {CAUSAL_KINDS}, not {self.causal!r}")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head (1 = MHA, Hq = MQA)."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def result_dtype(self) -> str:
+        return self.out_dtype or self.dtype
+
+
+def attention_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    """One PrimFunc computing ``spec`` without materialising the Sq×Skv score matrix in HBM.
+
+    CUDA: the flash kernel (prefill) or the split-KV decode kernel (Sq == 1);
+    CPU: a row-at-a-time online-softmax loop (numerics reference for the cpu target).
+    """
+    if target.kind.name == "cuda":
+        if spec.q_len == 1:
+            from .flash_decode import flash_decode_primfunc
+
+            return flash_decode_primfunc(spec, target)
+        from .flash_attention import flash_attention_primfunc
+
+        return flash_attention_primfunc(spec, target)
+    from .attention_cpu import attention_cpu_primfunc
+
+    return attention_cpu_primfunc(spec)
