@@ -1,0 +1,136 @@
+"""CPU attention kernel: tiled online softmax, one query row at a time (llvm target).
+
+For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys::
+
+    s_j   = (scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · log2 e      j in tile, visible(i, j)
+    m'    = max(m, max_j s_j);   α = 2^(m − m');   l = α·l + Σ_j 2^(s_j − m')
+    acc   = α·acc + Σ_j 2^(s_j − m') · v[b,j,g]                          (g = h // group)
+    out   = acc / l
+
+with ``m``, ``l`` and ``acc`` (D floats) in fp32 scratch local to the row: no Sq×Skv buffer
+exists. A row that sees no key (BottomRight with Sq > Skv, or an all −inf bias row) yields 0.
+The (b, h) loop is parallel. This is the numerics reference of the cpu target, not a fast kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm.script import tirx as T
+
+from .attention import AttentionSpec
+
+_KV_TILE = 32
+_LOG2E = math.log2(math.e)
+
+
+def causal_offset(spec: AttentionSpec) -> int | None:
+    """Key j is visible to query i iff ``j <= i + offset``; None when not causal."""
+    if spec.causal == "none":
+        return None
+    return 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
+
+
+def bias_strides(spec: AttentionSpec) -> tuple[int, int, int]:
+    """(b, h, i) multipliers into the bias buffer: 0 on broadcast axes, 1 otherwise."""
+    assert spec.bias_shape is not None
+    bb, bh, bi, bj = spec.bias_shape
+    if bj != spec.kv_len or bb not in (1, spec.batch) or bh not in (1, spec.q_heads) or bi not in (
+        1, spec.q_len
+    ):
+        raise ValueError(
+            f"attention bias shape {spec.bias_shape} does not broadcast to "
+            f"(B={spec.batch}, Hq={spec.q_heads}, Sq={spec.q_len}, Skv={spec.kv_len})"
+        )
+    return int(bb != 1), int(bh != 1), int(bi != 1)
+
+
+def attention_cpu_primfunc(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k, v, [bias,] out)`` for the llvm target; see the module docstring."""
+    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
+                              spec.head_dim)
+    G = spec.group
+    dt, odt = spec.dtype, spec.result_dtype
+    has_bias = spec.bias_shape is not None
+    fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
+    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
+    bdt = spec.bias_dtype or dt
+    off = causal_offset(spec)
+    # a non-causal call gets an offset no key index reaches
+    cmax = 0 if off is not None else Skv
+    off = off or 0
+    TK = min(_KV_TILE, Skv)
+    n_tiles = (Skv + TK - 1) // TK
+    sc = float(spec.scale * _LOG2E)
+    l2e = float(_LOG2E)
+    neg_inf = float("-inf")
+
+    @T.macro
+    def body(q, k, v, bias, out):
+        for bh in T.parallel(B * Hq):
+            for i in T.serial(Sq):
+                with T.sblock("row"):
+                    T.reads()
+                    T.writes()
+                    acc = T.sblock_alloc_buffer((D,), "float32")
+                    s = T.sblock_alloc_buffer((TK,), "float32")
+                    st = T.sblock_alloc_buffer((4,), "float32")  # m, l, m_new, alpha
+                    b: T.let[T.int32] = bh // Hq
+                    h: T.let[T.int32] = bh % Hq
+                    g: T.let[T.int32] = h // G
+                    st[0] = neg_inf
+                    st[1] = T.float32(0)
+                    for d in T.serial(D):
+                        acc[d] = T.float32(0)
+                    for t in T.serial(n_tiles):
+                        st[2] = st[0]
+                        for jj in T.serial(TK):
+                            j: T.let[T.int32] = t * TK + jj
+                            s[jj] = neg_inf
+                            if j < Skv and j <= i + off + cmax:
+                                s[jj] = T.float32(0)
+                                for d in T.serial(D):
+                                    s[jj] += T.Cast("float32", q[b, i, h, d]) * T.Cast(
+                                        "float32", k[b, j, g, d])
+                                s[jj] = s[jj] * sc
+                                if has_bias:
+                                    s[jj] += T.Cast("float32", bias[b * fb, h * fh, i * fi, j]) * l2e
+                            st[2] = T.max(st[2], s[jj])
+                        # alpha = 2^(m - m_new); 0 while nothing was visible (m = -inf)
+                        st[3] = T.if_then_else(st[0] == neg_inf, T.float32(0),
+                                               T.exp2(st[0] - st[2]))
+                        st[1] = st[1] * st[3]
+                        for d in T.serial(D):
+                            acc[d] = acc[d] * st[3]
+                        for jj in T.serial(TK):
+                            s[jj] = T.if_then_else(s[jj] == neg_inf, T.float32(0),
+                                                   T.exp2(s[jj] - st[2]))
+                            st[1] = st[1] + s[jj]
+                        for jj in T.serial(TK):
+                            if s[jj] > T.float32(0):
+                                for d in T.serial(D):
+                                    acc[d] += s[jj] * T.Cast("float32", v[b, t * TK + jj, g, d])
+                        st[0] = st[2]
+                    for d in T.serial(D):
+                        out[b, i, h, d] = T.Cast(
+                            odt, T.if_then_else(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
+
+    if has_bias:
+
+        @T.prim_func(s_tir=True)
+        def attention_cpu(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                          v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
+                          out: T.Buffer((B, Sq, Hq, D), odt)):
+            T.func_attr({"tir.noalias": True})
+            body(q, k, v, bias, out)
+
+    else:
+
+        @T.prim_func(s_tir=True)
+        def attention_cpu(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                          v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, Sq, Hq, D), odt)):
+            T.func_attr({"tir.noalias": True})
+            body(q, k, v, q, out)
+
+    return attention_cpu
