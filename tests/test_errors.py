@@ -179,3 +179,22 @@ def test_plain_shared_library_is_not_tvmfuse(tmp_path):
     assert libm or shutil.which("gcc")
     with pytest.raises(LibraryError, match="not a tvmfuse library"):
         tvmfuse.load(out, device="cpu")
+
+
+def test_fast_and_checked_call_paths_agree(cpu_lib):
+    """Positional contiguous torch inputs take the fast path; views, numpy and kwargs the checked
+    path; all give the same numbers, and the fast path still refuses a wrong dtype or shape."""
+    torch.manual_seed(1)
+    model = tvmfuse.load(cpu_lib, device="cpu")
+    x = torch.randn(2, 8)
+    fast = model(x)
+    assert isinstance(fast, torch.Tensor)
+    strided = torch.randn(8, 2).t()  # non-contiguous view of the same shape
+    strided.copy_(x)
+    name = model.inputs[0]["name"]
+    for other in (model(**{name: x}), model(strided), torch.from_numpy(model(x.numpy()))):
+        torch.testing.assert_close(other, fast)
+    with pytest.raises(InputError, match="dtype"):
+        model(x.double())
+    with pytest.raises(InputError, match="shape"):
+        model(torch.randn(3, 8))

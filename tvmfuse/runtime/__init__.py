@@ -135,6 +135,16 @@ class CompiledModel:
         self._main = self.vm["main"]
         self.inputs = self.metadata["inputs"]
         self.output_names = [o["name"] for o in self.metadata["outputs"]]
+        # The per-call fast path compares against these (no string building, no imports).
+        self._names = [i["name"] for i in self.inputs]
+        self._shapes = [tuple(i["shape"]) for i in self.inputs]
+        self._torch_dtypes = _torch_dtypes([i["dtype"] for i in self.inputs])
+        self._torch_device = None
+        if self._torch_dtypes is not None:
+            import torch
+
+            kind = "cpu" if self.device.dlpack_device_type() == 1 else "cuda"
+            self._torch_device = torch.device(kind, self.device.index if kind == "cuda" else None)
 
     def __repr__(self) -> str:
         sig = ", ".join(f"{i['name']}: {i['dtype']}{i['shape']}" for i in self.inputs)
@@ -169,8 +179,28 @@ class CompiledModel:
             return tvm.runtime.tensor(np.ascontiguousarray(value), self.device), "numpy"
         raise InputError(f"{where}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
 
+    def _fast_torch(self, args: tuple) -> list | None:
+        """Positional, contiguous torch inputs that match the signature exactly, else None."""
+        if self._torch_dtypes is None or len(args) != len(self._shapes):
+            return None
+        for value, shape, dtype in zip(args, self._shapes, self._torch_dtypes):
+            if (type(value).__module__ != "torch" or value.dtype is not dtype
+                    or value.shape != shape or value.device != self._torch_device
+                    or not value.is_contiguous()):
+                return None
+        return list(args)  # tvm-ffi takes torch tensors through DLPack without a copy
+
     def __call__(self, *args: Any, **kwargs: Any):
-        names = [i["name"] for i in self.inputs]
+        if not kwargs:
+            fast = self._fast_torch(args)
+            if fast is not None:
+                import torch
+
+                out = self._main(*fast)  # tvm-ffi hands back torch tensors for torch inputs
+                outs = [out] if hasattr(out, "shape") else list(out)
+                result = [o if isinstance(o, torch.Tensor) else torch.from_dlpack(o) for o in outs]
+                return result[0] if len(result) == 1 else tuple(result)
+        names = self._names
         unknown = [k for k in kwargs if k not in names]
         if unknown:
             raise InputError(f"unknown input name(s) {unknown}; the library's inputs are {names}")
@@ -196,6 +226,15 @@ class CompiledModel:
         else:
             result = [o.numpy() for o in outs]
         return result[0] if len(result) == 1 else tuple(result)
+
+
+def _torch_dtypes(dtypes: list[str]) -> list | None:
+    """torch dtypes for ``dtypes``; None when torch is not installed."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return [getattr(torch, d, None) for d in dtypes]
 
 
 def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel:
