@@ -1,0 +1,332 @@
+"""FlashAttention-2-style prefill kernel for CUDA (sm80 path: cp.async + ldmatrix + mma.sync).
+
+One thread block per (query tile of ``BM`` rows, query head, batch); ``NW`` warps, each owning
+``MT`` m16 row slices of the tile (``BM = 16·MT·NW``). Per block::
+
+    Q tile  (BM × D)  → shared (cp.async) → registers (ldmatrix), once
+    for each KV tile n (BN keys; causal: only tiles left of the diagonal):
+        K_n, V_n  → shared, NS-stage cp.async ring (tile n+NS−1 loads while n computes)
+        S  = Q·K_nᵀ                      mma.sync m16n8k16, fp32 accumulators in registers
+        S  = S·scale·log2e (+ bias·log2e), −inf where masked (diagonal/ragged tiles only)
+        m' = max(m, rowmax S);  α = 2^(m − m');  P = 2^(S − m');  l = α·l + rowsum P
+        O  = α·O + P·V_n                 P re-packed to fp16/bf16 as the A operand in registers
+    out = O / l                                              (rows that see no key: 0)
+
+S and P never leave registers. Shared tiles are XOR-swizzled in 16-byte chunks (chunk ^ row%8),
+so every ldmatrix phase hits 8 distinct bank groups. Loads past Sq/Skv are zero-filled
+(cp.async src-size 0) and their keys masked. The kernel is written in TIR (TVMScript with the
+``T.ptx`` instruction table) and goes through TVM's default CUDA lowering unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm.script import tirx as T
+
+from .attention import AttentionSpec
+from .attention_cpu import bias_strides, causal_offset
+
+_LOG2E = math.log2(math.e)
+_NEG_INF = float("-inf")
+_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    """Tile sizes: ``BM = 16·m_tiles·warps`` query rows, ``block_n`` keys, ``stages`` KV buffers."""
+
+    warps: int = 4
+    m_tiles: int = 1
+    block_n: int = 64
+    stages: int = 2
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.m_tiles * self.warps
+
+
+def default_config(spec: AttentionSpec) -> FlashConfig:
+    """Tile choice per head dim (measured on the H200; see tools/bench/NOTES.md)."""
+    if spec.head_dim <= 64:
+        return FlashConfig(warps=4, m_tiles=1, block_n=64, stages=2)
+    return FlashConfig(warps=4, m_tiles=1, block_n=64, stages=2)
+
+
+def _check(spec: AttentionSpec) -> None:
+    if spec.dtype not in _PTX_TYPE:
+        raise ValueError(f"flash attention: dtype {spec.dtype} unsupported (float16 or bfloat16)")
+    if spec.head_dim not in (64, 128):
+        raise ValueError(f"flash attention: head_dim {spec.head_dim} unsupported (64 or 128)")
+    if not spec.scale > 0:
+        raise ValueError(f"flash attention: scale must be positive, not {spec.scale}")
+
+
+def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
+                             config: FlashConfig | None = None) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k, v, [bias,] out)`` for ``spec`` (layout in ``attention.py``)."""
+    _check(spec)
+    cfg = config or default_config(spec)
+    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
+                              spec.head_dim)
+    G = spec.group
+    dt, odt = spec.dtype, spec.result_dtype
+    ptx_t = _PTX_TYPE[dt]
+    mma_op = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_t}.{ptx_t}.f32"
+    cvt_op = f"cvt.rn.{ptx_t}x2.f32"
+    NW, MT, BN, NS = cfg.warps, cfg.m_tiles, cfg.block_n, cfg.stages
+    BM = cfg.block_m
+    NT = 32 * NW
+    CH = D // 8  # 16-byte chunks per row
+    KD = D // 16  # k16 steps of Q·Kᵀ
+    NN = BN // 8  # n8 tiles of S
+    KN = BN // 16  # k16 steps of P·V
+    ND = D // 8  # n8 tiles of O
+    n_m = (Sq + BM - 1) // BM
+    n_kv = (Skv + BN - 1) // BN
+    has_bias = spec.bias_shape is not None
+    fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
+    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
+    bdt = spec.bias_dtype or dt
+    off = causal_offset(spec)
+    causal = off is not None
+    off = off or 0
+    sc = float(spec.scale * _LOG2E)
+    # with a bias S is scaled before the max; otherwise the scale rides the exp2's FFMA
+    s_mul = 1.0 if has_bias else sc
+    l2e = float(_LOG2E)
+    q_off, k_off = 0, BM * D
+    v_off = k_off + NS * BN * D
+    smem_elems = v_off + NS * BN * D
+    if BM * CH % NT or BN * CH % NT or NN % 2:
+        raise ValueError(f"flash attention: tile config {cfg} does not divide over {NT} threads")
+    n_q_loads = BM * CH // NT
+    n_kv_loads = BN * CH // NT
+    # causal: heavy (long) query tiles first
+    r_base, r_sign = (n_m - 1, -1) if causal else (0, 1)
+
+    @T.macro
+    def load_tile(smem, src, row0, n_rows, base, b, hh, tx, n_loads):
+        # rows of D elements → swizzled 16-byte chunks; rows ≥ n_rows read nothing (zero fill)
+        for it in T.unroll(n_loads):
+            r: T.let[T.int32] = (tx + it * NT) // CH
+            c: T.let[T.int32] = (tx + it * NT) % CH
+            T.ptx["cp.async.cg.shared.global"](
+                    T.cuda.cvta_generic_to_shared(
+                        T.address_of(smem[base + r * D + T.bitwise_xor(c, r % 8) * 8])),
+                    T.address_of(src[b, T.min(row0 + r, n_rows - 1), hh, c * 8]),
+                    16,
+                    T.Cast("uint32", T.if_then_else(row0 + r < n_rows, 16, 0)),
+                )
+
+    @T.macro
+    def kv_step(j, masked, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i, l_i, st,
+                b, h, g, m0, n_end, warp, lane, tx):
+        # ring: wait until tile j is in shared, refill the stage tile j−1 used
+        T.tvm_storage_sync("shared")
+        if j + NS - 1 < n_end:
+            load_tile(smem, k, (j + NS - 1) * BN, Skv, k_off + ((j + NS - 1) % NS) * BN * D,
+                      b, g, tx, n_kv_loads)
+            load_tile(smem, v, (j + NS - 1) * BN, Skv, v_off + ((j + NS - 1) % NS) * BN * D,
+                      b, g, tx, n_kv_loads)
+        T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](NS - 1)
+        T.tvm_storage_sync("shared")
+        kbase: T.let[T.int32] = k_off + (j % NS) * BN * D
+        vbase: T.let[T.int32] = v_off + (j % NS) * BN * D
+        # S = Q·Kᵀ
+        for i in T.unroll(MT * NN * 4):
+            s_acc[i] = T.float32(0)
+        for kk in T.unroll(KD):
+            for nt2 in T.unroll(NN // 2):
+                # x4: (n 0-7, k lo), (n 0-7, k hi), (n 8-15, k lo), (n 8-15, k hi)
+                T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
+                    kb_frag[0], kb_frag[1], kb_frag[2], kb_frag[3],
+                    T.cuda.cvta_generic_to_shared(T.address_of(smem[
+                        kbase + (nt2 * 16 + (lane // 16) * 8 + lane % 8) * D
+                        + T.bitwise_xor(kk * 2 + (lane // 8) % 2, lane % 8) * 8])))
+                for mt in T.unroll(MT):
+                    for half in T.unroll(2):
+                        T.ptx[mma_op](
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 0],
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 1],
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 2],
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 3],
+                            q_frag[(mt * KD + kk) * 4 + 0], q_frag[(mt * KD + kk) * 4 + 1],
+                            q_frag[(mt * KD + kk) * 4 + 2], q_frag[(mt * KD + kk) * 4 + 3],
+                            kb_frag[half * 2 + 0], kb_frag[half * 2 + 1],
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 0],
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 1],
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 2],
+                            s_acc[(mt * NN + nt2 * 2 + half) * 4 + 3])
+        # scale, bias, mask
+        for mt in T.unroll(MT):
+            for nt in T.unroll(NN):
+                for e in T.unroll(4):
+                    row: T.let[T.int32] = (m0 + warp * MT * 16 + mt * 16 + lane // 4
+                                           + (e // 2) * 8)
+                    col: T.let[T.int32] = j * BN + nt * 8 + (lane % 4) * 2 + e % 2
+                    si: T.let[T.int32] = (mt * NN + nt) * 4 + e
+                    if has_bias:
+                        s_acc[si] = s_acc[si] * sc + T.Cast("float32", bias[
+                            b * fb, h * fh, T.min(row, Sq - 1) * fi, T.min(col, Skv - 1)]) * l2e
+                    if masked:
+                        if causal:
+                            if col >= Skv or col > row + off:
+                                s_acc[si] = T.float32(_NEG_INF)
+                        else:
+                            if col >= Skv:
+                                s_acc[si] = T.float32(_NEG_INF)
+        # online softmax: each thread holds 2 rows per m tile (lane/4 and lane/4 + 8)
+        for mt in T.unroll(MT):
+            for rh in T.unroll(2):
+                ri: T.let[T.int32] = mt * 2 + rh
+                st[0] = m_i[ri]
+                for nt in T.unroll(NN):
+                    st[0] = T.max(st[0], T.max(s_acc[(mt * NN + nt) * 4 + rh * 2],
+                                               s_acc[(mt * NN + nt) * 4 + rh * 2 + 1]) * s_mul)
+                st[0] = T.max(st[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 1, 32, 32))
+                st[0] = T.max(st[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 2, 32, 32))
+                # m' = −inf: nothing visible yet; subtract 0 so exp2(−inf) = 0, not NaN
+                st[1] = T.if_then_else(st[0] == T.float32(_NEG_INF), T.float32(0), st[0])
+                st[2] = T.exp2(m_i[ri] - st[1])
+                m_i[ri] = st[0]
+                l_i[ri] = l_i[ri] * st[2]
+                for dn in T.unroll(ND):
+                    for e in T.unroll(2):
+                        o_acc[(mt * ND + dn) * 4 + rh * 2 + e] = (
+                            o_acc[(mt * ND + dn) * 4 + rh * 2 + e] * st[2])
+                for nt in T.unroll(NN):
+                    for e in T.unroll(2):
+                        s_acc[(mt * NN + nt) * 4 + rh * 2 + e] = T.exp2(
+                            s_acc[(mt * NN + nt) * 4 + rh * 2 + e] * s_mul - st[1])
+                        l_i[ri] = l_i[ri] + s_acc[(mt * NN + nt) * 4 + rh * 2 + e]
+        # P as the A operand: k16 step kt = S n-tiles 2kt (a0, a1) and 2kt+1 (a2, a3)
+        for mt in T.unroll(MT):
+            for kt in T.unroll(KN):
+                for a in T.unroll(4):
+                    T.ptx[cvt_op](
+                        p_frag[(mt * KN + kt) * 4 + a],
+                        s_acc[(mt * NN + kt * 2 + a // 2) * 4 + (a % 2) * 2 + 1],
+                        s_acc[(mt * NN + kt * 2 + a // 2) * 4 + (a % 2) * 2])
+        # O += P·V   (V row-major [key][d] → B operand via ldmatrix.trans)
+        for kt in T.unroll(KN):
+            for dn2 in T.unroll(ND // 2):
+                # x4.trans: (k lo, d 0-7), (k hi, d 0-7), (k lo, d 8-15), (k hi, d 8-15)
+                T.ptx["ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"](
+                    kb_frag[0], kb_frag[1], kb_frag[2], kb_frag[3],
+                    T.cuda.cvta_generic_to_shared(T.address_of(smem[
+                        vbase + (kt * 16 + ((lane // 8) % 2) * 8 + lane % 8) * D
+                        + T.bitwise_xor(dn2 * 2 + lane // 16, lane % 8) * 8])))
+                for mt in T.unroll(MT):
+                    for half in T.unroll(2):
+                        T.ptx[mma_op](
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 0],
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 1],
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 2],
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 3],
+                            p_frag[(mt * KN + kt) * 4 + 0], p_frag[(mt * KN + kt) * 4 + 1],
+                            p_frag[(mt * KN + kt) * 4 + 2], p_frag[(mt * KN + kt) * 4 + 3],
+                            kb_frag[half * 2 + 0], kb_frag[half * 2 + 1],
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 0],
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 1],
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 2],
+                            o_acc[(mt * ND + dn2 * 2 + half) * 4 + 3])
+
+    def n_end_of(m0):
+        # KV tiles that hold a key visible to some row of the tile starting at m0
+        if causal:
+            return T.max(T.min(n_kv, (T.min(m0 + BM, Sq) - 1 + off) // BN + 1), 0)
+        return n_kv
+
+    def n_full_of(m0):
+        # leading KV tiles visible to every row of the tile: no mask needed
+        if causal:
+            return T.max(T.min(T.min(n_kv, Skv // BN), (m0 + off + 1) // BN), 0)
+        return Skv // BN
+
+    @T.macro
+    def body(q, k, v, bias, out):
+        bx = T.launch_thread("blockIdx.x", n_m)
+        h = T.launch_thread("blockIdx.y", Hq)
+        b = T.launch_thread("blockIdx.z", B)
+        tx = T.launch_thread("threadIdx.x", NT)
+        smem = T.alloc_buffer((smem_elems,), dt, scope="shared.dyn")
+        s_acc = T.alloc_buffer((MT * NN * 4,), "float32", scope="local")
+        o_acc = T.alloc_buffer((MT * ND * 4,), "float32", scope="local")
+        q_frag = T.alloc_buffer((MT * KD * 4,), "uint32", scope="local")
+        kb_frag = T.alloc_buffer((4,), "uint32", scope="local")
+        p_frag = T.alloc_buffer((MT * KN * 4,), "uint32", scope="local")
+        m_i = T.alloc_buffer((MT * 2,), "float32", scope="local")
+        l_i = T.alloc_buffer((MT * 2,), "float32", scope="local")
+        st = T.alloc_buffer((4,), "float32", scope="local")
+        warp: T.let[T.int32] = tx // 32
+        lane: T.let[T.int32] = tx % 32
+        g: T.let[T.int32] = h // G
+        m0: T.let[T.int32] = (r_base + r_sign * bx) * BM
+        n_end: T.let[T.int32] = n_end_of(m0)
+        n_full: T.let[T.int32] = T.min(n_full_of(m0), n_end)
+        # prologue: Q and KV tiles 0 .. NS−2 in flight
+        load_tile(smem, q, m0, Sq, q_off, b, h, tx, n_q_loads)
+        for p in T.unroll(NS - 1):
+            if p < n_end:
+                load_tile(smem, k, p * BN, Skv, k_off + p * BN * D, b, g, tx, n_kv_loads)
+                load_tile(smem, v, p * BN, Skv, v_off + p * BN * D, b, g, tx, n_kv_loads)
+            T.ptx["cp.async.commit_group"]()
+        T.ptx["cp.async.wait_group"](NS - 2)
+        T.tvm_storage_sync("shared")
+        for mt in T.unroll(MT):
+            for kk in T.unroll(KD):
+                # x4: (rows 0-7, k lo), (rows 8-15, k lo), (rows 0-7, k hi), (rows 8-15, k hi)
+                T.ptx["ldmatrix.sync.aligned.m8n8.x4.shared.b16"](
+                    q_frag[(mt * KD + kk) * 4 + 0], q_frag[(mt * KD + kk) * 4 + 1],
+                    q_frag[(mt * KD + kk) * 4 + 2], q_frag[(mt * KD + kk) * 4 + 3],
+                    T.cuda.cvta_generic_to_shared(T.address_of(smem[
+                        q_off + (warp * MT * 16 + mt * 16 + ((lane // 8) % 2) * 8 + lane % 8) * D
+                        + T.bitwise_xor(kk * 2 + lane // 16, lane % 8) * 8])))
+        for i in T.unroll(MT * ND * 4):
+            o_acc[i] = T.float32(0)
+        for i in T.unroll(MT * 2):
+            m_i[i] = T.float32(_NEG_INF)
+            l_i[i] = T.float32(0)
+        for j in T.serial(n_full):
+            kv_step(j, False, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i, l_i,
+                    st, b, h, g, m0, n_end, warp, lane, tx)
+        for j in T.serial(n_end - n_full):
+            kv_step(j + n_full, True, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag,
+                    m_i, l_i, st, b, h, g, m0, n_end, warp, lane, tx)
+        # out = O / l   (l summed over the 4 lanes of a row's quad)
+        for mt in T.unroll(MT):
+            for rh in T.unroll(2):
+                ri: T.let[T.int32] = mt * 2 + rh
+                st[0] = l_i[ri]
+                st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 1, 32, 32)
+                st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 2, 32, 32)
+                st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(1) / st[0], T.float32(0))
+                row: T.let[T.int32] = m0 + warp * MT * 16 + mt * 16 + lane // 4 + rh * 8
+                if row < Sq:
+                    for dn in T.unroll(ND):
+                        for e in T.unroll(2):
+                            out[b, row, h, dn * 8 + (lane % 4) * 2 + e] = T.Cast(
+                                odt, o_acc[(mt * ND + dn) * 4 + rh * 2 + e] * st[1])
+
+    if has_bias:
+
+        @T.prim_func
+        def flash_attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                            v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
+                            out: T.Buffer((B, Sq, Hq, D), odt)):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            body(q, k, v, bias, out)
+
+    else:
+
+        @T.prim_func
+        def flash_attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                            v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, Sq, Hq, D), odt)):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            body(q, k, v, q, out)
+
+    return flash_attention
