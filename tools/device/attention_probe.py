@@ -113,9 +113,12 @@ def run_case(lib_path, spec, iters, check, timing, sdpa):
             qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
             causal = spec.causal != "none"
             gqa = spec.group > 1
-            fn = (lambda: torch.nn.functional.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=causal, enable_gqa=gqa))
-            res["sdpa_ms"] = time_ms(fn, iters)
+
+            def sdpa_call():
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+
+            res["sdpa_ms"] = time_ms(sdpa_call, iters)
     return res
 
 

@@ -1,0 +1,218 @@
+"""Split-KV decode attention (flash-decoding) for CUDA: one query token per sequence.
+
+``Sq == 1``. The KV axis is cut into ``n_split`` chunks; one PrimFunc launches two kernels::
+
+    partial  grid (n_split, Hkv·HC, B), 128 threads: one block = one KV chunk × one KV head ×
+             GC = G/HC query heads of that KV head, which share every K/V row it loads.
+             16 lanes cover one key row (8 elements = one 16-byte load each); 8 lane groups take
+             keys j ≡ group (mod 8), ``unroll`` keys ahead. Per head, fp32, log2 domain:
+               s_j = q·k_j·scale·log2e (+ bias·log2e);  m, l, acc: running max / sum / Σ 2^(s−m)·v
+             the 8 groups merge through shared memory into (m, l, acc[D]) per head and chunk,
+             written to a float32 workspace allocated inside the PrimFunc.
+    combine  grid (B·Hq), D threads:  M = max_c m_c;  out = Σ_c 2^(m_c−M)·acc_c / Σ_c 2^(m_c−M)·l_c
+
+Causal with Sq == 1: TopLeft sees key 0 only, BottomRight every key. CUDA-core FMAs: at D=128
+the kernel moves 2·D·2 bytes per key and head group and is meant to run at HBM bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm.script import tirx as T
+
+from .attention import AttentionSpec
+from .attention_cpu import bias_strides
+
+_LOG2E = math.log2(math.e)
+_NEG_INF = float("-inf")
+_THREADS = 128
+_VEC = 8  # elements per 16-byte load
+_MAX_GC = 8  # query heads per block (registers: 2·GC·8 floats of q and acc per thread)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """``unroll`` keys in flight per lane group; ``splits`` KV chunks (0: enough for ~8 waves)."""
+
+    unroll: int = 4
+    splits: int = 0
+
+
+def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
+                 keys_per_iter: int) -> int:
+    if cfg.splits:
+        return max(1, min(cfg.splits, (kv_eff + keys_per_iter - 1) // keys_per_iter))
+    want = (132 * 8 + blocks_per_split - 1) // blocks_per_split  # ~8 waves on 132 SMs
+    return max(1, min(want, (kv_eff + keys_per_iter - 1) // keys_per_iter))
+
+
+def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
+                          config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k, v, [bias,] out)`` for a ``q_len == 1`` spec (layout in ``attention.py``)."""
+    if spec.q_len != 1:
+        raise ValueError(f"flash decode needs q_len == 1, not {spec.q_len}")
+    if spec.dtype not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"flash decode: dtype {spec.dtype} unsupported")
+    vec = _VEC if spec.dtype != "float32" else 4
+    lanes = spec.head_dim // vec
+    if spec.head_dim % vec or lanes & (lanes - 1) or _THREADS % lanes:
+        raise ValueError(f"flash decode: head_dim {spec.head_dim} unsupported")
+    cfg = config or DecodeConfig()
+    B, Skv, Hq, Hkv, D = spec.batch, spec.kv_len, spec.q_heads, spec.kv_heads, spec.head_dim
+    G = spec.group
+    GC = max(d for d in range(1, min(G, _MAX_GC) + 1) if G % d == 0)
+    HC = G // GC
+    dt, odt = spec.dtype, spec.result_dtype
+    LPR = D // vec  # lanes per key row
+    NG = _THREADS // LPR  # key rows in flight per unroll step
+    U = cfg.unroll
+    # Sq == 1: TopLeft sees key 0 only; BottomRight (j ≤ Skv − 1) and none see all keys
+    kv_eff = 1 if spec.causal == "TopLeft" else Skv
+    per_iter = NG * U
+    n_split = _split_count(spec, cfg, B * Hkv * HC, kv_eff, per_iter)
+    L = (kv_eff + n_split - 1) // n_split
+    L = (L + per_iter - 1) // per_iter * per_iter
+    n_split = (kv_eff + L - 1) // L
+    n_iter = L // per_iter
+    has_bias = spec.bias_shape is not None
+    fb, fh, _ = bias_strides(spec) if has_bias else (0, 0, 0)
+    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
+    bdt = spec.bias_dtype or dt
+    sc = float(spec.scale * _LOG2E)
+    l2e = float(_LOG2E)
+    full = T.uint32(0xFFFFFFFF)
+
+    @T.macro
+    def body(q, k, v, bias, out):
+        part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
+        part_ml = T.alloc_buffer((B * Hq * n_split * 2,), "float32", scope="global")
+        with T.launch_thread("blockIdx.x", n_split) as sp:
+            yb = T.launch_thread("blockIdx.y", Hkv * HC)
+            b = T.launch_thread("blockIdx.z", B)
+            tx = T.launch_thread("threadIdx.x", _THREADS)
+            qr = T.alloc_buffer((GC * vec,), "float32", scope="local")
+            acc = T.alloc_buffer((GC * vec,), "float32", scope="local")
+            kr = T.alloc_buffer((U * vec,), dt, scope="local")
+            vr = T.alloc_buffer((U * vec,), dt, scope="local")
+            s = T.alloc_buffer((U * GC,), "float32", scope="local")
+            m = T.alloc_buffer((GC,), "float32", scope="local")
+            lsum = T.alloc_buffer((GC,), "float32", scope="local")
+            st = T.alloc_buffer((2,), "float32", scope="local")
+            sm_o = T.alloc_buffer((NG * GC * D,), "float32", scope="shared")
+            sm_ml = T.alloc_buffer((NG * GC * 2,), "float32", scope="shared")
+            kvh: T.let[T.int32] = yb // HC
+            h0: T.let[T.int32] = kvh * G + (yb % HC) * GC
+            grp: T.let[T.int32] = tx // LPR
+            d0: T.let[T.int32] = (tx % LPR) * vec
+            j0: T.let[T.int32] = sp * L
+            for hh in T.unroll(GC):
+                m[hh] = T.float32(_NEG_INF)
+                lsum[hh] = T.float32(0)
+                for e in T.unroll(vec):
+                    qr[hh * vec + e] = T.Cast("float32", q[b, 0, h0 + hh, d0 + e]) * sc
+                    acc[hh * vec + e] = T.float32(0)
+            for it in T.serial(n_iter):
+                for u in T.unroll(U):
+                    jl: T.let[T.int32] = T.min(j0 + it * per_iter + u * NG + grp, kv_eff - 1)
+                    kr[T.ramp(u * vec, 1, vec)] = k[b, jl, kvh, T.ramp(d0, 1, vec)]
+                    vr[T.ramp(u * vec, 1, vec)] = v[b, jl, kvh, T.ramp(d0, 1, vec)]
+                for u in T.unroll(U):
+                    for hh in T.unroll(GC):
+                        s[u * GC + hh] = T.float32(0)
+                        for e in T.unroll(vec):
+                            s[u * GC + hh] = s[u * GC + hh] + qr[hh * vec + e] * T.Cast(
+                                "float32", kr[u * vec + e])
+                for u in T.unroll(U):
+                    for hh in T.unroll(GC):
+                        for x in T.unroll(LPR.bit_length() - 1):
+                            s[u * GC + hh] = s[u * GC + hh] + T.tvm_warp_shuffle_xor(
+                                full, s[u * GC + hh], 1 << x, 32, 32)
+                for u in T.unroll(U):
+                    j: T.let[T.int32] = j0 + it * per_iter + u * NG + grp
+                    for hh in T.unroll(GC):
+                        if has_bias:
+                            s[u * GC + hh] = s[u * GC + hh] + T.Cast("float32", bias[
+                                b * fb, (h0 + hh) * fh, 0, T.min(j, kv_eff - 1)]) * l2e
+                        if j >= T.min(j0 + L, kv_eff):
+                            s[u * GC + hh] = T.float32(_NEG_INF)
+                for hh in T.unroll(GC):
+                    st[0] = m[hh]
+                    for u in T.unroll(U):
+                        st[0] = T.max(st[0], s[u * GC + hh])
+                    st[1] = T.if_then_else(st[0] == T.float32(_NEG_INF), T.float32(0), st[0])
+                    lsum[hh] = lsum[hh] * T.exp2(m[hh] - st[1])
+                    for e in T.unroll(vec):
+                        acc[hh * vec + e] = acc[hh * vec + e] * T.exp2(m[hh] - st[1])
+                    m[hh] = st[0]
+                    for u in T.unroll(U):
+                        s[u * GC + hh] = T.exp2(s[u * GC + hh] - st[1])
+                        lsum[hh] = lsum[hh] + s[u * GC + hh]
+                        for e in T.unroll(vec):
+                            acc[hh * vec + e] = acc[hh * vec + e] + s[u * GC + hh] * T.Cast(
+                                "float32", vr[u * vec + e])
+            # merge the NG lane groups of this block
+            for hh in T.unroll(GC):
+                for e in T.unroll(vec):
+                    sm_o[(grp * GC + hh) * D + d0 + e] = acc[hh * vec + e]
+                if tx % LPR == 0:
+                    sm_ml[(grp * GC + hh) * 2] = m[hh]
+                    sm_ml[(grp * GC + hh) * 2 + 1] = lsum[hh]
+            T.tvm_storage_sync("shared")
+            for it2 in T.serial((GC * D + _THREADS - 1) // _THREADS):
+                idx: T.let[T.int32] = it2 * _THREADS + tx
+                if idx < GC * D:
+                    hh2: T.let[T.int32] = idx // D
+                    dd: T.let[T.int32] = idx % D
+                    st[0] = T.float32(_NEG_INF)
+                    for gi in T.unroll(NG):
+                        st[0] = T.max(st[0], sm_ml[(gi * GC + hh2) * 2])
+                    st[1] = T.if_then_else(st[0] == T.float32(_NEG_INF), T.float32(0), st[0])
+                    acc[0] = T.float32(0)
+                    acc[1] = T.float32(0)
+                    for gi in T.unroll(NG):
+                        acc[2] = T.exp2(sm_ml[(gi * GC + hh2) * 2] - st[1])
+                        acc[0] = acc[0] + acc[2] * sm_o[(gi * GC + hh2) * D + dd]
+                        acc[1] = acc[1] + acc[2] * sm_ml[(gi * GC + hh2) * 2 + 1]
+                    pbase: T.let[T.int32] = (b * Hq + h0 + hh2) * n_split + sp
+                    part_o[pbase * D + dd] = acc[0]
+                    if dd == 0:
+                        part_ml[pbase * 2] = st[0]
+                        part_ml[pbase * 2 + 1] = acc[1]
+        with T.launch_thread("blockIdx.x", B * Hq) as bh:
+            t2 = T.launch_thread("threadIdx.x", D)
+            c = T.alloc_buffer((4,), "float32", scope="local")
+            c[0] = T.float32(_NEG_INF)
+            for sp2 in T.serial(n_split):
+                c[0] = T.max(c[0], part_ml[(bh * n_split + sp2) * 2])
+            c[1] = T.if_then_else(c[0] == T.float32(_NEG_INF), T.float32(0), c[0])
+            c[2] = T.float32(0)
+            c[3] = T.float32(0)
+            for sp2 in T.serial(n_split):
+                c[2] = c[2] + T.exp2(part_ml[(bh * n_split + sp2) * 2] - c[1]) * part_o[
+                    (bh * n_split + sp2) * D + t2]
+                c[3] = c[3] + T.exp2(part_ml[(bh * n_split + sp2) * 2] - c[1]) * part_ml[
+                    (bh * n_split + sp2) * 2 + 1]
+            out[bh // Hq, 0, bh % Hq, t2] = T.Cast(
+                odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
+
+    if has_bias:
+
+        @T.prim_func
+        def flash_decode(q: T.Buffer((B, 1, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                         v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
+                         out: T.Buffer((B, 1, Hq, D), odt)):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            body(q, k, v, bias, out)
+
+    else:
+
+        @T.prim_func
+        def flash_decode(q: T.Buffer((B, 1, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                         v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, 1, Hq, D), odt)):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            body(q, k, v, q, out)
+
+    return flash_decode
