@@ -148,3 +148,138 @@ def test_bad_bias_shape_is_named():
     spec = _spec(2, 8, 8, 2, 2, 64, bias=(3, 1, 1, 8))
     with pytest.raises(ValueError, match="does not broadcast"):
         attention_cpu_primfunc(spec)
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA kernels: build with nvcc (no GPU needed), inspect SASS and the ptxas report
+
+
+def _cuda_fatbin(func, target_name: str, tmp_path) -> tuple[bytes, str]:
+    """(fatbin, ptxas -v report) of ``func`` built for a tvmfuse CUDA target."""
+    import os
+
+    from tvmfuse.build.nvcc import compile_fatbin, find_nvcc
+    from tvmfuse.errors import CompileError
+    from tvmfuse.targets import get_target
+
+    try:
+        find_nvcc()
+    except CompileError as err:
+        pytest.skip(str(err))
+    spec = get_target(target_name)
+    previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
+    os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"  # keep CUDA source, nvcc builds it below
+    try:
+        lib = tvm.compile(tvm.IRModule({"main": func}), target=spec.tvm_target())
+    finally:
+        if previous is None:
+            del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
+        else:
+            os.environ["TVM_COMPILE_FORCE_FALLBACK"] = previous
+    source = lib.mod.imports[0].inspect_source()
+    fatbin = compile_fatbin(source, spec, tmp_path)
+    return fatbin, (tmp_path / "kernels.ptxas.log").read_text()
+
+
+def _sass(fatbin: bytes) -> dict[str, str]:
+    from tvmfuse.build.inspect import fatbin_sass
+    from tvmfuse.errors import LibraryError
+
+    try:
+        return fatbin_sass(fatbin)
+    except LibraryError as err:
+        pytest.skip(str(err))
+
+
+def _assert_no_spills(report: str) -> None:
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills, report
+    assert all(s == ("0", "0") for s in spills), f"register spills:\n{report}"
+
+
+FLASH_BUILDS = {
+    "causal_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"), "sm80"),
+    "bias_d64_bf16_sm90": (_spec(2, 100, 177, 4, 4, 64, "bfloat16", bias=(2, 1, 1, 177)), "sm90"),
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_BUILDS))
+def test_flash_attention_builds_with_tensor_cores(name, tmp_path):
+    from tvmfuse.schedules.flash_attention import flash_attention_primfunc
+
+    spec, target = FLASH_BUILDS[name]
+    func = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
+    assert func.attrs["tir.is_scheduled"]
+    assert [p.name for p in func.params] == [p.name for p in flash_attention_primfunc(spec).params]
+    fatbin, report = _cuda_fatbin(func, target, tmp_path)
+    _assert_no_spills(report)
+    sass = _sass(fatbin)
+    archs = [a for a in sass if a.startswith("sm_")]
+    assert archs == (["sm_80", "sm_90"] if target == "sm80" else ["sm_90a"])
+    for arch in archs:
+        for instr in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
+            assert instr in sass[arch], f"{name}: no {instr} in {arch} SASS"
+        assert "MUFU.EX2" in sass[arch]
+
+
+def test_flash_decode_builds(tmp_path):
+    spec = _spec(4, 1, 1000, 32, 8, 128, "float16", causal="BottomRight")
+    func = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
+    fatbin, report = _cuda_fatbin(func, "sm80", tmp_path)
+    _assert_no_spills(report)
+    assert report.count("Compiling entry function") >= 2 or "flash_decode_kernel_1" in report
+    sass = _sass(fatbin)
+    assert "SHFL.BFLY" in sass["sm_80"] and "LDG.E.128" in sass["sm_80"]
+
+
+def test_flash_rejects_unsupported():
+    from tvmfuse.schedules.flash_attention import FlashConfig, flash_attention_primfunc
+
+    with pytest.raises(ValueError, match="head_dim 96"):
+        flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 96, "float16"))
+    with pytest.raises(ValueError, match="dtype float32"):
+        flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 64, "float32"))
+    with pytest.raises(ValueError, match="does not divide"):
+        flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 64, "float16"), config=FlashConfig(block_n=24))
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: rel err against float64 torch on random inputs, every variant
+
+GPU_CASES = {
+    "mha_d128_fp16": _spec(2, 256, 256, 4, 4, 128, "float16"),
+    "causal_d128_ragged_fp16": _spec(2, 200, 200, 4, 4, 128, "float16", causal="TopLeft"),
+    "causal_d64_gqa_bf16": _spec(1, 300, 300, 4, 2, 64, "bfloat16", causal="TopLeft"),
+    "gqa_ragged_d64_fp16": _spec(2, 77, 333, 8, 2, 64, "float16"),
+    "mqa_bottomright_d128_bf16": _spec(1, 100, 260, 8, 1, 128, "bfloat16", causal="BottomRight"),
+    "padding_bias_d128_fp16": _spec(2, 130, 130, 4, 4, 128, "float16", bias=(2, 1, 1, 130)),
+    "full_bias_causal_d64_bf16": _spec(1, 96, 96, 2, 2, 64, "bfloat16", "TopLeft", (1, 2, 96, 96)),
+    "sq_gt_skv_bottomright_fp16": _spec(1, 150, 70, 2, 2, 64, "float16", causal="BottomRight"),
+    "decode_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16"),
+    "decode_mha_d64_bf16_bias": _spec(2, 1, 777, 4, 4, 64, "bfloat16", bias=(2, 1, 1, 777)),
+    "decode_mqa_d128_fp16_causal": _spec(2, 1, 300, 16, 1, 128, "float16", causal="BottomRight"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_numerics(name):
+    import torch
+
+    spec = GPU_CASES[name]
+    major, minor = torch.cuda.get_device_capability()
+    target = tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host={"kind": "llvm"})
+    lib = tvm.compile(tvm.IRModule({"main": attention_primfunc(spec, target)}), target=target)
+    q, k, v, bias = random_inputs(spec)
+    dt = getattr(torch, spec.dtype)
+    tq, tk, tv = (torch.from_numpy(x).to("cuda", dt) for x in (q, k, v))
+    args = [tq, tk, tv]
+    if bias is not None:
+        args.append(torch.from_numpy(bias).to("cuda", getattr(torch, spec.bias_dtype)))
+    out = torch.empty_like(tq)
+    lib["main"](*[tvm.runtime.from_dlpack(x) for x in (*args, out)])
+    ref = reference(*[x.cpu().double().numpy() for x in args] + ([None] if bias is None else []),
+                    spec)
+    err = np.linalg.norm(out.cpu().double().numpy() - ref) / np.linalg.norm(ref)
+    tol = {"float16": 2e-3, "bfloat16": 1e-2}[spec.dtype]
+    assert err < tol, f"{name}: rel err {err:.2e} ≥ {tol}"
