@@ -1,0 +1,1 @@
+"""Hopper (sm_90a) kernels written in TIRx: TMA, mbarriers, wgmma."""

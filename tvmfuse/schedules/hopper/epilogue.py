@@ -1,0 +1,266 @@
+"""Read a fused GEMM PrimFunc as ``out[i, j] = f(Σ_k A[i, k]·B[k, j], params at (i, j))``.
+
+FuseTIR gives a GEMM with its epilogue as one PrimFunc: a ``matmul`` block
+``C[i, j] += cast(A[i, k]) * cast(B[k, j])`` (or ``B[j, k]``) followed by spatial blocks over the
+same ``(i, j)`` domain (casts, bias ``b[j]``, activations, residual ``r[i, j]``, row scales
+``s[i, 0]``). :func:`analyze` inlines those blocks into one expression of the accumulator and the
+parameters, and :func:`expr_text` prints it as TVMScript for the kernel's store. Anything else
+(a prologue on A or B, a batched B, a reduction after the GEMM, two outputs) is reported as the
+reason the function is not handled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tvm
+from tvm import tirx
+
+_Load = tvm.ir.TensorLoad  # 0.27: buffer loads are TensorLoad(source, indices)
+_Call = tvm.ir.Call
+
+
+class NotHandled(Exception):
+    """The function is not a GEMM + epilogue this path can take; the message says why."""
+
+
+@dataclass
+class FusedGemm:
+    """A fused GEMM: ``out = expr(acc, params)`` over an (M, N) output (leading dims fold into M)."""
+
+    a: int  # parameter positions
+    b: int
+    out: int
+    m: int
+    n: int
+    k: int
+    in_dtype: str
+    out_dtype: str
+    layout: str  # "nt": B (N, K); "nn": B (K, N)
+    out_shape: tuple[int, ...]
+    expr: tirx.PrimExpr  # in terms of `acc` and `dims`
+    acc: tirx.Var
+    dims: list[tirx.Var]  # one per output dimension
+    param_names: list[str] = field(default_factory=list)
+
+
+def _dt(e) -> str:
+    """dtype of a primitive expression (0.27 keeps it in ``e.ty``)."""
+    return str(e.ty.dtype)
+
+
+def _int(e) -> int:
+    if isinstance(e, tirx.IntImm):
+        return int(e.value)
+    if isinstance(e, int):
+        return e
+    raise NotHandled(f"symbolic extent {e}")
+
+
+def _shape(buf) -> tuple[int, ...]:
+    return tuple(_int(d) for d in buf.shape)
+
+
+def top_blocks(func: tirx.PrimFunc):
+    """Top-level blocks in order, each with its BlockRealize (FuseTIR's loop-nest-per-block form)."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    root = sch.get_sblock("root")
+    out = []
+    for rv in sch.get_child_blocks(root):
+        out.append((sch.get(rv), sch.get_sref(rv)))
+    return sch, out
+
+
+def _strip_cast(e):
+    return e.value if isinstance(e, tirx.Cast) else e
+
+
+def _matmul(block, params):
+    """(A param, B param, layout, C buffer, M, N, K, in dtype) of the matmul block."""
+    kinds = [iv.iter_type for iv in block.iter_vars]
+    if kinds.count(tirx.IterVar.CommReduce) != 1 or len(kinds) != 3:
+        raise NotHandled("the GEMM block is not a 2-D matmul (batched or multi-reduction)")
+    vi, vj, vk = (iv.var for iv in block.iter_vars)
+    body = block.body
+    if not isinstance(body, tirx.BufferStore) or block.init is None:
+        raise NotHandled("matmul block without init or store")
+    c = body.buffer
+    val = body.value
+    if not (isinstance(val, tirx.Add) and isinstance(val.a, _Load)
+            and val.a.source.same_as(c) and isinstance(val.b, tirx.Mul)):
+        raise NotHandled("matmul update is not C + x*y")
+    x, y = _strip_cast(val.b.a), _strip_cast(val.b.b)
+    if not (isinstance(x, _Load) and isinstance(y, _Load)):
+        raise NotHandled("matmul operands are not buffer loads")
+    if str(c.dtype) != "float32":
+        raise NotHandled(f"accumulator dtype {c.dtype} (fp32 only)")
+
+    def same(idx, vars_):
+        return len(idx) == len(vars_) and all(a.same_as(b) for a, b in zip(idx, vars_))
+
+    if not same(body.indices, [vi, vj]):
+        raise NotHandled("matmul output is not C[i, j]")
+    if not same(x.indices, [vi, vk]):
+        raise NotHandled("A is not read as A[i, k]")
+    if same(y.indices, [vk, vj]):
+        layout = "nn"
+    elif same(y.indices, [vj, vk]):
+        layout = "nt"
+    else:
+        raise NotHandled("B is read neither as B[k, j] nor B[j, k]")
+    a_pos = next((i for i, p in enumerate(params) if p.same_as(x.source)), None)
+    b_pos = next((i for i, p in enumerate(params) if p.same_as(y.source)), None)
+    if a_pos is None or b_pos is None:
+        raise NotHandled("A or B is computed inside the function (prologue)")
+    if str(x.source.dtype) != str(y.source.dtype):
+        raise NotHandled(f"A {x.source.dtype} and B {y.source.dtype} differ")
+    if len(x.source.shape) != 2 or len(y.source.shape) != 2 or len(c.shape) != 2:
+        raise NotHandled("A, B or C is not 2-D")
+    m, kk = _shape(x.source)
+    n = _shape(c)[1]
+    return a_pos, b_pos, layout, c, m, n, kk, str(x.source.dtype)
+
+
+def _lookup(pairs, var):
+    """The value paired with ``var`` (Python wrappers of one Var differ: compare with same_as)."""
+    return next((val for key, val in pairs if key.same_as(var)), None)
+
+
+class _Inliner:
+    """Inlines spatial blocks into one expression over canonical output indices."""
+
+    def __init__(self, params, acc, c, dims):
+        self.params = params
+        self.defs = {c: acc}  # intermediate buffer -> expression over dims
+        self.dims = dims
+
+    def inline(self, e, vmap):
+        """``e`` with block vars mapped (vmap) and intermediate loads replaced by definitions."""
+        if isinstance(e, _Load):
+            for buf, expr in self.defs.items():
+                if buf.same_as(e.source):
+                    if len(e.indices) != len(self.dims) or not all(
+                            _lookup(vmap, ix) is d for ix, d in zip(e.indices, self.dims)):
+                        raise NotHandled(f"intermediate {buf.name} read at other indices")
+                    return expr
+            if not any(p.same_as(e.source) for p in self.params):
+                raise NotHandled(f"load of {e.source.name}, neither parameter nor earlier block")
+            return tirx.BufferLoad(e.source, [self.inline(i, vmap) for i in e.indices])
+        if isinstance(e, tirx.Var):
+            found = _lookup(vmap, e)
+            if found is None:
+                raise NotHandled(f"free variable {e.name}")
+            return found
+        if isinstance(e, (tirx.IntImm, tirx.FloatImm)):
+            return e
+        if isinstance(e, tirx.Cast):
+            return tirx.Cast(_dt(e), self.inline(e.value, vmap))
+        if isinstance(e, _BINARY):
+            return type(e)(self.inline(e.a, vmap), self.inline(e.b, vmap))
+        if isinstance(e, tirx.Select):
+            return tirx.Select(self.inline(e.condition, vmap), self.inline(e.true_value, vmap),
+                               self.inline(e.false_value, vmap))
+        if isinstance(e, tirx.Not):
+            return tirx.Not(self.inline(e.a, vmap))
+        if isinstance(e, _Call) and isinstance(e.op, _Op) and e.op.name in _CALLS:
+            return _Call(_dt(e), e.op, [self.inline(a, vmap) for a in e.args])
+        raise NotHandled(f"epilogue expression {type(e).__name__} unsupported: {e}")
+
+
+_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Min, tirx.Max, tirx.FloorDiv,
+           tirx.FloorMod, tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
+_BINARY_TEXT = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.Div: "/", tirx.EQ: "==",
+                tirx.NE: "!=", tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">="}
+_BINARY_CALL = {tirx.Min: "T.min", tirx.Max: "T.max", tirx.FloorDiv: "T.floordiv",
+                tirx.FloorMod: "T.floormod", tirx.And: "T.And", tirx.Or: "T.Or"}
+# math intrinsics an epilogue may use; TVMScript spells tirx.X as T.X
+_CALLS = {f"tirx.{n}" for n in ("exp", "exp2", "log", "erf", "tanh", "sigmoid", "sqrt", "rsqrt",
+                                "pow", "fabs", "floor", "ceil", "round", "isnan", "isinf")}
+_Op = tvm.ir.Op
+
+
+def analyze(func: tirx.PrimFunc) -> FusedGemm:
+    """The fused GEMM in ``func``; raises :class:`NotHandled` with the reason otherwise."""
+    params = list(func.params)  # 0.27: parameters are the buffers themselves
+    try:
+        _, blocks = top_blocks(func)
+    except Exception as err:  # TVM raises TVMError / ValueError on unexpected structure
+        raise NotHandled(f"not a block-structured function ({err})") from err
+    if not blocks:
+        raise NotHandled("no blocks")
+    first = blocks[0][0]
+    a_pos, b_pos, layout, c, m, n, k, in_dtype = _matmul(first, params)
+    acc = tirx.Var("acc", "float32")
+    dims = [tirx.Var(f"d{i}", "int32") for i in range(2)]
+    inl = _Inliner(params, acc, c, dims)
+    last = c
+    for block, _ in blocks[1:]:
+        if any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars):
+            raise NotHandled(f"block {block.name_hint} after the GEMM is not elementwise")
+        body = block.body
+        if not isinstance(body, tirx.BufferStore) or block.init is not None:
+            raise NotHandled(f"block {block.name_hint} is not a single store")
+        ivs = [iv.var for iv in block.iter_vars]
+        if len(ivs) != 2 or [_int(iv.dom.extent) for iv in block.iter_vars] != [m, n]:
+            raise NotHandled(f"block {block.name_hint} does not span the (M, N) output")
+        if not all(ix.same_as(v) for ix, v in zip(body.indices, ivs)) or len(body.indices) != 2:
+            raise NotHandled(f"block {block.name_hint} writes other than X[i, j]")
+        vmap = list(zip(ivs, dims))
+        inl.defs[body.buffer] = inl.inline(body.value, vmap)
+        last = body.buffer
+    out_pos = next((i for i, p in enumerate(params) if p.same_as(last)), None)
+    if out_pos is None:
+        raise NotHandled("the last block does not write a parameter")
+    written = [b.body.buffer for b, _ in blocks if isinstance(b.body, tirx.BufferStore)]
+    if sum(1 for p in params if any(p.same_as(w) for w in written)) != 1:
+        raise NotHandled("more than one output")
+    if out_pos in (a_pos, b_pos):
+        raise NotHandled("output aliases an input")
+    expr = inl.defs[last]
+    return FusedGemm(a_pos, b_pos, out_pos, m, n, k, in_dtype, str(last.dtype), layout,
+                     _shape(last), expr, acc, dims, [p.name for p in params])
+
+
+def expr_text(e, names: list, buffers: list) -> str:
+    """TVMScript text of an epilogue expression.
+
+    ``names`` is ``[(var, text)]`` for acc and dims; ``buffers`` is ``[(buffer, name)]`` of params.
+    """
+
+    def t(x) -> str:
+        if isinstance(x, tirx.Var):
+            found = _lookup(names, x)
+            return found if found is not None else _fail(f"variable {x.name}")
+        if isinstance(x, tirx.IntImm):
+            return f"T.{_dt(x)}({int(x.value)})" if _dt(x) != "bool" else str(bool(x.value))
+        if isinstance(x, tirx.FloatImm):
+            v = float(x.value)
+            if v != v or v in (float("inf"), float("-inf")):
+                _fail("non-finite constant")
+            return f"T.{_dt(x)}({v!r})"
+        if isinstance(x, tirx.Cast):
+            return f'T.Cast("{_dt(x)}", {t(x.value)})'
+        if isinstance(x, _Load):
+            name = next((n for b, n in buffers if b.same_as(x.source)), None)
+            if name is None:
+                _fail(f"buffer {x.source.name}")
+            return f"{name}[{', '.join(t(i) for i in x.indices)}]"
+        if type(x) in _BINARY_TEXT:
+            return f"({t(x.a)} {_BINARY_TEXT[type(x)]} {t(x.b)})"
+        if type(x) in _BINARY_CALL:
+            return f"{_BINARY_CALL[type(x)]}({t(x.a)}, {t(x.b)})"
+        if isinstance(x, tirx.Select):
+            return f"T.Select({t(x.condition)}, {t(x.true_value)}, {t(x.false_value)})"
+        if isinstance(x, tirx.Not):
+            return f"T.Not({t(x.a)})"
+        if isinstance(x, _Call):
+            return f"T.{x.op.name.removeprefix('tirx.')}({', '.join(t(a) for a in x.args)})"
+        return _fail(f"{type(x).__name__}")
+
+    return t(e)
+
+
+def _fail(what: str) -> str:
+    raise NotHandled(f"cannot print epilogue: {what}")

@@ -1,0 +1,236 @@
+"""TIRx text of a warp-specialised Hopper GEMM: TMA → mbarrier ring → wgmma, epilogue in registers.
+
+``C[m, n] = epilogue(Σ_k A[m, k] · B[n, k])`` (``layout="nt"``, B is (N, K) K-major) or
+``Σ_k A[m, k] · B[k, n]`` (``layout="nn"``, B is (K, N), read MN-major by wgmma).
+A is (M, K) row-major; fp16 / bf16 inputs, fp32 accumulation.
+
+One CTA computes a ``BM × BN`` tile with ``1 + BM/64`` warpgroups:
+
+* warpgroup 0 (producer): one thread issues the TMA loads of stage ``s`` (A box 64×BM, B boxes
+  64×BN or 64×64 chunks, 128-byte swizzle) after the consumers freed it (``empty[s]``), and
+  announces the bytes on ``full[s]`` (``mbarrier.arrive.expect_tx``);
+* warpgroups 1.. (consumers): each owns 64 rows; per K tile it waits ``full[s]``, issues
+  ``BK/16`` ``wgmma.mma_async.m64n{BN}k16`` on shared-memory descriptors, keeps one wgmma group
+  in flight and releases the previous stage (``empty``) once that group retired.
+
+``setmaxnreg`` moves registers from the producer to the consumers. The epilogue runs on the
+accumulator fragment (thread t of a consumer owns rows ``16·(t/32) + (t%32)/4 (+8)`` and columns
+``8·j + 2·(t%4) (+1)``); here the kernel stores ``cast(acc)`` and :mod:`.epilogue` substitutes the
+fused expression. Rows ≥ M and columns ≥ N are masked on store; TMA fills out-of-range loads with
+zeros, so any M, N and any K that is a multiple of 8 (16-byte TMA strides) work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+WG = 128  # threads per warpgroup
+BK = 64  # K per stage: one 128-byte swizzle row of fp16 / bf16
+SW128 = 3  # CUtensorMapSwizzle / descriptor code of the 128-byte swizzle
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and pipeline depth of one kernel."""
+
+    bm: int = 128  # rows per CTA: 64 per consumer warpgroup
+    bn: int = 256  # columns per CTA (wgmma N)
+    stages: int = 4
+    group_m: int = 8  # tile rasterisation: GROUP_M row tiles share their B tiles in L2
+    producer_regs: int = 40
+    consumer_regs: int = 232
+
+    @property
+    def consumers(self) -> int:
+        return self.bm // 64
+
+    @property
+    def threads(self) -> int:
+        return WG * (1 + self.consumers)
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        return self.stages * (self.bm + self.bn) * BK * elem_bytes
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """What the kernel computes: shapes, dtypes, layout of B."""
+
+    m: int
+    n: int
+    k: int
+    in_dtype: str  # float16 | bfloat16
+    out_dtype: str
+    layout: str = "nt"  # "nt": B (N, K); "nn": B (K, N)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def check(problem: GemmProblem, cfg: GemmConfig) -> str | None:
+    """Why this kernel cannot compute ``problem`` with ``cfg`` (None: it can)."""
+    if problem.in_dtype not in ("float16", "bfloat16"):
+        return f"input dtype {problem.in_dtype} (fp16/bf16 only)"
+    if problem.k % 8:
+        return f"K={problem.k} is not a multiple of 8 (TMA needs 16-byte row strides)"
+    if problem.layout == "nn" and problem.n % 8:
+        return f"N={problem.n} is not a multiple of 8 (TMA needs 16-byte row strides of B)"
+    if problem.n % 2:
+        return f"N={problem.n} is odd (the epilogue stores column pairs)"
+    if cfg.bm % 64 or cfg.bm > 256 or cfg.bn % 64 or cfg.bn > 256:
+        return f"tile {cfg.bm}x{cfg.bn} unsupported"
+    if cfg.smem_bytes() > 227 * 1024:
+        return f"{cfg.smem_bytes()} bytes of shared memory per CTA exceed 227 KiB"
+    if problem.m >= 2**31 or problem.n >= 2**31 or problem.k >= 2**31:
+        return "dimension beyond int32"
+    return None
+
+
+def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: list[str],
+                a_param: int, b_param: int, c_param: int,
+                param_decls: list[tuple[str, tuple[int, ...], str]],
+                store_value: Callable[[str, str, str], str] | None = None) -> str:
+    """TVMScript (tirx) source of the kernel.
+
+    ``params``/``param_decls`` keep the fused PrimFunc's signature (name, shape, dtype per
+    parameter) so the kernel replaces it in place; A, B, C are the parameters at the given
+    positions. ``store_value(acc, row, col)`` gives the TVMScript text of the value stored at
+    ``C[row, col]`` from the accumulator element ``acc`` (default: the cast to C's dtype).
+    """
+    p, c = problem, cfg
+    ab = {"float16": "f16", "bfloat16": "bf16"}[p.in_dtype]
+    trans_b = 1 if p.layout == "nn" else 0
+    kt_total = _cdiv(p.k, BK)
+    tiles_m, tiles_n = _cdiv(p.m, c.bm), _cdiv(p.n, c.bn)
+    a_stage = c.bm * BK * 2
+    b_stage = c.bn * BK * 2
+    stage_bytes = a_stage + b_stage
+    acc_n = c.bn // 2  # fp32 accumulators per consumer thread (64 x BN / 128)
+    group = min(c.group_m, tiles_m)
+    in_group = group * tiles_n
+    # B smem layout: nt -> BN rows of 128 B (K-major); nn -> BN/64 chunks of [64 k][64 n].
+    if p.layout == "nt":
+        b_box = (BK, c.bn)
+        b_boxes = [("kt * 64", "n0", 0)]
+        b_lbo, b_sbo, b_kstep = 1, 64, 32  # 16-byte units; K step of 16 elements = 32 bytes
+        b_dims = (p.k, p.n)
+    else:
+        b_box = (64, BK)
+        b_boxes = [(f"n0 + {j * 64}", "kt * 64", j * 64 * BK * 2) for j in range(c.bn // 64)]
+        b_lbo, b_sbo, b_kstep = (64 * BK * 2) // 16, 64, 16 * 128  # 16 K rows of 128 B
+        b_dims = (p.n, p.k)
+    e = p.in_dtype
+    value = store_value or (lambda acc, row, col: f'T.Cast("{p.out_dtype}", {acc})')
+    lines: list[str] = []
+    w = lines.append
+    sig = ", ".join(f"{n}_h: T.handle" for n in params)
+    w("@T.prim_func")
+    w(f"def {func_name}({sig}):")
+    w('    T.func_attr({"tirx.noalias": True})')
+    for name, shape, dtype in param_decls:
+        w(f"    {name} = T.match_buffer({name}_h, {tuple(shape)}, \"{dtype}\", align=16)")
+    a_name, b_name, c_name = params[a_param], params[b_param], params[c_param]
+    w(f"    C2 = T.decl_buffer(({p.m}, {p.n}), \"{p.out_dtype}\", data={c_name}.data)")
+    # host: tensor maps (dims innermost first, byte strides, box, element strides, interleave,
+    # swizzle, L2 promotion 256 B, OOB fill zeros)
+    w('    A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)')
+    w(f'    T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, "{e}", 2, {a_name}.data, '
+      f"{p.k}, {p.m}, {p.k * 2}, {BK}, {c.bm}, 1, 1, 0, {SW128}, 2, 0)")
+    w('    B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)')
+    w(f'    T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, "{e}", 2, {b_name}.data, '
+      f"{b_dims[0]}, {b_dims[1]}, {b_dims[0] * 2}, {b_box[0]}, {b_box[1]}, 1, 1, 0, {SW128}, 2, 0)")
+    w("    T.device_entry()")
+    w(f"    bid = T.cta_id([{tiles_m * tiles_n}])")
+    w(f"    tx = T.thread_id([{c.threads}])")
+    w(f'    smem = T.alloc_buffer(({c.stages * stage_bytes // 2},), "{e}", scope="shared.dyn", '
+      "align=1024)")
+    w(f'    full = T.alloc_shared([{c.stages}], "uint64")')
+    w(f'    empty = T.alloc_shared([{c.stages}], "uint64")')
+    # grouped rasterisation: consecutive CTAs walk down `group` row tiles, then move right
+    w(f"    gid = bid // {in_group}")
+    w(f"    first_m = gid * {group}")
+    w(f"    gsize = T.min({tiles_m} - first_m, {group})")
+    w(f"    m0 = (first_m + (bid % {in_group}) % gsize) * {c.bm}")
+    w(f"    n0 = ((bid % {in_group}) // gsize) * {c.bn}")
+    w("    wg = tx // 128")
+    w("    if tx == 0:")
+    w(f"        for s in T.unroll({c.stages}):")
+    init = "            T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared("
+    w(init + "full.ptr_to([s])), T.uint32(1))")
+    w(init + f"empty.ptr_to([s])), T.uint32({c.consumers * WG}))")
+    w("    T.ptx.fence.mbarrier_init.release.cluster()")
+    w("    T.cuda.cta_sync()")
+    w("    if wg == 0:")
+    w(f'        T.ptx["setmaxnreg.dec.sync.aligned.u32"]({c.producer_regs})')
+    w("        if tx == 0:")
+    w(f"            for kt in T.serial({kt_total}):")
+    w(f"                s = kt % {c.stages}")
+    w(f"                if kt >= {c.stages}:")
+    w(f"                    T.cuda.mbarrier_wait(empty.ptr_to([s]), (kt // {c.stages} + 1) % 2)")
+    w("                T.ptx.mbarrier.arrive.expect_tx.shared.b64("
+      f"T.cuda.cvta_generic_to_shared(full.ptr_to([s])), T.uint32({stage_bytes}))")
+    tma = ('T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]')
+    w(f"                {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to([s * {stage_bytes // 2}])), "
+      "T.address_of(A_map), kt * 64, m0, T.cuda.cvta_generic_to_shared(full.ptr_to([s])))")
+    for c0, c1, off in b_boxes:
+        w(f"                {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to([s * {stage_bytes // 2} + "
+          f"{(a_stage + off) // 2}])), T.address_of(B_map), {c0}, {c1}, "
+          "T.cuda.cvta_generic_to_shared(full.ptr_to([s])))")
+    w("    else:")
+    w(f'        T.ptx["setmaxnreg.inc.sync.aligned.u32"]({c.consumer_regs})')
+    w(f'        acc = T.alloc_buffer(({acc_n},), "float32", scope="local")')
+    w('        desc_a = T.alloc_buffer((1,), "uint64", scope="local")')
+    w('        desc_b = T.alloc_buffer((1,), "uint64", scope="local")')
+    w(f"        for i in T.unroll({acc_n}):")
+    w("            acc[i] = T.float32(0)")
+    w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a[0]), "
+      f"smem.ptr_to([(wg - 1) * {64 * 64}]), 1, 64, {SW128})")
+    w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b[0]), "
+      f"smem.ptr_to([{a_stage // 2}]), {b_lbo}, {b_sbo}, {SW128})")
+    accs = ", ".join(f"acc[{i}]" for i in range(acc_n))
+    mma = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{c.bn}k16.f32.{ab}.{ab}"]'
+    w(f"        for kt in T.serial({kt_total}):")
+    w(f"            s = kt % {c.stages}")
+    w(f"            T.cuda.mbarrier_wait(full.ptr_to([s]), (kt // {c.stages}) % 2)")
+    w("            T.ptx.wgmma.fence.sync.aligned()")
+    w(f"            for kk in T.unroll({BK // 16}):")
+    w(f"                {mma}({accs}, "
+      f"desc_a[0] + T.uint64((s * {stage_bytes} + kk * 32) // 16), "
+      f"desc_b[0] + T.uint64((s * {stage_bytes} + kk * {b_kstep}) // 16), "
+      f"True, 1, 1, 0, {trans_b})")
+    w("            T.ptx.wgmma.commit_group.sync.aligned()")
+    w("            T.ptx.wgmma.wait_group.sync.aligned(1)")
+    w("            if kt > 0:")
+    w("                T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared("
+      f"empty.ptr_to([(kt + {c.stages - 1}) % {c.stages}])))")
+    w("        T.ptx.wgmma.wait_group.sync.aligned(0)")
+    # epilogue: fragment -> global, rows/cols masked
+    w("        t = tx % 128")
+    w("        row0 = m0 + (wg - 1) * 64 + (t // 32) * 16 + (t % 32) // 4")
+    w(f"        for j in T.unroll({c.bn // 8}):")
+    w("            col = n0 + j * 8 + (t % 4) * 2")
+    w("            for h in T.unroll(2):")
+    w("                for q in T.unroll(2):")
+    w(f"                    if row0 + h * 8 < {p.m} and col + q < {p.n}:")
+    w("                        C2[row0 + h * 8, col + q] = "
+      + value("acc[j * 4 + h * 2 + q]", "(row0 + h * 8)", "(col + q)"))
+    return "\n".join(lines) + "\n"
+
+
+def standalone(problem: GemmProblem, cfg: GemmConfig | None = None):
+    """The kernel as a PrimFunc ``main(A, B, C)`` with ``C = cast(A·B)`` (no epilogue).
+
+    For tests and device probes; the schedule rule builds its kernels from fused PrimFuncs.
+    """
+    from tvm.script import tirx as T
+    from tvm.script.parser.core.entry import parse
+
+    cfg = cfg or GemmConfig()
+    p = problem
+    b_shape = (p.n, p.k) if p.layout == "nt" else (p.k, p.n)
+    decls = [("A", (p.m, p.k), p.in_dtype), ("B", b_shape, p.in_dtype),
+             ("C", (p.m, p.n), p.out_dtype)]
+    text = kernel_text(p, cfg, "main", ["A", "B", "C"], 0, 1, 2, decls)
+    return parse(text, extra_vars={"T": T})
