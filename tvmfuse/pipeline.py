@@ -87,6 +87,10 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         if spec.is_cuda:
             from tvm.s_tir import dlight as dl
 
+            from .schedules.gemm_sm90 import Sm90Gemm
+
+            # sm_90a only: fused GEMMs become TIRx wgmma kernels, tagged so dlight skips them.
+            mod = run("gemm_sm90", Sm90Gemm, mod)
             mod = run("schedule", dl.ApplyDefaultSchedule(*gpu_rules()), mod)
         # From here on it is TVM's VM lowering: dataflow removal, memory planning, shapes.
         mod = run("dataflow_lower", tvm.transform.Sequential([
@@ -115,7 +119,12 @@ def build(mod: tvm.IRModule, spec: TargetSpec):
     previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
     os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
     try:
-        return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None)
+        from .schedules.gemm_sm90 import HYBRID_PIPELINE, uses_tirx
+
+        # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
+        tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
+        return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None,
+                           tir_pipeline=tir_pipeline)
     except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
         raise CompileError(f"codegen for target {spec.name} failed: {err}") from err
     finally:  # leave the caller's environment as it was
