@@ -15,7 +15,14 @@ from tvm import relax
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
 from .errors import CompileError, TvmfuseError
-from .passes import FuseDecomposedNorms, MixedPrecision, NormGemmPrologue, SimplifyNoOps, SinkReshape
+from .passes import (
+    FuseDecomposedNorms,
+    HorizontalGemm,
+    MixedPrecision,
+    NormGemmPrologue,
+    SimplifyNoOps,
+    SinkReshape,
+)
 from .passes.legalize_fixes import legalize_overrides
 from .schedules import gpu_rules
 from .targets import TargetSpec
@@ -63,6 +70,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("simplify_noops", SimplifyNoOps(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
         mod = run("fuse_decomposed_norms", FuseDecomposedNorms(), mod)
+        # Linears on one input (Q/K/V) become one wide GEMM before the norm folds into it.
+        mod = run("horizontal_gemm", HorizontalGemm(), mod)
         # A norm feeding Linear(s) becomes row stats + GEMM epilogue: the normed tensor stays on chip.
         mod = run("norm_gemm_prologue", NormGemmPrologue(), mod)
         # Reshapes between a GEMM and its epilogue move below it, so FuseOps fuses the epilogue.

@@ -1,0 +1,93 @@
+"""HorizontalGemm: Linears reading one input become one wide GEMM plus slices."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from tests.relax_util import assert_same_numerics
+from tvmfuse.passes import HorizontalGemm
+
+RNG = np.random.default_rng(0)
+WQ, WK, WV = (RNG.standard_normal((16, n)).astype("float32") for n in (16, 8, 8))
+BQ, BV = (RNG.standard_normal(n).astype("float32") for n in (16, 8))
+
+
+def _qkv() -> tvm.IRModule:
+    """q = x·Wq + bq, k = x·Wk (no bias), v = x·Wv + bv; out = q·(k|v)ᵀ-ish use of all three."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            q = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(WQ))), relax.const(BQ)))
+            k = bb.emit(relax.op.matmul(x, relax.const(WK)))
+            v = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(WV))), relax.const(BV)))
+            kv = bb.emit(relax.op.concat([k, v], axis=1))
+            out = bb.emit_output(relax.op.multiply(q, kv))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _qkv_expected() -> tvm.IRModule:
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "float32"))
+    w = np.concatenate([WQ, WK, WV], axis=1)
+    b = np.concatenate([BQ, np.zeros(8, "float32"), BV])
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(w))), relax.const(b)))
+            q = bb.emit(relax.op.strided_slice(y, [1], [0], [16]))
+            k = bb.emit(relax.op.strided_slice(y, [1], [16], [24]))
+            v = bb.emit(relax.op.strided_slice(y, [1], [24], [32]))
+            kv = bb.emit(relax.op.concat([k, v], axis=1))
+            out = bb.emit_output(relax.op.multiply(q, kv))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@I.ir_module
+class DifferentInputs:
+    @R.function
+    def main(x: R.Tensor((4, 16), "float32"), z: R.Tensor((4, 16), "float32"),
+             w: R.Tensor((16, 16), "float32")) -> R.Tensor((4, 16), "float32"):
+        with R.dataflow():
+            a = R.matmul(x, w)
+            b = R.matmul(z, w)
+            y = R.add(a, b)
+            R.output(y)
+        return y
+
+
+def test_qkv_projections_become_one_gemm():
+    before = _qkv()
+    after = HorizontalGemm()(before)
+    tvm.ir.assert_structural_equal(after, _qkv_expected())
+    assert_same_numerics(before, after)
+
+
+def test_non_constant_weights_or_other_inputs_left_alone():
+    after = HorizontalGemm()(DifferentInputs)
+    tvm.ir.assert_structural_equal(after, DifferentInputs)
+
+
+def _swiglu() -> tvm.IRModule:
+    """silu(x·Wg)·(x·Wu) with a third Linear on x: only the pair that meets is kept apart."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            gate = bb.emit(relax.op.matmul(x, relax.const(WK)))
+            up = bb.emit(relax.op.matmul(x, relax.const(WV)))
+            h = bb.emit(relax.op.multiply(bb.emit(relax.op.nn.silu(gate)), up))
+            out = bb.emit_output(relax.op.add(h, h))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_outputs_meeting_in_an_epilogue_stay_separate():
+    """SwiGLU's gate and up GEMMs already make one epilogue; a wide GEMM would add a kernel."""
+    before = _swiglu()
+    tvm.ir.assert_structural_equal(HorizontalGemm()(before), before)
