@@ -1,17 +1,28 @@
-"""Causal self-attention: O = softmax(Q·Kᵀ/√D + causal mask)·V.
+"""Attention: O = softmax(Q·Kᵀ·scale + mask)·V, prefill and decode, fp16 and bf16.
 
-Shapes: q, k, v (B, H, S, D) → O (B, H, S, D); cuda: B=4, H=16, S=2048, D=128; cpu smoke:
-B=1, H=2, S=64, D=32. tvmfuse compiles ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``.
-FLOPs = 4·B·H·S²·D halved for causality = 2·B·H·S²·D.
-Baselines: sdpa_ms = the SDPA module in eager torch (flash attention on CUDA); torch_eager_ms =
-naive attention (matmul, mask, fp32 softmax, matmul); torch_compile_ms = torch.compile of the
-naive version. The float32 naive version is the correctness reference.
-A tvmfuse call slower than 50 ms is timed with 10 iterations (see the row's notes).
+Layout BSNH: q (B, Sq, Hq, D), k/v (B, Skv, Hkv, D). Workloads (cuda):
+  prefill, causal and non-causal: B4·S2048·H16·D128, B1·S8192·H32·D128, GQA B1·S4096·32q/8kv·D128
+  decode: B8, one query, KV 8192, 32q/8kv, D128
+cpu smoke: B1·S64·H2·D32 causal and a decode B1·KV64.
+FLOPs = 4·B·Hq·Sq·Skv·D, halved when causal. Decode also reports TB/s over the K/V bytes
+(2·B·Skv·Hkv·D·2), the HBM floor at 4.21 TB/s.
+
+``--mode kernel`` (default): the PrimFunc of ``tvmfuse.schedules.attention.attention_primfunc`` is
+built with ``tvm.compile`` (builds run in parallel processes) and timed directly: the model
+pipeline's attention rewrite is not exercised; every row's notes say so.
+``--mode pipeline``: ``tvmfuse.compile`` of the SDPA module (the rewrite must fire for the
+flash kernel to be used).
+Baselines: sdpa_ms = ``F.scaled_dot_product_attention`` (flash backend on CUDA) on the same BSNH
+tensors (transposed views); torch_eager_ms = naive attention (matmul, mask, fp32 softmax,
+matmul), which in float32 is also the correctness reference.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import os
+from pathlib import Path
 from typing import Any
 
 import common
@@ -19,47 +30,176 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SIZES = {"cuda": (4, 16, 2048, 128), "cpu": (1, 2, 64, 32)}  # (B, H, S, D)
+# name → (B, Sq, Skv, Hq, Hkv, D)
+PREFILL = {
+    "cuda": {"B4_S2048_H16": (4, 2048, 2048, 16, 16, 128), "B1_S8192_H32": (1, 8192, 8192, 32, 32, 128),
+             "gqa_B1_S4096_32q8kv": (1, 4096, 4096, 32, 8, 128)},
+    "cpu": {"B1_S64_H2": (1, 64, 64, 2, 2, 32)},
+}
+DECODE = {"cuda": {"decode_B8_KV8192_32q8kv": (8, 1, 8192, 32, 8, 128)},
+          "cpu": {"decode_B1_KV64": (1, 1, 64, 4, 2, 32)}}
 
 
 class SDPA(nn.Module):
-    """``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on (B, H, S, D) inputs."""
+    """``F.scaled_dot_product_attention`` on BSNH tensors (GQA via ``enable_gqa``)."""
+
+    def __init__(self, causal: bool, gqa: bool) -> None:
+        super().__init__()
+        self.causal, self.gqa = causal, gqa
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=self.causal, enable_gqa=self.gqa)
+        return o.transpose(1, 2)
 
 
 class NaiveAttention(nn.Module):
-    """``softmax(q·kᵀ/√D, masked above the diagonal)·v``, softmax in float32."""
+    """matmul → scale → causal mask (bottom-right) → fp32 softmax → matmul, on BSNH tensors."""
+
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        s = q.shape[-2]
-        scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        g = q.shape[1] // k.shape[1]
+        if g > 1:
+            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        s = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        if self.causal:
+            sq, skv = s.shape[-2:]
+            mask = torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(skv - sq + 1)
+            s = s.masked_fill(mask, float("-inf"))
+        return torch.matmul(torch.softmax(s.float(), dim=-1).to(q.dtype), v).transpose(1, 2)
 
 
-def workload(args: argparse.Namespace) -> common.Workload:
-    """The causal attention workload at the shapes of ``args.device``."""
-    b, h, s, d = SIZES[args.device]
-    sdpa = SDPA()
-    return common.Workload(
-        name="attention_causal",
-        module=sdpa,
-        inputs=common.random_inputs([(b, h, s, d)] * 3, common.DTYPES[args.dtype]),
-        shape=f"B={b} H={h} S={s} D={d}",
-        dtype=args.dtype,
-        flops=2.0 * b * h * s * s * d,
-        eager=NaiveAttention(),
-        extra={"sdpa_ms": sdpa},
-    )
+def _spec_kw(dims: tuple[int, ...], dtype: str, causal: bool) -> dict[str, Any]:
+    b, sq, skv, hq, hkv, d = dims
+    return dict(batch=b, q_len=sq, kv_len=skv, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype,
+                scale=d ** -0.5, causal="BottomRight" if causal else "none")
+
+
+def _build(spec_kw: dict[str, Any], target_name: str, path: str) -> str:
+    """Worker process: build ``attention_primfunc`` to a shared library; '' or the error."""
+    os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+    try:
+        import tvm
+
+        from tvmfuse.schedules.attention import AttentionSpec, attention_primfunc
+        from tvmfuse.targets import get_target
+
+        target = get_target(target_name).tvm_target()
+        func = attention_primfunc(AttentionSpec(**spec_kw), target)
+        tvm.compile(tvm.IRModule({"main": func}), target=target).export_library(path)
+        return ""
+    except Exception as err:  # reported in the row
+        return common.short_error(err)
+
+
+def _cases(device: str) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    cases = []
+    for dtype in ("float16", "bfloat16"):
+        for name, dims in PREFILL[device].items():
+            for causal in (True, False):
+                cases.append((f"attn_{'causal' if causal else 'full'}_{name}", dims, dtype, causal))
+        for name, dims in DECODE[device].items():
+            cases.append((f"attn_{name}", dims, dtype, False))
+    return cases
+
+
+def _kernel_row(name: str, dims: tuple[int, ...], dtype: str, causal: bool, lib_path: str,
+                build_error: str, args: argparse.Namespace) -> dict[str, Any]:
+    import tvm
+
+    b, sq, skv, hq, hkv, d = dims
+    flops = 4.0 * b * hq * sq * skv * d / (2 if causal else 1)
+    kv_bytes = 2.0 * b * skv * hkv * d * 2
+    notes = ["kernel timed directly (attention_primfunc; the model pipeline's rewrite is not "
+             "exercised)"]
+    row: dict[str, Any] = {"workload": name, "shape": f"B={b} Sq={sq} Skv={skv} Hq={hq} Hkv={hkv} "
+                           f"D={d}" + (" causal" if causal else ""), "dtype": dtype,
+                           "target": args.target, "tvmfuse_ms": None, "baselines": {},
+                           "rel_err": None}
+    dev = args.device
+    q, k, v = (x.to(dev) for x in common.random_inputs(
+        [(b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, d)], common.DTYPES[dtype]))
+    naive = NaiveAttention(causal)
+    ref = common.reference_output(naive, (q, k, v))
+    if build_error:
+        notes.append(f"tvmfuse build failed: {build_error}")
+    else:
+        lib = tvm.runtime.load_module(lib_path)
+        out = torch.empty_like(q)
+        targs = [tvm.runtime.from_dlpack(x) for x in (q, k, v, out)]
+        lib["main"](*targs)
+        common.sync(dev)
+        row["rel_err"] = common.rel_err(out, ref)
+        tol = common.TOLERANCE[dtype]
+        if not row["rel_err"] <= tol:
+            notes.insert(0, f"INCORRECT (rel_err > {tol:g})")
+        row["tvmfuse_ms"] = common.time_ms(lambda: lib["main"](*targs), args.warmup, args.iters, dev)
+    del ref
+    sdpa = SDPA(causal, hq != hkv)
+    base = common.baselines(naive, (q, k, v), extra={"sdpa_ms": sdpa}, use_compile=False,
+                            warmup=args.warmup, iters=args.iters, device=dev)
+    base.pop("torch_compile_ms", None)
+    errors = base.pop("errors", {})
+    row["baselines"] = base
+    notes += [f"{k}: {e}" for k, e in errors.items() if not e.startswith("skipped")]
+    times = {"tvmfuse": row["tvmfuse_ms"], **{k.removesuffix("_ms"): t for k, t in base.items()}}
+    row["tflops"] = {k: (round(flops / (t * 1e9), 1) if t else None) for k, t in times.items()}
+    if sq == 1:
+        row["tbps"] = {k: (round(kv_bytes / (t * 1e9), 3) if t else None) for k, t in times.items()}
+        row["floor_ms"] = round(kv_bytes / common.H200_HBM_BYTES_PER_S * 1e3, 4)
+    ok = row["tvmfuse_ms"] and not notes[0].startswith("INCORRECT")
+    row["speedup"] = {k: (round(t / row["tvmfuse_ms"], 3) if ok and t else None)
+                      for k, t in times.items() if k != "tvmfuse"}
+    row["notes"] = "; ".join(notes)
+    return row
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Benchmark the workload; one row."""
-    return [common.bench(workload(args), args)]
+    """One row per (workload, dtype, causal)."""
+    cases = _cases(args.device)
+    if getattr(args, "mode", "kernel") == "pipeline":
+        rows = []
+        for name, dims, dtype, causal in cases:
+            b, sq, skv, hq, hkv, d = dims
+            wl = common.Workload(
+                name=name, module=SDPA(causal, hq != hkv),
+                inputs=common.random_inputs([(b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, d)],
+                                            common.DTYPES[dtype]),
+                shape=f"B={b} Sq={sq} Skv={skv} Hq={hq} Hkv={hkv} D={d}"
+                      + (" causal" if causal else ""),
+                dtype=dtype, flops=4.0 * b * hq * sq * skv * d / (2 if causal else 1),
+                eager=NaiveAttention(causal), extra={"sdpa_ms": SDPA(causal, hq != hkv)},
+                notes=["through tvmfuse.compile (model pipeline)"])
+            rows.append(common.bench(wl, args))
+        return rows
+    target = "cpu" if args.device == "cpu" else args.target
+    paths = [str(Path(args.workdir) / f"attn_{i}.so") for i in range(len(cases))]
+    with cf.ProcessPoolExecutor(min(len(cases), os.cpu_count() or 2)) as pool:
+        errors = list(pool.map(_build, [_spec_kw(dims, dt, c) for _, dims, dt, c in cases],
+                               [target] * len(cases), paths))
+    rows = []
+    for (name, dims, dtype, causal), path, err in zip(cases, paths, errors, strict=True):
+        rows.append(_kernel_row(name, dims, dtype, causal, path, err, args))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(common.main(run, __doc__))
+    import sys
+
+    mode = "kernel"
+    if "--mode" in sys.argv:
+        i = sys.argv.index("--mode")
+        mode = sys.argv[i + 1]
+        del sys.argv[i:i + 2]
+
+    def run_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
+        args.mode = mode
+        return run(args)
+
+    raise SystemExit(common.main(run_mode, __doc__))
