@@ -23,6 +23,7 @@ from .passes import (
     SimplifyNoOps,
     SinkReshape,
 )
+from .passes.attention import FuseAttention
 from .passes.legalize_fixes import legalize_overrides
 from .schedules import gpu_rules
 from .targets import TargetSpec
@@ -70,6 +71,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("simplify_noops", SimplifyNoOps(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
         mod = run("fuse_decomposed_norms", FuseDecomposedNorms(), mod)
+        # Attention is matched on R.nn.softmax (made just above), before anything moves Q/K/V's views.
+        mod = run("fuse_attention", FuseAttention(), mod)
         # Linears on one input (Q/K/V) become one wide GEMM before the norm folds into it.
         mod = run("horizontal_gemm", HorizontalGemm(), mod)
         # A norm feeding Linear(s) becomes row stats + GEMM epilogue: the normed tensor stays on chip.

@@ -10,6 +10,10 @@ from __future__ import annotations
 from tvm import relax, topi
 from tvm.relax.transform.legalize_ops.common import _try_convert_to_scalar_const
 
+from .attention_lower import legalize_attention, register_mixed_precision_fix
+
+register_mixed_precision_fix()  # before any ToMixedPrecision run: 0.27 drops attention's attrs
+
 
 def _full(is_like: bool):
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -25,4 +29,5 @@ def _full(is_like: bool):
 
 def legalize_overrides() -> dict:
     """``{op name: legalize function}`` for ``relax.transform.LegalizeOps``."""
-    return {"relax.full": _full(False), "relax.full_like": _full(True)}
+    return {"relax.full": _full(False), "relax.full_like": _full(True),
+            "relax.nn.attention": legalize_attention, "relax.nn.attention_bias": legalize_attention}

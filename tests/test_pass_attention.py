@@ -1,0 +1,551 @@
+"""FuseAttention: spelled-out attention → one ``R.nn.attention`` (tvmfuse/passes/attention.py).
+
+Before/Expected pairs for the basic pattern and every mask / layout / GQA variant, one negative test
+per "cannot prove" case (graph unchanged, reason recorded), numerics of each rewrite on llvm (the
+rewritten module lowers through tvmfuse's attention legalisation to the CPU kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I  # noqa: E741
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from tests.relax_util import run_llvm
+from tvmfuse.passes.attention import FuseAttention, attention_decisions
+
+B, S, H, KVH, D = 2, 8, 4, 2, 16
+MIN = -3.4028234663852886e38  # finfo(float32).min, what HF writes for masked scores
+
+
+def fuse(mod: tvm.IRModule) -> tvm.IRModule:
+    return FuseAttention()(mod)
+
+
+def decisions(mod: tvm.IRModule) -> list[dict[str, str]]:
+    return attention_decisions(mod)
+
+
+def assert_fused(before: tvm.IRModule, expected: tvm.IRModule, **info: str) -> tvm.IRModule:
+    after = fuse(before)
+    tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"), expected)
+    (d,) = decisions(after)
+    assert d["status"] == "fused", d
+    for key, value in info.items():
+        assert d[key] == value, (key, d)
+    return after
+
+
+def assert_left(before: tvm.IRModule, reason: str) -> None:
+    after = fuse(before)
+    tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"), before)
+    (d,) = decisions(after)
+    assert d["status"] == "left" and reason in d["reason"], d
+
+
+def inputs_for(mod: tvm.IRModule, seed: int = 0) -> list[np.ndarray]:
+    """Random normal floats; int64 inputs become a padding mask (row b keeps S - 2b keys)."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for p in mod["main"].params:
+        shape, dtype = [int(d) for d in p.ty.shape.values], str(p.ty.dtype)
+        if dtype == "int64":
+            mask = np.ones(shape, np.int64)
+            for b in range(shape[0]):
+                mask[b, shape[-1] - 2 * b:] = 0 if b else 1
+            arrays.append(mask)
+        else:
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+    return arrays
+
+
+def assert_same_numerics(before: tvm.IRModule, after: tvm.IRModule, rtol: float = 1e-5) -> None:
+    arrays = inputs_for(before)
+    ref, out = run_llvm(before, *arrays), run_llvm(after, *arrays)
+    assert np.isfinite(ref).all()
+    err = np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert err <= rtol, f"relative error {err:.3e} > {rtol}"
+
+
+# --- basic pattern: exporter layout ops, scale after QKᵀ ----------------------------------------
+
+
+@I.ir_module
+class Basic:
+    @R.function
+    def main(q: R.Tensor((2, 8, 64), "float32"), k: R.Tensor((2, 8, 64), "float32"),
+             v: R.Tensor((2, 8, 64), "float32")) -> R.Tensor((2, 8, 64), "float32"):
+        with R.dataflow():
+            q4 = R.reshape(q, R.shape([2, 8, 4, 16]))
+            k4 = R.reshape(k, R.shape([2, 8, 4, 16]))
+            v4 = R.reshape(v, R.shape([2, 8, 4, 16]))
+            qh = R.permute_dims(q4, axes=[0, 2, 1, 3])
+            kt = R.permute_dims(k4, axes=[0, 2, 3, 1])
+            vh = R.permute_dims(v4, axes=[0, 2, 1, 3])
+            s = R.matmul(qh, kt)
+            s2 = R.divide(s, R.const(4.0, "float32"))
+            p = R.nn.softmax(s2, axis=-1)
+            o = R.matmul(p, vh)
+            o2 = R.permute_dims(o, axes=[0, 2, 1, 3])
+            out = R.reshape(o2, R.shape([2, 8, 64]))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class BasicExpected:
+    @R.function
+    def main(q: R.Tensor((2, 8, 64), "float32"), k: R.Tensor((2, 8, 64), "float32"),
+             v: R.Tensor((2, 8, 64), "float32")) -> R.Tensor((2, 8, 64), "float32"):
+        with R.dataflow():
+            q4 = R.reshape(q, R.shape([2, 8, 4, 16]))
+            k4 = R.reshape(k, R.shape([2, 8, 4, 16]))
+            v4 = R.reshape(v, R.shape([2, 8, 4, 16]))
+            o = R.nn.attention(q4, k4, v4, scale=T.float32(0.25))
+            out = R.reshape(o, R.shape([2, 8, 64]))
+            R.output(out)
+        return out
+
+
+def test_basic():
+    after = assert_fused(Basic, BasicExpected, causal="none", bias="no", group="1")
+    assert_same_numerics(Basic, after)
+
+
+# --- causal: triu of full(-inf), added (torch's eager mask) ---------------------------------------
+
+
+@I.ir_module
+class CausalTriu:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 4, 8, 16), "float32"),
+             v: R.Tensor((2, 4, 8, 16), "float32")) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            kt = R.permute_dims(k, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            full = R.full(R.shape([8, 8]), R.const(float("-inf"), "float32"), dtype="float32")
+            mask = R.triu(full, 1)
+            s3 = R.add(s2, mask)
+            p = R.nn.softmax(s3, axis=-1)
+            o = R.matmul(p, v)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class CausalTriuExpected:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 4, 8, 16), "float32"),
+             v: R.Tensor((2, 4, 8, 16), "float32")) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            q1 = R.permute_dims(q, axes=[0, 2, 1, 3])
+            k1 = R.permute_dims(k, axes=[0, 2, 1, 3])
+            v1 = R.permute_dims(v, axes=[0, 2, 1, 3])
+            a = R.nn.attention(q1, k1, v1, scale=T.float32(0.25), causal_mask="TopLeft")
+            o = R.permute_dims(a, axes=[0, 2, 1, 3])
+            R.output(o)
+        return o
+
+
+def test_causal_triu_additive():
+    after = assert_fused(CausalTriu, CausalTriuExpected, causal="TopLeft")
+    assert_same_numerics(CausalTriu, after)
+
+
+# --- causal: masked_fill form where(j <= i, s, finfo.min) from arange, mask before the scale ------
+
+
+@I.ir_module
+class CausalWhere:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 4, 8, 16), "float32"),
+             v: R.Tensor((2, 4, 8, 16), "float32")) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            kt = R.permute_dims(k, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt)
+            pos = R.arange(0, 8, 1, dtype="int64")
+            row = R.expand_dims(pos, axis=[1])
+            col = R.expand_dims(pos, axis=[0])
+            keep = R.less_equal(col, row)
+            s2 = R.where(keep, s, R.const(MIN, "float32"))
+            s3 = R.multiply(s2, R.const(0.25, "float32"))
+            p = R.nn.softmax(s3, axis=-1)
+            o = R.matmul(p, v)
+            R.output(o)
+        return o
+
+
+def test_causal_masked_fill_where():
+    after = assert_fused(CausalWhere, CausalTriuExpected, causal="TopLeft")
+    assert_same_numerics(CausalWhere, after)
+
+
+# --- causal with a KV cache: Sq 4 < Skv 8, bottom-right aligned; HF SDPA IsNaN guard --------------
+
+
+@I.ir_module
+class BottomRightGuard:
+    @R.function
+    def main(q: R.Tensor((1, 4, 4, 16), "float32"), k: R.Tensor((1, 4, 8, 16), "float32"),
+             v: R.Tensor((1, 4, 8, 16), "float32")) -> R.Tensor((1, 4, 4, 16), "float32"):
+        with R.dataflow():
+            kt = R.permute_dims(k, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            full = R.full(R.shape([4, 8]), R.const(float("-inf"), "float32"), dtype="float32")
+            mask = R.triu(full, 5)
+            s3 = R.add(s2, mask)
+            p = R.nn.softmax(s3, axis=-1)
+            nan = R.isnan(p)
+            p2 = R.where(nan, R.const(0.0, "float32"), p)
+            o = R.matmul(p2, v)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class BottomRightGuardExpected:
+    @R.function
+    def main(q: R.Tensor((1, 4, 4, 16), "float32"), k: R.Tensor((1, 4, 8, 16), "float32"),
+             v: R.Tensor((1, 4, 8, 16), "float32")) -> R.Tensor((1, 4, 4, 16), "float32"):
+        with R.dataflow():
+            q1 = R.permute_dims(q, axes=[0, 2, 1, 3])
+            k1 = R.permute_dims(k, axes=[0, 2, 1, 3])
+            v1 = R.permute_dims(v, axes=[0, 2, 1, 3])
+            a = R.nn.attention(q1, k1, v1, scale=T.float32(0.25), causal_mask="BottomRight")
+            o = R.permute_dims(a, axes=[0, 2, 1, 3])
+            R.output(o)
+        return o
+
+
+def test_bottom_right_causal_with_isnan_guard():
+    after = assert_fused(BottomRightGuard, BottomRightGuardExpected, causal="BottomRight",
+                         isnan_guard="True")
+    assert_same_numerics(BottomRightGuard, after)
+
+
+# --- padding: attention_mask input → additive (B, 1, 1, Skv) bias ---------------------------------
+
+
+@I.ir_module
+class Padding:
+    @R.function
+    def main(q: R.Tensor((2, 8, 64), "float32"), k: R.Tensor((2, 8, 64), "float32"),
+             v: R.Tensor((2, 8, 64), "float32"),
+             attention_mask: R.Tensor((2, 8), "int64")) -> R.Tensor((2, 8, 64), "float32"):
+        with R.dataflow():
+            q4 = R.reshape(q, R.shape([2, 8, 4, 16]))
+            k4 = R.reshape(k, R.shape([2, 8, 4, 16]))
+            v4 = R.reshape(v, R.shape([2, 8, 4, 16]))
+            qh = R.permute_dims(q4, axes=[0, 2, 1, 3])
+            kt = R.permute_dims(k4, axes=[0, 2, 3, 1])
+            vh = R.permute_dims(v4, axes=[0, 2, 1, 3])
+            m = R.astype(attention_mask, "float32")
+            inv = R.subtract(R.const(1.0, "float32"), m)
+            neg = R.multiply(inv, R.const(MIN, "float32"))
+            bias = R.reshape(neg, R.shape([2, 1, 1, 8]))
+            s = R.matmul(qh, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            s3 = R.add(s2, bias)
+            p = R.nn.softmax(s3, axis=-1)
+            o = R.matmul(p, vh)
+            o2 = R.permute_dims(o, axes=[0, 2, 1, 3])
+            out = R.reshape(o2, R.shape([2, 8, 64]))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class PaddingExpected:
+    @R.function
+    def main(q: R.Tensor((2, 8, 64), "float32"), k: R.Tensor((2, 8, 64), "float32"),
+             v: R.Tensor((2, 8, 64), "float32"),
+             attention_mask: R.Tensor((2, 8), "int64")) -> R.Tensor((2, 8, 64), "float32"):
+        with R.dataflow():
+            q4 = R.reshape(q, R.shape([2, 8, 4, 16]))
+            k4 = R.reshape(k, R.shape([2, 8, 4, 16]))
+            v4 = R.reshape(v, R.shape([2, 8, 4, 16]))
+            m = R.astype(attention_mask, "float32")
+            inv = R.subtract(R.const(1.0, "float32"), m)
+            neg = R.multiply(inv, R.const(MIN, "float32"))
+            bias = R.reshape(neg, R.shape([2, 1, 1, 8]))
+            a = R.nn.attention(q4, k4, v4, bias, scale=T.float32(0.25))
+            out = R.reshape(a, R.shape([2, 8, 64]))
+            R.output(out)
+        return out
+
+
+def test_padding_mask_becomes_bias():
+    after = assert_fused(Padding, PaddingExpected, causal="none", bias="yes")
+    assert_same_numerics(Padding, after)
+
+
+# --- GQA: repeat_kv as expand_dims → broadcast_to → reshape; scale folded into Q and K -------------
+
+
+@I.ir_module
+class Gqa:
+    @R.function
+    def main(q: R.Tensor((1, 8, 64), "float32"), k: R.Tensor((1, 8, 32), "float32"),
+             v: R.Tensor((1, 8, 32), "float32")) -> R.Tensor((1, 8, 64), "float32"):
+        with R.dataflow():
+            q4 = R.reshape(q, R.shape([1, 8, 4, 16]))
+            k4 = R.reshape(k, R.shape([1, 8, 2, 16]))
+            v4 = R.reshape(v, R.shape([1, 8, 2, 16]))
+            qh = R.permute_dims(q4, axes=[0, 2, 1, 3])
+            kh = R.permute_dims(k4, axes=[0, 2, 1, 3])
+            vh = R.permute_dims(v4, axes=[0, 2, 1, 3])
+            ke = R.expand_dims(kh, axis=[2])
+            kb = R.broadcast_to(ke, R.shape([1, 2, 2, 8, 16]))
+            kr = R.reshape(kb, R.shape([1, 4, 8, 16]))
+            ve = R.expand_dims(vh, axis=[2])
+            vb = R.broadcast_to(ve, R.shape([1, 2, 2, 8, 16]))
+            vr = R.reshape(vb, R.shape([1, 4, 8, 16]))
+            qs = R.multiply(qh, R.const(0.5, "float32"))
+            kt = R.permute_dims(kr, axes=[0, 1, 3, 2])
+            ks = R.multiply(kt, R.const(0.5, "float32"))
+            s = R.matmul(qs, ks)
+            p = R.nn.softmax(s, axis=-1)
+            o = R.matmul(p, vr)
+            o2 = R.permute_dims(o, axes=[0, 2, 1, 3])
+            out = R.reshape(o2, R.shape([1, 8, 64]))
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class GqaExpected:
+    @R.function
+    def main(q: R.Tensor((1, 8, 64), "float32"), k: R.Tensor((1, 8, 32), "float32"),
+             v: R.Tensor((1, 8, 32), "float32")) -> R.Tensor((1, 8, 64), "float32"):
+        with R.dataflow():
+            q4 = R.reshape(q, R.shape([1, 8, 4, 16]))
+            k4 = R.reshape(k, R.shape([1, 8, 2, 16]))
+            v4 = R.reshape(v, R.shape([1, 8, 2, 16]))
+            a = R.nn.attention(q4, k4, v4, scale=T.float32(0.25))
+            out = R.reshape(a, R.shape([1, 8, 64]))
+            R.output(out)
+        return out
+
+
+def test_gqa_repeat_kv_and_scale_folded_into_q_and_k():
+    after = assert_fused(Gqa, GqaExpected, group="2", scale="0.25")
+    assert_same_numerics(Gqa, after)
+
+
+# --- MQA through R.repeat -------------------------------------------------------------------------
+
+
+@I.ir_module
+class Mqa:
+    @R.function
+    def main(q: R.Tensor((1, 4, 8, 16), "float32"), k: R.Tensor((1, 1, 8, 16), "float32"),
+             v: R.Tensor((1, 1, 8, 16), "float32")) -> R.Tensor((1, 4, 8, 16), "float32"):
+        with R.dataflow():
+            kr = R.repeat(k, 4, axis=1)
+            vr = R.repeat(v, 4, axis=1)
+            kt = R.permute_dims(kr, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            p = R.nn.softmax(s2, axis=-1)
+            o = R.matmul(p, vr)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class MqaExpected:
+    @R.function
+    def main(q: R.Tensor((1, 4, 8, 16), "float32"), k: R.Tensor((1, 1, 8, 16), "float32"),
+             v: R.Tensor((1, 1, 8, 16), "float32")) -> R.Tensor((1, 4, 8, 16), "float32"):
+        with R.dataflow():
+            q1 = R.permute_dims(q, axes=[0, 2, 1, 3])
+            k1 = R.permute_dims(k, axes=[0, 2, 1, 3])
+            v1 = R.permute_dims(v, axes=[0, 2, 1, 3])
+            a = R.nn.attention(q1, k1, v1, scale=T.float32(0.25))
+            o = R.permute_dims(a, axes=[0, 2, 1, 3])
+            R.output(o)
+        return o
+
+
+def test_mqa_repeat():
+    after = assert_fused(Mqa, MqaExpected, group="4")
+    assert_same_numerics(Mqa, after)
+
+
+# --- an existing R.nn.attention is already one op -------------------------------------------------
+
+
+@I.ir_module
+class Existing:
+    @R.function
+    def main(q: R.Tensor((1, 8, 4, 16), "float32"), k: R.Tensor((1, 8, 2, 16), "float32"),
+             v: R.Tensor((1, 8, 2, 16), "float32")) -> R.Tensor((1, 8, 4, 16), "float32"):
+        with R.dataflow():
+            o = R.nn.attention(q, k, v, scale=T.float32(0.25), causal_mask="TopLeft")
+            R.output(o)
+        return o
+
+
+def test_existing_attention_is_kept_and_lowers_with_gqa():
+    after = fuse(Existing)
+    tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"), Existing)
+    (d,) = decisions(after)
+    assert d["status"] == "existing"
+    q, k, v = inputs_for(Existing)
+    out = run_llvm(Existing, q, k, v)
+    kr, vr = np.repeat(k, 2, axis=2), np.repeat(v, 2, axis=2)  # GQA: query head h reads h // 2
+    s = np.einsum("bihd,bjhd->bhij", q, kr) * 0.25
+    s = np.where(np.tril(np.ones((8, 8), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = np.einsum("bhij,bjhd->bihd", p / p.sum(-1, keepdims=True), vr)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+# --- left alone: every "cannot prove" case records why --------------------------------------------
+
+
+def _scores_module(mask_builder, axis: int = -1, extra_param: bool = False):
+    """softmax(q·kᵀ/4 + mask) v with a mask from ``mask_builder(bb, s, mask_param)``."""
+    bb = relax.BlockBuilder()
+    t = relax.TensorType((2, 4, 8, 16), "float32")
+    q, k, v = relax.Var("q", t), relax.Var("k", t), relax.Var("v", t)
+    params = [q, k, v]
+    m = None
+    if extra_param:
+        m = relax.Var("m", relax.TensorType((2, 1, 8, 8), "float32"))
+        params.append(m)
+    with bb.function("main", params):
+        with bb.dataflow():
+            kt = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            s = bb.emit(relax.op.matmul(q, kt))
+            s = bb.emit(relax.op.multiply(s, relax.const(0.25, "float32")))
+            s = mask_builder(bb, s, m)
+            p = bb.emit(relax.op.nn.softmax(s, axis=axis))
+            o = bb.emit_output(relax.op.matmul(p, v))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
+def _add_const(values: np.ndarray):
+    def build(bb, s, _m):
+        return bb.emit(relax.op.add(s, relax.const(values.astype("float32"))))
+
+    return build
+
+
+def test_left_alone_non_causal_constant_mask():
+    band = np.where(np.tril(np.ones((8, 8), bool)) & ~np.tril(np.ones((8, 8), bool), -3), 0, -np.inf)
+    assert_left(_scores_module(_add_const(band)), "constant mask is not causal")
+
+
+def test_left_alone_constant_bias_values():
+    alibi = -np.abs(np.arange(8)[None, :] - np.arange(8)[:, None]).astype(np.float32)
+    assert_left(_scores_module(_add_const(alibi)), "neither 0 nor a masking value")
+
+
+def test_left_alone_softmax_over_wrong_axis():
+    assert_left(_scores_module(lambda bb, s, m: s, axis=2), "softmax over axis 2")
+
+
+def test_left_alone_data_mask_varying_along_queries():
+    def build(bb, s, m):
+        return bb.emit(relax.op.add(s, m))
+
+    assert_left(_scores_module(build, extra_param=True), "varies along the query axis")
+
+
+def test_left_alone_probabilities_used_elsewhere():
+    bb = relax.BlockBuilder()
+    t = relax.TensorType((2, 4, 8, 16), "float32")
+    q, k, v = relax.Var("q", t), relax.Var("k", t), relax.Var("v", t)
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            kt = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            s = bb.emit(relax.op.matmul(q, kt))
+            p = bb.emit_output(relax.op.nn.softmax(s, axis=-1))
+            o = bb.emit_output(relax.op.matmul(p, v))
+        bb.emit_func_output(relax.Tuple([o, p]))
+    assert_left(bb.get(), "probabilities have other users")
+
+
+def test_left_alone_tiled_kv_repetition():
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, 4, 8, 16), "float32"))
+    k = relax.Var("k", relax.TensorType((1, 2, 8, 16), "float32"))
+    v = relax.Var("v", relax.TensorType((1, 2, 8, 16), "float32"))
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            # tile: heads [k0, k1, k0, k1] — query head h reads KV head h % 2, not h // 2
+            ke = bb.emit(relax.op.expand_dims(k, [1]))
+            kb = bb.emit(relax.op.broadcast_to(ke, relax.ShapeExpr([1, 2, 2, 8, 16])))
+            kr = bb.emit(relax.op.reshape(kb, relax.ShapeExpr([1, 4, 8, 16])))
+            kt = bb.emit(relax.op.permute_dims(kr, [0, 1, 3, 2]))
+            vr = bb.emit(relax.op.repeat(v, 2, axis=1))
+            s = bb.emit(relax.op.matmul(q, kt))
+            p = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            o = bb.emit_output(relax.op.matmul(p, vr))
+        bb.emit_func_output(o)
+    assert_left(bb.get(), "tiling")
+
+
+def test_left_alone_causal_combined_with_padding():
+    def build(bb, s, m):
+        causal = np.where(np.tril(np.ones((8, 8), bool)), 0, -np.inf).astype("float32")
+        s = bb.emit(relax.op.add(s, relax.const(causal)))
+        pad = bb.emit(relax.op.strided_slice(m, [2], [0], [1]))  # (2, 1, 1, 8): a padding row
+        return bb.emit(relax.op.add(s, pad))
+
+    assert_left(_scores_module(build, extra_param=True), "combined with a data-dependent one")
+
+
+def test_left_alone_isnan_guard_after_infinite_padding():
+    bb = relax.BlockBuilder()
+    t = relax.TensorType((2, 4, 8, 16), "float32")
+    q, k, v = relax.Var("q", t), relax.Var("k", t), relax.Var("v", t)
+    keep = relax.Var("keep", relax.TensorType((2, 1, 1, 8), "bool"))
+    with bb.function("main", [q, k, v, keep]):
+        with bb.dataflow():
+            kt = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            s = bb.emit(relax.op.matmul(q, kt))
+            s = bb.emit(relax.op.where(keep, s, relax.const(float("-inf"), "float32")))
+            p = bb.emit(relax.op.nn.softmax(s, axis=-1))
+            nan = bb.emit(relax.op.isnan(p))
+            p2 = bb.emit(relax.op.where(nan, relax.const(0.0, "float32"), p))
+            o = bb.emit_output(relax.op.matmul(p2, v))
+        bb.emit_func_output(o)
+    assert_left(bb.get(), "IsNaN guard")
+
+
+def test_not_attention_is_not_recorded():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 8), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            p = bb.emit(relax.op.nn.softmax(x, axis=-1))
+            o = bb.emit_output(relax.op.matmul(p, w))
+        bb.emit_func_output(o)
+    mod = bb.get()
+    after = fuse(mod)
+    tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"), mod)
+    assert decisions(after) == []
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_mixed_precision_keeps_scale_causal_and_bias(dtype):
+    from tvmfuse.passes import MixedPrecision
+    from tvmfuse.passes.legalize_fixes import legalize_overrides  # noqa: F401  (registers the fix)
+
+    after = MixedPrecision(dtype)(fuse(Padding))
+    calls = [b.value for b in after["main"].body.blocks[0].bindings
+             if isinstance(b.value, relax.Call) and "attention" in str(b.value.op)]
+    (call,) = calls
+    assert call.op.name == "relax.nn.attention_bias"
+    assert abs(float(call.attrs.scale.value) - 0.25) < 1e-7
+    assert str(call.args[0].ty.dtype) == dtype and str(call.args[3].ty.dtype) == dtype

@@ -1,0 +1,697 @@
+"""Spelled-out attention → one ``R.nn.attention`` (BSNH layout), or left alone with a reason.
+
+Exporters write attention as separate ops; this pass finds
+
+    O = P · V,   P = softmax(S, axis=-1) [→ where(isnan(P), 0, P)] [→ astype],
+    S = (Q · Kᵀ) [· c | / c] [+ mask | where(cond, ·, fill)] ...   (any order of scale and mask)
+
+and rewrites ``O`` (heads-major, (B, H, Sq, D)) into
+``permute_dims(R.nn.attention(q, k, v, bias?, scale, causal_mask), [0, 2, 1, 3])`` where
+q (B, Sq, Hq, D), k/v (B, Skv, Hkv, D) are taken from *before* the exporters' layout ops:
+
+* permutes of Q, Kᵀ and V are composed and folded into the BSNH operand (usually the
+  (B, S, H, D) reshape of a projection; a permute is emitted only where RoPE ran heads-major);
+* scalar scales on Q, K or S (multiply/divide by a constant) multiply into ``scale``;
+* GQA/MQA repetition of K/V heads (expand_dims → broadcast_to → reshape, ``R.repeat``, or a
+  broadcast of one KV head) becomes ``Hkv < Hq``; it must be interleaved (query head h reads KV
+  head h // group), a tiled repetition (h % Hkv) is left alone;
+* torch.export's batched 3-D form (reshape to (B·H, S, D) around each matmul) is looked through.
+
+Masks are accepted only when the equivalence is proved:
+
+* a mask that depends on constants only (triu/tril, arange comparisons, where, full(-inf), a
+  constant matrix, ...) is evaluated at compile time and checked entry by entry: every visible
+  entry is exactly 0, every masked one is -inf or <= -2^100 (fp16: -2^10; exp underflows to
+  exactly 0 beside any visible score above -2^99), every query row sees at least one key, and the visible set
+  is exactly ``tril(k=0)`` (TopLeft) or ``tril(k=Skv-Sq)`` (BottomRight) or everything;
+* a mask that depends on model inputs becomes the additive ``bias`` when it is constant along the
+  query axis (a padding mask, (B|1, H|1, 1, Skv)); ``where(and(C, P), a, b)`` with a constant
+  all-true C (HF's broadcast padding mask) is reduced to ``where(P, a, b)`` first;
+* HF SDPA's ``where(isnan(P), 0, P)`` is dropped when no row can be fully masked (no data-dependent
+  mask, or one whose values are provably finite), i.e. when P never holds NaN for finite inputs.
+
+Anything else stays as it was; every candidate's outcome is recorded in the module attribute
+:data:`DECISIONS_ATTR` (``tvmfuse report`` lists the ones left alone). Existing ``R.nn.attention``
+calls are already one op and are recorded as such. Sits after ``FuseDecomposedNorms`` (it needs
+``R.nn.softmax``) and before mixed precision and LegalizeOps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.relax.dpl import is_op, rewrite_call, wildcard
+
+from ._util import scalar_value, shape_expr, static_shape
+
+DECISIONS_ATTR = "tvmfuse.attention_decisions"
+_BSHD = "BSHD"  # attention operand layout; labels: B batch, H heads, Q/K query/key positions, D dim
+
+
+class _Reject(Exception):
+    """The candidate cannot be rewritten; the message is the recorded reason."""
+
+
+def _op(expr: relax.Expr) -> str | None:
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
+        return expr.op.name
+    return None
+
+
+def _is_scalar_const(expr: relax.Expr) -> bool:
+    return scalar_value(expr) is not None
+
+
+def _masked_floor(dtype: str) -> float:
+    """A masked score must be -inf or at most this: -2^100 (fp32/bf16), -2^10 (fp16).
+
+    exp(masked - m) is then exactly 0 beside any visible score m above -2^99 (fp16: -900).
+    """
+    return -(2.0**10) if dtype == "float16" else -(2.0**100)
+
+
+@dataclass
+class _Operand:
+    """A BSHD operand: ``expr`` (BSHD after ``axes``), KV-head repetition factor, folded scale."""
+
+    expr: relax.Expr
+    axes: list[int]
+    group: int = 1
+    scale: float = 1.0
+
+    def bshd(self) -> relax.Expr:
+        return self.expr if self.axes == [0, 1, 2, 3] else relax.op.permute_dims(self.expr, self.axes)
+
+
+@dataclass
+class _Masks:
+    """What the score chain adds: constant visibility (ANDed), data-dependent biases, guards."""
+
+    visible: np.ndarray | None = None  # bool (Sq, Skv) or None for "all visible"
+    biases: list[relax.Expr] = field(default_factory=list)
+    finite_biases: bool = True
+
+
+class _Function:
+    """Binding table, use counts and constant evaluation for one Relax function."""
+
+    def __init__(self, func: relax.Function) -> None:
+        self.table: dict[relax.Var, relax.Expr] = {}
+        self.order: dict[relax.Var, int] = {}
+        self.var_of: dict[relax.Expr, relax.Var] = {}
+        self.uses: dict[relax.Var, int] = {}
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                if isinstance(binding, relax.VarBinding):
+                    self.order[binding.var] = len(self.order)
+                    self.table[binding.var] = binding.value
+                    self.var_of[binding.value] = binding.var
+        self.params = set(func.params)
+        # uses: how many bindings (and the function result) read each var
+        for value in [*self.table.values(), func.body.body]:
+            for var in relax.analysis.free_vars(value):
+                self.uses[var] = self.uses.get(var, 0) + 1
+        self._const_cache: dict[relax.Expr, np.ndarray | None] = {}
+
+    def value(self, expr: relax.Expr) -> relax.Expr:
+        """Look through variable bindings to the bound expression."""
+        while isinstance(expr, relax.Var) and expr in self.table:
+            expr = self.table[expr]
+        return expr
+
+    def call(self, expr: relax.Expr, *ops: str) -> relax.Call | None:
+        value = self.value(expr)
+        return value if _op(value) in ops else None
+
+    def single_use(self, expr: relax.Expr) -> bool:
+        return not isinstance(expr, relax.Var) or self.uses.get(expr, 0) <= 1
+
+    # --- constant evaluation --------------------------------------------------------------------
+
+    def _const_deps(self, expr: relax.Expr, deps: set) -> bool:
+        if isinstance(expr, relax.Var):
+            if expr in deps:
+                return True
+            if expr not in self.table:
+                return False  # a function parameter: depends on model inputs
+            deps.add(expr)
+            return self._const_deps(self.table[expr], deps)
+        if isinstance(expr, relax.Call):
+            return all(self._const_deps(a, deps) for a in expr.args)
+        if isinstance(expr, relax.Tuple):
+            return all(self._const_deps(f, deps) for f in expr.fields)
+        if isinstance(expr, relax.TupleGetItem):
+            return self._const_deps(expr.tuple_value, deps)
+        if isinstance(expr, relax.ShapeExpr):
+            return all(isinstance(v, tvm.tirx.IntImm) for v in expr.values)
+        return isinstance(expr, (tvm.ir.expr.Constant, tvm.ir.expr.StringImm, tvm.tirx.IntImm,
+                                 tvm.tirx.FloatImm))
+
+    def constant(self, expr: relax.Expr) -> np.ndarray | None:
+        """The value of ``expr`` when it depends on constants only (built and run on llvm)."""
+        if isinstance(expr, tvm.ir.expr.Constant):
+            return expr.value.numpy()
+        key = expr
+        if key in self._const_cache:
+            return self._const_cache[key]
+        deps: set = set()
+        result = None
+        if isinstance(expr.ty, relax.TensorType) and self._const_deps(expr, deps):
+            result = _evaluate(expr, sorted(deps, key=self.order.__getitem__), self.table)
+        self._const_cache[key] = result
+        return result
+
+
+def _evaluate(expr: relax.Expr, deps: list[relax.Var], table: dict) -> np.ndarray:
+    """Run the constant subgraph ``deps → expr`` once on the CPU."""
+    from .legalize_fixes import legalize_overrides
+
+    out = relax.Var("mask_value", expr.ty)
+    bindings = [relax.VarBinding(v, table[v]) for v in deps] + [relax.VarBinding(out, expr)]
+    func = relax.Function([], relax.SeqExpr([relax.DataflowBlock(bindings)], out), expr.ty)
+    mod = tvm.IRModule({"main": func})
+    with tvm.target.Target("llvm"):
+        mod = relax.transform.LegalizeOps(legalize_overrides())(mod)
+        exe = tvm.compile(mod, target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    return vm["main"]().numpy()
+
+
+class _Matcher:
+    """Matches one attention candidate anchored at the P·V product."""
+
+    def __init__(self, fn: _Function) -> None:
+        self.fn = fn
+
+    # --- 3-D (B·H, S, D) batched form of torch.export --------------------------------------------
+
+    def _unbatch(self, expr: relax.Expr, want: list[int] | None = None) -> relax.Expr | None:
+        """The 4-D tensor a (B·H, a, b) operand was reshaped from (through a same-shape broadcast)."""
+        call = self.fn.call(expr, "relax.reshape")
+        if call is None:
+            return None
+        src = call.args[0]
+        bc = self.fn.call(src, "relax.broadcast_to")
+        if bc is not None and static_shape(bc.args[0]) == static_shape(src):
+            src = bc.args[0]
+        s4, s3 = static_shape(src), static_shape(expr)
+        if s4 is None or s3 is None or len(s4) != 4 or len(s3) != 3:
+            return None
+        if s4[0] * s4[1] != s3[0] or s4[2:] != s3[1:] or (want is not None and s4[:2] != want):
+            return None
+        return src
+
+    def matmul4(self, expr: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
+        """``(lhs, rhs)`` 4-D operands of a 4-D product ``expr`` (directly or via the 3-D form)."""
+        shape = static_shape(expr)
+        if shape is None or len(shape) != 4:
+            return None
+        mm = self.fn.call(expr, "relax.matmul")
+        if mm is not None:
+            a, b = mm.args
+            if len(static_shape(a) or []) == 4 and len(static_shape(b) or []) == 4:
+                return a, b
+            return None
+        rs = self.fn.call(expr, "relax.reshape")
+        if rs is None:
+            return None
+        mm = self.fn.call(rs.args[0], "relax.matmul")
+        s3 = static_shape(rs.args[0])
+        if mm is None or s3 is None or len(s3) != 3 or shape[0] * shape[1] != s3[0]:
+            return None
+        if not self.fn.single_use(rs.args[0]):
+            return None
+        a, b = (self._unbatch(x, shape[:2]) for x in mm.args)
+        if a is None or b is None:
+            return None
+        return a, b
+
+    # --- operands -------------------------------------------------------------------------------
+
+    def operand(self, expr: relax.Expr, labels: str, what: str, fold_scale: bool) -> _Operand:
+        """Peel permutes, scalar scales and KV-head repetition off a 4-D operand of ``labels``."""
+        labels, group, scale = list(labels), 1, 1.0
+        fn = self.fn
+        while True:
+            value = fn.value(expr)
+            op = _op(value)
+            shape = static_shape(expr)
+            if op == "relax.permute_dims":
+                axes = [int(a) for a in value.attrs.axes] if value.attrs.axes is not None else [3, 2, 1, 0]
+                inner = [""] * 4
+                for i, a in enumerate(axes):
+                    inner[a] = labels[i]
+                labels, expr = inner, value.args[0]
+            elif fold_scale and op in ("relax.multiply", "relax.divide") and any(
+                    _is_scalar_const(a) for a in value.args):
+                x, c = (value.args[1], value.args[0]) if _is_scalar_const(value.args[0]) else value.args
+                if op == "relax.divide" and x is value.args[1]:
+                    break  # c / x is no scale
+                if static_shape(x) != shape or str(x.ty.dtype) != str(value.ty.dtype):
+                    break
+                c = scalar_value(c)
+                scale = scale * c if op == "relax.multiply" else scale / c
+                expr = x
+            elif op == "relax.broadcast_to" and static_shape(value.args[0]) == shape:
+                expr = value.args[0]
+            elif op == "relax.broadcast_to" and len(static_shape(value.args[0]) or []) == 4:
+                # MQA: one KV head broadcast to every query head
+                src = static_shape(value.args[0])
+                diff = [i for i in range(4) if src[i] != shape[i]]
+                if len(diff) != 1 or src[diff[0]] != 1 or labels[diff[0]] != "H":
+                    break
+                group *= shape[diff[0]]
+                expr = value.args[0]
+            elif op == "relax.repeat" and labels[int(value.attrs.axis) % 4] == "H":
+                group *= int(value.attrs.repeats)
+                expr = value.args[0]
+            elif op == "relax.reshape":
+                found = self._through_reshape(value, shape, labels)
+                if found is None:
+                    break
+                expr, labels, n = found
+                group *= n
+            elif op == "relax.tile":
+                raise _Reject(f"{what}: heads repeated by tiling (head h reads KV head h % Hkv); the "
+                              "attention op groups query heads as h // group")
+            else:
+                break
+        axes = [labels.index(c) for c in ("B", labels_pos(labels), "H", "D")]
+        return _Operand(expr, axes, group, scale)
+
+    def _through_reshape(self, value: relax.Call, shape: list[int] | None, labels: list[str]):
+        """A 4-D ``reshape`` that is a view of a 4-D tensor, possibly with KV-head repetition.
+
+        Looks through reshape chains and the 3-D (B·H, a, b) round trip of torch/ONNX exports,
+        including a transpose of the last two axes there. Returns (source, labels, group) or None.
+        """
+        if shape is None or len(shape) != 4:
+            return None
+        labels = list(labels)
+        src = value.args[0]
+        while True:
+            inner = self.fn.value(src)
+            s = static_shape(src)
+            if _op(inner) == "relax.reshape":
+                src = inner.args[0]
+            elif (_op(inner) == "relax.permute_dims" and s is not None and len(s) == 3
+                  and s[0] == shape[0] * shape[1] and inner.attrs.axes is not None
+                  and int(inner.attrs.axes[0]) == 0):
+                axes = [int(a) for a in inner.attrs.axes]
+                new = [labels[0], labels[1], "", ""]
+                new[1 + axes[1]], new[1 + axes[2]] = labels[2], labels[3]
+                labels, src = new, inner.args[0]
+                shape = shape[:2] + static_shape(src)[1:]
+            else:
+                break
+        if static_shape(src) == shape:
+            return src, labels, 1
+        rep = self._repeat_kv(src, shape)
+        if rep is None:
+            return None
+        axis, n, base = rep
+        if labels[axis] != "H":
+            raise _Reject("key/value repetition along a non-head axis")
+        return base, labels, n
+
+    def _repeat_kv(self, wide_expr: relax.Expr, shape: list[int]):
+        """``broadcast_to(expand_dims(x, e), ..n..)`` viewed as ``shape`` = merge(e-1, e) → (e-1, n, x)."""
+        bc = self.fn.call(wide_expr, "relax.broadcast_to")
+        if bc is None:
+            return None
+        ex = self.fn.call(bc.args[0], "relax.expand_dims")
+        if ex is None or len(ex.attrs.axis) != 1:
+            return None
+        src = static_shape(ex.args[0])
+        wide = static_shape(wide_expr)
+        if src is None or wide is None or len(src) != 4 or len(wide) != 5:
+            return None
+        e = int(ex.attrs.axis[0]) % 5
+        n = wide[e]
+        if e == 0 or wide[:e] + wide[e + 1:] != src:
+            return None
+        if src[: e - 1] + [src[e - 1] * n] + src[e:] == shape:
+            return e - 1, n, ex.args[0]
+        if e < 4 and src[:e] + [n * src[e]] + src[e + 1:] == shape:
+            raise _Reject("key/value heads repeated by tiling (head h reads KV head h % Hkv); the "
+                          "attention op groups query heads as h // group")
+        return None
+
+    # --- the score chain ------------------------------------------------------------------------
+
+    def _leads_to_scores(self, expr: relax.Expr, depth: int = 8) -> bool:
+        if self.matmul4(expr) is not None:
+            return True
+        value = self.fn.value(expr)
+        op = _op(value)
+        if depth == 0 or op not in ("relax.add", "relax.multiply", "relax.divide", "relax.where",
+                                    "relax.astype", "relax.subtract"):
+            return False
+        return any(self._leads_to_scores(a, depth - 1) for a in value.args)
+
+    def scores(self, expr: relax.Expr, dtype: str):
+        """Walk softmax's input back to Q·Kᵀ: returns (q·kᵀ operands, scale factor, masks)."""
+        fn = self.fn
+        factor = 1.0
+        terms: list[tuple[relax.Expr, float]] = []
+        fills: list[tuple[relax.Expr, float, bool]] = []  # (cond, fill·factor, visible-when-true)
+        while True:
+            mm = self.matmul4(expr)
+            if mm is not None:
+                break
+            if not fn.single_use(expr):
+                raise _Reject("an intermediate score tensor has other users (it would stay in HBM)")
+            value = fn.value(expr)
+            op = _op(value)
+            args = list(value.args) if isinstance(value, relax.Call) else []
+            if op in ("relax.multiply", "relax.divide") and any(_is_scalar_const(a) for a in args):
+                x, c = (args[1], args[0]) if _is_scalar_const(args[0]) else args
+                if op == "relax.divide" and x is args[1]:
+                    raise _Reject("scores divide a constant (c / S is no scale)")
+                c = scalar_value(c)
+                factor = factor * c if op == "relax.multiply" else factor / c
+                expr = x
+            elif op == "relax.add":
+                lead = [self._leads_to_scores(a) for a in args]
+                if lead.count(True) != 1:
+                    raise _Reject("cannot tell the scores from the mask in an add")
+                chain, mask = (args[0], args[1]) if lead[0] else (args[1], args[0])
+                terms.append((mask, factor))
+                expr = chain
+            elif op == "relax.where":
+                cond, a, b = args
+                if _is_scalar_const(b) and self._leads_to_scores(a):
+                    fills.append((cond, scalar_value(b) * factor, True))
+                    expr = a
+                elif _is_scalar_const(a) and self._leads_to_scores(b):
+                    fills.append((cond, scalar_value(a) * factor, False))
+                    expr = b
+                else:
+                    raise _Reject("where() between QKᵀ and softmax does not fill with a constant")
+            elif op == "relax.astype" and str(value.ty.dtype) == "float32":
+                expr = args[0]  # upcast before softmax; the kernel accumulates in fp32 anyway
+            else:
+                name = op or type(value).__name__
+                raise _Reject(f"{name} between QKᵀ and softmax is not a scale or a mask")
+        if factor <= 0:
+            raise _Reject(f"scores scaled by {factor} <= 0 (a mask would change meaning)")
+        masks = self.masks(terms, fills, static_shape(expr), dtype)
+        return mm, factor, masks
+
+    # --- masks ----------------------------------------------------------------------------------
+
+    def _visible(self, arr: np.ndarray, shape: list[int], dtype: str, what: str) -> np.ndarray:
+        """Bool (Sq, Skv) visibility of an additive constant mask (0 visible, ≤ floor masked)."""
+        if arr.ndim > 4:
+            raise _Reject(f"{what} has rank {arr.ndim} > 4")
+        arr = np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape)
+        vis = arr == 0
+        masked = arr <= _masked_floor(dtype)
+        if not np.all(vis | masked):
+            i = np.argwhere(~(vis | masked))[0]
+            raise _Reject(f"{what} holds {arr[tuple(i)]!r} at {tuple(int(x) for x in i)}: neither 0 "
+                          "nor a masking value (a general bias, not a causal mask)")
+        flat = vis.reshape(-1, *shape[2:])
+        if not np.all(flat == flat[:1]):
+            raise _Reject(f"{what} differs across batch/heads: not a causal mask")
+        return flat[0]
+
+    def _bool_visible(self, arr: np.ndarray, shape: list[int], what: str) -> np.ndarray:
+        arr = np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape).astype(bool)
+        flat = arr.reshape(-1, *shape[2:])
+        if not np.all(flat == flat[:1]):
+            raise _Reject(f"{what} differs across batch/heads: not a causal mask")
+        return flat[0]
+
+    def _padding(self, expr: relax.Expr, shape: list[int], what: str) -> relax.Expr | None:
+        """``expr`` as a 4-D (B|1, H|1, 1, Skv) tensor, or None if it varies along queries."""
+        s = static_shape(expr)
+        if s is None or len(s) > 4:
+            return None
+        s4 = [1] * (4 - len(s)) + s
+        if s4[2] != 1 or s4[3] != shape[3] or s4[0] not in (1, shape[0]) or s4[1] not in (1, shape[1]):
+            return None
+        return expr if len(s) == 4 else relax.op.reshape(expr, shape_expr(s4))
+
+    def _conjuncts(self, cond: relax.Expr) -> list[relax.Expr]:
+        call = self.fn.call(cond, "relax.logical_and")
+        if call is None:
+            bc = self.fn.call(cond, "relax.broadcast_to")
+            return self._conjuncts(bc.args[0]) if bc is not None else [cond]
+        return self._conjuncts(call.args[0]) + self._conjuncts(call.args[1])
+
+    def _split_padding_where(self, mask: relax.Expr, shape: list[int], factor: float, dtype: str):
+        """``where(and(C, P), a, b)`` with constant all-true C → bias ``where(P, a, b)``."""
+        call = self.fn.call(mask, "relax.where")
+        if call is None or not all(_is_scalar_const(x) for x in call.args[1:]):
+            return None
+        data, visible = [], None
+        for c in self._conjuncts(call.args[0]):
+            arr = self.fn.constant(c)
+            if arr is None:
+                data.append(c)
+            else:
+                v = self._bool_visible(arr, [shape[0], shape[1], shape[2], shape[3]], "mask condition")
+                visible = v if visible is None else visible & v
+        if visible is not None and not visible.all():
+            raise _Reject("a constant (causal) mask combined with a data-dependent one: rows whose "
+                          "visible keys are all masked by the data would differ")
+        pads = [self._padding(c, shape, "mask condition") for c in data]
+        if not data or any(p is None for p in pads):
+            return None
+        cond = pads[0]
+        for p in pads[1:]:
+            cond = relax.op.logical_and(cond, p)
+        a, b = (relax.const(scalar_value(x) * factor, dtype) for x in call.args[1:])
+        return relax.op.where(cond, a, b)
+
+    def masks(self, terms, fills, shape: list[int], dtype: str) -> _Masks:
+        out = _Masks()
+
+        def see(vis: np.ndarray) -> None:
+            out.visible = vis if out.visible is None else out.visible & vis
+
+        for mask, factor in terms:
+            if str(mask.ty.dtype) != dtype:
+                raise _Reject(f"mask dtype {mask.ty.dtype} differs from the scores' {dtype}")
+            arr = self.fn.constant(mask)
+            if arr is not None:
+                see(self._visible(arr * factor, shape, dtype, "constant mask"))
+                continue
+            bias = self._padding(mask, shape, "mask")
+            if bias is None:
+                bias = self._split_padding_where(mask, shape, factor, dtype)
+                if bias is None:
+                    raise _Reject(f"data-dependent mask of shape {static_shape(mask)} varies along the "
+                                  "query axis: neither causal nor a padding mask")
+                out.finite_biases = out.finite_biases and self._finite(bias)
+                out.biases.append(bias)
+                continue
+            if factor != 1.0:
+                bias = relax.op.multiply(bias, relax.const(factor, dtype))
+            out.finite_biases = out.finite_biases and self._finite(mask)
+            out.biases.append(bias)
+        for cond, fill, when in fills:
+            if not (fill == -math.inf or fill <= _masked_floor(dtype)):
+                raise _Reject(f"masked_fill value {fill} (after scaling) is not a masking value")
+            arr = self.fn.constant(cond)
+            if arr is not None:
+                vis = self._bool_visible(arr, shape, "mask condition")
+                see(vis if when else ~vis)
+                continue
+            pad = self._padding(cond, shape, "mask condition")
+            if pad is None:
+                raise _Reject("data-dependent masked_fill condition varies along the query axis")
+            if fill != -math.inf and not (dtype == "float32" and fill <= -(2.0**100)):
+                raise _Reject("data-dependent masked_fill with a finite fill: fully masked rows "
+                              "would differ from an additive bias")
+            zero, neg = relax.const(0.0, dtype), relax.const(fill, dtype)
+            out.biases.append(relax.op.where(pad, zero, neg) if when else relax.op.where(pad, neg, zero))
+            out.finite_biases = out.finite_biases and fill != -math.inf
+        if out.visible is not None and out.biases:
+            raise _Reject("a constant (causal) mask combined with a data-dependent one: rows whose "
+                          "visible keys are all masked by the data would differ")
+        return out
+
+    def _finite(self, expr: relax.Expr) -> bool:
+        call = self.fn.call(expr, "relax.where")
+        if call is not None:
+            return all(self._finite(x) for x in call.args[1:])
+        arr = self.fn.constant(expr) if isinstance(expr, tvm.ir.expr.Constant) else None
+        return arr is not None and bool(np.isfinite(arr).all())
+
+    # --- the whole candidate --------------------------------------------------------------------
+
+    def probabilities(self, expr: relax.Expr):
+        """P back to softmax: (softmax call, IsNaN guard seen) or None if P is no softmax.
+
+        Every tensor on the way must have this one use (the guard's where and isnan share P).
+        """
+        guard = False
+        fn = self.fn
+        while True:
+            value = fn.value(expr)
+            op = _op(value)
+            if op == "relax.nn.softmax":
+                if isinstance(expr, relax.Var) and fn.uses.get(expr, 0) > (2 if guard else 1):
+                    raise _Reject("the attention probabilities have other users (e.g. output_attentions)")
+                return value, guard
+            if not fn.single_use(expr):
+                raise _Reject("the attention probabilities have other users (e.g. output_attentions)")
+            if op == "relax.astype":
+                expr = value.args[0]
+            elif op == "relax.where":
+                cond, a, b = value.args
+                isnan = fn.call(cond, "relax.isnan")
+                if isnan is None or scalar_value(a) != 0.0 or not fn.value(isnan.args[0]).same_as(
+                        fn.value(b)):
+                    return None
+                guard = True
+                expr = b
+            else:
+                return None
+
+    def match(self, out: relax.Expr) -> relax.Expr | None:
+        """The replacement of the P·V product ``out`` (BHSD), or None if it is no attention."""
+        mm = self.matmul4(out)
+        if mm is None:
+            return None
+        p_expr, v_expr = mm
+        found = self.probabilities(p_expr)
+        if found is None:
+            return None
+        softmax, guard = found
+        shape = static_shape(softmax)
+        axis = int(softmax.attrs.axis)
+        if axis not in (-1, len(shape) - 1):
+            raise _Reject(f"softmax over axis {axis}, not the key axis")
+        qk, factor, masks = self.scores(softmax.args[0], str(softmax.ty.dtype))
+        q = self.operand(qk[0], "BHQD", "query", True)
+        k = self.operand(qk[1], "BHDK", "key", True)
+        v = self.operand(v_expr, "BHKD", "value", False)
+        if q.group != 1:
+            raise _Reject("query heads are repeated")
+        if k.group != v.group:
+            raise _Reject(f"keys repeated {k.group}x but values {v.group}x")
+        qs, ks, vs = (static_shape(x.expr) for x in (q, k, v))
+        qs, ks, vs = ([s[a] for a in x.axes] for s, x in ((qs, q), (ks, k), (vs, v)))
+        if ks != vs:
+            raise _Reject(f"key shape {ks} and value shape {vs} differ (BSHD)")
+        dtypes = {str(x.expr.ty.dtype) for x in (q, k, v)}
+        if len(dtypes) != 1:
+            raise _Reject(f"query/key/value dtypes differ: {sorted(dtypes)}")
+        rows_ok = masks.visible is None or bool(masks.visible.any(axis=1).all())
+        if not rows_ok:
+            raise _Reject("the constant mask leaves query rows with no visible key")
+        causal = _causal_kind(masks.visible, qs[1], ks[1])
+        if guard and masks.biases and not masks.finite_biases:
+            raise _Reject("IsNaN guard after a data-dependent mask that may be -inf: a fully masked "
+                          "row would be NaN→0 here")
+        bias = None
+        for b in masks.biases:
+            bias = b if bias is None else relax.op.add(bias, b)
+        scale = factor * q.scale * k.scale
+        attn = relax.op.nn.attention(q.bshd(), k.bshd(), v.bshd(), bias, scale=scale,
+                                     causal_mask=None if causal == "none" else causal)
+        result = relax.op.permute_dims(attn, [0, 2, 1, 3])
+        out_dtype = str(out.ty.dtype)
+        if out_dtype != dtypes.pop():
+            result = relax.op.astype(result, out_dtype)
+        return result, {"causal": causal, "bias": "yes" if bias is not None else "no",
+                        "group": str(k.group), "scale": repr(scale), "isnan_guard": str(guard)}
+
+
+def labels_pos(labels: list[str]) -> str:
+    """The position label of an operand: Q for queries, K for keys/values."""
+    return "Q" if "Q" in labels else "K"
+
+
+def _causal_kind(visible: np.ndarray | None, sq: int, skv: int) -> str:
+    if visible is None or visible.all():
+        return "none"
+    if visible.shape != (sq, skv):
+        visible = np.broadcast_to(visible, (sq, skv))
+    if np.array_equal(visible, np.tril(np.ones((sq, skv), bool), 0)):
+        return "TopLeft"
+    if np.array_equal(visible, np.tril(np.ones((sq, skv), bool), skv - sq)):
+        return "BottomRight"
+    wrong = np.argwhere(visible != np.tril(np.ones((sq, skv), bool), 0))[0]
+    raise _Reject(f"constant mask is not causal: entry {tuple(int(x) for x in wrong)} is "
+                  f"{'visible' if visible[tuple(wrong)] else 'masked'}")
+
+
+def _rewrite(func: relax.Function, decisions: dict[str, dict[str, str]]) -> relax.Function:
+    fn = _Function(func)
+    matcher = _Matcher(fn)
+    mm = is_op("relax.matmul")(wildcard(), wildcard())
+    pattern = is_op("relax.reshape")(mm, wildcard()) | mm
+
+    def rewriter(expr: relax.Expr, _m) -> relax.Expr:
+        var = fn.var_of.get(expr)
+        name = str(var.name) if var is not None else "?"
+        try:
+            found = matcher.match(expr)
+        except _Reject as why:
+            decisions.setdefault(name, {"binding": name, "status": "left", "reason": str(why)})
+            return expr
+        if found is None:
+            return expr
+        result, info = found
+        decisions.setdefault(name, {"binding": name, "status": "fused", **info})
+        return result
+
+    func = rewrite_call(pattern, rewriter, func)
+    # permute(permute(attention)) from the BHSD result meeting the exporter's BSHD permute
+    inner = is_op("relax.permute_dims")(is_op("relax.nn.attention")(wildcard(), wildcard(), wildcard())
+                                        | is_op("relax.nn.attention_bias")(
+                                            wildcard(), wildcard(), wildcard(), wildcard()))
+    outer = is_op("relax.permute_dims")(inner)
+
+    def collapse(expr, m):
+        a1 = [int(a) for a in m[inner].attrs.axes]
+        a2 = [int(a) for a in expr.attrs.axes]
+        if [a1[i] for i in a2] == [0, 1, 2, 3]:
+            return m[inner].args[0]
+        return expr
+
+    return rewrite_call(outer, collapse, func)
+
+
+def _existing(func: relax.Function, decisions: dict[str, dict[str, str]]) -> None:
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            if _op(binding.value) in ("relax.nn.attention", "relax.nn.attention_bias"):
+                name = str(binding.var.name)
+                decisions.setdefault(name, {"binding": name, "status": "existing",
+                                            "reason": "already one R.nn.attention op"})
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmfuse.FuseAttention")
+class FuseAttention:
+    """Q·Kᵀ → scale → mask → softmax → P·V (with layout ops and KV repetition) → ``R.nn.attention``.
+
+    Records every candidate in the module attribute ``tvmfuse.attention_decisions``: a list of
+    ``{"binding", "status": fused|left|existing, "reason" | "causal", "bias", "group", "scale"}``.
+    """
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        decisions: dict[str, dict[str, str]] = {}
+        updates = {}
+        for gv, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                _existing(func, decisions)
+                updates[gv] = _rewrite(func, decisions)
+        for gv, func in updates.items():
+            mod[gv] = func
+        return mod.with_attr(DECISIONS_ATTR, list(decisions.values()))
+
+
+def attention_decisions(mod: tvm.IRModule) -> list[dict[str, str]]:
+    """The decisions :class:`FuseAttention` recorded on ``mod`` (empty if it did not run)."""
+    if mod.attrs is None or DECISIONS_ATTR not in mod.attrs:
+        return []
+    return [{str(k): str(v) for k, v in d.items()} for d in mod.attrs[DECISIONS_ATTR]]
