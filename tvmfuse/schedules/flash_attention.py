@@ -55,13 +55,21 @@ def default_config(spec: AttentionSpec) -> FlashConfig:
     return FlashConfig(warps=4, m_tiles=1, block_n=64, stages=2)
 
 
-def _check(spec: AttentionSpec) -> None:
+def unsupported(spec: AttentionSpec) -> str | None:
+    """Why this kernel cannot compute ``spec`` (callers fall back to another lowering), or None."""
     if spec.dtype not in _PTX_TYPE:
-        raise ValueError(f"flash attention: dtype {spec.dtype} unsupported (float16 or bfloat16)")
+        return f"dtype {spec.dtype} unsupported (float16 or bfloat16)"
     if spec.head_dim not in (64, 128):
-        raise ValueError(f"flash attention: head_dim {spec.head_dim} unsupported (64 or 128)")
+        return f"head_dim {spec.head_dim} unsupported (64 or 128)"
     if not spec.scale > 0:
-        raise ValueError(f"flash attention: scale must be positive, not {spec.scale}")
+        return f"scale must be positive, not {spec.scale}"
+    return None
+
+
+def _check(spec: AttentionSpec) -> None:
+    reason = unsupported(spec)
+    if reason:
+        raise ValueError(f"flash attention: {reason}")
 
 
 def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
@@ -200,7 +208,8 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                             o_acc[(mt * ND + dn) * 4 + rh * 2 + e] * st[2])
                 for nt in T.unroll(NN):
                     for e in T.unroll(2):
-                        s_acc[(mt * NN + nt) * 4 + rh * 2 + e] = T.exp2(
+                        T.ptx["ex2.approx.ftz.f32"](  # one MUFU.EX2; 2^−inf = +0
+                            s_acc[(mt * NN + nt) * 4 + rh * 2 + e],
                             s_acc[(mt * NN + nt) * 4 + rh * 2 + e] * s_mul - st[1])
                         l_i[ri] = l_i[ri] + s_acc[(mt * NN + nt) * 4 + rh * 2 + e]
         # P as the A operand: k16 step kt = S n-tiles 2kt (a0, a1) and 2kt+1 (a2, a3)
