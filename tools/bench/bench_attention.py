@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import multiprocessing
 import os
 from pathlib import Path
 from typing import Any
@@ -178,7 +179,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         return rows
     target = "cpu" if args.device == "cpu" else args.target
     paths = [str(Path(args.workdir) / f"attn_{i}.so") for i in range(len(cases))]
-    with cf.ProcessPoolExecutor(min(len(cases), os.cpu_count() or 2)) as pool:
+    # spawn, not fork: this process has initialised CUDA, a forked child cannot use it
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(min(len(cases), os.cpu_count() or 2), mp_context=ctx) as pool:
         errors = list(pool.map(_build, [_spec_kw(dims, dt, c) for _, dims, dt, c in cases],
                                [target] * len(cases), paths))
     rows = []
