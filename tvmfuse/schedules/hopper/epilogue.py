@@ -129,25 +129,33 @@ def _lookup(pairs, var):
 
 
 class _Inliner:
-    """Inlines spatial blocks into one expression over canonical output indices."""
+    """Inlines spatial blocks into one expression over canonical output indices.
+
+    ``defs[buf] = (block vars, stored value)``; a load ``buf[idx]`` becomes the value with the
+    block vars bound to ``idx`` (so a 1-D bias cast or a 2-D chain inline alike). The GEMM
+    result ``c`` may only be read at the canonical indices: it becomes the accumulator.
+    """
 
     def __init__(self, params, acc, c, dims):
         self.params = params
-        self.defs = {c: acc}  # intermediate buffer -> expression over dims
-        self.dims = dims
+        self.acc, self.c, self.dims = acc, c, dims
+        self.defs: list = []  # [(buffer, block vars, value)]
 
     def inline(self, e, vmap):
         """``e`` with block vars mapped (vmap) and intermediate loads replaced by definitions."""
         if isinstance(e, _Load):
-            for buf, expr in self.defs.items():
+            idx = [self.inline(i, vmap) for i in e.indices]
+            if self.c.same_as(e.source):
+                if len(idx) != len(self.dims) or not all(
+                        i.same_as(d) for i, d in zip(idx, self.dims)):
+                    raise NotHandled(f"GEMM result {self.c.name} read at other indices")
+                return self.acc
+            for buf, ivs, value in self.defs:
                 if buf.same_as(e.source):
-                    if len(e.indices) != len(self.dims) or not all(
-                            _lookup(vmap, ix) is d for ix, d in zip(e.indices, self.dims)):
-                        raise NotHandled(f"intermediate {buf.name} read at other indices")
-                    return expr
+                    return self.inline(value, list(zip(ivs, idx)))
             if not any(p.same_as(e.source) for p in self.params):
                 raise NotHandled(f"load of {e.source.name}, neither parameter nor earlier block")
-            return tirx.BufferLoad(e.source, [self.inline(i, vmap) for i in e.indices])
+            return tirx.BufferLoad(e.source, idx)
         if isinstance(e, tirx.Var):
             found = _lookup(vmap, e)
             if found is None:
@@ -165,7 +173,7 @@ class _Inliner:
         if isinstance(e, tirx.Not):
             return tirx.Not(self.inline(e.a, vmap))
         if isinstance(e, _Call) and isinstance(e.op, _Op) and e.op.name in _CALLS:
-            return _Call(_dt(e), e.op, [self.inline(a, vmap) for a in e.args])
+            return _Call(e.op, [self.inline(a, vmap) for a in e.args], ret_ty=_dt(e))
         raise NotHandled(f"epilogue expression {type(e).__name__} unsupported: {e}")
 
 
@@ -195,7 +203,7 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
     acc = tirx.Var("acc", "float32")
     dims = [tirx.Var(f"d{i}", "int32") for i in range(2)]
     inl = _Inliner(params, acc, c, dims)
-    last = c
+    last, last_ivs, last_value = c, None, None
     for block, _ in blocks[1:]:
         if any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars):
             raise NotHandled(f"block {block.name_hint} after the GEMM is not elementwise")
@@ -203,13 +211,15 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
         if not isinstance(body, tirx.BufferStore) or block.init is not None:
             raise NotHandled(f"block {block.name_hint} is not a single store")
         ivs = [iv.var for iv in block.iter_vars]
-        if len(ivs) != 2 or [_int(iv.dom.extent) for iv in block.iter_vars] != [m, n]:
-            raise NotHandled(f"block {block.name_hint} does not span the (M, N) output")
-        if not all(ix.same_as(v) for ix, v in zip(body.indices, ivs)) or len(body.indices) != 2:
-            raise NotHandled(f"block {block.name_hint} writes other than X[i, j]")
-        vmap = list(zip(ivs, dims))
-        inl.defs[body.buffer] = inl.inline(body.value, vmap)
-        last = body.buffer
+        if len(body.indices) != len(ivs) or not all(
+                ix.same_as(v) for ix, v in zip(body.indices, ivs)):
+            raise NotHandled(f"block {block.name_hint} writes other than X[v0, v1, ...]")
+        inl.defs.append((body.buffer, ivs, body.value))
+        last, last_ivs, last_value = body.buffer, block.iter_vars, body.value
+    if last_ivs is None:
+        raise NotHandled("no epilogue block: the GEMM writes its fp32 accumulator directly")
+    if [_int(iv.dom.extent) for iv in last_ivs] != [m, n]:
+        raise NotHandled("the output block does not span the (M, N) output")
     out_pos = next((i for i, p in enumerate(params) if p.same_as(last)), None)
     if out_pos is None:
         raise NotHandled("the last block does not write a parameter")
@@ -218,7 +228,7 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
         raise NotHandled("more than one output")
     if out_pos in (a_pos, b_pos):
         raise NotHandled("output aliases an input")
-    expr = inl.defs[last]
+    expr = inl.inline(last_value, list(zip([iv.var for iv in last_ivs], dims)))
     return FusedGemm(a_pos, b_pos, out_pos, m, n, k, in_dtype, str(last.dtype), layout,
                      _shape(last), expr, acc, dims, [p.name for p in params])
 
