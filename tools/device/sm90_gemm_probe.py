@@ -52,34 +52,40 @@ def case(m, n, k, dtype, layout, cfg, time_it=True):
     torch.cuda.synchronize()
     ref = a.float() @ w.float().t()
     err = float((c.float() - ref).norm() / ref.norm())
-    line = (f"{m}x{n}x{k} {layout} {dtype} bm{cfg.bm} bn{cfg.bn} st{cfg.stages} "
-            f"build {build_s:.1f}s rel_err {err:.2e}")
+    tag = f"bn{cfg.bn}s{cfg.stages}{'P' if cfg.persistent else ''}{'V' if cfg.vector_store else ''}"
+    del build_s
+    line = f"{m}x{n}x{k} {layout} {dtype[:4]} {tag} err {err:.1e}"
     if time_it:
         ms = events_ms(lambda: lib(ta, tb, tc))
         cub = events_ms(lambda: torch.mm(a, w.t()))
         fl = 2.0 * m * n * k
-        line += f" ms {ms:.4f} TFLOPs {fl / ms / 1e9:.0f} | torch.mm ms {cub:.4f} TFLOPs {fl / cub / 1e9:.0f}"
+        line += f" {ms:.4f}ms {fl / ms / 1e9:.0f}TF | mm {cub:.4f}ms {fl / cub / 1e9:.0f}TF"
     print(line, flush=True)
 
 
 def main() -> None:
     print(torch.cuda.get_device_name(), tvm.__version__, flush=True)
     base = GemmConfig()
+    v1 = GemmConfig(persistent=False, vector_store=False)
     cases = [
         (4096, 4096, 4096, "float16", "nt", base, True),
+        (4096, 4096, 4096, "float16", "nt", v1, True),
         (4096, 4096, 4096, "float16", "nn", base, True),
         (4096, 4096, 4096, "bfloat16", "nt", base, True),
+        (8192, 8192, 4096, "float16", "nt", base, True),
+        (8192, 8192, 4096, "bfloat16", "nt", base, True),
+        (4096, 4096, 4096, "float16", "nt", GemmConfig(bn=128, stages=6), True),
+        (4096, 4096, 4096, "float16", "nt", GemmConfig(stages=3), True),
+        (4096, 4096, 4096, "float16", "nt", GemmConfig(group_m=16), True),
         (2047, 4096, 4096, "float16", "nt", base, False),
         (300, 520, 1000, "float16", "nn", base, False),
         (16, 4096, 4096, "bfloat16", "nt", base, False),
-        (4096, 4096, 4096, "float16", "nt", GemmConfig(bn=128, stages=6), True),
-        (8192, 8192, 4096, "float16", "nt", base, True),
     ]
     for args in cases:
         try:
             case(*args)
         except Exception:  # report and go on with the next case
-            print("FAILED", args[:5], traceback.format_exc()[-1500:], flush=True)
+            print("FAILED", args[:5], traceback.format_exc()[-600:], flush=True)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class GemmConfig:
     group_m: int = 8  # tile rasterisation: GROUP_M row tiles share their B tiles in L2
     producer_regs: int = 40
     consumer_regs: int = 232
+    persistent: bool = True  # one CTA per SM loops over tiles: next tile's loads overlap the epilogue
+    num_sms: int = 132  # H200
+    vector_store: bool = True  # column pairs stored as one 2-element vector
 
     @property
     def consumers(self) -> int:
@@ -108,8 +111,6 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     b_stage = c.bn * BK * 2
     stage_bytes = a_stage + b_stage
     acc_n = c.bn // 2  # fp32 accumulators per consumer thread (64 x BN / 128)
-    group = min(c.group_m, tiles_m)
-    in_group = group * tiles_n
     # B smem layout: nt -> BN rows of 128 B (K-major); nn -> BN/64 chunks of [64 k][64 n].
     if p.layout == "nt":
         b_box = (BK, c.bn)
@@ -142,18 +143,28 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w(f'    T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, "{e}", 2, {b_name}.data, '
       f"{b_dims[0]}, {b_dims[1]}, {b_dims[0] * 2}, {b_box[0]}, {b_box[1]}, 1, 1, 0, {SW128}, 2, 0)")
     w("    T.device_entry()")
-    w(f"    bid = T.cta_id([{tiles_m * tiles_n}])")
+    tiles = tiles_m * tiles_n
+    grid = min(tiles, c.num_sms) if c.persistent else tiles
+    rounds = _cdiv(tiles, grid)  # tiles per CTA (the last round may be partial)
+    w(f"    bid = T.cta_id([{grid}])")
     w(f"    tx = T.thread_id([{c.threads}])")
     w(f'    smem = T.alloc_buffer(({c.stages * stage_bytes // 2},), "{e}", scope="shared.dyn", '
       "align=1024)")
     w(f'    full = T.alloc_shared([{c.stages}], "uint64")')
     w(f'    empty = T.alloc_shared([{c.stages}], "uint64")')
-    # grouped rasterisation: consecutive CTAs walk down `group` row tiles, then move right
-    w(f"    gid = bid // {in_group}")
-    w(f"    first_m = gid * {group}")
-    w(f"    gsize = T.min({tiles_m} - first_m, {group})")
-    w(f"    m0 = (first_m + (bid % {in_group}) % gsize) * {c.bm}")
-    w(f"    n0 = ((bid % {in_group}) // gsize) * {c.bn}")
+    group = min(c.group_m, tiles_m)
+    in_group = group * tiles_n
+
+    def tile_loop(sp: str) -> None:
+        """Open the loop over this CTA's tiles; m0, n0 = the tile's origin (grouped raster)."""
+        w(f"{sp}for ti in T.serial({rounds}):")
+        w(f"{sp}    tile = bid + ti * {grid}")
+        w(f"{sp}    if tile < {tiles}:")
+        w(f"{sp}        first_m = (tile // {in_group}) * {group}")
+        w(f"{sp}        gsize = T.min({tiles_m} - first_m, {group})")
+        w(f"{sp}        m0 = (first_m + (tile % {in_group}) % gsize) * {c.bm}")
+        w(f"{sp}        n0 = ((tile % {in_group}) // gsize) * {c.bn}")
+
     w("    wg = tx // 128")
     w("    if tx == 0:")
     w(f"        for s in T.unroll({c.stages}):")
@@ -165,57 +176,74 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w("    if wg == 0:")
     w(f'        T.ptx["setmaxnreg.dec.sync.aligned.u32"]({c.producer_regs})')
     w("        if tx == 0:")
-    w(f"            for kt in T.serial({kt_total}):")
-    w(f"                s = kt % {c.stages}")
-    w(f"                if kt >= {c.stages}:")
-    w(f"                    T.cuda.mbarrier_wait(empty.ptr_to([s]), (kt // {c.stages} + 1) % 2)")
-    w("                T.ptx.mbarrier.arrive.expect_tx.shared.b64("
+    tile_loop("            ")
+    w(f"                    for kt in T.serial({kt_total}):")
+    w(f"                        g = ti * {kt_total} + kt  # k-tiles issued before this one")
+    w(f"                        s = g % {c.stages}")
+    w(f"                        if g >= {c.stages}:")
+    w(f"                            T.cuda.mbarrier_wait(empty.ptr_to([s]), (g // {c.stages} + 1) % 2)")
+    w("                        T.ptx.mbarrier.arrive.expect_tx.shared.b64("
       f"T.cuda.cvta_generic_to_shared(full.ptr_to([s])), T.uint32({stage_bytes}))")
     tma = ('T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]')
-    w(f"                {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to([s * {stage_bytes // 2}])), "
-      "T.address_of(A_map), kt * 64, m0, T.cuda.cvta_generic_to_shared(full.ptr_to([s])))")
+    w(f"                        {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to("
+      f"[s * {stage_bytes // 2}])), T.address_of(A_map), kt * 64, m0, "
+      "T.cuda.cvta_generic_to_shared(full.ptr_to([s])))")
     for c0, c1, off in b_boxes:
-        w(f"                {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to([s * {stage_bytes // 2} + "
-          f"{(a_stage + off) // 2}])), T.address_of(B_map), {c0}, {c1}, "
+        w(f"                        {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to("
+          f"[s * {stage_bytes // 2} + {(a_stage + off) // 2}])), T.address_of(B_map), {c0}, {c1}, "
           "T.cuda.cvta_generic_to_shared(full.ptr_to([s])))")
     w("    else:")
     w(f'        T.ptx["setmaxnreg.inc.sync.aligned.u32"]({c.consumer_regs})')
     w(f'        acc = T.alloc_buffer(({acc_n},), "float32", scope="local")')
     w('        desc_a = T.alloc_buffer((1,), "uint64", scope="local")')
     w('        desc_b = T.alloc_buffer((1,), "uint64", scope="local")')
-    w(f"        for i in T.unroll({acc_n}):")
-    w("            acc[i] = T.float32(0)")
     w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a[0]), "
       f"smem.ptr_to([(wg - 1) * {64 * 64}]), 1, 64, {SW128})")
     w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b[0]), "
       f"smem.ptr_to([{a_stage // 2}]), {b_lbo}, {b_sbo}, {SW128})")
     accs = ", ".join(f"acc[{i}]" for i in range(acc_n))
     mma = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{c.bn}k16.f32.{ab}.{ab}"]'
-    w(f"        for kt in T.serial({kt_total}):")
-    w(f"            s = kt % {c.stages}")
-    w(f"            T.cuda.mbarrier_wait(full.ptr_to([s]), (kt // {c.stages}) % 2)")
-    w("            T.ptx.wgmma.fence.sync.aligned()")
-    w(f"            for kk in T.unroll({BK // 16}):")
-    w(f"                {mma}({accs}, "
+    if c.vector_store:
+        pair_align = max(4, 2 * (8 if p.out_dtype.endswith("64") else 4 if p.out_dtype.endswith("32")
+                                 else 2))
+        w(f'        pair = T.alloc_buffer((2,), "{p.out_dtype}", scope="local", align={pair_align})')
+    tile_loop("        ")
+    w(f"                for i in T.unroll({acc_n}):")
+    w("                    acc[i] = T.float32(0)")
+    w(f"                for kt in T.serial({kt_total}):")
+    w(f"                    g = ti * {kt_total} + kt")
+    w(f"                    s = g % {c.stages}")
+    w(f"                    T.cuda.mbarrier_wait(full.ptr_to([s]), (g // {c.stages}) % 2)")
+    w("                    T.ptx.wgmma.fence.sync.aligned()")
+    w(f"                    for kk in T.unroll({BK // 16}):")
+    w(f"                        {mma}({accs}, "
       f"desc_a[0] + T.uint64((s * {stage_bytes} + kk * 32) // 16), "
       f"desc_b[0] + T.uint64((s * {stage_bytes} + kk * {b_kstep}) // 16), "
       f"True, 1, 1, 0, {trans_b})")
-    w("            T.ptx.wgmma.commit_group.sync.aligned()")
-    w("            T.ptx.wgmma.wait_group.sync.aligned(1)")
-    w("            if kt > 0:")
+    w("                    T.ptx.wgmma.commit_group.sync.aligned()")
+    w("                    T.ptx.wgmma.wait_group.sync.aligned(1)")
+    w("                    if kt > 0:")
+    w("                        T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared("
+      f"empty.ptr_to([(g + {c.stages - 1}) % {c.stages}])))")
+    w("                T.ptx.wgmma.wait_group.sync.aligned(0)")
     w("                T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared("
-      f"empty.ptr_to([(kt + {c.stages - 1}) % {c.stages}])))")
-    w("        T.ptx.wgmma.wait_group.sync.aligned(0)")
-    # epilogue: fragment -> global, rows/cols masked
-    w("        t = tx % 128")
-    w("        row0 = m0 + (wg - 1) * 64 + (t // 32) * 16 + (t % 32) // 4")
-    w(f"        for j in T.unroll({c.bn // 8}):")
-    w("            col = n0 + j * 8 + (t % 4) * 2")
-    w("            for h in T.unroll(2):")
-    w("                for q in T.unroll(2):")
-    w(f"                    if row0 + h * 8 < {p.m} and col + q < {p.n}:")
-    w("                        C2[row0 + h * 8, col + q] = "
-      + value("acc[j * 4 + h * 2 + q]", "(row0 + h * 8)", "(col + q)"))
+      f"empty.ptr_to([(ti * {kt_total} + {kt_total - 1}) % {c.stages}])))")
+    # epilogue: fragment -> global, rows/cols masked (N even: a pair is in or out as a whole)
+    w("                t = tx % 128")
+    w("                row0 = m0 + (wg - 1) * 64 + (t // 32) * 16 + (t % 32) // 4")
+    w(f"                for j in T.unroll({c.bn // 8}):")
+    w("                    col = n0 + j * 8 + (t % 4) * 2")
+    w("                    for h in T.unroll(2):")
+    w(f"                        if row0 + h * 8 < {p.m} and col < {p.n}:")
+    if c.vector_store:
+        for q in range(2):
+            w(f"                            pair[{q}] = "
+              + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
+        w("                            C2[row0 + h * 8, T.Ramp(col, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
+    else:
+        for q in range(2):
+            w(f"                            C2[row0 + h * 8, col + {q}] = "
+              + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
     return "\n".join(lines) + "\n"
 
 
