@@ -7,6 +7,8 @@ rewritten module lowers through tvmfuse's attention legalisation to the CPU kern
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -549,3 +551,130 @@ def test_mixed_precision_keeps_scale_causal_and_bias(dtype):
     assert call.op.name == "relax.nn.attention_bias"
     assert abs(float(call.attrs.scale.value) - 0.25) < 1e-7
     assert str(call.args[0].ty.dtype) == dtype and str(call.args[3].ty.dtype) == dtype
+
+
+def test_no_kernel_for_spec_decomposes_with_gqa_and_causal(monkeypatch):
+    """Where no kernel covers a spec (ValueError), the call lowers to plain ops, GQA kept."""
+    import tvmfuse.schedules.attention_cpu as attention_cpu
+
+    arrays = inputs_for(Existing)
+    ref = run_llvm(Existing, *arrays)
+
+    def refuse(spec):
+        raise ValueError("no kernel")
+
+    monkeypatch.setattr(attention_cpu, "attention_cpu_primfunc", refuse)
+    from tvmfuse.passes.legalize_fixes import legalize_overrides
+
+    lowered = relax.transform.LegalizeOps(legalize_overrides())(Existing)
+    assert not any("attention" in gv.name_hint for gv in lowered.functions)
+    np.testing.assert_allclose(run_llvm(Existing, *arrays), ref, rtol=1e-5, atol=1e-6)
+
+
+# --- models: HF ONNX exports (both exporters), the torch decoder layer (torch.export and ONNX) -----
+# Sequence 24 (head dim 16, hidden 64): an S×S tensor is the only one with two dims of 24.
+
+SEQ = 24
+_ALLOC = re.compile(r"(?:alloc_buffer|T\.allocate|decl_buffer)\(\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
+
+
+def _sxs(shape, s: int) -> bool:
+    dims = [int(d) for d in shape]
+    return dims.count(s) >= 2 or any(d % (s * s) == 0 and d >= s * s for d in dims)
+
+
+def sxs_tensors(mod: tvm.IRModule, s: int) -> list[str]:
+    """Every Relax tensor and every TIR buffer allocation of ``mod`` with S×S elements."""
+    found: list[str] = []
+    for gv, func in mod.functions.items():
+        if isinstance(func, relax.Function):
+            def visit(e, name=gv.name_hint):
+                ty = getattr(e, "ty", None) if isinstance(e, (relax.Var, relax.Call)) else None
+                if isinstance(ty, relax.TensorType) and ty.shape is not None:
+                    try:
+                        if _sxs(ty.shape.values, s):
+                            found.append(f"{name}: {e.name if isinstance(e, relax.Var) else e.op} {ty}")
+                    except TypeError:
+                        pass
+                if isinstance(e, relax.ShapeExpr) and _sxs(e.values, s):
+                    found.append(f"{name}: shape {e}")
+
+            relax.analysis.post_order_visit(func, visit)
+        elif isinstance(func, tvm.tirx.PrimFunc):  # buffers a kernel allocates for itself
+            for shape in _ALLOC.findall(func.script()):
+                dims = [int(d) for d in re.findall(r"(?:T\.int\d+\()?(\d+)\)?", shape)]
+                if _sxs(dims, s):
+                    found.append(f"{gv.name_hint}: TIR buffer {dims}")
+    return found
+
+
+def compile_and_check(imported, inputs: list[np.ndarray], layers: int) -> tvm.IRModule:
+    """Lower for cpu; one attention op per layer, no S×S tensor, output matches the reference."""
+    from tvmfuse.pipeline import build, lower
+    from tvmfuse.targets import get_target
+
+    stages: dict[str, tvm.IRModule] = {}
+    spec = get_target("cpu")
+    lowered = lower(imported.mod, spec, on_stage=lambda n, m: stages.__setitem__(n, m))
+    fused = stages["fuse_attention"]
+    text = fused.script(show_meta=False)
+    assert text.count("R.nn.attention") == layers, [d for d in attention_decisions(fused)]
+    assert "R.nn.softmax" not in text
+    assert all(d["status"] == "fused" for d in attention_decisions(fused))
+    assert sxs_tensors(stages["finalize"], SEQ) == []
+    vm = relax.VirtualMachine(build(lowered, spec), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in inputs])
+    out = out[0] if not hasattr(out, "numpy") else out
+    (ref,) = imported.reference(*inputs)[:1]
+    err = np.linalg.norm(out.numpy().astype(np.float64) - ref) / np.linalg.norm(ref)
+    assert err <= 1e-4, err
+    return stages["finalize"]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_attention")
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "llama_sdpa"])
+def test_hf_export_one_attention_per_layer(name, exporter, hf_dir, monkeypatch):
+    from tests import hf_models
+    from tvmfuse.frontend import import_model
+
+    monkeypatch.setattr(hf_models, "SEQ", SEQ)
+    path = hf_models.MODELS[name](hf_dir, exporter)
+    imported = import_model(str(path))
+    compile_and_check(imported, hf_models.sample_inputs(name, 1), hf_models.LAYERS)
+
+
+def test_sxs_check_sees_the_unfused_scores():
+    """The S×S check is not vacuous: without FuseAttention the scores are in the memory plan."""
+    from models import decoder_layer
+    from tvmfuse.frontend import import_model
+    from tvmfuse.pipeline import lower
+    from tvmfuse.targets import get_target
+
+    module, example = decoder_layer.build(seq=SEQ)
+    imported = import_model(module, example)
+    stages: dict[str, tvm.IRModule] = {}
+    import tvmfuse.pipeline as pipeline
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "FuseAttention", lambda: tvm.transform.Sequential([]))
+        lower(imported.mod, get_target("cpu"), on_stage=lambda n, m: stages.__setitem__(n, m))
+    assert sxs_tensors(stages["finalize"], SEQ)
+
+
+@pytest.mark.parametrize("frontend", ["torch", "onnx"])
+def test_decoder_layer_one_attention(frontend, tmp_path):
+    from models import decoder_layer
+    from models.export_onnx import export_onnx
+    from tvmfuse.frontend import import_model
+
+    module, example = decoder_layer.build(seq=SEQ)
+    if frontend == "torch":
+        imported = import_model(module, example)
+    else:
+        imported = import_model(str(export_onnx(module, example, tmp_path / "decoder.onnx")))
+    compile_and_check(imported, [example[0].numpy()], 1)

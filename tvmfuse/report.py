@@ -114,7 +114,7 @@ def _classify(ops: list[str], kinds: list[int]) -> str:
 class _StageCapture:
     """Keeps the modules a report needs from a ``pipeline.lower`` run."""
 
-    wanted = ("fuse_ops", "fuse_tir", "finalize")
+    wanted = ("fuse_attention", "fuse_ops", "fuse_tir", "finalize")
 
     def __init__(self) -> None:
         self.mods: dict[str, tvm.IRModule] = {}
@@ -241,6 +241,15 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
     return found
 
 
+def _attention_left(mod: tvm.IRModule | None) -> list[dict[str, Any]]:
+    """Attention subgraphs FuseAttention left as separate ops, with its reason."""
+    from .passes.attention import attention_decisions
+
+    return [{"ops": ["matmul", "softmax", "matmul"], "kernels": [d["binding"]],
+             "reason": f"attention not fused into one op: {d['reason']}"}
+            for d in (attention_decisions(mod) if mod is not None else []) if d["status"] == "left"]
+
+
 def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
     """Kernel launches of the same graph under TVM's stock default pipeline.
 
@@ -286,7 +295,7 @@ def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> di
         "hbm_bytes_fused": sum(k.bytes for k in fused),
         "flops": sum(k.flops for k in fused),
         "kernels": [k.to_json() for k in fused],
-        "not_fused": _edges(capture.mods, fused),
+        "not_fused": _edges(capture.mods, fused) + _attention_left(capture.mods.get("fuse_attention")),
         "ceilings": {"bandwidth_Bps": H200_BANDWIDTH, "fp16_flops": H200_FP16_FLOPS,
                      "source": "measured on the H200 (DESIGN.md)"},
     }

@@ -649,9 +649,12 @@ def _rewrite(func: relax.Function, decisions: dict[str, dict[str, str]]) -> rela
     inner = is_op("relax.permute_dims")(is_op("relax.nn.attention")(wildcard(), wildcard(), wildcard())
                                         | is_op("relax.nn.attention_bias")(
                                             wildcard(), wildcard(), wildcard(), wildcard()))
-    outer = is_op("relax.permute_dims")(inner)
+    same = is_op("relax.reshape")(inner, wildcard())  # an exporter's no-op reshape in between
+    outer = is_op("relax.permute_dims")(inner) | is_op("relax.permute_dims")(same)
 
     def collapse(expr, m):
+        if same in m and static_shape(m[same]) != static_shape(m[inner]):
+            return expr
         a1 = [int(a) for a in m[inner].attrs.axes]
         a2 = [int(a) for a in expr.attrs.axes]
         if [a1[i] for i in a2] == [0, 1, 2, 3]:

@@ -6,8 +6,11 @@ Stock 0.27 legalisation writes the Sq×Skv scores, masks them with ``trilu`` and
     R.call_tir(attention_primfunc(AttentionSpec(...), Target.current()), (q, k, v[, bias]), out)
 
 with the spec read off the call's types and attributes (scale defaults to 1/sqrt(D) as in TVM).
-Only calls the spec cannot describe (symbolic shapes, value head dim != query head dim, sliding
-window) go to the stock rule, which rejects GQA and windows itself.
+Where no kernel covers the spec (the CUDA kernels take fp16/bf16 with head dim 64/128 only; they
+raise ValueError otherwise) the call is decomposed back into Relax ops, GQA and causal mask kept
+(:func:`_decomposed`; this one writes S to memory, like the graph it came from). Calls the spec
+cannot describe (symbolic shapes, value head dim != query head dim, sliding window) go to the stock
+rule, which rejects GQA and windows itself.
 
 Also repairs ``ToMixedPrecision`` for attention: 0.27's ``FInferMixedPrecision`` of both ops
 rebuilds the call as ``attention(q, k, v)``, silently dropping bias, scale and causal mask.
@@ -62,9 +65,32 @@ def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         rule = stock._nn_attention_bias if len(call.args) > 3 else stock._nn_attention
         return rule(bb, call)
     target = tvm.target.Target.current() or tvm.target.Target("llvm")  # no target: the host CPU
-    func = attention_primfunc(spec, target)
-    gvar = bb.add_func(func, "attention_bias" if spec.bias_shape else "attention")
+    try:
+        func = attention_primfunc(spec, target)
+    except (ValueError, NotImplementedError):  # no kernel for this dtype / head dim on target
+        return _decomposed(call, spec)
+    gvar = bb.add_func(func, "attention")  # the report classifies kernels by this name
     return relax.call_tir(gvar, list(call.args), call.ty)
+
+
+def _decomposed(call: relax.Call, spec) -> relax.Expr:
+    """softmax(scale·Q·Kᵀ + bias, causal) · V in plain Relax ops (fp32 scores), GQA by repeat."""
+    import numpy as np
+
+    q, k, v = (relax.op.permute_dims(a, [0, 2, 1, 3]) for a in call.args[:3])  # → (B, H, S, D)
+    if spec.group > 1:
+        k, v = (relax.op.repeat(a, spec.group, axis=1) for a in (k, v))
+    s = relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]), out_dtype="float32")
+    s = relax.op.multiply(s, relax.const(spec.scale, "float32"))
+    if spec.bias_shape is not None:
+        s = relax.op.add(s, relax.op.astype(call.args[3], "float32"))
+    if spec.causal != "none":
+        offset = 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
+        visible = np.tril(np.ones((spec.q_len, spec.kv_len), bool), offset)
+        s = relax.op.where(relax.const(visible), s, relax.const(float("-inf"), "float32"))
+    p = relax.op.astype(relax.op.nn.softmax(s, axis=-1), spec.dtype)
+    out = relax.op.permute_dims(relax.op.matmul(p, v), [0, 2, 1, 3])
+    return out if spec.result_dtype == spec.dtype else relax.op.astype(out, spec.result_dtype)
 
 
 def _keep_attrs(call: relax.Call, _out_dtype) -> relax.Call:
