@@ -1,0 +1,168 @@
+"""sm_90a flash attention (TMA + wgmma, warp-specialised): builds, SASS, dispatch, pipeline, GPU numerics.
+
+CPU (no GPU needed): the kernel builds with the tirx pipeline and nvcc for sm_90a; its SASS holds
+HGMMA (both products), UTMALDG (TMA loads) and MUFU.EX2, and ptxas reports no spills;
+``attention_primfunc`` picks it on sm_90a and falls back (with the reason) where it does not
+apply; a model's attention goes through ``tvmfuse.compile`` and the export into the fatbin.
+``gpu``: rel err against a float64 reference (causal / non-causal, fp16 / bf16, D 64 / 128,
+ragged lengths, GQA / MQA, BottomRight with Sq > Skv).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+
+from tests.test_attention_kernels import _spec, random_inputs, reference
+from tvmfuse.schedules.attention import attention_primfunc
+from tvmfuse.schedules.flash_attention_sm90 import (
+    NAME,
+    Sm90FlashConfig,
+    flash_attention_sm90_primfunc,
+    unsupported,
+)
+from tvmfuse.targets import get_target
+
+SM90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host={"kind": "llvm"})
+
+
+def _build_sass(func, tmp_path, monkeypatch) -> tuple[str, str]:
+    """(sm_90a SASS, ptxas -v report) of a standalone kernel built with nvcc."""
+    from tvmfuse.build.inspect import fatbin_sass
+    from tvmfuse.build.nvcc import compile_fatbin, find_nvcc
+    from tvmfuse.errors import CompileError, LibraryError
+
+    try:
+        find_nvcc()
+    except CompileError as err:
+        pytest.skip(str(err))
+    monkeypatch.setenv("TVM_COMPILE_FORCE_FALLBACK", "1")  # keep CUDA source, nvcc builds it
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=get_target("sm90").tvm_target(),
+                      tir_pipeline="tirx")
+    source = lib.mod.imports[0].inspect_source()
+    fatbin = compile_fatbin(source, get_target("sm90"), tmp_path)
+    try:
+        sass = fatbin_sass(fatbin)["sm_90a"]
+    except LibraryError as err:
+        pytest.skip(str(err))
+    return sass, (tmp_path / "kernels.ptxas.log").read_text()
+
+
+BUILDS = {
+    "causal_d128_fp16_gqa_ragged": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"),
+                                    None, (128, 128)),
+    "full_d64_bf16": (_spec(1, 200, 333, 4, 4, 64, "bfloat16"), None, (128, 64)),
+    "bn64_3stage_d128": (_spec(1, 256, 256, 2, 1, 128, "float16", causal="BottomRight"),
+                         Sm90FlashConfig(block_n=64, stages=3), (64, 128)),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILDS))
+def test_builds_to_hgmma_and_tma_without_spills(name, tmp_path, monkeypatch):
+    spec, cfg, (n_s, n_o) = BUILDS[name]
+    sass, report = _build_sass(flash_attention_sm90_primfunc(spec, config=cfg, name="main"),
+                               tmp_path, monkeypatch)
+    dt = {"float16": "", "bfloat16": ".BF16"}[spec.dtype]  # SASS spells only bf16 inputs
+    hgmma = set(re.findall(r"HGMMA\.64x\d+x16\.F32[.A-Z0-9]*", sass))
+    assert f"HGMMA.64x{n_s}x16.F32{dt}" in hgmma, f"no S = Q·Kᵀ wgmma in {hgmma}"
+    assert f"HGMMA.64x{n_o}x16.F32{dt}" in hgmma, f"no O += P·V wgmma in {hgmma}"
+    assert "UTMALDG.4D" in sass, "no TMA tile loads"
+    assert "MUFU.EX2" in sass
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(s == ("0", "0") for s in spills), report
+
+
+def test_dispatch_sm90a_picks_wgmma_kernel():
+    spec = _spec(1, 128, 128, 2, 2, 128, "float16", causal="TopLeft")
+    func = attention_primfunc(spec, SM90A)
+    assert func.attrs["tvmfuse.rule"] == NAME and func.attrs["tvmfuse.tirx"]
+    assert [str(p.dtype) for p in func.params] and len(func.params) == 4
+    sm80 = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
+    assert "tvmfuse.rule" not in sm80.attrs, "the sm80 target keeps the mma.sync kernel"
+
+
+def test_dispatch_falls_back_with_reason():
+    spec = _spec(2, 64, 64, 2, 2, 64, "float16", bias=(2, 1, 1, 64))
+    func = attention_primfunc(spec, SM90A)
+    assert "tvmfuse.tirx" not in func.attrs and len(func.params) == 5
+    assert "bias" in str(func.attrs["tvmfuse.fallback"])
+
+
+def test_unsupported_reasons():
+    assert "head_dim 96" in unsupported(_spec(1, 64, 64, 2, 2, 96, "float16"))
+    assert "dtype float32" in unsupported(_spec(1, 64, 64, 2, 2, 64, "float32"))
+    assert "shared memory" in unsupported(_spec(1, 64, 64, 2, 2, 128, "float16"),
+                                          Sm90FlashConfig(block_n=256, stages=3))
+    with pytest.raises(ValueError, match="head_dim 80"):
+        flash_attention_sm90_primfunc(_spec(1, 64, 64, 2, 2, 80, "float16"))
+
+
+def test_pipeline_and_export_hold_the_wgmma_attention(tmp_path):
+    """Decoder layer (GQA, D 128) at fp16 for sm90: one attention kernel, HGMMA + TMA in the fatbin."""
+    import tvmfuse
+    from models import decoder_layer
+    from tvmfuse.build.inspect import cuda_images, fatbin_sass, find_cuobjdump
+    from tvmfuse.build.nvcc import find_nvcc
+    from tvmfuse.errors import CompileError
+
+    try:
+        find_nvcc()
+    except CompileError as err:
+        pytest.skip(str(err))
+    if find_cuobjdump() is None:
+        pytest.skip("cuobjdump not found")
+    module, example = decoder_layer.build(seq=192, hidden=256, n_heads=2, n_kv_heads=1)
+    lib = tvmfuse.compile(module, example, target="sm90", dtype="float16")
+    (fmt, code), = cuda_images(lib.export(tmp_path / "m.so"))
+    assert fmt == "fatbin"
+    sass = fatbin_sass(code)["sm_90a"]
+    names = re.findall(r"Function : (\S+)", sass)
+    attn = [n for n in names if "attention" in n]
+    assert len(attn) == 1, names
+    body = sass.split(f"Function : {attn[0]}")[1].split("Function : ")[0]
+    assert "HGMMA.64x128x16.F32 " in body and "UTMALDG.4D" in body
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: rel err against float64 on random inputs
+
+GPU_CASES = {
+    "causal_d128_fp16": (_spec(1, 1024, 1024, 2, 2, 128, "float16", causal="TopLeft"), None),
+    "full_d128_bf16": (_spec(2, 256, 256, 4, 4, 128, "bfloat16"), None),
+    "causal_ragged_gqa_d128_fp16": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"),
+                                    None),
+    "causal_ragged_d64_bf16": (_spec(1, 200, 200, 4, 2, 64, "bfloat16", causal="TopLeft"), None),
+    "full_ragged_gqa_d64_fp16": (_spec(2, 77, 333, 8, 2, 64, "float16"), None),
+    "mqa_bottomright_d128_bf16": (_spec(1, 100, 260, 8, 1, 128, "bfloat16", "BottomRight"),
+                                  None),
+    "sq_gt_skv_bottomright_d64_fp16": (_spec(1, 150, 70, 2, 2, 64, "float16", "BottomRight"),
+                                       None),
+    "bn64_causal_d128_fp16": (_spec(1, 333, 333, 2, 2, 128, "float16", causal="TopLeft"),
+                              Sm90FlashConfig(block_n=64)),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_gpu_numerics(name):
+    import torch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a kernels need a Hopper (9.0) GPU")
+    spec, cfg = GPU_CASES[name]
+    func = flash_attention_sm90_primfunc(spec, SM90A, cfg, name="main")
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=SM90A, tir_pipeline="tirx")
+    q, k, v, _ = random_inputs(spec)
+    dt = getattr(torch, spec.dtype)
+    args = [torch.from_numpy(x).to("cuda", dt) for x in (q, k, v)]
+    out = torch.full_like(args[0], float("nan"))
+    lib["main"](*[tvm.runtime.from_dlpack(x) for x in (*args, out)])
+    ref = reference(*[x.cpu().double().numpy() for x in args], None, spec)
+    got = out.cpu().double().numpy()
+    assert np.isfinite(got).all(), f"{name}: NaN / inf in the output"
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    tol = {"float16": 2e-3, "bfloat16": 1e-2}[spec.dtype]
+    assert err < tol, f"{name}: rel err {err:.2e} ≥ {tol}"
