@@ -61,7 +61,9 @@ class AttentionSpec:
 def attention_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
     """One PrimFunc computing ``spec`` without materialising the Sq×Skv score matrix in HBM.
 
-    CUDA: the flash kernel (prefill) or the split-KV decode kernel (Sq == 1);
+    CUDA: the flash kernel (prefill) or the split-KV decode kernel (Sq == 1); on sm_90a the
+    TMA + wgmma prefill kernel where it covers the spec, else the sm80-style one with the reason
+    in its ``tvmfuse.fallback`` attribute;
     CPU: a row-at-a-time online-softmax loop (numerics reference for the cpu target).
     """
     if target.kind.name == "cuda":
@@ -71,6 +73,14 @@ def attention_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.ti
             return flash_decode_primfunc(spec, target)
         from .flash_attention import flash_attention_primfunc
 
+        if str(target.attrs.get("arch", "")) == "sm_90a":
+            from .flash_attention_sm90 import flash_attention_sm90_primfunc, unsupported
+
+            reason = unsupported(spec)
+            if reason is None:
+                return flash_attention_sm90_primfunc(spec, target)
+            func = flash_attention_primfunc(spec, target)
+            return func.with_attr("tvmfuse.fallback", f"flash_attention_sm90: {reason}")
         return flash_attention_primfunc(spec, target)
     from .attention_cpu import attention_cpu_primfunc
 
