@@ -135,8 +135,12 @@ def build(mod: tvm.IRModule, spec: TargetSpec):
 
         # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
         tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
-        return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None,
-                           tir_pipeline=tir_pipeline)
+        from .schedules.gemm_sm80 import BUILD_CONFIG
+
+        # gemm_sm80's cp.async pipelines need TIR build options (see BUILD_CONFIG).
+        with tvm.transform.PassContext(config=BUILD_CONFIG):
+            return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None,
+                               tir_pipeline=tir_pipeline)
     except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
         raise CompileError(f"codegen for target {spec.name} failed: {err}") from err
     finally:  # leave the caller's environment as it was

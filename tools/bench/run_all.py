@@ -3,7 +3,8 @@
     python3 tools/bench/run_all.py [--only gemm,layernorm] [--out bench.json] [--budget-s 480]
     python3 tools/bench/run_all.py --device cpu --no-compile      # CPU smoke run, tiny shapes
 
-Workloads, in this order: layernorm, rmsnorm, softmax, elementwise, gemm, attention, mlp, decoder.
+Workloads, in this order: layernorm, rmsnorm, softmax, elementwise, gemm, norm_linear,
+attention, mlp, decoder.
 Results go to --out or to tools/bench/results/<gpu>_<target>_<UTC time>.json, rewritten after each
 workload so a run killed half-way keeps what it measured. A workload that raises is recorded with
 ``ERROR: …`` in its notes and the others still run; the exit status is 1 when any did. The last
@@ -30,6 +31,7 @@ import bench_elementwise
 import bench_gemm
 import bench_layernorm
 import bench_mlp
+import bench_norm_linear
 import bench_rmsnorm
 import bench_softmax
 import common
@@ -41,6 +43,7 @@ WORKLOADS: dict[str, ModuleType] = {
     "softmax": bench_softmax,
     "elementwise": bench_elementwise,
     "gemm": bench_gemm,
+    "norm_linear": bench_norm_linear,
     "attention": bench_attention,
     "mlp": bench_mlp,
     "decoder": bench_decoder,

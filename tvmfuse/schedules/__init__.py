@@ -1,7 +1,9 @@
 """Schedule rules for fused kernels, tried in order per PrimFunc (dlight style).
 
 A rule returns ``None`` when a function is not its kind; the first rule that returns a schedule
-wins. Order: dlight's Matmul and GEMV first (they only take GEMM / GEMV shapes), then tvmfuse's
+wins. Order: :class:`GemmSM80` (tensor-core GEMM + epilogue for sm_80 and newer; the GEMMs it
+does not take it hands to dlight's GEMV / Matmul itself, marked ``"tvmfuse.fallback"``), then
+dlight's Matmul and GEMV (they only take GEMM / GEMV shapes), then tvmfuse's
 memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`Elementwise`
 for purely spatial functions; both mark the PrimFunc with ``"tvmfuse.rule"``), then dlight's
 generic Reduction, GeneralReduction and Fallback for everything else.
@@ -10,6 +12,7 @@ generic Reduction, GeneralReduction and Fallback for everything else.
 from __future__ import annotations
 
 from .elementwise import RULE_ATTR, Elementwise
+from .gemm_sm80 import GemmSM80
 from .row_norm import RowNorm
 
 
@@ -18,6 +21,7 @@ def gpu_rules() -> list:
     from tvm.s_tir import dlight as dl
 
     return [
+        GemmSM80(),
         dl.gpu.Matmul(),
         dl.gpu.GEMV(),
         RowNorm(),
@@ -28,4 +32,4 @@ def gpu_rules() -> list:
     ]
 
 
-__all__ = ["RULE_ATTR", "Elementwise", "RowNorm", "gpu_rules"]
+__all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "RowNorm", "gpu_rules"]

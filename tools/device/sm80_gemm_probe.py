@@ -1,0 +1,143 @@
+"""Device probe for the sm80 tensor-core GEMM rule (``tvmfuse/schedules/gemm_sm80.py``).
+
+Run on the GPU machine from the repository root:
+``python tools/device/sm80_gemm_probe.py [--quick] [--configs 128x128x32w64x64s4,...]``.
+
+Builds ``relu(x · Wᵀ + b)`` (x (M, K), W (N, K) or (K, N), b (N); fp32 accumulation, output in the
+input dtype) directly with the rule and TVM's CUDA build (sm_80 target: the H200 runs it as
+sm_90 code), checks it against a float32 torch reference (‖out − ref‖ / ‖ref‖), and times it
+with CUDA events next to ``torch.mm`` (cuBLAS, no epilogue) and eager ``relu(F.linear)``.
+One line per case: shape, dtype, layout, tile, rel err, ms, TFLOP/s, ratio to cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.getcwd())
+os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
+
+import torch  # noqa: E402
+import tvm  # noqa: E402
+import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback)
+from tvm import te, tirx  # noqa: E402
+
+from tvmfuse.schedules.gemm_sm80 import BUILD_CONFIG, GemmConfig, GemmSM80  # noqa: E402
+
+# The sm80 schedule, built for the H200 (sm_90 SASS of the same code, as target "sm80" ships).
+TARGET = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
+DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def linear_relu(m: int, n: int, k: int, dtype: str, kn: bool, batch: int = 0) -> tirx.PrimFunc:
+    """TE ``relu(x · W + b)`` in the form the pipeline's fused GEMMs have."""
+    lead = (batch,) if batch else ()
+    x = te.placeholder((*lead, m, k), dtype, name="x")
+    w = te.placeholder((*lead, k, n) if kn else (*lead, n, k), dtype, name="w")
+    b = te.placeholder((n,), dtype, name="b")
+    r = te.reduce_axis((0, k), name="k")
+
+    def mm(*idx):
+        *lo, i, j = idx
+        wv = w[(*lo, r, j)] if kn else w[(*lo, j, r)]
+        return te.sum(x[(*lo, i, r)].astype("float32") * wv.astype("float32"), axis=r)
+
+    acc = te.compute((*lead, m, n), mm, name="matmul")
+    y = te.compute((*lead, m, n), lambda *i: te.max(acc[i] + b[i[-1]].astype("float32"),
+                                                     tirx.const(0, "float32")).astype(dtype),
+                   name="relu")
+    return te.create_prim_func([x, w, b, y])
+
+
+def parse_config(text: str) -> GemmConfig:
+    """``128x128x32w64x64s4[r8]`` → GemmConfig."""
+    blk, rest = text.split("w")
+    warp, rest = rest.split("s")
+    stages, _, raster = rest.partition("r")
+    bm, bn, bk = (int(v) for v in blk.split("x"))
+    wm, wn = (int(v) for v in warp.split("x"))
+    return GemmConfig(bm, bn, bk, wm, wn, int(stages), int(raster or 8))
+
+
+def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = None,
+         time_it=True) -> None:
+    t0 = time.time()
+    func = linear_relu(m, n, k, dtype, kn, batch)
+    sch = GemmSM80(config=cfg).apply(func, TARGET, False)
+    attrs = sch.mod["main"].attrs
+    rule = attrs.get("tvmfuse.rule") or f"fallback({attrs.get('tvmfuse.fallback')})"
+    with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
+        lib = tvm.compile(sch.mod, target=TARGET)
+    build_s = time.time() - t0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lead = (batch,) if batch else ()
+    x = torch.randn(*lead, m, k, device="cuda", dtype=DT[dtype], generator=g)
+    w = torch.randn(*lead, n, k, device="cuda", dtype=DT[dtype], generator=g)
+    b = torch.randn(n, device="cuda", dtype=DT[dtype], generator=g)
+    wk = w.transpose(-1, -2).contiguous() if kn else w
+    y = torch.empty(*lead, m, n, device="cuda", dtype=DT[dtype])
+    args = [tvm.runtime.from_dlpack(t) for t in (x, wk, b, y)]
+    lib(*args)
+    torch.cuda.synchronize()
+    ref = torch.relu(x.float() @ w.float().transpose(-1, -2) + b.float())
+    err = float((y.float() - ref).norm() / ref.norm())
+    cfg = cfg or GemmConfig()
+    tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.warp_m}x{cfg.warp_n}s{cfg.stages}"
+           f"r{cfg.raster}")
+    shape = f"{f'{batch}x' if batch else ''}{m}x{n}x{k}"
+    line = f"{shape:>18} {dtype[:4]} {'kn' if kn else 'nk'} {tag:<24} {rule:<12} err {err:.1e}"
+    if time_it:
+        flops = 2.0 * max(batch, 1) * m * n * k
+        ms = events_ms(lambda: lib(*args))
+        wt = w.transpose(-1, -2)
+        cub = events_ms(lambda: torch.matmul(x, wt))
+        eager = events_ms(lambda: torch.relu(torch.matmul(x, wt) + b))
+        line += (f" | {ms:.3f} ms {flops / ms / 1e9:6.1f} TF/s | cuBLAS mm {cub:.3f} ms "
+                 f"{flops / cub / 1e9:6.1f} TF/s | eager {eager:.3f} ms | x{cub / ms:.2f} of cuBLAS")
+    print(line + f" (build {build_s:.0f}s)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--configs", default="", help="comma-separated tiles for 4096^3 fp16")
+    p.add_argument("--quick", action="store_true", help="4096^3 fp16 default tile only")
+    args = p.parse_args()
+    print("gpu", torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
+    runs = [dict(m=4096, n=4096, k=4096)]
+    if not args.quick:
+        runs += [
+            dict(m=2047, n=4096, k=4096),
+            dict(m=4096, n=4096, k=4096, dtype="bfloat16"),
+            dict(m=4096, n=4096, k=4096, kn=True),
+            dict(m=8192, n=8192, k=4096),
+            dict(m=16, n=4096, k=4096),
+            dict(m=8, n=4096, k=4096),
+            dict(m=512, n=512, k=512, batch=8),
+        ]
+    runs += [dict(m=4096, n=4096, k=4096, cfg=parse_config(c)) for c in args.configs.split(",") if c]
+    for kw in runs:
+        try:
+            case(**kw)
+        except Exception:  # noqa: BLE001 - one failing case must not hide the others
+            print("FAILED", kw, traceback.format_exc()[-1500:], flush=True)
+
+
+if __name__ == "__main__":
+    main()

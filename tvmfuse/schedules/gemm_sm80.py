@@ -1,0 +1,516 @@
+"""Tensor-core GEMM with a fused epilogue for sm_80+ (mma.sync m16n8k16, cp.async, ldmatrix).
+
+Takes a fused PrimFunc with exactly one reduction block of the form
+
+    C[s, i, j] += f32(A[s, i, k]) · f32(B[s, j, k])      (or B[s, k, j]; s = batch dims or none)
+
+(A, B fp16 or bf16, C fp32) followed by spatial epilogue blocks that read ``C`` elementwise:
+bias ``b[j]``, GELU / ReLU / SiLU·gate, a residual ``r[i, j]``, per-row statistics ``μ[i], σ[i]``
+and per-column vectors of the norm-prologue form (``tvmfuse/passes/norm_gemm.py``), casts. Dims
+are normalised like dlight's MatmulTensorization (``reindex`` + ``transform_layout`` to
+``[S, I, K] × [S, J, K]`` or ``[S, K, J]``), so Linear weights ``(N, K)``, plain ``(K, N)``
+weights, a 3-D activation against a 2-D weight (folded into M) and batched matmul are all one
+form; ``pad_einsum`` pads a ragged M, N or K to the tile (zero-filled predicated loads).
+
+Schedule, per thread block of ``block_m × block_n`` outputs and ``warps = (block_m / warp_m) ·
+(block_n / warp_n)`` warps, each computing ``warp_m × warp_n``::
+
+    blockIdx.x  grouped raster: ``raster`` M-tiles per N-tile column, for L2 reuse of B and A
+    blockIdx.y  batch
+    acc[warp_m/16, warp_n/16] m16n16 fp32 fragments = 0                       (registers)
+    for k0 in K / block_k:                      software pipeline, ``stages`` deep, cp.async
+        A_s[block_m, block_k], B_s[...] ← global (16-byte cp.async, rows padded by 8 halves:
+                                                 ldmatrix rows land in distinct bank groups)
+        for k1 in block_k / 16:                 fragments double-buffered in registers
+            A_f ← ldmatrix.x4(A_s); B_f ← ldmatrix.x4[.trans](B_s)
+            acc += mma.sync.m16n8k16(A_f, B_f)
+    C_s[warp tile] ← acc                        (shared, fp32, per warp)
+    out[i, j..j+V] = epilogue(C_s[i, j..j+V], bias, residual, …)   one 16-byte store per thread
+
+The epilogue runs on the fp32 accumulators (read back from shared memory in 16-byte vectors,
+computed in scalar registers) and each thread writes one 16-byte vector of the output at a time.
+
+Tile choices are plain parameters (:class:`GemmConfig`, default 128×128×32, 4 warps of 64×64,
+4 stages, raster 8) so that tuning can vary them. M ≤ ``SMALL_M`` (decode) uses
+:data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128.
+
+Falls back — delegating to dlight's GEMV / Matmul rules and marking the PrimFunc with
+``"tvmfuse.fallback" = reason`` — for GEMMs outside this form: other dtypes, fp16 accumulation,
+a transposed A, K or N not a multiple of 8, symbolic shapes. Non-GEMM functions return ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm.s_tir.dlight.gpu.matmul import (
+    IterKind,
+    auto_inline_consumer_chain,
+    auto_inline_producers,
+    detect_iter_traits,
+    get_reduction_blocks,
+    make_iter_fusion_index_map,
+)
+from tvm.target import Target
+
+from .elementwise import RULE_ATTR, VECTOR_BYTES, _int
+
+NAME = "gemm_sm80"
+FALLBACK_ATTR = "tvmfuse.fallback"  # PrimFunc attribute: why a GEMM did not get this rule
+WARP = 32
+MMA = 16  # the m16n16k16 fragment that ldmatrix.x4 + two mma.sync.m16n8k16 compute
+SMALL_M = 16  # M up to this uses SMALL_M_CONFIG
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """A thread-block tile: ``block_m × block_n`` outputs, K steps of ``block_k``, warps of
+    ``warp_m × warp_n`` outputs, a ``stages``-deep cp.async pipeline, ``raster`` M-tiles per
+    group of the block order (1 = row-major)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 32
+    warp_m: int = 64
+    warp_n: int = 64
+    stages: int = 4
+    raster: int = 8
+
+    @property
+    def warps(self) -> int:
+        return (self.block_m // self.warp_m) * (self.block_n // self.warp_n)
+
+    def check(self) -> None:
+        """Raise ValueError for a tile the schedule cannot build."""
+        for name in ("warp_m", "warp_n", "block_k"):
+            if getattr(self, name) % MMA:
+                raise ValueError(f"{name}={getattr(self, name)} is not a multiple of {MMA}")
+        if self.block_m % self.warp_m or self.block_n % self.warp_n:
+            raise ValueError(f"warp tile {self.warp_m}x{self.warp_n} does not divide the block "
+                             f"tile {self.block_m}x{self.block_n}")
+        if self.stages < 2 or self.raster < 1:
+            raise ValueError("stages must be >= 2 and raster >= 1")
+
+
+DEFAULT_CONFIG = GemmConfig()
+# Decode (M ≤ SMALL_M): the weight stream dominates; narrow N tiles give more blocks to stream it.
+SMALL_M_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=128, warp_m=16, warp_n=16, stages=4,
+                            raster=1)
+
+_IN_DTYPES = ("float16", "bfloat16")
+
+# TIR build options a module with these kernels must be built with (``pipeline.build`` does):
+# cp.async is emitted only with use_async_copy; CSE hoists ``threadIdx.x * 8`` out of the
+# ldmatrix offsets, after which LowerWarpMemory cannot find the lane coefficient of the A/B
+# fragments ("require positive constant coefficient on warp index").
+BUILD_CONFIG = {"tirx.use_async_copy": True, "tirx.disable_cse_tir": True}
+
+
+# ---------------------------------------------------------------------------------------------
+# intrinsics
+
+
+def _retyped(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """The fp16 intrinsic ``func`` with every fp16 operand made bf16 (same bits: ldmatrix moves
+    .b16, mma.sync takes ``bf16`` in place of ``fp16``)."""
+    text = func.script()
+    text = text.replace('"float16"', '"bfloat16"').replace("T.float16", "T.bfloat16")
+    return tvm.script.from_source(text.replace('"fp16"', '"bf16"'))
+
+
+def _intrin(name: str, dtype: str) -> str:
+    """The registered tensor intrinsic ``name`` for input ``dtype`` (bf16 ones are made once from
+    TVM's fp16 ones, which TVM registers for fp16 only)."""
+    if dtype == "float16":
+        return name
+    new = f"tvmfuse_{name}_bf16"
+    if s_tir.TensorIntrin.get(new, allow_missing=True) is None:
+        intrin = s_tir.TensorIntrin.get(name)
+        s_tir.TensorIntrin.register(new, _retyped(intrin.desc), _retyped(intrin.impl))
+    return new
+
+
+def _lower_all_warp_memory() -> None:
+    """Make ``tirx.transform.LowerWarpMemory`` lower every warp buffer, not just the first.
+
+    TVM 0.27's pass rewrites only the first ``warp``-scope allocation of a statement sequence
+    (``WarpMemoryRewriter::VisitStmt_(SeqStmtNode)`` breaks after it), so the A and B fragment
+    buffers of this schedule, allocated side by side, stayed whole-warp arrays in every thread.
+    Repeating the pass until nothing changes lowers them all; the default TIR pipeline looks
+    the pass up by attribute at build time, so wrapping it here takes effect there.
+    """
+    transform = tirx.transform
+    original = getattr(transform.LowerWarpMemory, "_tvmfuse_original", transform.LowerWarpMemory)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmfuse.LowerWarpMemoryRepeated")
+    def repeated(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        for _ in range(32):  # one warp buffer per round
+            lowered = original()(mod)
+            if tvm_ffi.structural_equal(lowered, mod):
+                break
+            mod = _fold_fragment_offsets(lowered)
+        return mod
+
+    def lower_warp_memory() -> tvm.transform.Pass:
+        return repeated
+
+    lower_warp_memory._tvmfuse_original = original  # type: ignore[attr-defined]
+    transform.LowerWarpMemory = lower_warp_memory
+
+
+def _split_offset(div):
+    """``(x + c) / d`` with constants ``c ≥ d > 0`` → ``(x + c % d) / d + c // d``.
+
+    LowerWarpMemory leaves a fragment's register index as ``(tx·8 + 256·g + 4) / 256`` (the
+    second m16n8 half of fragment ``g``), which TVM's simplifier does not fold to ``g`` although
+    ``tx < 32``; nvcc cannot either, so the accumulators would live in local memory. Split this
+    way, ``(tx·8 + 4) / 256`` folds to 0 and the index becomes the constant ``g``.
+    """
+    a, d = div.a, div.b
+    if isinstance(d, tirx.IntImm) and isinstance(a, tirx.Add) and isinstance(a.b, tirx.IntImm):
+        c, dv = int(a.b.value), int(d.value)
+        if dv > 0 and c >= dv:
+            rest = a.a + tirx.IntImm(a.b.ty, c % dv)
+            return type(div)(rest, d) + tirx.IntImm(a.b.ty, c // dv)
+    return div
+
+
+def _fold_fragment_offsets(mod: tvm.IRModule) -> tvm.IRModule:
+    """:func:`_split_offset` on every device function, then the simplifier."""
+    funcs = {}
+    for gvar, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            body = tvm_ffi.structural_map(func.body, [((tirx.FloorDiv, tirx.Div), _split_offset)])
+            func = func.with_body(body)
+        funcs[gvar] = func
+    return tirx.transform.StmtSimplify()(tvm.IRModule(funcs, attrs=mod.attrs))
+
+
+_lower_all_warp_memory()
+
+
+# ---------------------------------------------------------------------------------------------
+# analysis
+
+
+@dataclass
+class _Gemm:
+    """What the analysis found: the matmul block, its layout and its sizes."""
+
+    block: s_tir.schedule.SBlockRV
+    dtype: str
+    b_kn: bool  # B is read as B[k, j] (contiguous in N) rather than B[j, k]
+    m: int
+    n: int
+    k: int
+
+
+class _NotThisRule(Exception):
+    """The function is a GEMM this rule does not schedule; the message says why."""
+
+
+def _find_gemm(sch: s_tir.Schedule) -> s_tir.schedule.SBlockRV | None:
+    """The single matmul-shaped reduction block, or None when the function is no GEMM."""
+    root = sch.get_sblock("root") if _has_root(sch) else None
+    blocks = sch.get_child_blocks(root) if root is not None else []
+    reductions = get_reduction_blocks(sch, blocks) if blocks else None
+    if not reductions:
+        return None
+    block = reductions[0]
+    if detect_iter_traits(sch.get(block)) is None:
+        return None
+    return block
+
+
+def _has_root(sch: s_tir.Schedule) -> bool:
+    try:
+        sch.get_sblock("root")
+        return True
+    except Exception:  # noqa: BLE001 - no block named root
+        return False
+
+
+def _analyse(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> _Gemm:
+    """Inline the matmul's in-function producers and classify it; raises _NotThisRule."""
+    for producer in sch.get_producers(block):
+        try:
+            sch.compute_inline(producer)
+        except Exception as err:  # noqa: BLE001
+            raise _NotThisRule(f"operand producer {sch.get(producer).name_hint} not inlinable") \
+                from err
+    stmt = sch.get(block)
+    traits = detect_iter_traits(stmt)
+    if traits is None or len(stmt.reads) != 2:
+        raise _NotThisRule("operands are not plain buffer reads")
+    a, b = (r.source for r in stmt.reads)
+    c = stmt.writes[0].source
+    if str(a.dtype) != str(b.dtype) or str(a.dtype) not in _IN_DTYPES:
+        raise _NotThisRule(f"operand dtypes {a.dtype}, {b.dtype} (need fp16 or bf16)")
+    if str(c.dtype) != "float32":
+        raise _NotThisRule(f"accumulator dtype {c.dtype} (need float32)")
+    kinds = {iv.var: t.kind for iv, t in zip(stmt.iter_vars, traits[3])}
+    sizes: dict[IterKind, int] = {}
+    for iv, trait in zip(stmt.iter_vars, traits[3]):
+        extent = _int(iv.dom.extent)
+        if extent is None:
+            raise _NotThisRule("symbolic shape")
+        if trait.kind in (IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K):
+            sizes[trait.kind] = sizes.get(trait.kind, 1) * extent
+
+    def last_kind(region) -> IterKind | None:
+        return kinds.get(region[-1].min) if region else None
+
+    if last_kind(stmt.reads[0].region) != IterKind.kIter_K:
+        raise _NotThisRule("A is not K-contiguous (transposed A)")
+    b_last = last_kind(stmt.reads[1].region)
+    if b_last not in (IterKind.kIter_K, IterKind.kIter_J):
+        raise _NotThisRule("B's innermost index is neither K nor N")
+    if _innermost_split(stmt, kinds):
+        raise _NotThisRule("an operand's contiguous dim mixes several loop kinds")
+    m, n, k = sizes[IterKind.kIter_I], sizes[IterKind.kIter_J], sizes[IterKind.kIter_K]
+    if k % 8 or n % 8:
+        raise _NotThisRule(f"K={k}, N={n} not multiples of 8")
+    return _Gemm(block, str(a.dtype), b_last == IterKind.kIter_J, m, n, k)
+
+
+def _innermost_split(stmt, kinds: dict) -> bool:
+    """True when a fused K (or J for a K×N B) spans several dims of an operand: the fused
+    contiguous run is then shorter than a 16-byte vector may assume."""
+    for region in (stmt.reads[0].region, stmt.reads[1].region):
+        last = kinds.get(region[-1].min)
+        if sum(1 for r in region if kinds.get(r.min) == last) > 1:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------
+# the rule
+
+
+class GemmSM80(GPUScheduleRule):
+    """mma.sync tensor-core GEMM + fused epilogue (see the module docstring)."""
+
+    def __init__(self, config: GemmConfig | None = None,
+                 small_m_config: GemmConfig | None = None) -> None:
+        self.config = config or DEFAULT_CONFIG
+        self.small_m_config = small_m_config or SMALL_M_CONFIG
+        self.config.check()
+        self.small_m_config.check()
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
+            return None
+        if target.kind.name != "cuda" or _sm(target) < 80:
+            return None
+        sch = s_tir.Schedule(func)
+        block = _find_gemm(sch)
+        if block is None:
+            return None  # no GEMM: not this rule's
+        try:
+            gemm = _analyse(sch, block)
+            cfg = self.small_m_config if gemm.m <= SMALL_M else self.config
+            self._schedule(sch, gemm, cfg)
+        except _NotThisRule as why:
+            return _fallback(func, target, tunable, str(why))
+        except Exception as err:  # noqa: BLE001 - a primitive refusing: fall back, say why
+            return _fallback(func, target, tunable, f"schedule failed: {_first_line(err)}")
+        return s_tir.Schedule(sch.mod["main"].with_attr(RULE_ATTR, NAME))
+
+    # -- the schedule -------------------------------------------------------------------------
+
+    def _schedule(self, sch: s_tir.Schedule, gemm: _Gemm, cfg: GemmConfig) -> None:
+        block = gemm.block
+        # 1. Canonical layout: C[S, I, J] += A[S, I, K] · B[S, J, K] (or B[S, K, J]).
+        reindex_a = sch.reindex(block, ("read", 0))
+        reindex_b = sch.reindex(block, ("read", 1))
+        reindex_c = sch.reindex(block, ("write", 0))
+        traits_a, traits_b, traits_c, traits_blk = detect_iter_traits(sch.get(block))
+        s_, i_, j_, k_ = IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K
+        fusion = make_iter_fusion_index_map
+        sch.transform_layout(reindex_a, ("write", 0), fusion(traits_a, [s_, i_, k_]))
+        sch.transform_layout(reindex_b, ("write", 0),
+                             fusion(traits_b, [s_, k_, j_] if gemm.b_kn else [s_, j_, k_]))
+        sch.transform_layout(reindex_c, ("read", 0), fusion(traits_c, [s_, i_, j_]))
+        sch.transform_block_layout(block, fusion(traits_blk, [s_, i_, j_, k_]))
+        # 2. Pad M, N, K to the tile (no-op where they divide); padded loads read zeros.
+        sch.pad_einsum(block, [1, cfg.block_m, cfg.block_n, cfg.block_k])
+
+        # 3. Tiles: grid × warps × 16×16 fragments; K in block_k steps of 16.
+        batch, i, j, k = sch.get_loops(block)
+        i, i_mma = sch.split(i, [None, MMA])
+        j, j_mma = sch.split(j, [None, MMA])
+        k, k_mma = sch.split(k, [None, MMA])
+        sch.reorder(i, j, k, i_mma, j_mma, k_mma)
+        inner = block
+        outer = sch.blockize(i_mma)
+        i0, i1, i2 = sch.split(i, [None, cfg.block_m // cfg.warp_m, cfg.warp_m // MMA])
+        j0, j1, j2 = sch.split(j, [None, cfg.block_n // cfg.warp_n, cfg.warp_n // MMA])
+        k0, k1 = sch.split(k, [None, cfg.block_k // MMA])
+        sch.reorder(i0, j0, i1, j1, k0, k1, i2, j2)
+        sch.unroll(i2)  # fragments are registers: every index into them must be a constant
+        sch.unroll(j2)
+        m_tiles = -(-gemm.m // cfg.block_m)
+        group = max(g for g in range(1, cfg.raster + 1) if m_tiles % g == 0)
+        if group > 1:  # blocks walk `group` M-tiles down one N-tile column, then the next column
+            i0a, i0b = sch.split(i0, [None, group])
+            sch.reorder(i0a, j0, i0b)
+            bx = sch.fuse(i0a, j0, i0b)
+        else:
+            bx = sch.fuse(i0, j0)
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(batch, "blockIdx.y")
+        ty = sch.fuse(i1, j1)
+        sch.bind(ty, "threadIdx.y")
+
+        # 4. Global → shared: 16-byte cp.async per thread, rows padded by 8 halves.
+        def to_shared(index: int) -> s_tir.schedule.SBlockRV:
+            copy = sch.cache_read(outer, index, "shared.dyn")
+            sch.compute_at(copy, k0)
+            fused = sch.fuse(*sch.get_loops(copy)[-2:])
+            _, f_ty, f_tx, f_vec = sch.split(fused, [None, cfg.warps, WARP, 8])
+            sch.bind(f_ty, "threadIdx.y")
+            sch.bind(f_tx, "threadIdx.x")
+            sch.vectorize(f_vec)
+            sch.unroll(sch.get_loops(copy)[-4])
+            sch.storage_align(copy, 0, axis=-2, factor=32, offset=8)
+            auto_inline_producers(sch, copy)
+            return copy
+
+        to_shared(0)
+        to_shared(1)
+
+        # 5. Shared → registers with ldmatrix, one 16×16 fragment per call.
+        def to_fragments(index: int, rows_first: bool) -> s_tir.schedule.SBlockRV:
+            frag = sch.cache_read(outer, index, "warp")
+            sch.compute_at(frag, k1)
+            r, c = sch.get_loops(frag)[-2:]
+            r0, r1 = sch.split(r, [None, MMA])
+            c0, c1 = sch.split(c, [None, MMA])
+            sch.reorder(r0, c0, r1, c1)
+            sch.unroll(r0)
+            sch.unroll(c0)
+            del rows_first
+            return frag
+
+        a_frag = to_fragments(0, True)
+        b_frag = to_fragments(1, not gemm.b_kn)
+
+        # 6. Accumulators → shared (per warp) → epilogue → global.
+        c_shared = sch.cache_write(outer, 0, "shared.dyn")
+        c_frag = sch.cache_write(outer, 0, "warp")
+        sch.reverse_compute_at(c_frag, ty)
+        sch.reverse_compute_at(c_shared, ty)
+        sch.storage_align(c_frag, 0, axis=-2, factor=32, offset=8)  # fp32 rows: 8 banks apart
+        r, c = sch.get_loops(c_frag)[-2:]
+        r0, r1 = sch.split(r, [None, MMA])
+        c0, c1 = sch.split(c, [None, MMA])
+        sch.reorder(r0, c0, r1, c1)
+        sch.unroll(r0)
+        sch.unroll(c0)
+
+        init = sch.decompose_reduction(outer, k0)
+        init_inner = sch.get_child_blocks(init)[0]
+        for loop in sch.get_loops(init)[-2:]:
+            sch.unroll(loop)
+
+        from tvm.s_tir.tensor_intrin import cuda as intrins
+
+        def ldmatrix_layout(*idx):
+            *lead, row, col = idx
+            return (*lead, row // MMA, col // MMA,
+                    *intrins.shared_16x16_to_ldmatrix_32x8_layout(row % MMA, col % MMA))
+
+        sch.transform_layout(a_frag, ("write", 0), ldmatrix_layout)
+        sch.transform_layout(b_frag, ("write", 0), ldmatrix_layout)
+        sch.transform_layout(c_frag, ("read", 0), ldmatrix_layout)
+        dt = gemm.dtype
+        sch.tensorize(sch.get_loops(a_frag)[-2], _intrin(intrins.LDMATRIX_f16_A_DYN_INTRIN, dt))
+        b_load = intrins.LDMATRIX_f16_B_DYN_INTRIN if gemm.b_kn \
+            else intrins.LDMATRIX_f16_B_TRANS_DYN_INTRIN
+        sch.tensorize(sch.get_loops(b_frag)[-2], _intrin(b_load, dt))
+        mma = intrins.MMA_f16f16f32_INTRIN if gemm.b_kn else intrins.MMA_f16f16f32_TRANS_B_INTRIN
+        sch.tensorize(sch.get_loops(inner)[-3], _intrin(mma, dt))
+        sch.tensorize(sch.get_loops(init_inner)[-2], intrins.MMA_fill_16x16_f32_INTRIN)
+        sch.tensorize(sch.get_loops(c_frag)[-2], intrins.MMA_store_16x16_f32_shared_dyn_INTRIN_SIMPLE)
+
+        # 7. Software pipelines. k1 = [A frag, B frag, mma]: fragments one k-step ahead. It is
+        # expanded first, so k0 = [A copy, B copy, k1 prologue, k1 body, k1 epilogue]: copies run
+        # `stages - 1` tiles ahead (cp.async), and the next tile's first fragments are loaded
+        # (prologue, stage - 1 behind the copies) right after the current tile's last mma.
+        sch.annotate(k1, "software_pipeline_stage", [0, 0, 1])
+        sch.annotate(k1, "software_pipeline_order", [0, 1, 2])
+        last = cfg.stages - 1
+        sch.annotate(k0, "software_pipeline_stage", [0, 0, max(last - 1, 0), last, last])
+        sch.annotate(k0, "software_pipeline_order", [0, 1, 3, 2, 4])
+        sch.annotate(k0, "software_pipeline_async_stages", [0])
+
+        # 8. Epilogue: every consumer of C inlined into the shared → global copy, which then
+        # runs as [rows, 32 lanes, V] with 16-byte vector loads of C and stores of the output.
+        auto_inline_consumer_chain(sch, c_shared)
+        self._epilogue(sch, c_shared)
+
+    @staticmethod
+    def _epilogue(sch: s_tir.Schedule, store: s_tir.schedule.SBlockRV) -> None:
+        """The warp's ``rows × cols`` output tile: each lane owns ``V``-wide row pieces
+        (16 bytes of the output dtype), lanes side by side along a row, then down the rows."""
+        out = sch.get(store).writes[0].source
+        vec = VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
+        r, c = sch.get_loops(store)[-2:]
+        rows, cols = _int(sch.get(r).extent), _int(sch.get(c).extent)
+        while vec > 1 and cols % vec:
+            vec //= 2
+        lanes_c = min(WARP, cols // vec)
+        lanes_r = WARP // lanes_c
+        if rows % lanes_r or (cols // vec) % lanes_c:
+            raise _NotThisRule(f"warp tile {rows}x{cols} does not fit {WARP} lanes")
+        c0, c1, v = sch.split(c, [None, lanes_c, vec])
+        r0, r1 = sch.split(r, [None, lanes_r])
+        sch.reorder(r0, c0, r1, c1, v)
+        tx = sch.fuse(r1, c1)
+        sch.bind(tx, "threadIdx.x")
+        sch.unroll(v)
+        c_index = next(i for i, reg in enumerate(sch.get(store).reads)
+                       if str(reg.source.scope()) == "shared.dyn")
+        load = sch.cache_read(store, c_index, "local")
+        sch.compute_at(load, tx, preserve_unit_loops=False)
+        _vector(sch, sch.get_loops(load)[-1], 4)
+        result = sch.cache_write(store, 0, "local")
+        sch.reverse_compute_at(result, tx, preserve_unit_loops=False)
+        _vector(sch, sch.get_loops(result)[-1], vec)
+
+
+def _vector(sch: s_tir.Schedule, loop, lanes: int) -> None:
+    """Vectorise ``loop`` in pieces of ``lanes`` (16 bytes of the widest dtype it moves)."""
+    extent = _int(sch.get(loop).extent)
+    if extent is not None and extent > lanes and extent % lanes == 0:
+        outer, loop = sch.split(loop, [None, lanes])
+        sch.unroll(outer)
+    sch.vectorize(loop)
+
+
+def _sm(target: Target) -> int:
+    arch = str(target.attrs.get("arch", ""))
+    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
+    return int(digits) if digits else 0
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    text = lines[-1] if lines else type(err).__name__
+    return text[:200]
+
+
+def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
+    """dlight's GEMV, then Matmul, on ``func`` marked with why this rule did not take it."""
+    from tvm.s_tir import dlight as dl
+
+    marked = func.with_attr(FALLBACK_ATTR, reason)
+    for rule in (dl.gpu.GEMV(), dl.gpu.Matmul()):
+        sch = rule.apply(marked, target, tunable)
+        if sch is not None:
+            return sch
+    return None
