@@ -7,7 +7,8 @@ Cases (``--cases``, default all):
 * ``swiglu``:     Y = SiLU(X·Wgᵀ) ⊙ (X·Wuᵀ)           (two GEMMs, the gate in the epilogue)
 * ``residual``:   Y = X·Wᵀ + b + R
 
-Shapes X (M, K), W (N, K), b (N), R (M, N) → Y (M, N); cuda: (M, N, K) = 4096³ and
+Shapes X (M, K), W (N, K), b (N), R (M, N) → Y (M, N), W and b module parameters (constants, as in a
+model; the inputs are X and R); cuda: (M, N, K) = 4096³ and
 8192 × 8192 × 4096 (``--shapes``), cpu smoke: 64³. FLOPs = 2·M·N·K per GEMM (the epilogue's
 M·N element operations are not counted). Baselines: torch eager (F.linear + the epilogue), its
 torch.compile, and ``cublas_ms`` = the bare GEMM(s) ``torch.mm(X, Wᵀ)`` without the epilogue —
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
 import common
@@ -29,69 +29,52 @@ from torch import nn
 SHAPES = {"cuda": [(4096, 4096, 4096), (8192, 8192, 4096)], "cpu": [(64, 64, 64)]}  # (M, N, K)
 
 
-class BiasGelu(nn.Module):
-    """``gelu(x @ w.T + b)``."""
+class FusedLinear(nn.Module):
+    """``epilogue(x @ w.T + b)`` with w (N, K), b (N) module parameters (constants to tvmfuse,
+    as in a model); ``swiglu`` holds a second weight for the up projection."""
 
-    def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return F.gelu(F.linear(x, w, b))
+    def __init__(self, case: str, n: int, k: int) -> None:
+        super().__init__()
+        self.case = case
+        self.w = nn.Parameter(torch.randn(n, k) / k ** 0.5)
+        second = torch.randn(n, k) / k ** 0.5 if case == "swiglu" else torch.randn(n)
+        self.b = nn.Parameter(second)  # the bias, or swiglu's up-projection weight
 
-
-class BiasRelu(nn.Module):
-    """``relu(x @ w.T + b)``."""
-
-    def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return torch.relu(F.linear(x, w, b))
-
-
-class SwiGLU(nn.Module):
-    """``silu(x @ wg.T) * (x @ wu.T)``."""
-
-    def forward(self, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> torch.Tensor:
-        return F.silu(F.linear(x, wg)) * F.linear(x, wu)
-
-
-class Residual(nn.Module):
-    """``x @ w.T + b + r``."""
-
-    def forward(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
-                r: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w, b) + r
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        if self.case == "swiglu":
+            return F.silu(F.linear(x, self.w)) * F.linear(x, self.b)
+        y = F.linear(x, self.w, self.b)
+        if self.case == "bias_gelu":
+            return F.gelu(y)
+        if self.case == "bias_relu":
+            return torch.relu(y)
+        return y + rest[0]  # residual
 
 
-def _mm(*inputs: torch.Tensor) -> torch.Tensor:
-    """The bare GEMM ``x @ w.T`` (cuBLAS on CUDA); further inputs are ignored."""
-    return torch.mm(inputs[0], inputs[1].t())
-
-
-def _mm2(x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """SwiGLU's two bare GEMMs."""
-    return torch.mm(x, wg.t()), torch.mm(x, wu.t())
-
-
-# name → (module, input shapes from (m, n, k), GEMM count, bare-GEMM baseline)
-CASES: dict[str, tuple[type[nn.Module], Callable[[int, int, int], list], int, Callable]] = {
-    "bias_gelu": (BiasGelu, lambda m, n, k: [(m, k), (n, k), (n,)], 1, _mm),
-    "bias_relu": (BiasRelu, lambda m, n, k: [(m, k), (n, k), (n,)], 1, _mm),
-    "swiglu": (SwiGLU, lambda m, n, k: [(m, k), (n, k), (n, k)], 2, _mm2),
-    "residual": (Residual, lambda m, n, k: [(m, k), (n, k), (n,), (m, n)], 1, _mm),
-}
+CASES = {"bias_gelu": 1, "bias_relu": 1, "swiglu": 2, "residual": 1}  # name → GEMMs per call
 
 
 def workload(case: str, shape: tuple[int, int, int], dtype: str) -> common.Workload:
     """One fused GEMM case at (M, N, K)."""
-    module, shapes, gemms, bare = CASES[case]
     m, n, k = shape
-    inputs = list(common.random_inputs(shapes(m, n, k), common.DTYPES[dtype]))
-    for i in range(1, 1 + gemms):  # weights scaled by 1/√K: outputs of order 1 in fp16/bf16
-        inputs[i] = (inputs[i].float() / k ** 0.5).to(common.DTYPES[dtype])
+    torch.manual_seed(0)
+    module = FusedLinear(case, n, k).to(common.DTYPES[dtype]).eval()
+    shapes = [(m, k), (m, n)] if case == "residual" else [(m, k)]
+
+    def cublas(x: torch.Tensor, *_: torch.Tensor):
+        """The bare GEMM(s) ``x @ w.T`` (cuBLAS), no epilogue."""
+        if case == "swiglu":
+            return torch.mm(x, module.w.t()), torch.mm(x, module.b.t())
+        return torch.mm(x, module.w.t())
+
     return common.Workload(
         name=f"gemm_{case}",
-        module=module(),
-        inputs=tuple(inputs),
+        module=module,
+        inputs=common.random_inputs(shapes, common.DTYPES[dtype]),
         shape=f"M={m} N={n} K={k}",
         dtype=dtype,
-        flops=2.0 * m * n * k * gemms,
-        extra={"cublas_ms": bare},
+        flops=2.0 * m * n * k * CASES[case],
+        extra={"cublas_ms": cublas},
     )
 
 
