@@ -38,16 +38,22 @@ def _is_sm90a(target) -> bool:
 
 
 def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
-    """A function with a top-level reduction block of the form ``C = C + x * y`` (GEMM-like)."""
+    """A top-level reduction block ``C = C + x[..] * y[..]`` over two different ≥2-D buffers."""
+    from .hopper.epilogue import _Load, _strip_cast
+
     try:
         _, blocks = top_blocks(func)
     except Exception:  # not block-structured: not ours
         return False
     for block, _ in blocks:
         body = block.body
-        if any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars) and \
-                isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add) and \
-                isinstance(body.value.b, tirx.Mul):
+        if not (any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars)
+                and isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add)
+                and isinstance(body.value.b, tirx.Mul)):
+            continue
+        x, y = _strip_cast(body.value.b.a), _strip_cast(body.value.b.b)
+        if isinstance(x, _Load) and isinstance(y, _Load) and not x.source.same_as(y.source) \
+                and len(x.indices) >= 2 and len(y.indices) >= 2:
             return True
     return False
 
@@ -59,13 +65,23 @@ def select_config(m: int, n: int) -> GemmConfig:
     return GemmConfig()
 
 
-def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None) -> tirx.PrimFunc:
-    """The TIRx kernel replacing ``func``; raises :class:`NotHandled` with the reason."""
+def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
+                 b_transposed: bool = False) -> tirx.PrimFunc:
+    """The TIRx kernel replacing ``func``; raises :class:`NotHandled` with the reason.
+
+    ``b_transposed``: ``func`` reads B as (K, N) but the kernel takes B's transpose (N, K)
+    instead (the caller drops the transpose kernel that produced B).
+    """
     from tvm.script import tirx as T
     from tvm.script.parser.core.entry import parse
 
     g = analyze(func)
-    problem = GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.layout)
+    layout = g.layout
+    if b_transposed:
+        if g.layout != "nn":
+            raise NotHandled("B is already (N, K)")
+        layout = "nt"
+    problem = GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, layout)
     cfg = cfg or select_config(g.m, g.n)
     reason = check(problem, cfg)
     if reason:
@@ -73,6 +89,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None) -> tirx.Pri
     params = list(func.params)
     names = [f"p{i}" for i in range(len(params))]
     decls = [(nm, tuple(int(d) for d in b.shape), str(b.dtype)) for nm, b in zip(names, params)]
+    if b_transposed:
+        decls[g.b] = (names[g.b], decls[g.b][1][::-1], decls[g.b][2])
 
     def store_value(acc: str, row: str, col: str) -> str:
         return expr_text(g.expr, [(g.acc, acc), (g.dims[0], row), (g.dims[1], col)],
@@ -88,24 +106,106 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None) -> tirx.Pri
     return kernel.without_attr("global_symbol").with_attrs(attrs)
 
 
+def _is_transpose(func: tirx.PrimFunc) -> bool:
+    """``out[i, j] = in[j, i]`` over 2-D buffers of one dtype, nothing else."""
+    from .hopper.epilogue import _Load
+
+    params = list(func.params)
+    if len(params) != 2 or len(params[0].shape) != 2:
+        return False
+    try:
+        _, blocks = top_blocks(func)
+    except Exception:  # not block-structured
+        return False
+    if len(blocks) != 1:
+        return False
+    body = blocks[0][0].body
+    ivs = [iv.var for iv in blocks[0][0].iter_vars]
+    v = body.value if isinstance(body, tirx.BufferStore) else None
+    return (isinstance(v, _Load) and v.source.same_as(params[0]) and body.buffer.same_as(params[1])
+            and len(ivs) == 2 and str(params[0].dtype) == str(params[1].dtype)
+            and all(a.same_as(b) for a, b in zip(body.indices, ivs))
+            and all(a.same_as(b) for a, b in zip(v.indices, ivs[::-1])))
+
+
+def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
+    """``gemm(.., transpose(w), ..)`` → ``gemm_nt(.., w, ..)`` for the kernels just generated.
+
+    The GEMM then reads W (N, K) K-major, the layout wgmma prefers, and the transpose kernel
+    (a full pass over W) disappears when nothing else uses its result.
+    """
+    from tvm import relax
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    made: dict = {}
+
+    @mutator
+    class _Rewrite(PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op != call_tir or call.args[0] not in kernels:
+                return call
+            gv = call.args[0]
+            b_pos = kernels[gv]
+            args = list(call.args[1].fields)
+            if b_pos is None or not isinstance(args[b_pos], relax.Var):
+                return call
+            producer = self.lookup_binding(args[b_pos])
+            if not (isinstance(producer, relax.Call) and producer.op == call_tir
+                    and isinstance(self.builder_.get()[producer.args[0]], tirx.PrimFunc)
+                    and _is_transpose(self.builder_.get()[producer.args[0]])):
+                return call
+            if gv not in made:
+                try:
+                    kernel = build_kernel(self.builder_.get()[gv], b_transposed=True)
+                except NotHandled:
+                    made[gv] = None
+                    return call
+                made[gv] = self.builder_.add_func(kernel, f"{gv.name_hint}_nt")
+            if made[gv] is None:
+                return call
+            args[b_pos] = producer.args[1].fields[0]
+            return relax.Call(call_tir, [made[gv], relax.Tuple(args)], call.attrs, call.ty_args)
+
+    rewriter = _Rewrite(mod)
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    mod = rewriter.builder_.get()
+    if any(v is not None for v in made.values()):
+        mod = relax.transform.DeadCodeElimination()(mod)
+    return mod
+
+
 @tvm.transform.module_pass(opt_level=0, name="Sm90Gemm")
 def Sm90Gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Replace fused GEMM PrimFuncs by TIRx wgmma kernels when the current target is sm_90a."""
     target = tvm.target.Target.current(allow_none=True)
     if not _is_sm90a(target):
         return mod
-    updates = {}
+    updates, kernels = {}, {}
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled"):
             continue
         if not _looks_like_gemm(func):
             continue
         try:
+            g = analyze(func)
+            kernels[gv] = g.b if g.layout == "nn" else None
+        except NotHandled:
+            pass
+        try:
             updates[gv] = build_kernel(func)
         except NotHandled as why:
             updates[gv] = func.with_attr(FALLBACK_ATTR, f"{NAME}: {why}")
+            kernels.pop(gv, None)
+    # (K, N) weights made by a transpose kernel: read the (N, K) original instead (before the
+    # PrimFuncs are swapped: the rewrite analyses the s_tir bodies)
+    mod = _drop_weight_transposes(mod, kernels)
     for gv, func in updates.items():
-        mod[gv] = func
+        if gv in mod.get_global_vars():
+            mod[gv] = func
     return mod
 
 
