@@ -144,14 +144,16 @@ def test_export_holds_sm90_kernel(module, residual, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # GPU: numerics against an fp32 torch reference
 
-SHAPES = [(256, 512, 384), (2047, 1024, 512), (16, 4096, 1024), (1000, 520, 1000)]
+# (M, N, K, activation, residual): tile-aligned, ragged M (2047, 1000), decode M = 16, N not a
+# multiple of the 256-wide tile (520), K tails (384, 1000 = 15 full 64-wide tiles + 40)
+CASES = [(256, 512, 384, "relu", False), (2047, 1024, 512, "gelu", True),
+         (16, 4096, 1024, "none", False), (1000, 520, 1000, "relu", True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("m, n, k", SHAPES)
-@pytest.mark.parametrize("act, residual", [("relu", False), ("gelu", True), ("none", False)])
-def test_gpu_linear_epilogues(m, n, k, dtype, tol, act, residual, tmp_path):
+@pytest.mark.parametrize("m, n, k, act, residual", CASES)
+def test_gpu_linear_epilogues(m, n, k, act, residual, dtype, tol, tmp_path):
     inputs = _inputs(m, n, k, dtype, residual=residual)
     module = LinearAct(act, residual)
     lib = tvmfuse.compile(module, inputs, target="sm90")
