@@ -28,7 +28,14 @@ def compile(*args, **kwargs):  # noqa: A001
     return _compile(*args, **kwargs)
 
 
+def tune(*args, **kwargs):
+    """See :func:`tvmfuse.tune.tune`: MetaSchedule over the fused kernels into a database."""
+    from .tune import tune as _tune
+
+    return _tune(*args, **kwargs)
+
+
 __all__ = [
     "CompileError", "CompiledModel", "DeviceError", "InputError", "InputSpecError", "LibraryError",
-    "ModelError", "TvmfuseError", "UnsupportedOpError", "compile", "load",
+    "ModelError", "TvmfuseError", "UnsupportedOpError", "compile", "load", "tune",
 ]

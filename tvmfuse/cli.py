@@ -71,7 +71,7 @@ def check_against_reference(lib, seed: int = 0) -> list[float]:
 @click.option("--input", "inputs", multiple=True, metavar="NAME:SHAPE[:DTYPE]",
               help="Fix an input's shape, e.g. x:1x2048x4096.")
 @click.option("--tuning-db", type=click.Path(file_okay=False), default=None,
-              help="MetaSchedule database to apply (not available yet in this version).")
+              help="Tuning database written by `tvmfuse tune` (tuned kernels where faster).")
 @click.option("--check", is_flag=True,
               help="Also build for cpu and compare with onnxruntime/torch on random inputs.")
 def compile(model: str, output: str, target: str, dtype: str | None, inputs: tuple[str, ...],
@@ -79,10 +79,8 @@ def compile(model: str, output: str, target: str, dtype: str | None, inputs: tup
     """Compile MODEL (.onnx, .pt2 or package.module:factory) into LIB.so."""
     from .compiler import compile as tvmfuse_compile
 
-    if tuning_db is not None:
-        raise click.UsageError("--tuning-db: applying tuning records is not implemented yet")
     t0 = time.perf_counter()
-    lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs))
+    lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs), tuning_db=tuning_db)
     path = lib.export(output)
     sig = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.model.inputs)
     outs = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.outputs)
@@ -152,8 +150,10 @@ def run(library: str, inputs_path: str, output_path: str | None, device: str | N
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a roofline PNG.")
 @click.option("--times", type=click.Path(dir_okay=False, exists=True), default=None,
               help="JSON {kernel name: measured ms} from a benchmark run, placed on the plot.")
+@click.option("--tuning-db", type=click.Path(file_okay=False), default=None,
+              help="Apply a `tvmfuse tune` database and mark the kernels that use a tuned schedule.")
 def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...], as_json: bool,
-           plot: str | None, times: str | None) -> None:
+           plot: str | None, times: str | None, tuning_db: str | None) -> None:
     """Kernels after fusion, with FLOPs and HBM bytes against the unfused graph."""
     import json
 
@@ -163,7 +163,8 @@ def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...], 
     from .targets import get_target
 
     imported = import_model(model, None, _overrides(list(inputs)))
-    result = analyze(imported.mod, get_target(target), dtype if dtype != "float32" else None)
+    result = analyze(imported.mod, get_target(target), dtype if dtype != "float32" else None,
+                     tuning_db=tuning_db)
     times_ms = json.loads(Path(times).read_text()) if times else None
     if times_ms:
         for k in result["kernels"]:
@@ -174,6 +175,38 @@ def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...], 
     click.echo(json.dumps(result, indent=1) if as_json else format_table(result))
     if plot and not as_json:
         click.echo(f"roofline written to {plot}")
+
+
+@main.command()
+@click.argument("model")
+@click.option("--target", type=click.Choice(["sm90", "sm80", "cpu"]), default="sm90", show_default=True)
+@click.option("--db", "db", required=True, type=click.Path(file_okay=False),
+              help="Database directory (created; a rerun resumes, keeping finished tasks).")
+@click.option("--trials", type=int, default=64, show_default=True, help="Measured candidates per task.")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
+@click.option("--input", "inputs", multiple=True, metavar="NAME:SHAPE[:DTYPE]")
+@click.option("--rpc", default=None, metavar="HOST:PORT:KEY",
+              help="Measure on the servers of a TVM RPC tracker.")
+@click.option("--gpus", type=int, default=None,
+              help="Start a local RPC tracker and one server per GPU (CUDA_VISIBLE_DEVICES).")
+@click.option("--min-gflop", type=float, default=None,
+              help="Tune GEMM/attention kernels of at least this many GFLOP (default 0.1).")
+@click.option("--min-mb", type=float, default=None,
+              help="Tune norm kernels moving at least this many MB (default 8).")
+@click.option("--cost-model", type=click.Choice(["xgb", "random"]), default=None,
+              help="Default: xgb when xgboost is installed, else random.")
+def tune(model: str, target: str, db: str, trials: int, dtype: str | None, inputs: tuple[str, ...],
+         rpc: str | None, gpus: int | None, min_gflop: float | None, min_mb: float | None,
+         cost_model: str | None) -> None:
+    """Tune MODEL's fused kernels with MetaSchedule into the database DB."""
+    from .tune import MIN_GFLOP, MIN_MB
+    from .tune import tune as tvmfuse_tune
+
+    report = tvmfuse_tune(model, db=db, target=target, trials=trials, dtype=dtype, inputs=list(inputs),
+                          rpc=rpc, gpus=gpus, cost_model=cost_model,
+                          min_gflop=MIN_GFLOP if min_gflop is None else min_gflop,
+                          min_mb=MIN_MB if min_mb is None else min_mb)
+    click.echo(report.table())
 
 
 if __name__ == "__main__":

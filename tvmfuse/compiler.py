@@ -81,12 +81,14 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     target: str = "sm90",
     dtype: str | None = None,
     inputs: dict[str, Any] | list[str] | None = None,
+    tuning_db: str | os.PathLike | None = None,
 ) -> Library:
     """Compile ``model`` (ONNX path/proto, .pt2 path, ``pkg.mod:factory`` or nn.Module).
 
     ``dtype``: None/"float32" keeps the model's precision; "float16"/"bfloat16" converts a float32
     model to mixed precision (fp32 accumulation). ``inputs`` fixes dynamic dims:
-    ``{"x": (2, 64)}`` or ``["x:2x64"]``.
+    ``{"x": (2, 64)}`` or ``["x:2x64"]``. ``tuning_db``: a ``tvmfuse tune`` database; a kernel
+    uses its tuned schedule only where that measured faster than the default rule.
     """
     from .pipeline import build, lower
 
@@ -95,7 +97,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
         raise InputSpecError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
     overrides = _overrides(inputs)
     imported = import_model(model, example_inputs, overrides)
-    lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None)
+    lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None, tuning_db=tuning_db)
     outputs = _output_specs(imported.mod, imported.output_names)
     executable = build(lowered, spec)
     return Library(executable, spec, imported, dtype, outputs)

@@ -56,10 +56,12 @@ class _Stages:
 
 
 def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
-          on_stage: Callable[[str, tvm.IRModule], None] | None = None) -> tvm.IRModule:
+          on_stage: Callable[[str, tvm.IRModule], None] | None = None,
+          tuning_db: str | os.PathLike | None = None) -> tvm.IRModule:
     """Run every tvmfuse stage on ``mod`` for ``spec``; the result goes to ``relax.build``.
 
     ``on_stage(name, mod)`` sees the module after each named stage (the report uses it).
+    ``tuning_db``: a ``tvmfuse tune`` database; kernels with a faster tuned record use it.
     """
     target = spec.tvm_target()
     run = _Stages(on_stage)
@@ -95,6 +97,12 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("fuse_tir", relax.transform.FuseTIR(), mod)
         # Pure-reshape kernels become views; must run before scheduling hides the reshape pattern.
         mod = run("reshape_to_view", relax.transform.RewriteDataflowReshape(), mod)
+        # Tuned records (tvmfuse tune extracts its tasks just above) go first: the rules below
+        # skip kernels marked scheduled and take every kernel without a faster record.
+        if tuning_db is not None:
+            from .tuning_db import ApplyTuningDatabase
+
+            mod = run("apply_tuning_db", ApplyTuningDatabase(tuning_db, spec), mod)
         # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
         if spec.is_cuda:
             from tvm.s_tir import dlight as dl

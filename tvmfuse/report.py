@@ -40,11 +40,13 @@ class KernelInfo:
     flops: int
     bytes: int
     measured_ms: float | None = field(default=None)
+    tuning: str | None = field(default=None)  # with a tuning database: "tuned" or "default: why"
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["measured_ms"] is None:
-            del d["measured_ms"]
+        for key in ("measured_ms", "tuning"):
+            if d[key] is None:
+                del d[key]
         return d
 
 
@@ -156,9 +158,8 @@ def _legalize_unfused(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None) ->
         return tvm.transform.Sequential(seq)(mod)
 
 
-def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
-    """Kernels in launch order from the final module; ops from the FuseOps groups."""
-    fuse_ops, fuse_tir, final = stages["fuse_ops"], stages["fuse_tir"], stages["finalize"]
+def fused_groups(fuse_ops: tvm.IRModule) -> dict[str, tuple[list[str], list[int]]]:
+    """Fused kernel name → (ops, op-pattern kinds) of its FuseOps group."""
     groups: dict[str, tuple[list[str], list[int]]] = {}
     for gvar, func in fuse_ops.functions.items():
         if isinstance(func, relax.Function) and func.attrs and "Primitive" in func.attrs:
@@ -170,6 +171,13 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
                     attrs = callee.attrs
                     kinds.append(int(attrs["op_pattern"]) if attrs and "op_pattern" in attrs else -1)
             groups[gvar.name_hint] = (ops, kinds)
+    return groups
+
+
+def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
+    """Kernels in launch order from the final module; ops from the FuseOps groups."""
+    fuse_ops, fuse_tir, final = stages["fuse_ops"], stages["fuse_tir"], stages["finalize"]
+    groups = fused_groups(fuse_ops)
     prim_names = {gv.name_hint for gv, f in final.functions.items() if isinstance(f, tirx.PrimFunc)}
     fuse_ops_fns = {gv.name_hint: f for gv, f in fuse_ops.functions.items()}
     fuse_tir_fns = {gv.name_hint: f for gv, f in fuse_tir.functions.items()}
@@ -186,8 +194,11 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
             ops = [op_name(name)]
             kinds = [int(attrs["op_pattern"])] if attrs and "op_pattern" in attrs else [-1]
         unscheduled = fuse_tir_fns.get(name) or final[name]
+        attrs = final[name].attrs
         kernels.append(KernelInfo(name, _classify(ops, kinds), ops, _flops(unscheduled),
-                                  _primfunc_bytes(final[name])))
+                                  _primfunc_bytes(final[name]),
+                                  tuning=str(attrs["tvmfuse.tuning"]) if attrs and
+                                  "tvmfuse.tuning" in attrs else None))
     return kernels
 
 
@@ -278,12 +289,13 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
                if isinstance(c.op, tvm.ir.GlobalVar) and c.op.name_hint in prims)
 
 
-def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> dict[str, Any]:
+def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
+            tuning_db: str | None = None) -> dict[str, Any]:
     """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema)."""
     from .pipeline import lower
 
     capture = _StageCapture()
-    lower(mod, spec, dtype, on_stage=capture)
+    lower(mod, spec, dtype, on_stage=capture, tuning_db=tuning_db)
     unfused = _unfused(_legalize_unfused(mod, spec, dtype))
     fused = _fused(capture.mods)
     return {
@@ -311,8 +323,9 @@ def format_table(report: dict[str, Any]) -> str:
     for i, k in enumerate(report["kernels"]):
         floor = max(k["bytes"] / H200_BANDWIDTH, k["flops"] / H200_FP16_FLOPS) * 1e6
         ops = ",".join(k["ops"])
+        tuned = "  [tuned]" if k.get("tuning") == "tuned" else ""
         lines.append(f"{i:>3} {k['pattern']:<14} {k['bytes'] / 1e6:>9.3f} {k['flops'] / 1e9:>9.3f} "
-                     f"{floor:>9.2f}  {ops[:70]}")
+                     f"{floor:>9.2f}  {ops[:70]}{tuned}")
     uf, f = report["hbm_bytes_unfused"], report["hbm_bytes_fused"]
     lines += ["", f"HBM bytes unfused {uf / 1e6:.3f} MB → fused {f / 1e6:.3f} MB "
                   f"({uf / max(f, 1):.2f}x less); memory floor {f / H200_BANDWIDTH * 1e6:.1f} us "

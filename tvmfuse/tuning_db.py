@@ -1,0 +1,215 @@
+"""The tuning database: MetaSchedule records plus tvmfuse's per-task summary, and applying it.
+
+A database is a directory::
+
+    database_workload.json        MetaSchedule JSONDatabase: one line per task module
+    database_tuning_record.json   MetaSchedule JSONDatabase: the best tuned record per task
+    tvmfuse_tasks.json            {"format", "target", "provenance", "tasks": {key: summary}}
+
+A task's summary holds ``default_ms`` (the default rule's schedule, measured in the same run),
+``tuned_ms`` (the best MetaSchedule record) and ``use_tuned`` = ``tuned_ms < default_ms``; a task
+is *finished* once it is in ``tvmfuse_tasks.json``. Every file is written whole to a temporary file
+and moved into place with ``os.replace`` (atomic on POSIX), workloads first and the summary last,
+so a run killed at any point leaves the finished tasks readable and consistent.
+
+:class:`ApplyTuningDatabase` is the pipeline stage before ``schedule``: a kernel with a usable,
+faster record gets the recorded schedule (marked ``tirx.is_scheduled``); every other kernel is left
+to the default rules. Each kernel considered carries ``"tvmfuse.tuning"``: ``"tuned"`` or
+``"default: <why>"``, which the report shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from .errors import CompileError
+from .targets import TargetSpec
+
+FORMAT = "tvmfuse-tuning/1"
+TASKS_FILE = "tvmfuse_tasks.json"
+WORKLOAD_FILE = "database_workload.json"
+RECORD_FILE = "database_tuning_record.json"
+TUNING_ATTR = "tvmfuse.tuning"  # PrimFunc attribute: "tuned" or "default: <reason>"
+
+
+def task_module(func: tirx.PrimFunc) -> tvm.IRModule:
+    """The module a kernel is tuned and looked up as: ``{"main": func}`` exported as ``main``."""
+    if func.attrs and TUNING_ATTR in func.attrs:
+        func = func.without_attr(TUNING_ATTR)
+    return tvm.IRModule({"main": func.with_attrs({"global_symbol": "main", "tirx.noalias": True})})
+
+
+def task_key(mod: tvm.IRModule) -> str:
+    """Structural hash of a task module, as a string (stable across processes)."""
+    return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class TuningDatabase:
+    """An on-disk tuning database (see the module docstring); ``tasks`` maps key → summary."""
+
+    path: Path
+    target: str | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    records: dict[str, Any] = field(default_factory=dict)  # key → (task module, TuningRecord)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, create: bool = False) -> TuningDatabase:
+        """Read ``path``; with ``create`` a missing directory is an empty database."""
+        path = Path(path)
+        db = cls(path)
+        summary = path / TASKS_FILE
+        if not summary.is_file():
+            if create:
+                return db
+            raise CompileError(f"tuning database {path}: no {TASKS_FILE} (write one with "
+                               f"`tvmfuse tune MODEL --db {path}`)")
+        try:
+            meta = json.loads(summary.read_text())
+        except json.JSONDecodeError as err:
+            raise CompileError(f"tuning database {path}: {TASKS_FILE} is not JSON ({err})") from err
+        if meta.get("format") != FORMAT:
+            raise CompileError(f"tuning database {path}: format {meta.get('format')!r}, "
+                               f"expected {FORMAT!r}")
+        db.target, db.provenance, db.tasks = meta.get("target"), meta.get("provenance", {}), \
+            meta.get("tasks", {})
+        if (path / WORKLOAD_FILE).is_file() and (path / RECORD_FILE).is_file():
+            from tvm.s_tir import meta_schedule as ms
+
+            js = ms.database.JSONDatabase(str(path / WORKLOAD_FILE), str(path / RECORD_FILE),
+                                          allow_missing=False)
+            for rec in js.get_all_tuning_records():
+                key = task_key(rec.workload.mod)
+                if key in db.tasks:  # records of unfinished tasks are ignored
+                    db.records[key] = (rec.workload.mod, rec)
+        return db
+
+    def finish_task(self, key: str, summary: dict[str, Any], mod: tvm.IRModule | None = None,
+                    record: Any = None) -> None:
+        """Add one finished task (its record, if any) and rewrite the database atomically."""
+        self.tasks[key] = summary
+        if record is not None:
+            self.records[key] = (mod, record)
+        self.save()
+
+    def save(self) -> None:
+        """Rewrite every file: records first (temp + ``os.replace``), the task summary last."""
+        from tvm.s_tir import meta_schedule as ms
+
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=self.path, prefix=".tmp-"))
+        try:
+            js = ms.database.JSONDatabase(str(tmp / WORKLOAD_FILE), str(tmp / RECORD_FILE))
+            for mod, rec in self.records.values():
+                workload = js.commit_workload(mod)
+                js.commit_tuning_record(ms.database.TuningRecord(
+                    rec.trace, workload, rec.run_secs, rec.target, rec.args_info))
+            for name in (WORKLOAD_FILE, RECORD_FILE):  # same workload order: old records stay valid
+                os.replace(tmp / name, self.path / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _write_atomic(self.path / TASKS_FILE, json.dumps(
+            {"format": FORMAT, "target": self.target, "provenance": self.provenance,
+             "tasks": self.tasks}, indent=1) + "\n")
+
+    def tuned_func(self, key: str) -> tirx.PrimFunc | None:
+        """The recorded schedule of task ``key`` replayed on its module (None if no record)."""
+        from tvm import s_tir
+
+        if key not in self.records:
+            return None
+        mod, rec = self.records[key]
+        sch = s_tir.Schedule(mod)
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        return sch.mod["main"]
+
+
+def _check_builds(func: tirx.PrimFunc, spec: TargetSpec) -> None:
+    """Codegen of one kernel alone (CUDA kept as source, as in ``pipeline.build``)."""
+    previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
+    os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
+    try:
+        tvm.compile(task_module(func), target=spec.tvm_target())
+    finally:
+        if previous is None:
+            del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
+        else:
+            os.environ["TVM_COMPILE_FORCE_FALLBACK"] = previous
+
+
+def _restore_attrs(tuned: tirx.PrimFunc, original: tirx.PrimFunc) -> tirx.PrimFunc:
+    attrs = dict(original.attrs) if original.attrs else {}
+    attrs.update({"tirx.is_scheduled": True, TUNING_ATTR: "tuned"})
+    if "global_symbol" not in attrs:  # the task module's "main" is not this kernel's name
+        tuned = tuned.without_attr("global_symbol")
+    return tuned.with_attrs(attrs)
+
+
+def choose_schedule(db: TuningDatabase, func: tirx.PrimFunc, spec: TargetSpec) -> tuple[
+        tirx.PrimFunc | None, str]:
+    """``(tuned func, "tuned")`` or ``(None, "default: <reason>")`` for one kernel."""
+    key = task_key(task_module(func))
+    summary = db.tasks.get(key)
+    if summary is None:
+        return None, "default: no record"
+    if not summary.get("use_tuned"):
+        return None, f"default: tuned not faster ({summary.get('tuned_ms')} vs " \
+                     f"{summary.get('default_ms')} ms)"
+    try:
+        tuned = db.tuned_func(key)
+        if tuned is None:
+            return None, "default: record missing"
+        _check_builds(tuned, spec)
+    except Exception as err:  # a record that no longer replays or builds: keep the default
+        return None, f"default: tuned build failed ({str(err).strip().splitlines()[-1][:200]})"
+    return _restore_attrs(tuned, func), "tuned"
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmfuse.ApplyTuningDatabase")
+class ApplyTuningDatabase:
+    """Replace kernels by their tuned schedules where the database says tuned is faster.
+
+    Must run after ``FuseTIR`` (tasks are fused kernels) and before the default ``schedule``
+    stage, which schedules every kernel this pass leaves unscheduled.
+    """
+
+    def __init__(self, path: str | os.PathLike, spec: TargetSpec) -> None:
+        self.db = TuningDatabase.open(path)
+        self.spec = spec
+
+    def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        updates = {}
+        for gvar, func in mod.functions_items():
+            if not isinstance(func, tirx.PrimFunc) or (
+                    func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+                continue
+            tuned, why = choose_schedule(self.db, func, self.spec)
+            updates[gvar] = tuned if tuned is not None else func.with_attr(TUNING_ATTR, why)
+        for gvar, func in updates.items():
+            mod[gvar] = func
+        return mod
