@@ -30,8 +30,9 @@ Schedule, per thread block of ``block_m × block_n`` outputs and ``warps = (bloc
 The epilogue runs on the fp32 accumulators (read back from shared memory in 16-byte vectors,
 computed in scalar registers) and each thread writes one 16-byte vector of the output at a time.
 
-Tile choices are plain parameters (:class:`GemmConfig`, default 128×128×32, 4 warps of 64×64,
-4 stages, raster 8) so that tuning can vary them. M ≤ ``SMALL_M`` (decode) uses
+Tile choices are plain parameters (:class:`GemmConfig`, default 128×128×64, 4 warps of 64×64,
+3 stages, raster 8: the best of the tiles measured on the H200, see tools/bench/NOTES.md) so that
+tuning can vary them. M ≤ ``SMALL_M`` (decode) uses
 :data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128.
 
 Falls back — delegating to dlight's GEMV / Matmul rules and marking the PrimFunc with
@@ -74,10 +75,10 @@ class GemmConfig:
 
     block_m: int = 128
     block_n: int = 128
-    block_k: int = 32
+    block_k: int = 64
     warp_m: int = 64
     warp_n: int = 64
-    stages: int = 4
+    stages: int = 3
     raster: int = 8
 
     @property
