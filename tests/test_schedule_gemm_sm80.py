@@ -13,7 +13,7 @@ CPU checks:
 
 GPU check (``@pytest.mark.gpu``, on the device): relative error against a float32 torch
 reference on random inputs over a shape grid (4096³, ragged 2047 × 4096 × 4096, decode M =
-1 / 8 / 16, batched, bf16), through ``tvmfuse.compile`` → export → load.
+1 / 8 / 16, a 3-D activation, bf16), through ``tvmfuse.compile`` → export → load.
 """
 
 from __future__ import annotations
@@ -253,12 +253,11 @@ def test_sm90a_sass(tmp_path):
 
 GPU_GRID = [  # (lead, M, N, K, dtype)
     ((), 4096, 4096, 4096, "float16"),
-    ((), 2047, 4096, 4096, "float16"),
-    ((), 1, 4096, 4096, "float16"),
-    ((), 8, 4096, 4096, "float16"),
+    ((), 2047, 2048, 2048, "float16"),  # ragged M
+    ((), 1, 4096, 4096, "float16"),  # decode: dlight GEMV (M = 1 is no GEMM to the rule)
+    ((), 8, 4096, 4096, "float16"),  # decode: the 16-row tile
     ((), 16, 4096, 4096, "float16"),
-    ((4,), 256, 1024, 512, "float16"),
-    ((), 4096, 4096, 4096, "bfloat16"),
+    ((4,), 256, 1024, 512, "float16"),  # 3-D activation: batch folded into M
     ((), 2047, 1024, 2048, "bfloat16"),
 ]
 
