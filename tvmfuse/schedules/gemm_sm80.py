@@ -33,7 +33,9 @@ computed in scalar registers) and each thread writes one 16-byte vector of the o
 Tile choices are plain parameters (:class:`GemmConfig`, default 128×128×64, 4 warps of 64×64,
 3 stages, raster 8: the best of the tiles measured on the H200, see tools/bench/NOTES.md) so that
 tuning can vary them. M ≤ ``SMALL_M`` (decode) uses
-:data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128.
+:data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128:
+measured at cuBLAS speed for M = 8 / 16 (tools/bench/NOTES.md). M = 1 has no M axis, so it is
+no GEMM to this rule (``None``): dlight's GEMV rule takes it.
 
 Falls back — delegating to dlight's GEMV / Matmul rules and marking the PrimFunc with
 ``"tvmfuse.fallback" = reason`` — for GEMMs outside this form: other dtypes, fp16 accumulation,
@@ -385,7 +387,7 @@ class GemmSM80(GPUScheduleRule):
         to_shared(1)
 
         # 5. Shared → registers with ldmatrix, one 16×16 fragment per call.
-        def to_fragments(index: int, rows_first: bool) -> s_tir.schedule.SBlockRV:
+        def to_fragments(index: int) -> s_tir.schedule.SBlockRV:
             frag = sch.cache_read(outer, index, "warp")
             sch.compute_at(frag, k1)
             r, c = sch.get_loops(frag)[-2:]
@@ -394,11 +396,10 @@ class GemmSM80(GPUScheduleRule):
             sch.reorder(r0, c0, r1, c1)
             sch.unroll(r0)
             sch.unroll(c0)
-            del rows_first
             return frag
 
-        a_frag = to_fragments(0, True)
-        b_frag = to_fragments(1, not gemm.b_kn)
+        a_frag = to_fragments(0)
+        b_frag = to_fragments(1)
 
         # 6. Accumulators → shared (per warp) → epilogue → global.
         c_shared = sch.cache_write(outer, 0, "shared.dyn")
