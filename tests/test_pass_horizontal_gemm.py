@@ -91,3 +91,22 @@ def test_outputs_meeting_in_an_epilogue_stay_separate():
     """SwiGLU's gate and up GEMMs already make one epilogue; a wide GEMM would add a kernel."""
     before = _swiglu()
     tvm.ir.assert_structural_equal(HorizontalGemm()(before), before)
+
+
+def _bert_like() -> tvm.IRModule:
+    """Q, K, V each only reshaped into the attention call: slices would be copy kernels."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            qkv = [bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(x, relax.const(w))),
+                                            (1, 4, 2, 4)))
+                   for w in (WK, WV, WK)]
+            out = bb.emit_output(relax.op.nn.attention(*qkv))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_projections_feeding_only_the_attention_call_stay_separate():
+    before = _bert_like()
+    tvm.ir.assert_structural_equal(HorizontalGemm()(before), before)

@@ -93,7 +93,8 @@ def _groups(func: relax.Function) -> list[list[_Member]]:
     groups = []
     for members in by_input.values():
         # Rewritten vars are replaced by dataflow slices: only dataflow vars can be.
-        members = [m for m in members if isinstance(m.out_var, relax.DataflowVar)]
+        members = [m for m in members if isinstance(m.out_var, relax.DataflowVar)
+                   and not _feeds_only_opaque(m.out_var, bound, users)]
         reach = [_elementwise_reach(m.out_var, bound, users) for m in members]
         # Outputs that meet in an elementwise op (SwiGLU's silu(gate)·up) are already one kernel:
         # FuseOps makes the second GEMM's epilogue read the first's output. A wide GEMM would
@@ -103,6 +104,32 @@ def _groups(func: relax.Function) -> list[list[_Member]]:
         if len(members) >= 2:
             groups.append(members)
     return groups
+
+
+_VIEWS = {"relax.reshape", "relax.permute_dims"}
+_OPAQUE = {"relax.nn.attention", "relax.nn.attention_bias", "relax.matmul"}
+
+
+def _feeds_only_opaque(var: relax.Var, bound: dict, users: dict, depth: int = 4) -> bool:
+    """True when ``var`` only reaches attention / matmul operands through views.
+
+    Its slice would then be a copy kernel of its own (FuseOps fuses an injective producer into
+    elementwise consumers, not into a GEMM or the attention call), so a separate GEMM costs the
+    same launch and no extra HBM pass: BERT's Q/K/V stay three GEMMs, Llama's V stays apart
+    while Q and K (each followed by RoPE, which absorbs its slice) share one.
+    """
+    uses = users.get(var, [])
+    if not uses or depth == 0:
+        return False
+    for user in uses:
+        call = bound[user]
+        name = call.op.name if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) else ""
+        if name in _OPAQUE:
+            continue
+        if name in _VIEWS and _feeds_only_opaque(user, bound, users, depth - 1):
+            continue
+        return False
+    return True
 
 
 _ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.astype",

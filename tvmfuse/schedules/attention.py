@@ -61,18 +61,28 @@ class AttentionSpec:
 def attention_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
     """One PrimFunc computing ``spec`` without materialising the Sq×Skv score matrix in HBM.
 
-    CUDA: the flash kernel (prefill) or the split-KV decode kernel (Sq == 1); on sm_90a the
+    CUDA: the flash kernel (prefill) or the split-KV decode kernel (Sq == 1), and for specs
+    neither takes (fp32, other head dims) a one-thread-per-row CUDA-core kernel; on sm_90a the
     TMA + wgmma prefill kernel where it covers the spec, else the sm80-style one with the reason
     in its ``tvmfuse.fallback`` attribute;
     CPU: a row-at-a-time online-softmax loop (numerics reference for the cpu target).
     """
     if target.kind.name == "cuda":
+        from .attention_generic_cuda import attention_generic_cuda_primfunc
+
         if spec.q_len == 1:
             from .flash_decode import flash_decode_primfunc
 
-            return flash_decode_primfunc(spec, target)
+            try:
+                return flash_decode_primfunc(spec, target)
+            except ValueError as err:  # dtype / head dim the split-KV kernel does not take
+                return attention_generic_cuda_primfunc(spec, str(err))
         from .flash_attention import flash_attention_primfunc
+        from .flash_attention import unsupported as flash_unsupported
 
+        reason = flash_unsupported(spec)
+        if reason is not None:  # still one kernel without S in HBM, on CUDA cores
+            return attention_generic_cuda_primfunc(spec, f"flash_attention: {reason}")
         if str(target.attrs.get("arch", "")) == "sm_90a":
             from .flash_attention_sm90 import flash_attention_sm90_primfunc, unsupported
 

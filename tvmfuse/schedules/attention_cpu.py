@@ -46,16 +46,17 @@ def bias_strides(spec: AttentionSpec) -> tuple[int, int, int]:
     return int(bb != 1), int(bh != 1), int(bi != 1)
 
 
-def attention_cpu_primfunc(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
-    """PrimFunc ``(q, k, v, [bias,] out)`` for the llvm target; see the module docstring."""
-    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
-                              spec.head_dim)
+def row_macro(spec: AttentionSpec, scope: str = "global"):
+    """The per-query-row body: ``row(q, k, v, bias, out, bh, i)`` for (b·Hq + h, i).
+
+    ``scope`` is where the row's fp32 scratch (``acc[D]``, ``s[TK]``, 4 scalars) lives: "global"
+    (llvm: the stack) or "local" (CUDA: registers / local memory of the thread).
+    """
+    Skv, Hq, D = spec.kv_len, spec.q_heads, spec.head_dim
     G = spec.group
-    dt, odt = spec.dtype, spec.result_dtype
+    odt = spec.result_dtype
     has_bias = spec.bias_shape is not None
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
-    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
-    bdt = spec.bias_dtype or dt
     off = causal_offset(spec)
     # a non-causal call gets an offset no key index reaches
     cmax = 0 if off is not None else Skv
@@ -67,54 +68,71 @@ def attention_cpu_primfunc(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
     neg_inf = float("-inf")
 
     @T.macro
+    def row(q, k, v, bias, out, bh, i):
+        with T.sblock("row"):
+            T.reads()
+            T.writes()
+            acc = T.sblock_alloc_buffer((D,), "float32", scope=scope)
+            s = T.sblock_alloc_buffer((TK,), "float32", scope=scope)
+            st = T.sblock_alloc_buffer((4,), "float32", scope=scope)  # m, l, m_new, alpha
+            b: T.let[T.int32] = bh // Hq
+            h: T.let[T.int32] = bh % Hq
+            g: T.let[T.int32] = h // G
+            st[0] = neg_inf
+            st[1] = T.float32(0)
+            for d in T.serial(D):
+                acc[d] = T.float32(0)
+            for t in T.serial(n_tiles):
+                st[2] = st[0]
+                for jj in T.serial(TK):
+                    j: T.let[T.int32] = t * TK + jj
+                    s[jj] = neg_inf
+                    if j < Skv and j <= i + off + cmax:
+                        s[jj] = T.float32(0)
+                        for d in T.serial(D):
+                            s[jj] += T.Cast("float32", q[b, i, h, d]) * T.Cast(
+                                "float32", k[b, j, g, d])
+                        s[jj] = s[jj] * sc
+                        if has_bias:
+                            s[jj] += T.Cast("float32", bias[b * fb, h * fh, i * fi, j]) * l2e
+                    st[2] = T.max(st[2], s[jj])
+                # alpha = 2^(m - m_new); 0 while nothing was visible (m = -inf)
+                st[3] = T.if_then_else(st[0] == neg_inf, T.float32(0),
+                                       T.exp2(st[0] - st[2]))
+                st[1] = st[1] * st[3]
+                for d in T.serial(D):
+                    acc[d] = acc[d] * st[3]
+                for jj in T.serial(TK):
+                    s[jj] = T.if_then_else(s[jj] == neg_inf, T.float32(0),
+                                           T.exp2(s[jj] - st[2]))
+                    st[1] = st[1] + s[jj]
+                for jj in T.serial(TK):
+                    if s[jj] > T.float32(0):
+                        for d in T.serial(D):
+                            acc[d] += s[jj] * T.Cast("float32", v[b, t * TK + jj, g, d])
+                st[0] = st[2]
+            for d in T.serial(D):
+                out[b, i, h, d] = T.Cast(
+                    odt, T.if_then_else(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
+
+    return row
+
+
+def attention_cpu_primfunc(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k, v, [bias,] out)`` for the llvm target; see the module docstring."""
+    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
+                              spec.head_dim)
+    dt, odt = spec.dtype, spec.result_dtype
+    has_bias = spec.bias_shape is not None
+    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
+    bdt = spec.bias_dtype or dt
+    row = row_macro(spec)
+
+    @T.macro
     def body(q, k, v, bias, out):
         for bh in T.parallel(B * Hq):
             for i in T.serial(Sq):
-                with T.sblock("row"):
-                    T.reads()
-                    T.writes()
-                    acc = T.sblock_alloc_buffer((D,), "float32")
-                    s = T.sblock_alloc_buffer((TK,), "float32")
-                    st = T.sblock_alloc_buffer((4,), "float32")  # m, l, m_new, alpha
-                    b: T.let[T.int32] = bh // Hq
-                    h: T.let[T.int32] = bh % Hq
-                    g: T.let[T.int32] = h // G
-                    st[0] = neg_inf
-                    st[1] = T.float32(0)
-                    for d in T.serial(D):
-                        acc[d] = T.float32(0)
-                    for t in T.serial(n_tiles):
-                        st[2] = st[0]
-                        for jj in T.serial(TK):
-                            j: T.let[T.int32] = t * TK + jj
-                            s[jj] = neg_inf
-                            if j < Skv and j <= i + off + cmax:
-                                s[jj] = T.float32(0)
-                                for d in T.serial(D):
-                                    s[jj] += T.Cast("float32", q[b, i, h, d]) * T.Cast(
-                                        "float32", k[b, j, g, d])
-                                s[jj] = s[jj] * sc
-                                if has_bias:
-                                    s[jj] += T.Cast("float32", bias[b * fb, h * fh, i * fi, j]) * l2e
-                            st[2] = T.max(st[2], s[jj])
-                        # alpha = 2^(m - m_new); 0 while nothing was visible (m = -inf)
-                        st[3] = T.if_then_else(st[0] == neg_inf, T.float32(0),
-                                               T.exp2(st[0] - st[2]))
-                        st[1] = st[1] * st[3]
-                        for d in T.serial(D):
-                            acc[d] = acc[d] * st[3]
-                        for jj in T.serial(TK):
-                            s[jj] = T.if_then_else(s[jj] == neg_inf, T.float32(0),
-                                                   T.exp2(s[jj] - st[2]))
-                            st[1] = st[1] + s[jj]
-                        for jj in T.serial(TK):
-                            if s[jj] > T.float32(0):
-                                for d in T.serial(D):
-                                    acc[d] += s[jj] * T.Cast("float32", v[b, t * TK + jj, g, d])
-                        st[0] = st[2]
-                    for d in T.serial(D):
-                        out[b, i, h, d] = T.Cast(
-                            odt, T.if_then_else(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
+                row(q, k, v, bias, out, bh, i)
 
     if has_bias:
 
