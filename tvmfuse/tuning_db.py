@@ -77,6 +77,7 @@ class TuningDatabase:
     provenance: dict[str, Any] = field(default_factory=dict)
     tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
     records: dict[str, Any] = field(default_factory=dict)  # key → (task module, TuningRecord)
+    bad_records: dict[str, str] = field(default_factory=dict)  # key → why the record is unusable
 
     @classmethod
     def open(cls, path: str | os.PathLike, create: bool = False) -> TuningDatabase:
@@ -99,15 +100,31 @@ class TuningDatabase:
         db.target, db.provenance, db.tasks = meta.get("target"), meta.get("provenance", {}), \
             meta.get("tasks", {})
         if (path / WORKLOAD_FILE).is_file() and (path / RECORD_FILE).is_file():
-            from tvm.s_tir import meta_schedule as ms
-
-            js = ms.database.JSONDatabase(str(path / WORKLOAD_FILE), str(path / RECORD_FILE),
-                                          allow_missing=False)
-            for rec in js.get_all_tuning_records():
-                key = task_key(rec.workload.mod)
-                if key in db.tasks:  # records of unfinished tasks are ignored
-                    db.records[key] = (rec.workload.mod, rec)
+            db._read_records()
         return db
+
+    def _read_records(self) -> None:
+        """Read the JSONDatabase files record by record: one that no longer parses or replays
+        on its workload is set aside in ``bad_records`` (its kernel keeps the default), where
+        MetaSchedule's own loader would fail the whole database."""
+        from tvm.s_tir import meta_schedule as ms
+
+        workloads = []
+        for line in (self.path / WORKLOAD_FILE).read_text().splitlines():
+            if line.strip():
+                wl = ms.database.Workload.from_json(json.loads(line))
+                workloads.append((wl, task_key(wl.mod)))
+        for line in (self.path / RECORD_FILE).read_text().splitlines():
+            if not line.strip():
+                continue
+            index, rec_json = json.loads(line)
+            wl, key = workloads[index]
+            if key not in self.tasks:  # records of unfinished tasks are ignored
+                continue
+            try:
+                self.records[key] = (wl.mod, ms.database.TuningRecord.from_json(rec_json, wl))
+            except Exception as err:  # TVM raises TVMError / RuntimeError subclasses
+                self.bad_records[key] = str(err).strip().splitlines()[-1][:200]
 
     def finish_task(self, key: str, summary: dict[str, Any], mod: tvm.IRModule | None = None,
                     record: Any = None) -> None:
@@ -177,9 +194,13 @@ def choose_schedule(db: TuningDatabase, func: tirx.PrimFunc, spec: TargetSpec) -
     summary = db.tasks.get(key)
     if summary is None:
         return None, "default: no record"
-    if not summary.get("use_tuned"):
-        return None, f"default: tuned not faster ({summary.get('tuned_ms')} vs " \
-                     f"{summary.get('default_ms')} ms)"
+    tuned_ms, default_ms = summary.get("tuned_ms"), summary.get("default_ms")
+    if tuned_ms is None:
+        return None, "default: no tuned candidate ran"
+    if default_ms is not None and not tuned_ms < default_ms:
+        return None, f"default: tuned not faster ({tuned_ms:.4g} vs {default_ms:.4g} ms)"
+    if key in db.bad_records:
+        return None, f"default: tuned build failed (record does not replay: {db.bad_records[key]})"
     try:
         tuned = db.tuned_func(key)
         if tuned is None:
