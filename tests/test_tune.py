@@ -73,6 +73,8 @@ def test_tune_writes_db_and_compile_uses_it(tuned_db: Path):
         assert tuning == "tuned" if by_name[name]["use_tuned"] else tuning.startswith("default")
     lib = tvmfuse.compile(MODEL, target="cpu", tuning_db=tuned_db)
     assert max(check_against_reference(lib)) < 1e-4
+    assert kernels.items() <= lib.metadata["tuning"]["kernels"].items()
+    assert lib.metadata["tuning"]["provenance"]["trials"] == 4
 
 
 def test_fallback_slower_or_broken_record(tuned_db: Path, tmp_path: Path):

@@ -39,6 +39,7 @@ class Library:
     model: ImportedModel
     dtype: str | None
     outputs: list[TensorSpec]
+    tuning: dict[str, Any] | None = None  # with --tuning-db: the database and its use per kernel
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -55,7 +56,7 @@ class Library:
             "outputs": [s.to_json() for s in self.outputs],
             "versions": {"tvmfuse": __version__, "tvm": _version("apache-tvm"),
                          "tvm_ffi": _version("apache-tvm-ffi")},
-        }
+        } | ({"tuning": self.tuning} if self.tuning else {})
 
     def export(self, path: str | os.PathLike) -> Path:
         """Write one self-contained ``.so`` (fatbin inside for CUDA targets)."""
@@ -100,7 +101,12 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None, tuning_db=tuning_db)
     outputs = _output_specs(imported.mod, imported.output_names)
     executable = build(lowered, spec)
-    return Library(executable, spec, imported, dtype, outputs)
+    tuning = None
+    if tuning_db is not None:
+        from .tuning_db import tuning_summary
+
+        tuning = tuning_summary(tuning_db, lowered)
+    return Library(executable, spec, imported, dtype, outputs, tuning)
 
 
 def _overrides(inputs: dict[str, Any] | list[str] | None) -> dict[str, InputOverride]:

@@ -234,3 +234,12 @@ class ApplyTuningDatabase:
         for gvar, func in updates.items():
             mod[gvar] = func
         return mod
+
+
+def tuning_summary(path: str | os.PathLike, lowered: tvm.IRModule) -> dict[str, Any]:
+    """Library metadata: the database's provenance and, per kernel, tuned or default (and why)."""
+    db = TuningDatabase.open(path)
+    kernels = {gv.name_hint: str(f.attrs[TUNING_ATTR]) for gv, f in lowered.functions_items()
+               if isinstance(f, tirx.PrimFunc) and f.attrs and TUNING_ATTR in f.attrs}
+    return {"db": str(path), "provenance": db.provenance, "kernels": kernels,
+            "tuned": sum(v == "tuned" for v in kernels.values())}
