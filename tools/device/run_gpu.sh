@@ -4,7 +4,7 @@
 #   bash .tvmdev/setup.sh && export PYTHONPATH=/tmp/tvmdev/site:$PWD && bash tools/device/run_gpu.sh
 #
 # 1. machine summary (nvidia-smi, python / torch / tvm versions)     -> $OUT/env.log
-# 2. python3 -m pytest -q -m gpu tests/                              -> $OUT/pytest.log, junit.xml
+# 2. python3 -m pytest -q -m gpu, one process per test file, in parallel -> $OUT/pytest*.log, junit-*.xml
 # 3. python3 tools/bench/run_all.py --out $OUT/bench.json            -> $OUT/bench.log, bench.json
 #
 # Env: SKIP_TESTS=1, SKIP_BENCH=1, BENCH_ONLY=gemm,layernorm (run_all --only),
@@ -40,14 +40,30 @@ PY
 
 tests_rc=0
 if [[ ${SKIP_TESTS:-0} != 1 ]]; then
+  # The gpu-marked files run as parallel pytest processes (numerics only, no timings; the builds
+  # are CPU-bound and the device has 16 cores); each writes its own log and junit file.
   echo "== pytest -m gpu ($SECONDS s)"
-  python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --junitxml="$OUT/junit.xml" 2>&1 \
-    | tee "$OUT/pytest.log"
-  tests_rc=$?
-  if [[ $tests_rc == 5 ]]; then  # pytest: no tests collected
-    echo "(no gpu tests collected)"
-    tests_rc=0
-  fi
+  files=$(grep -l "mark.gpu" tests/test_*.py)
+  pids=()
+  for f in $files; do
+    name=$(basename "$f" .py)
+    python3 -m pytest -q -m gpu "$f" -p no:cacheprovider --junitxml="$OUT/junit-$name.xml" \
+      > "$OUT/pytest-$name.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do
+    wait "$pid"
+    rc=$?
+    if [[ $rc != 0 && $rc != 5 ]]; then  # 5: no tests collected
+      tests_rc=$rc
+    fi
+  done
+  for f in $files; do
+    name=$(basename "$f" .py)
+    echo "-- $name: $(tail -1 "$OUT/pytest-$name.log")"
+    grep -E "^(FAILED|ERROR)" "$OUT/pytest-$name.log" | cut -c1-300
+  done | tee "$OUT/pytest.log"
+  echo "== tests done ($SECONDS s), rc=$tests_rc"
 fi
 
 bench_rc=0
