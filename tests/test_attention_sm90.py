@@ -57,6 +57,9 @@ BUILDS = {
     "full_d64_bf16": (_spec(1, 200, 333, 4, 4, 64, "bfloat16"), None, (128, 64)),
     "bn64_3stage_d128": (_spec(1, 256, 256, 2, 1, 128, "float16", causal="BottomRight"),
                          Sm90FlashConfig(block_n=64, stages=3), (64, 128)),
+    "serial_direct_store": (_spec(1, 200, 200, 2, 2, 128, "bfloat16"),
+                            Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False),
+                            (128, 128)),
 }
 
 
@@ -70,6 +73,8 @@ def test_builds_to_hgmma_and_tma_without_spills(name, tmp_path, monkeypatch):
     assert f"HGMMA.64x{n_s}x16.F32{dt}" in hgmma, f"no S = Q·Kᵀ wgmma in {hgmma}"
     assert f"HGMMA.64x{n_o}x16.F32{dt}" in hgmma, f"no O += P·V wgmma in {hgmma}"
     assert "UTMALDG.4D" in sass, "no TMA tile loads"
+    tma_store = (cfg or Sm90FlashConfig()).tma_store
+    assert ("UTMASTG.4D" in sass) == tma_store, "O is stored by TMA exactly when configured"
     assert "MUFU.EX2" in sass
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
@@ -142,6 +147,9 @@ GPU_CASES = {
                                        None),
     "bn64_causal_d128_fp16": (_spec(1, 333, 333, 2, 2, 128, "float16", causal="TopLeft"),
                               Sm90FlashConfig(block_n=64)),
+    "serial_direct_store_causal_gqa_fp16": (
+        _spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"),
+        Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False)),
 }
 
 

@@ -78,6 +78,8 @@ BENCH = {
     "full_B4_S2048_H16_D128": _s(4, 2048, 2048, 16, 16, 128),
     "causal_B1_S8192_H32_D128": _s(1, 8192, 8192, 32, 32, 128, causal="TopLeft"),
     "full_B1_S8192_H32_D128": _s(1, 8192, 8192, 32, 32, 128),
+    "causal_B1_S4096_GQA32q8kv_D128": _s(1, 4096, 4096, 32, 8, 128, causal="TopLeft"),
+    "causal_B4_S2048_H16_D128_bf16": _s(4, 2048, 2048, 16, 16, 128, "bfloat16", "TopLeft"),
 }
 
 
@@ -87,7 +89,9 @@ def main() -> int:
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--configs", nargs="*", default=[],
-                    help="consumers,block_n,stages[,producer_regs,consumer_regs]")
+                    help="'default' or consumers,block_n,stages[,producer_regs,consumer_regs,overlap,"
+                         "pingpong,tma_store]")
+    ap.add_argument("--check-configs", type=int, default=1, help="check the first N configs")
     ap.add_argument("--bench", nargs="*", default=list(BENCH))
     ap.add_argument("--sm80", action="store_true", help="also time the sm80-style kernel")
     ap.add_argument("--json", default=None)
@@ -95,11 +99,13 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    cfgs = [tuple(int(x) for x in c.split(",")) for c in args.configs] or [None]
+    cfgs = [None if c == "default" else tuple(int(x) for x in c.split(","))
+            for c in args.configs] or [None]
     jobs = {}  # name -> (spec_kw, cfg, kind)
     if args.check:
-        for name, kw in CHECKS.items():
-            jobs[f"check/{name}/{cfgs[0]}"] = (kw, cfgs[0], "sm90")
+        for cfg in cfgs[:args.check_configs]:
+            for name, kw in CHECKS.items():
+                jobs[f"check/{name}/{cfg}"] = (kw, cfg, "sm90")
     if args.time:
         for name in args.bench:
             for cfg in cfgs:

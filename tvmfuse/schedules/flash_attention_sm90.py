@@ -49,6 +49,9 @@ class Sm90FlashConfig:
     stages: int = 2
     producer_regs: int = 24
     consumer_regs: int = 240
+    overlap: bool = True  # FA3 intra-warpgroup overlap: softmax of S_j while P_{j-1}·V runs
+    pingpong: bool = True  # named barriers: the two consumers take turns issuing GEMMs
+    tma_store: bool = True  # O via shared memory + TMA store (out dtype = input dtype only)
 
     @property
     def block_m(self) -> int:
@@ -60,9 +63,9 @@ class Sm90FlashConfig:
 
 
 def default_config(spec: AttentionSpec) -> Sm90FlashConfig:
-    """Tile per head dim (BN = 128 keys; D = 64 affords a third K/V stage)."""
-    if spec.head_dim <= 64:
-        return Sm90FlashConfig(stages=3)
+    """BM 128 × BN 128, 2 stages, overlap + ping-pong + TMA store: the fastest measured on the
+    H200 at D 128 (tools/bench/NOTES.md); D 64 uses the same tile (a third stage is untimed)."""
+    del spec
     return Sm90FlashConfig()
 
 
@@ -124,6 +127,7 @@ def kernel_text(spec: AttentionSpec, cfg: Sm90FlashConfig, func_name: str = "mai
     mma_o = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"]'
     tma = 'T.ptx["cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"]'
     cvt = f'T.ptx["cvt.rn.{ab}x2.f32"]'
+    tma_st = 'T.ptx["cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"]'
     smem = "T.cuda.cvta_generic_to_shared"
 
     lines: list[str] = []
@@ -140,8 +144,11 @@ def kernel_text(spec: AttentionSpec, cfg: Sm90FlashConfig, func_name: str = "mai
     w(1, f'out = T.match_buffer(o_h, ({B}, {Sq}, {Hq}, {D}), "{odt}", align=16)')
     # host: 4-D tensor maps, dims innermost first (D, H, S, B), byte strides of H, S, B,
     # box (64, 1, rows, 1), element strides 1, no interleave, 128B swizzle, L2 256B, OOB zeros
-    for name, buf, heads, seq, rows in (("Q", "q", Hq, Sq, BM), ("K", "k", Hkv, Skv, BN),
-                                        ("V", "v", Hkv, Skv, BN)):
+    tma_store = cfg.tma_store and odt == e
+    maps = [("Q", "q", Hq, Sq, BM), ("K", "k", Hkv, Skv, BN), ("V", "v", Hkv, Skv, BN)]
+    if tma_store:
+        maps.append(("O", "out", Hq, Sq, 64))
+    for name, buf, heads, seq, rows in maps:
         w(1, f'{name}_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)')
         w(1, f'T.call_packed("runtime.cuTensorMapEncodeTiled", {name}_map, "{e}", 4, {buf}.data, '
              f"{D}, {heads}, {seq}, {B}, {D * 2}, {heads * D * 2}, {seq * heads * D * 2}, "
@@ -150,6 +157,8 @@ def kernel_text(spec: AttentionSpec, cfg: Sm90FlashConfig, func_name: str = "mai
     w(1, f"bid = T.cta_id([{n_m * Hq * B}])")
     w(1, f"tx = T.thread_id([{cfg.threads}])")
     w(1, f'smem = T.alloc_buffer(({total},), "{e}", scope="shared.dyn", align=1024)')
+    if tma_store:
+        w(1, f'smem32 = T.decl_buffer(({total // 2},), "uint32", data=smem.data, scope="shared.dyn")')
     w(1, 'q_full = T.alloc_shared([1], "uint64")')
     for bar in ("k_full", "k_empty", "v_full", "v_empty"):
         w(1, f'{bar} = T.alloc_shared([{NS}], "uint64")')
@@ -204,6 +213,7 @@ def kernel_text(spec: AttentionSpec, cfg: Sm90FlashConfig, func_name: str = "mai
     w(2, 'm_i = T.alloc_buffer((2,), "float32", scope="local")')
     w(2, 'l_i = T.alloc_buffer((2,), "float32", scope="local")')
     w(2, 'st = T.alloc_buffer((4,), "float32", scope="local")')
+    w(2, 'alpha = T.alloc_buffer((2,), "float32", scope="local")')
     w(2, 'desc_q = T.alloc_buffer((1,), "uint64", scope="local")')
     w(2, 'desc_k = T.alloc_buffer((1,), "uint64", scope="local")')
     w(2, 'desc_v = T.alloc_buffer((1,), "uint64", scope="local")')
@@ -227,78 +237,178 @@ def kernel_text(spec: AttentionSpec, cfg: Sm90FlashConfig, func_name: str = "mai
     w(2, "T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)")
     s_accs = ", ".join(f"s_acc[{i}]" for i in range(s_n))
     o_accs = ", ".join(f"o_acc[{i}]" for i in range(o_n))
-    w(2, "for jj in T.serial(n_end):")
-    w(3, f"s = jj % {NS}")
-    w(3, f"ph = (jj // {NS}) % 2")
-    w(3, "j = n_end - 1 - jj")
-    # S = Q·Kᵀ: k16 step kk reads 32 bytes into the 128-byte row of d-chunk kk // 4
-    w(3, "T.cuda.mbarrier_wait(k_full.ptr_to([s]), ph)")
-    w(3, "T.ptx.wgmma.fence.sync.aligned()")
-    for kk in range(D // 16):
-        a_off = ((kk // 4) * q_chunk * 2 + (kk % 4) * 32) // 16
-        b_off = f"(s * {kv_tile * 2} + {(kk // 4) * kv_chunk * 2 + (kk % 4) * 32}) // 16"
-        w(3, f"{mma_s}({s_accs}, desc_q[0] + T.uint64({a_off}), desc_k[0] + T.uint64({b_off}), "
-             f"{kk > 0}, 1, 1, 0, 0)")
-    w(3, "T.ptx.wgmma.commit_group.sync.aligned()")
-    w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
-    w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(k_empty.ptr_to([s])))")
-    # mask: keys past Skv, and (causal) keys right of the diagonal; only the first n_mask tiles
-    w(3, "if jj < n_mask:")
-    w(4, f"for jn in T.unroll({BN // 8}):")
-    w(5, "for x in T.unroll(4):")
-    w(6, f"col = j * {BN} + jn * 8 + col0 + x % 2")
-    cond = f"col >= {Skv}"
-    if causal:
-        cond += f" or col > row0 + (x // 2) * 8 + {off}"
-    w(6, f"if {cond}:")
-    w(7, 's_acc[jn * 4 + x] = T.float32("-inf")')
-    # online softmax: a thread holds rows row0 and row0 + 8; a row lives in a quad of lanes
-    w(3, "for r in T.unroll(2):")
-    w(4, "st[0] = m_i[r]")
-    w(4, f"for jn in T.unroll({BN // 8}):")
-    w(5, f"st[0] = T.max(st[0], T.max(s_acc[jn * 4 + r * 2], s_acc[jn * 4 + r * 2 + 1]) "
-         f"* T.float32({c_log2!r}))")
-    for lane_mask in (1, 2):
-        w(4, f"st[0] = T.max(st[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], "
-             f"{lane_mask}, 32, 32))")
-    # m' = −inf: nothing visible yet; subtract 0 so 2^(−inf) = 0, not NaN
-    w(4, 'st[1] = T.if_then_else(st[0] == T.float32("-inf"), T.float32(0), st[0])')
-    w(4, "st[2] = T.exp2(m_i[r] - st[1])")
-    w(4, "m_i[r] = st[0]")
-    w(4, "l_i[r] = l_i[r] * st[2]")
-    w(4, f"for dn in T.unroll({D // 8}):")
-    w(5, "for x in T.unroll(2):")
-    w(6, "o_acc[dn * 4 + r * 2 + x] = o_acc[dn * 4 + r * 2 + x] * st[2]")
-    w(4, f"for jn in T.unroll({BN // 8}):")
-    w(5, "for x in T.unroll(2):")
-    w(6, 'T.ptx["ex2.approx.ftz.f32"](s_acc[jn * 4 + r * 2 + x], '
-         f"s_acc[jn * 4 + r * 2 + x] * T.float32({c_log2!r}) - st[1])")
-    w(6, "l_i[r] = l_i[r] + s_acc[jn * 4 + r * 2 + x]")
-    # P → A fragments: register i packs accumulators 2i (low half) and 2i + 1 (high half)
-    w(3, f"for i in T.unroll({BN // 4}):")
-    w(4, f"{cvt}(p_frag[i], s_acc[2 * i + 1], s_acc[2 * i])")
-    # O += P·V: k16 step kt = keys 16kt.. = 16 rows of 128 B in every d-chunk
-    w(3, "T.cuda.mbarrier_wait(v_full.ptr_to([s]), ph)")
-    w(3, "T.ptx.wgmma.fence.sync.aligned()")
-    for kt in range(BN // 16):
-        b_off = f"(s * {kv_tile * 2} + {kt * 16 * 128}) // 16"
-        w(3, f"{mma_o}({o_accs}, p_frag[{kt * 4}], p_frag[{kt * 4 + 1}], p_frag[{kt * 4 + 2}], "
-             f"p_frag[{kt * 4 + 3}], desc_v[0] + T.uint64({b_off}), True, 1, 1, 1)")
-    w(3, "T.ptx.wgmma.commit_group.sync.aligned()")
-    w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
-    w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(v_empty.ptr_to([s])))")
+
+    def issue_s(ind: int, stage: str) -> None:
+        # S = Q·Kᵀ: k16 step kk reads 32 bytes into the 128-byte row of d-chunk kk // 4
+        for kk in range(D // 16):
+            a_off = ((kk // 4) * q_chunk * 2 + (kk % 4) * 32) // 16
+            b_off = f"({stage} * {kv_tile * 2} + {(kk // 4) * kv_chunk * 2 + (kk % 4) * 32}) // 16"
+            w(ind, f"{mma_s}({s_accs}, desc_q[0] + T.uint64({a_off}), "
+                   f"desc_k[0] + T.uint64({b_off}), {kk > 0}, 1, 1, 0, 0)")
+        w(ind, "T.ptx.wgmma.commit_group.sync.aligned()")
+
+    def issue_pv(ind: int, stage: str) -> None:
+        # O += P·V: k16 step kt = keys 16kt.. = 16 rows of 128 B in every d-chunk
+        for kt in range(BN // 16):
+            b_off = f"({stage} * {kv_tile * 2} + {kt * 16 * 128}) // 16"
+            w(ind, f"{mma_o}({o_accs}, p_frag[{kt * 4}], p_frag[{kt * 4 + 1}], "
+                   f"p_frag[{kt * 4 + 2}], p_frag[{kt * 4 + 3}], desc_v[0] + T.uint64({b_off}), "
+                   "True, 1, 1, 1)")
+        w(ind, "T.ptx.wgmma.commit_group.sync.aligned()")
+
+    def mask(ind: int, jj: str = "jj", j: str = "j") -> None:
+        # keys past Skv and (causal) right of the diagonal; only the first n_mask tiles
+        w(ind, f"if {jj} < n_mask:")
+        w(ind + 1, f"for jn in T.unroll({BN // 8}):")
+        w(ind + 2, "for x in T.unroll(4):")
+        w(ind + 3, f"col = {j} * {BN} + jn * 8 + col0 + x % 2")
+        cond = f"col >= {Skv}"
+        if causal:
+            cond += f" or col > row0 + (x // 2) * 8 + {off}"
+        w(ind + 3, f"if {cond}:")
+        w(ind + 4, 's_acc[jn * 4 + x] = T.float32("-inf")')
+
+    def softmax(ind: int, rescale_now: bool) -> None:
+        # a thread holds rows row0 and row0 + 8; a row lives in a quad of lanes.
+        # alpha[r] = 2^(m − m'); O is rescaled here or (overlap) once the P·V in flight retired
+        w(ind, "for r in T.unroll(2):")
+        w(ind + 1, "st[0] = m_i[r]")
+        w(ind + 1, f"for jn in T.unroll({BN // 8}):")
+        w(ind + 2, f"st[0] = T.max(st[0], T.max(s_acc[jn * 4 + r * 2], s_acc[jn * 4 + r * 2 + 1]) "
+                   f"* T.float32({c_log2!r}))")
+        for lane_mask in (1, 2):
+            w(ind + 1, f"st[0] = T.max(st[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], "
+                       f"{lane_mask}, 32, 32))")
+        # m' = −inf: nothing visible yet; subtract 0 so 2^(−inf) = 0, not NaN
+        w(ind + 1, 'st[1] = T.if_then_else(st[0] == T.float32("-inf"), T.float32(0), st[0])')
+        w(ind + 1, "alpha[r] = T.exp2(m_i[r] - st[1])")
+        w(ind + 1, "m_i[r] = st[0]")
+        w(ind + 1, "l_i[r] = l_i[r] * alpha[r]")
+        w(ind + 1, f"for jn in T.unroll({BN // 8}):")
+        w(ind + 2, "for x in T.unroll(2):")
+        w(ind + 3, 'T.ptx["ex2.approx.ftz.f32"](s_acc[jn * 4 + r * 2 + x], '
+                   f"s_acc[jn * 4 + r * 2 + x] * T.float32({c_log2!r}) - st[1])")
+        w(ind + 3, "l_i[r] = l_i[r] + s_acc[jn * 4 + r * 2 + x]")
+        if rescale_now:
+            rescale(ind)
+
+    def rescale(ind: int) -> None:
+        w(ind, f"for dn in T.unroll({D // 8}):")
+        w(ind + 1, "for x in T.unroll(4):")
+        w(ind + 2, "o_acc[dn * 4 + x] = o_acc[dn * 4 + x] * alpha[x // 2]")
+
+    def to_p(ind: int) -> None:
+        # P → A fragments: register i packs accumulators 2i (low half) and 2i + 1 (high half)
+        w(ind, f"for i in T.unroll({BN // 4}):")
+        w(ind + 1, f"{cvt}(p_frag[i], s_acc[2 * i + 1], s_acc[2 * i])")
+
+    def turn_wait(ind: int) -> None:
+        # ping-pong: warpgroup wg issues its GEMMs only after the other one issued theirs
+        if cfg.pingpong:
+            w(ind, f"T.ptx['bar.sync'](T.uint32(1 + wg), T.uint32({2 * WG}))")
+
+    def turn_pass(ind: int) -> None:
+        if cfg.pingpong:
+            w(ind, f"T.ptx['bar.arrive'](T.uint32(2 - wg), T.uint32({2 * WG}))")
+
+    if cfg.pingpong:
+        w(2, "if wg == 1:")  # warpgroup 0 goes first
+        w(3, f"T.ptx['bar.arrive'](T.uint32(1), T.uint32({2 * WG}))")
+    if not cfg.overlap:
+        w(2, "for jj in T.serial(n_end):")
+        w(3, f"s = jj % {NS}")
+        w(3, f"ph = (jj // {NS}) % 2")
+        w(3, "j = n_end - 1 - jj")
+        w(3, "T.cuda.mbarrier_wait(k_full.ptr_to([s]), ph)")
+        turn_wait(3)
+        w(3, "T.ptx.wgmma.fence.sync.aligned()")
+        issue_s(3, "s")
+        turn_pass(3)
+        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
+        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(k_empty.ptr_to([s])))")
+        mask(3)
+        softmax(3, rescale_now=True)
+        to_p(3)
+        w(3, "T.cuda.mbarrier_wait(v_full.ptr_to([s]), ph)")
+        w(3, "T.ptx.wgmma.fence.sync.aligned()")
+        issue_pv(3, "s")
+        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
+        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(v_empty.ptr_to([s])))")
+    else:
+        # FA3 intra-warpgroup overlap: S_jj = Q·K_jjᵀ and O += P_{jj−1}·V_{jj−1} in flight
+        # together; the softmax of S_jj runs while the P·V wgmma still executes
+        w(2, "if n_end > 0:")
+        w(3, "T.cuda.mbarrier_wait(k_full.ptr_to([0]), 0)")
+        turn_wait(3)
+        w(3, "T.ptx.wgmma.fence.sync.aligned()")
+        issue_s(3, "0")
+        turn_pass(3)
+        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
+        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(k_empty.ptr_to([0])))")
+        mask(3, "0", "(n_end - 1)")
+        softmax(3, rescale_now=False)
+        to_p(3)
+        w(2, "for jj in T.serial(1, n_end):")
+        w(3, f"s = jj % {NS}")
+        w(3, f"sp = (jj + {NS - 1}) % {NS}")
+        w(3, "j = n_end - 1 - jj")
+        w(3, f"T.cuda.mbarrier_wait(k_full.ptr_to([s]), (jj // {NS}) % 2)")
+        w(3, f"T.cuda.mbarrier_wait(v_full.ptr_to([sp]), ((jj - 1) // {NS}) % 2)")
+        turn_wait(3)
+        w(3, "T.ptx.wgmma.fence.sync.aligned()")
+        issue_s(3, "s")
+        issue_pv(3, "sp")
+        turn_pass(3)
+        w(3, "T.ptx.wgmma.wait_group.sync.aligned(1)")
+        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(k_empty.ptr_to([s])))")
+        mask(3)
+        softmax(3, rescale_now=False)
+        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
+        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(v_empty.ptr_to([sp])))")
+        rescale(3)
+        to_p(3)
+        w(2, "if n_end > 0:")
+        w(3, f"sl = (n_end - 1) % {NS}")
+        w(3, f"T.cuda.mbarrier_wait(v_full.ptr_to([sl]), ((n_end - 1) // {NS}) % 2)")
+        w(3, "T.ptx.wgmma.fence.sync.aligned()")
+        issue_pv(3, "sl")
+        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
+        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(v_empty.ptr_to([sl])))")
+    if cfg.pingpong:
+        w(2, "if wg == 0:")  # consume warpgroup 1's last hand-over
+        w(3, f"T.ptx['bar.sync'](T.uint32(1), T.uint32({2 * WG}))")
     # out = O / l   (l summed over the quad)
     w(2, "for r in T.unroll(2):")
     w(3, "st[0] = l_i[r]")
     for lane_mask in (1, 2):
         w(3, f"st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], "
              f"{lane_mask}, 32, 32)")
-    w(3, "st[1] = T.if_then_else(st[0] > T.float32(0), T.float32(1) / st[0], T.float32(0))")
-    w(3, f"if row0 + r * 8 < {Sq}:")
-    w(4, f"for dn in T.unroll({D // 8}):")
-    w(5, "for x in T.unroll(2):")
-    w(6, f'out[b, row0 + r * 8, h, dn * 8 + col0 + x] = T.Cast("{odt}", '
-         "o_acc[dn * 4 + r * 2 + x] * st[1])")
+    w(3, "alpha[r] = T.if_then_else(st[0] > T.float32(0), T.float32(1) / st[0], T.float32(0))")
+    if tma_store:
+        # O tile → this warpgroup's (now idle) Q rows in the same 128B-swizzled layout, then
+        # one TMA store per d-chunk (rows ≥ Sq are clipped by the tensor map)
+        w(2, "row_l = (t // 32) * 16 + (t % 32) // 4")
+        w(2, f"for dn in T.unroll({D // 8}):")
+        w(3, "for r in T.unroll(2):")
+        w(4, f"{cvt}(p_frag[0], o_acc[dn * 4 + r * 2 + 1] * alpha[r], "
+             "o_acc[dn * 4 + r * 2] * alpha[r])")
+        w(4, f"smem32[((dn // 8) * {q_chunk} + wg * {64 * 64} + (row_l + r * 8) * 64 + "
+             "T.bitwise_xor(dn % 8, (row_l + r * 8) % 8) * 8 + col0) // 2] = p_frag[0]")
+        w(2, 'T.ptx["fence.proxy.async.shared::cta"]()')
+        w(2, f"T.ptx['bar.sync'](T.uint32(3 + wg), T.uint32({WG}))")
+        w(2, "if t == 0:")
+        for c in range(DC):
+            w(3, f"{tma_st}(T.address_of(O_map), {c * 64}, h, m0 + wg * 64, b, "
+                 f"{smem}(smem.ptr_to([{c * q_chunk} + wg * {64 * 64}])))")
+        w(3, 'T.ptx["cp.async.bulk.commit_group"]()')
+        w(3, 'T.ptx["cp.async.bulk.wait_group.read"](0)')
+    else:
+        w(2, "for r in T.unroll(2):")
+        w(3, f"if row0 + r * 8 < {Sq}:")
+        w(4, f"for dn in T.unroll({D // 8}):")
+        w(5, "for x in T.unroll(2):")
+        w(6, f'out[b, row0 + r * 8, h, dn * 8 + col0 + x] = T.Cast("{odt}", '
+             "o_acc[dn * 4 + r * 2 + x] * alpha[r])")
     return "\n".join(lines) + "\n"
 
 
