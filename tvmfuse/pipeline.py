@@ -25,6 +25,7 @@ from .passes import (
 )
 from .passes.attention import FuseAttention
 from .passes.legalize_fixes import legalize_overrides
+from .passes.unwrap_output import UnwrapSingleOutput
 from .schedules import gpu_rules
 from .targets import TargetSpec
 
@@ -112,6 +113,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             # sm_90a only: fused GEMMs become TIRx wgmma kernels, tagged so dlight skips them.
             mod = run("gemm_sm90", Sm90Gemm, mod)
             mod = run("schedule", dl.ApplyDefaultSchedule(*gpu_rules()), mod)
+        # One-output models return the tensor, not a 1-tuple: less host work on every call
+        # (after the views are made: a reshape feeding the unwrapped output stays a view).
+        mod = run("unwrap_single_output", UnwrapSingleOutput(), mod)
         # From here on it is TVM's VM lowering: dataflow removal, memory planning, shapes.
         mod = run("dataflow_lower", tvm.transform.Sequential([
             relax.transform.ToNonDataflow(),

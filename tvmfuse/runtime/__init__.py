@@ -139,9 +139,11 @@ class CompiledModel:
         self._names = [i["name"] for i in self.inputs]
         self._shapes = [tuple(i["shape"]) for i in self.inputs]
         self._torch_dtypes = _torch_dtypes([i["dtype"] for i in self.inputs])
-        self._torch_device = None
+        self._torch_device = self._torch = self._torch_tensor = None
         if self._torch_dtypes is not None:
             import torch
+
+            self._torch, self._torch_tensor = torch, torch.Tensor
 
             kind = "cpu" if self.device.dlpack_device_type() == 1 else "cuda"
             self._torch_device = torch.device(kind, self.device.index if kind == "cuda" else None)
@@ -179,27 +181,27 @@ class CompiledModel:
             return tvm.runtime.tensor(np.ascontiguousarray(value), self.device), "numpy"
         raise InputError(f"{where}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
 
-    def _fast_torch(self, args: tuple) -> list | None:
-        """Positional, contiguous torch inputs that match the signature exactly, else None."""
+    def _fast_torch(self, args: tuple) -> bool:
+        """Positional, contiguous torch inputs that match the signature exactly."""
         if self._torch_dtypes is None or len(args) != len(self._shapes):
-            return None
+            return False
+        tensor, device = self._torch_tensor, self._torch_device
         for value, shape, dtype in zip(args, self._shapes, self._torch_dtypes):
-            if (type(value).__module__ != "torch" or value.dtype is not dtype
-                    or value.shape != shape or value.device != self._torch_device
-                    or not value.is_contiguous()):
-                return None
-        return list(args)  # tvm-ffi takes torch tensors through DLPack without a copy
+            if (type(value) is not tensor or value.dtype is not dtype or value.shape != shape
+                    or value.device != device or not value.is_contiguous()):
+                return False
+        return True
 
     def __call__(self, *args: Any, **kwargs: Any):
-        if not kwargs:
-            fast = self._fast_torch(args)
-            if fast is not None:
-                import torch
-
-                out = self._main(*fast)  # tvm-ffi hands back torch tensors for torch inputs
-                outs = [out] if hasattr(out, "shape") else list(out)
-                result = [o if isinstance(o, torch.Tensor) else torch.from_dlpack(o) for o in outs]
-                return result[0] if len(result) == 1 else tuple(result)
+        if not kwargs and self._fast_torch(args):
+            # tvm-ffi takes torch tensors through DLPack without a copy and hands back torch
+            # tensors; a one-output library returns the tensor itself (UnwrapSingleOutput).
+            out = self._main(*args)
+            if type(out) is self._torch_tensor:
+                return out
+            result = tuple(o if isinstance(o, self._torch_tensor) else self._torch.from_dlpack(o)
+                           for o in ([out] if hasattr(out, "shape") else out))
+            return result[0] if len(result) == 1 else result
         names = self._names
         unknown = [k for k in kwargs if k not in names]
         if unknown:
