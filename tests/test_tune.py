@@ -43,8 +43,8 @@ def test_extract_and_select_tasks():
     from tvmfuse.tune import extract_tasks, select_tasks
 
     tasks = extract_tasks(import_model(MODEL, None, {}).mod, get_target("cpu"))
-    patterns = sorted(t.pattern for t in tasks)
-    assert patterns == ["gemm_epilogue", "gemm_epilogue", "norm"]
+    patterns = [t.pattern for t in tasks]
+    assert patterns.count("gemm_epilogue") == 2 and "norm" in patterns  # fc1+GELU, fc2+residual
     gemm = max(tasks, key=lambda t: t.flops)
     # x (2·16, 64) · W1ᵀ (64, 256) plus the epilogue's few ops per output element
     assert 2 * 32 * 64 * 256 <= gemm.flops < 1.2 * 2 * 32 * 64 * 256
@@ -53,7 +53,9 @@ def test_extract_and_select_tasks():
     assert select_tasks(tasks) == []
     assert all(t.skip and ("GFLOP" in t.skip or "MB" in t.skip) for t in tasks)
     assert len(select_tasks(tasks, min_gflop=0.001, min_mb=1e9)) == 2  # GEMMs only
-    assert len(select_tasks(tasks, **ALL)) == 3
+    every = select_tasks(tasks, **ALL)
+    assert {t.pattern for t in every} == {"gemm_epilogue", "norm"}
+    assert all(t.skip == f"{t.pattern} kernel" for t in tasks if t not in every)
 
 
 def test_tune_writes_db_and_compile_uses_it(tuned_db: Path):
@@ -62,15 +64,16 @@ def test_tune_writes_db_and_compile_uses_it(tuned_db: Path):
     meta = json.loads((tuned_db / "tvmfuse_tasks.json").read_text())
     assert meta["format"] == "tvmfuse-tuning/1" and meta["target"] == "cpu"
     assert meta["provenance"]["trials"] == 4 and meta["provenance"]["versions"]["apache-tvm"]
-    assert len(meta["tasks"]) == 3
     for s in meta["tasks"].values():
         assert s["default_ms"] > 0 and s["trials"] == 4
         assert s["use_tuned"] == (s["tuned_ms"] is not None and s["tuned_ms"] < s["default_ms"])
     assert (tuned_db / "database_tuning_record.json").stat().st_size > 0
     kernels = _kernels(tuned_db)
     by_name = {s["name"]: s for s in meta["tasks"].values()}
+    assert set(by_name) <= set(kernels)
     for name, tuning in kernels.items():
-        assert tuning == "tuned" if by_name[name]["use_tuned"] else tuning.startswith("default")
+        used = name in by_name and by_name[name]["use_tuned"]
+        assert tuning == "tuned" if used else tuning.startswith("default")
     lib = tvmfuse.compile(MODEL, target="cpu", tuning_db=tuned_db)
     assert max(check_against_reference(lib)) < 1e-4
     assert kernels.items() <= lib.metadata["tuning"]["kernels"].items()
@@ -88,20 +91,20 @@ def test_fallback_slower_or_broken_record(tuned_db: Path, tmp_path: Path):
     db = TuningDatabase.open(work)
     keys = sorted(db.records)
     assert len(keys) >= 2, "the tiny tune should leave records for every task"
-    a, b, c = sorted(db.tasks, key=lambda k: db.tasks[k]["name"])
+    a, b, c = sorted(db.tasks, key=lambda k: db.tasks[k]["name"])[:3]
     # a: tuned "faster" on paper but its record is another kernel's schedule → replay fails
     db.tasks[a].update(tuned_ms=db.tasks[a]["default_ms"] / 10)
-    db.records[a] = (db.records[a][0], db.records[b][1])
+    db.records[a] = (db.records[a][0], db.records[b][1], db.records[a][2])
     # b: the record measured slower than the default
     db.tasks[b].update(tuned_ms=db.tasks[b]["default_ms"] * 2)
     # c: no record at all
-    del db.tasks[c]
+    db_c_name = db.tasks.pop(c)["name"]
     db.save()
     kernels = _kernels(work)
     names = {k: db.tasks[k]["name"] for k in (a, b)}
     assert kernels[names[a]].startswith("default: tuned build failed")
     assert kernels[names[b]].startswith("default: tuned not faster")
-    assert kernels[[n for n in kernels if n not in names.values()][0]] == "default: no record"
+    assert kernels[db_c_name] == "default: no record"
     lib = tvmfuse.compile(MODEL, target="cpu", tuning_db=work)
     assert max(check_against_reference(lib)) < 1e-4
 
@@ -131,7 +134,7 @@ def test_resume_after_kill(tmp_path: Path):
     report = tune(MODEL, db=db, target="cpu", trials=2, progress=False, **ALL)
     assert [r.resumed for r in report.results].count(True) == 1
     done = json.loads((db / "tvmfuse_tasks.json").read_text())["tasks"]
-    assert len(done) == 3
+    assert len(done) == len(report.results) >= 3
     (key, summary), = first.items()
     assert done[key] == summary  # the finished task was not redone
 
@@ -168,7 +171,7 @@ def test_cli_tune_then_compile(tmp_path: Path):
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
     assert tune.returncode == 0, tune.stderr[-2000:]
     assert "default ms" in tune.stdout and "speedup" in tune.stdout
-    assert len(json.loads((db / "tvmfuse_tasks.json").read_text())["tasks"]) == 3
+    assert len(json.loads((db / "tvmfuse_tasks.json").read_text())["tasks"]) >= 3
     comp = subprocess.run(cli + ["compile", MODEL, "-o", str(lib), "--target", "cpu", "--tuning-db",
                                  str(db), "--check"],
                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)

@@ -484,13 +484,16 @@ def _progress_callback(progress: _Progress, name: str):
     from tvm.ir.utils import derived_object
     from tvm.s_tir import meta_schedule as ms
 
+    best: list[float] = []
+
     @derived_object
     class ProgressCallback(ms.measure_callback.PyMeasureCallback):
         def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
             ok = [r for r in runner_results if not r.error_msg and r.run_secs]
-            best = min((1e3 * sum(float(s) for s in r.run_secs) / len(r.run_secs) for r in ok),
-                       default=None)
-            progress.step(len(runner_results), f"{name} best {best:.4f} ms" if best else name)
+            best.extend(1e3 * sum(float(s) for s in r.run_secs) / len(r.run_secs) for r in ok)
+            failed = len(runner_results) - len(ok)
+            progress.step(len(runner_results), f"{name} best {min(best):.4f} ms, {failed} failed"
+                          if best else f"{name}, {failed} failed")
 
     return ProgressCallback()
 

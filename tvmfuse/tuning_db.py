@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,8 +75,7 @@ class TuningDatabase:
     target: str | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
     tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
-    records: dict[str, Any] = field(default_factory=dict)  # key → (task module, TuningRecord)
-    bad_records: dict[str, str] = field(default_factory=dict)  # key → why the record is unusable
+    records: dict[str, Any] = field(default_factory=dict)  # key → (workload JSON, record JSON, Workload)
 
     @classmethod
     def open(cls, path: str | os.PathLike, create: bool = False) -> TuningDatabase:
@@ -104,52 +102,44 @@ class TuningDatabase:
         return db
 
     def _read_records(self) -> None:
-        """Read the JSONDatabase files record by record: one that no longer parses or replays
-        on its workload is set aside in ``bad_records`` (its kernel keeps the default), where
-        MetaSchedule's own loader would fail the whole database."""
+        """Read the JSONDatabase files line by line, keeping each finished task's record as JSON:
+        it is parsed only when ``compile`` wants it (:meth:`tuned_func`), so a record that no
+        longer parses costs only its own kernel, where MetaSchedule's loader fails the database."""
         from tvm.s_tir import meta_schedule as ms
 
         workloads = []
         for line in (self.path / WORKLOAD_FILE).read_text().splitlines():
             if line.strip():
-                wl = ms.database.Workload.from_json(json.loads(line))
-                workloads.append((wl, task_key(wl.mod)))
+                wl_json = json.loads(line)
+                wl = ms.database.Workload.from_json(wl_json)
+                workloads.append((wl_json, wl, task_key(wl.mod)))
         for line in (self.path / RECORD_FILE).read_text().splitlines():
             if not line.strip():
                 continue
             index, rec_json = json.loads(line)
-            wl, key = workloads[index]
-            if key not in self.tasks:  # records of unfinished tasks are ignored
-                continue
-            try:
-                self.records[key] = (wl.mod, ms.database.TuningRecord.from_json(rec_json, wl))
-            except Exception as err:  # TVM raises TVMError / RuntimeError subclasses
-                self.bad_records[key] = str(err).strip().splitlines()[-1][:200]
+            wl_json, wl, key = workloads[index]
+            if key in self.tasks:  # records of unfinished tasks are ignored
+                self.records[key] = (wl_json, rec_json, wl)
 
     def finish_task(self, key: str, summary: dict[str, Any], mod: tvm.IRModule | None = None,
                     record: Any = None) -> None:
-        """Add one finished task (its record, if any) and rewrite the database atomically."""
+        """Add one finished task (its TuningRecord, if any) and rewrite the database atomically."""
+        from tvm.s_tir import meta_schedule as ms
+
         self.tasks[key] = summary
         if record is not None:
-            self.records[key] = (mod, record)
+            wl = ms.database.MemoryDatabase().commit_workload(mod)
+            self.records[key] = (wl.as_json(), record.as_json(), wl)
         self.save()
 
     def save(self) -> None:
-        """Rewrite every file: records first (temp + ``os.replace``), the task summary last."""
-        from tvm.s_tir import meta_schedule as ms
-
+        """Rewrite every file (temp + ``os.replace``): records first, the task summary last."""
         self.path.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=self.path, prefix=".tmp-"))
-        try:
-            js = ms.database.JSONDatabase(str(tmp / WORKLOAD_FILE), str(tmp / RECORD_FILE))
-            for mod, rec in self.records.values():
-                workload = js.commit_workload(mod)
-                js.commit_tuning_record(ms.database.TuningRecord(
-                    rec.trace, workload, rec.run_secs, rec.target, rec.args_info))
-            for name in (WORKLOAD_FILE, RECORD_FILE):  # same workload order: old records stay valid
-                os.replace(tmp / name, self.path / name)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        entries = list(self.records.values())
+        # workload i ↔ record i: the files keep MetaSchedule's JSONDatabase format
+        _write_atomic(self.path / WORKLOAD_FILE, "".join(json.dumps(w) + "\n" for w, _, _ in entries))
+        _write_atomic(self.path / RECORD_FILE, "".join(
+            json.dumps([i, r]) + "\n" for i, (_, r, _) in enumerate(entries)))
         _write_atomic(self.path / TASKS_FILE, json.dumps(
             {"format": FORMAT, "target": self.target, "provenance": self.provenance,
              "tasks": self.tasks}, indent=1) + "\n")
@@ -157,11 +147,20 @@ class TuningDatabase:
     def tuned_func(self, key: str) -> tirx.PrimFunc | None:
         """The recorded schedule of task ``key`` replayed on its module (None if no record)."""
         from tvm import s_tir
+        from tvm.s_tir import meta_schedule as ms
 
         if key not in self.records:
             return None
-        mod, rec = self.records[key]
-        sch = s_tir.Schedule(mod)
+        _, rec_json, wl = self.records[key]
+        try:
+            rec = ms.database.TuningRecord.from_json(rec_json, wl)
+        except Exception as err:  # tensorized traces need the CUDA intrinsics registered
+            if "TensorIntrin" not in str(err):
+                raise
+            import tvm.s_tir.tensor_intrin.cuda  # noqa: F401  (slow: only when a record needs it)
+
+            rec = ms.database.TuningRecord.from_json(rec_json, wl)
+        sch = s_tir.Schedule(wl.mod)
         rec.trace.apply_to_schedule(sch, remove_postproc=False)
         return sch.mod["main"]
 
@@ -199,8 +198,6 @@ def choose_schedule(db: TuningDatabase, func: tirx.PrimFunc, spec: TargetSpec) -
         return None, "default: no tuned candidate ran"
     if default_ms is not None and not tuned_ms < default_ms:
         return None, f"default: tuned not faster ({tuned_ms:.4g} vs {default_ms:.4g} ms)"
-    if key in db.bad_records:
-        return None, f"default: tuned build failed (record does not replay: {db.bad_records[key]})"
     try:
         tuned = db.tuned_func(key)
         if tuned is None:

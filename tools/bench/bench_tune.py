@@ -50,13 +50,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      "used": "tuned" if r.use_tuned else "default", "task_s": round(r.seconds, 1),
                      "resumed": r.resumed})
     device = "cpu" if args.target == "cpu" else "cuda"
+    fns = {}
+    for name, tdb in (("default", None), ("tuned", db)):  # compile before .to(device) moves wl.module
+        lib = tvmfuse.compile(wl.module, wl.inputs, target=args.target, tuning_db=tdb)
+        fns[name] = tvmfuse.load(lib.export(Path(args.workdir) / f"{name}.so"), device=device)
+        if lib.tuning:
+            print(f"tuned kernels: {lib.tuning['kernels']}", flush=True)
     inputs = tuple(x.to(device).contiguous() for x in wl.inputs)
     ref = common.reference_output(wl.module.to(device), inputs)
     times: dict[str, float | None] = {}
     errs: dict[str, float | None] = {}
-    for name, tdb in (("default", None), ("tuned", db)):
-        lib = tvmfuse.compile(wl.module, wl.inputs, target=args.target, tuning_db=tdb)
-        fn = tvmfuse.load(lib.export(Path(args.workdir) / f"{name}.so"), device=device)
+    for name, fn in fns.items():
         errs[name] = common.rel_err(fn(*inputs), ref)
         times[name] = common.time_ms(lambda fn=fn: fn(*inputs), args.warmup, args.iters, device)
         print(f"{name}: {times[name]:.4f} ms, rel_err {errs[name]:.2e}", flush=True)
