@@ -2,7 +2,8 @@
 
 Exporters write attention as separate ops; this pass finds
 
-    O = P · V,   P = softmax(S, axis=-1) [→ where(isnan(P), 0, P)] [→ astype],
+    O = P · V,   P = softmax(S, axis=-1) [→ where(isnan(P), 0, P) | where(all(S == -inf), 0, P)]
+                 [→ astype],
     S = (Q · Kᵀ) [· c | / c] [+ mask | where(cond, ·, fill)] ...   (any order of scale and mask)
 
 and rewrites ``O`` (heads-major, (B, H, Sq, D)) into
@@ -15,7 +16,12 @@ q (B, Sq, Hq, D), k/v (B, Skv, Hkv, D) are taken from *before* the exporters' la
 * GQA/MQA repetition of K/V heads (expand_dims → broadcast_to → reshape, ``R.repeat``, or a
   broadcast of one KV head) becomes ``Hkv < Hq``; it must be interleaved (query head h reads KV
   head h // group), a tiled repetition (h % Hkv) is left alone;
-* torch.export's batched 3-D form (reshape to (B·H, S, D) around each matmul) is looked through.
+* torch.export's batched 3-D form (reshape to (B·H, S, D) around each matmul) is looked through;
+* an exact fp16/bf16 → fp32 upcast of Q, K and V (torch's CPU decomposition of
+  ``F.scaled_dot_product_attention`` on half inputs: fp32 products and softmax, a cast back at the
+  end) is peeled off: the attention op runs on the half operands (the kernels keep S, softmax and
+  accumulators in fp32; P·V takes P in the half dtype, as torch's own GPU kernels do), and the
+  result's fp32 → half cast and the exporter's permutes collapse into at most one permute.
 
 Masks are accepted only when the equivalence is proved:
 
@@ -28,7 +34,11 @@ Masks are accepted only when the equivalence is proved:
   query axis (a padding mask, (B|1, H|1, 1, Skv)); ``where(and(C, P), a, b)`` with a constant
   all-true C (HF's broadcast padding mask) is reduced to ``where(P, a, b)`` first;
 * HF SDPA's ``where(isnan(P), 0, P)`` is dropped when no row can be fully masked (no data-dependent
-  mask, or one whose values are provably finite), i.e. when P never holds NaN for finite inputs.
+  mask, or one whose values are provably finite), i.e. when P never holds NaN for finite inputs;
+* torch's ``_safe_softmax`` guard ``where(all(S == -inf, -1), 0, softmax(S))`` (torch.export of
+  ``F.scaled_dot_product_attention``) is dropped: with no -inf data-dependent mask no row is fully
+  masked (the guard never fires); otherwise a row whose scores are all -inf yields 0 in every
+  attention kernel (contract in ``tvmfuse.schedules.attention``), which is what the guard computes.
 
 Anything else stays as it was; every candidate's outcome is recorded in the module attribute
 :data:`DECISIONS_ATTR` (``tvmfuse report`` lists the ones left alone). Existing ``R.nn.attention``
@@ -46,7 +56,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from ._util import scalar_value, shape_expr, static_shape
+from ._util import last_axis_only, scalar_value, shape_expr, static_shape
 
 DECISIONS_ATTR = "tvmfuse.attention_decisions"
 _BSHD = "BSHD"  # attention operand layout; labels: B batch, H heads, Q/K query/key positions, D dim
@@ -66,6 +76,11 @@ def _is_scalar_const(expr: relax.Expr) -> bool:
     return scalar_value(expr) is not None
 
 
+def _upcast(src: relax.Expr, cast: relax.Expr) -> bool:
+    """``cast`` = ``astype(src, float32)`` with ``src`` float16/bfloat16: exact, value-preserving."""
+    return str(src.ty.dtype) in ("float16", "bfloat16") and str(cast.ty.dtype) == "float32"
+
+
 def _masked_floor(dtype: str) -> float:
     """A masked score must be -inf or at most this: -2^100 (fp32/bf16), -2^10 (fp16).
 
@@ -82,6 +97,7 @@ class _Operand:
     axes: list[int]
     group: int = 1
     scale: float = 1.0
+    upcast: str | None = None  # the half dtype an exact fp32 upcast was peeled off, if any
 
     def bshd(self) -> relax.Expr:
         return self.expr if self.axes == [0, 1, 2, 3] else relax.op.permute_dims(self.expr, self.axes)
@@ -186,6 +202,7 @@ class _Matcher:
 
     def __init__(self, fn: _Function) -> None:
         self.fn = fn
+        self.score_extra_uses = 0
 
     # --- 3-D (B·H, S, D) batched form of torch.export --------------------------------------------
 
@@ -235,6 +252,7 @@ class _Matcher:
     def operand(self, expr: relax.Expr, labels: str, what: str, fold_scale: bool) -> _Operand:
         """Peel permutes, scalar scales and KV-head repetition off a 4-D operand of ``labels``."""
         labels, group, scale = list(labels), 1, 1.0
+        upcast = None
         fn = self.fn
         while True:
             value = fn.value(expr)
@@ -257,6 +275,9 @@ class _Matcher:
                 scale = scale * c if op == "relax.multiply" else scale / c
                 expr = x
             elif op == "relax.broadcast_to" and static_shape(value.args[0]) == shape:
+                expr = value.args[0]
+            elif op == "relax.astype" and _upcast(value.args[0], value):
+                upcast = str(value.args[0].ty.dtype)
                 expr = value.args[0]
             elif op == "relax.broadcast_to" and len(static_shape(value.args[0]) or []) == 4:
                 # MQA: one KV head broadcast to every query head
@@ -281,7 +302,7 @@ class _Matcher:
             else:
                 break
         axes = [labels.index(c) for c in ("B", labels_pos(labels), "H", "D")]
-        return _Operand(expr, axes, group, scale)
+        return _Operand(expr, axes, group, scale, upcast)
 
     def _through_reshape(self, value: relax.Call, shape: list[int] | None, labels: list[str]):
         """A 4-D ``reshape`` that is a view of a 4-D tensor, possibly with KV-head repetition.
@@ -359,12 +380,14 @@ class _Matcher:
         factor = 1.0
         terms: list[tuple[relax.Expr, float]] = []
         fills: list[tuple[relax.Expr, float, bool]] = []  # (cond, fill·factor, visible-when-true)
+        extra = self.score_extra_uses  # uses of softmax's input by a guard matched in probabilities
         while True:
             mm = self.matmul4(expr)
             if mm is not None:
                 break
-            if not fn.single_use(expr):
+            if isinstance(expr, relax.Var) and fn.uses.get(expr, 0) > 1 + extra:
                 raise _Reject("an intermediate score tensor has other users (it would stay in HBM)")
+            extra = 0
             value = fn.value(expr)
             op = _op(value)
             args = list(value.args) if isinstance(value, relax.Call) else []
@@ -527,33 +550,96 @@ class _Matcher:
     # --- the whole candidate --------------------------------------------------------------------
 
     def probabilities(self, expr: relax.Expr):
-        """P back to softmax: (softmax call, IsNaN guard seen) or None if P is no softmax.
+        """P back to softmax: (softmax call, guard) or None if P is no softmax.
 
-        Every tensor on the way must have this one use (the guard's where and isnan share P).
+        ``guard``: None, ``"isnan"`` (HF SDPA's ``where(isnan(P), 0, P)``) or ``"safe_softmax"``
+        (torch's ``where(all(S == -inf, -1), 0, softmax(S))``). Every tensor on the way must have
+        this one use (the guard's where and isnan / full_like share P; its equal shares S).
         """
-        guard = False
+        guard, p_uses = None, 1
         fn = self.fn
         while True:
             value = fn.value(expr)
             op = _op(value)
             if op == "relax.nn.softmax":
-                if isinstance(expr, relax.Var) and fn.uses.get(expr, 0) > (2 if guard else 1):
+                if isinstance(expr, relax.Var) and fn.uses.get(expr, 0) > p_uses:
                     raise _Reject("the attention probabilities have other users (e.g. output_attentions)")
                 return value, guard
             if not fn.single_use(expr):
                 raise _Reject("the attention probabilities have other users (e.g. output_attentions)")
             if op == "relax.astype":
                 expr = value.args[0]
-            elif op == "relax.where":
+            elif op == "relax.where" and guard is None:
                 cond, a, b = value.args
                 isnan = fn.call(cond, "relax.isnan")
-                if isnan is None or scalar_value(a) != 0.0 or not fn.value(isnan.args[0]).same_as(
+                if isnan is not None and scalar_value(a) == 0.0 and fn.value(isnan.args[0]).same_as(
                         fn.value(b)):
+                    guard, p_uses, expr = "isnan", 2, b
+                    continue
+                softmax = fn.call(b, "relax.nn.softmax")
+                if softmax is None:
                     return None
-                guard = True
-                expr = b
+                zeros = self._zeros_like(a, b)
+                if zeros is None or not self._all_masked_rows(cond, softmax):
+                    raise _Reject("where() on the probabilities is neither HF's IsNaN guard nor "
+                                  "torch's _safe_softmax guard (0 where a whole score row is -inf)")
+                guard, p_uses, expr = "safe_softmax", 1 + zeros, b
             else:
                 return None
+
+    def _zeros_like(self, zeros: relax.Expr, p: relax.Expr) -> int | None:
+        """Uses of ``p`` that ``zeros`` adds when it is all zeros (``full_like(p, 0)``: 1), else None."""
+        if scalar_value(zeros) == 0.0:
+            return 0
+        call = self.fn.call(zeros, "relax.full_like", "relax.zeros_like")
+        if call is None or not self.fn.single_use(zeros) or not call.args[0].same_as(p):
+            return None
+        if _op(call) == "relax.full_like" and scalar_value(call.args[1]) != 0.0:
+            return None
+        if static_shape(zeros) != static_shape(p) or str(zeros.ty.dtype) != str(p.ty.dtype):
+            return None
+        return 1
+
+    def _all_masked_rows(self, cond: relax.Expr, softmax: relax.Call) -> bool:
+        """``cond`` = ``all(S == -inf, axis=-1, keepdims=True)`` for the softmax input ``S``.
+
+        torch.export writes ``all`` as ``not(any(not E))`` with ``any(x) = bool(max(int8(x)))``;
+        ``bool(min(int8(E)))`` is accepted as well. Every step must be used only here.
+        """
+        fn = self.fn
+        ndim = len(static_shape(softmax) or [])
+
+        def single(e: relax.Expr, op: str) -> relax.Call | None:
+            return fn.call(e, op) if fn.single_use(e) else None
+
+        def reduce_row(e: relax.Expr, op: str) -> relax.Expr | None:
+            """``[astype(bool)] op([astype] x, axis=-1, keepdims=True)`` → bool ``x``."""
+            cast = single(e, "relax.astype")
+            if cast is not None:
+                e = cast.args[0]
+            red = single(e, op)
+            if red is None or not last_axis_only(red.attrs.axis, ndim) or not red.attrs.keepdims:
+                return None
+            x = red.args[0]
+            cast = single(x, "relax.astype")
+            x = cast.args[0] if cast is not None else x
+            return x if str(x.ty.dtype) == "bool" else None
+
+        if str(cond.ty.dtype) != "bool":
+            return False
+        outer = single(cond, "relax.logical_not")
+        if outer is not None:  # not(any(not E))
+            inner = reduce_row(outer.args[0], "relax.max")
+            neg = single(inner, "relax.logical_not") if inner is not None else None
+            eq_expr = neg.args[0] if neg is not None else None
+        else:  # all(E) as a min
+            eq_expr = reduce_row(cond, "relax.min")
+        eq = single(eq_expr, "relax.equal") if eq_expr is not None else None
+        if eq is None:
+            return False
+        a, b = eq.args
+        s, c = (b, a) if scalar_value(a) is not None else (a, b)
+        return scalar_value(c) == -math.inf and fn.value(s).same_as(fn.value(softmax.args[0]))
 
     def match(self, out: relax.Expr) -> relax.Expr | None:
         """The replacement of the P·V product ``out`` (BHSD), or None if it is no attention."""
@@ -565,6 +651,7 @@ class _Matcher:
         if found is None:
             return None
         softmax, guard = found
+        self.score_extra_uses = 1 if guard == "safe_softmax" else 0  # the guard's equal(S, -inf)
         shape = static_shape(softmax)
         axis = int(softmax.attrs.axis)
         if axis not in (-1, len(shape) - 1):
@@ -588,9 +675,25 @@ class _Matcher:
         if not rows_ok:
             raise _Reject("the constant mask leaves query rows with no visible key")
         causal = _causal_kind(masks.visible, qs[1], ks[1])
-        if guard and masks.biases and not masks.finite_biases:
+        may_mask_rows = bool(masks.biases) and not masks.finite_biases
+        if guard == "isnan" and may_mask_rows:
             raise _Reject("IsNaN guard after a data-dependent mask that may be -inf: a fully masked "
                           "row would be NaN→0 here")
+        info = {}
+        if guard == "safe_softmax":
+            # where(all(S == -inf), 0, softmax(S)): without a -inf bias every row has a finite score
+            # (the constant mask leaves each row a key, checked above), so the guard never fires;
+            # with one, a row whose scores are all -inf gives 0 in every attention kernel too.
+            info["safe_softmax_guard"] = ("dropped: a fully masked row gives 0 (kernel contract)"
+                                          if may_mask_rows else "dropped: no row can be fully masked")
+        upcasts = {x.upcast for x in (q, k, v)}
+        if len(upcasts) != 1:
+            raise _Reject("only some of query/key/value are upcast from half precision")
+        upcast = upcasts.pop()
+        if upcast is not None:
+            # fp32 attention on exactly-upcast half operands runs on the half operands (fp32 scores
+            # and softmax, as the kernels always do; P·V in the half dtype with fp32 accumulation)
+            info["upcast"] = f"{upcast}->float32"
         bias = None
         for b in masks.biases:
             bias = b if bias is None else relax.op.add(bias, b)
@@ -602,7 +705,8 @@ class _Matcher:
         if out_dtype != dtypes.pop():
             result = relax.op.astype(result, out_dtype)
         return result, {"causal": causal, "bias": "yes" if bias is not None else "no",
-                        "group": str(k.group), "scale": repr(scale), "isnan_guard": str(guard)}
+                        "group": str(k.group), "scale": repr(scale),
+                        "isnan_guard": str(guard == "isnan"), **info}
 
 
 def labels_pos(labels: list[str]) -> str:
@@ -645,23 +749,69 @@ def _rewrite(func: relax.Function, decisions: dict[str, dict[str, str]]) -> rela
         return result
 
     func = rewrite_call(pattern, rewriter, func)
-    # permute(permute(attention)) from the BHSD result meeting the exporter's BSHD permute
-    inner = is_op("relax.permute_dims")(is_op("relax.nn.attention")(wildcard(), wildcard(), wildcard())
-                                        | is_op("relax.nn.attention_bias")(
-                                            wildcard(), wildcard(), wildcard(), wildcard()))
-    same = is_op("relax.reshape")(inner, wildcard())  # an exporter's no-op reshape in between
-    outer = is_op("relax.permute_dims")(inner) | is_op("relax.permute_dims")(same)
+    return _collapse_views(func)
 
-    def collapse(expr, m):
-        if same in m and static_shape(m[same]) != static_shape(m[inner]):
-            return expr
-        a1 = [int(a) for a in m[inner].attrs.axes]
-        a2 = [int(a) for a in expr.attrs.axes]
-        if [a1[i] for i in a2] == [0, 1, 2, 3]:
-            return m[inner].args[0]
-        return expr
 
-    return rewrite_call(outer, collapse, func)
+_VIEW_DTYPES = ("float16", "bfloat16")
+
+
+def _view_of_attention(fn: _Function, expr: relax.Expr) -> relax.Expr | None:
+    """``expr`` as at most one permute of an attention call, or None.
+
+    Looks down a chain of ≥ 2 ops of ``permute_dims``, no-op ``reshape`` and the exact round trip
+    ``astype(astype(x, float32), half)`` of a half-precision result (the BHSD result of the rewrite
+    meets the exporter's permutes and the fp32 → half cast that ended the upcast graph).
+    """
+    if _op(expr) not in ("relax.permute_dims", "relax.astype", "relax.reshape") or not isinstance(
+            expr.ty, relax.TensorType):
+        return None
+    total, steps, dtypes = [0, 1, 2, 3], 0, [str(expr.ty.dtype)]
+    e = expr
+    while True:
+        value = fn.value(e)
+        op = _op(value)
+        if op in ("relax.nn.attention", "relax.nn.attention_bias"):
+            break
+        if op == "relax.permute_dims" and len(static_shape(e) or []) == 4:
+            axes = [int(a) for a in value.attrs.axes] if value.attrs.axes is not None else [3, 2, 1, 0]
+            total = [axes[t] for t in total]
+        elif op == "relax.astype":
+            dtypes.append(str(value.args[0].ty.dtype))
+        elif not (op == "relax.reshape" and static_shape(value.args[0]) == static_shape(e)):
+            return None
+        e = value.args[0]
+        steps += 1
+    base = str(e.ty.dtype)
+    if len(dtypes) > 1 and not (base in _VIEW_DTYPES and dtypes[0] == base
+                                and set(dtypes) <= {base, "float32"}):
+        return None
+    if steps < 2:
+        return None
+    return e if total == [0, 1, 2, 3] else relax.op.permute_dims(e, total)
+
+
+def _collapse_views(func: relax.Function) -> relax.Function:
+    """Replace every layout/cast chain on an attention result by one permute (or none)."""
+    fn = _Function(func)
+    bb = relax.BlockBuilder()
+    blocks, changed = [], False
+    for block in func.body.blocks:
+        bindings = []
+        for binding in block.bindings:
+            if isinstance(binding, relax.VarBinding) and isinstance(binding.value, relax.Call):
+                view = _view_of_attention(fn, binding.value)
+                if view is not None:
+                    binding = relax.VarBinding(binding.var, bb.normalize(view))
+                    changed = True
+            bindings.append(binding)
+        blocks.append(relax.DataflowBlock(bindings) if isinstance(block, relax.DataflowBlock)
+                      else relax.BindingBlock(bindings))
+    if not changed:
+        return func
+    body = relax.SeqExpr(blocks, func.body.body)
+    func = relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs, func.span)
+    func = relax.transform.CanonicalizeBindings()(tvm.IRModule({"f": func}))["f"]  # y = x aliases
+    return relax.analysis.remove_all_unused(func)
 
 
 def _existing(func: relax.Function, decisions: dict[str, dict[str, str]]) -> None:

@@ -74,7 +74,10 @@ def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 
 
 def _decomposed(call: relax.Call, spec) -> relax.Expr:
-    """softmax(scale·Q·Kᵀ + bias, causal) · V in plain Relax ops (fp32 scores), GQA by repeat."""
+    """softmax(scale·Q·Kᵀ + bias, causal) · V in plain Relax ops (fp32 scores), GQA by repeat.
+
+    A row whose scores are all −inf gives 0, as the kernels do (contract in schedules/attention.py).
+    """
     import numpy as np
 
     q, k, v = (relax.op.permute_dims(a, [0, 2, 1, 3]) for a in call.args[:3])  # → (B, H, S, D)
@@ -88,7 +91,12 @@ def _decomposed(call: relax.Call, spec) -> relax.Expr:
         offset = 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
         visible = np.tril(np.ones((spec.q_len, spec.kv_len), bool), offset)
         s = relax.op.where(relax.const(visible), s, relax.const(float("-inf"), "float32"))
-    p = relax.op.astype(relax.op.nn.softmax(s, axis=-1), spec.dtype)
+    p = relax.op.nn.softmax(s, axis=-1)
+    if spec.bias_shape is not None or spec.kv_len < spec.q_len:  # rows may see no key: 0, not NaN
+        finite = relax.op.not_equal(s, relax.const(float("-inf"), "float32"))
+        seen = relax.op.max(relax.op.astype(finite, "int8"), axis=-1, keepdims=True)
+        p = relax.op.where(relax.op.astype(seen, "bool"), p, relax.const(0.0, "float32"))
+    p = relax.op.astype(p, spec.dtype)
     out = relax.op.permute_dims(relax.op.matmul(p, v), [0, 2, 1, 3])
     return out if spec.result_dtype == spec.dtype else relax.op.astype(out, spec.result_dtype)
 

@@ -12,8 +12,17 @@ and emits ``R.call_tir`` to the returned PrimFunc. Layout is TVM's ``R.nn.attent
 
 ``causal``: ``"none"``, ``"TopLeft"`` (key j visible to query i iff j ≤ i) or ``"BottomRight"``
 (iff j ≤ i + Skv − Sq; the KV-cache alignment). Both are the same when Sq == Skv.
+
+Fully masked rows: a query row whose every score is −inf (it sees no key: BottomRight with
+Sq > Skv, or a −inf bias on every visible key) yields ``out = 0``, not NaN, in every
+implementation (cpu, flash sm80 / sm90a, split-KV decode, the CUDA-core fallback and the
+kernel-less decomposition of ``tvmfuse.passes.attention_lower``). That is what torch's
+``_safe_softmax`` (``where(all(S == −inf), 0, softmax(S))``) computes, so the attention rewrite
+drops that guard on the strength of this rule; a new kernel must keep it.
+
 The returned PrimFunc takes its buffers in the order ``q, k, v, [bias,] out`` and is already
-scheduled for ``target`` (attribute ``tir.is_scheduled``) where ``target`` is CUDA.
+scheduled for ``target`` (attribute ``tirx.is_scheduled``, which dlight honours) where
+``target`` is CUDA.
 """
 
 from __future__ import annotations
@@ -68,30 +77,36 @@ def attention_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.ti
     CPU: a row-at-a-time online-softmax loop (numerics reference for the cpu target).
     """
     if target.kind.name == "cuda":
-        from .attention_generic_cuda import attention_generic_cuda_primfunc
-
-        if spec.q_len == 1:
-            from .flash_decode import flash_decode_primfunc
-
-            try:
-                return flash_decode_primfunc(spec, target)
-            except ValueError as err:  # dtype / head dim the split-KV kernel does not take
-                return attention_generic_cuda_primfunc(spec, str(err))
-        from .flash_attention import flash_attention_primfunc
-        from .flash_attention import unsupported as flash_unsupported
-
-        reason = flash_unsupported(spec)
-        if reason is not None:  # still one kernel without S in HBM, on CUDA cores
-            return attention_generic_cuda_primfunc(spec, f"flash_attention: {reason}")
-        if str(target.attrs.get("arch", "")) == "sm_90a":
-            from .flash_attention_sm90 import flash_attention_sm90_primfunc, unsupported
-
-            reason = unsupported(spec)
-            if reason is None:
-                return flash_attention_sm90_primfunc(spec, target)
-            func = flash_attention_primfunc(spec, target)
-            return func.with_attr("tvmfuse.fallback", f"flash_attention_sm90: {reason}")
-        return flash_attention_primfunc(spec, target)
+        # dlight (0.27) skips only ``tirx.is_scheduled``; some kernels set the older ``tir.`` name
+        return _cuda_primfunc(spec, target).with_attr("tirx.is_scheduled", True)
     from .attention_cpu import attention_cpu_primfunc
 
     return attention_cpu_primfunc(spec)
+
+
+def _cuda_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
+    """The CUDA kernel for ``spec``: see :func:`attention_primfunc`."""
+    from .attention_generic_cuda import attention_generic_cuda_primfunc
+
+    if spec.q_len == 1:
+        from .flash_decode import flash_decode_primfunc
+
+        try:
+            return flash_decode_primfunc(spec, target)
+        except ValueError as err:  # dtype / head dim the split-KV kernel does not take
+            return attention_generic_cuda_primfunc(spec, str(err))
+    from .flash_attention import flash_attention_primfunc
+    from .flash_attention import unsupported as flash_unsupported
+
+    reason = flash_unsupported(spec)
+    if reason is not None:  # still one kernel without S in HBM, on CUDA cores
+        return attention_generic_cuda_primfunc(spec, f"flash_attention: {reason}")
+    if str(target.attrs.get("arch", "")) == "sm_90a":
+        from .flash_attention_sm90 import flash_attention_sm90_primfunc, unsupported
+
+        reason = unsupported(spec)
+        if reason is None:
+            return flash_attention_sm90_primfunc(spec, target)
+        func = flash_attention_primfunc(spec, target)
+        return func.with_attr("tvmfuse.fallback", f"flash_attention_sm90: {reason}")
+    return flash_attention_primfunc(spec, target)
