@@ -7,11 +7,12 @@ cpu smoke: B1·S64·H2·D32 causal and a decode B1·KV64.
 FLOPs = 4·B·Hq·Sq·Skv·D, halved when causal. Decode also reports TB/s over the K/V bytes
 (2·B·Skv·Hkv·D·2), the HBM floor at 4.21 TB/s.
 
-``--mode kernel`` (default): the PrimFunc of ``tvmfuse.schedules.attention.attention_primfunc`` is
-built with ``tvm.compile`` (builds run in parallel processes) and timed directly: the model
-pipeline's attention rewrite is not exercised; every row's notes say so.
-``--mode pipeline``: ``tvmfuse.compile`` of the SDPA module (the rewrite must fire for the
-flash kernel to be used).
+``--mode pipeline`` (default): ``tvmfuse.compile`` of the SDPA module — torch.export decomposes
+SDPA into matmuls, masks and softmax, and FuseAttention must find it again for the flash kernel
+to be used; the row times the loaded library per call.
+``--mode kernel``: the PrimFunc of ``tvmfuse.schedules.attention.attention_primfunc`` is built
+with ``tvm.compile`` (builds run in parallel processes) and timed directly (s_tir kernels only:
+the sm90a TIRx kernel needs tvmfuse's hybrid TIR pipeline); every row's notes say so.
 Baselines: sdpa_ms = ``F.scaled_dot_product_attention`` (flash backend on CUDA) on the same BSNH
 tensors (transposed views); torch_eager_ms = naive attention (matmul, mask, fp32 softmax,
 matmul), which in float32 is also the correctness reference.
@@ -162,7 +163,7 @@ def _kernel_row(name: str, dims: tuple[int, ...], dtype: str, causal: bool, lib_
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One row per (workload, dtype, causal)."""
     cases = _cases(args.device)
-    if getattr(args, "mode", "kernel") == "pipeline":
+    if getattr(args, "mode", "pipeline") == "pipeline":
         rows = []
         for name, dims, dtype, causal in cases:
             b, sq, skv, hq, hkv, d = dims
@@ -195,7 +196,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     import sys
 
-    mode = "kernel"
+    mode = "pipeline"
     if "--mode" in sys.argv:
         i = sys.argv.index("--mode")
         mode = sys.argv[i + 1]
