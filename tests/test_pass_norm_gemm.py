@@ -55,3 +55,30 @@ def test_qkv_share_one_statistics_kernel():
 def test_norm_needed_elsewhere_is_left_alone():
     before = _build("rms", residual=True)
     tvm.ir.assert_structural_equal(NormGemmPrologue()(before), before)
+
+
+def test_layer_norm_prologue_is_left_alone_on_cuda():
+    """LayerNorm's stats have no fast GPU schedule: on CUDA the norm stays a kernel of its own;
+    RMSNorm (one reduction) keeps the prologue."""
+    import torch
+
+    from tvmfuse.frontend import import_model
+    from tvmfuse.passes import FuseDecomposedNorms, NormGemmPrologue
+    from tvmfuse.targets import get_target
+
+    class LnLinear(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.lin = torch.nn.LayerNorm(32), torch.nn.Linear(32, 16)
+            self.rms, self.lin2 = torch.nn.RMSNorm(16), torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.lin2(self.rms(self.lin(self.ln(x))))
+
+    mod = import_model(LnLinear().eval(), (torch.randn(4, 32),)).mod
+    mod = FuseDecomposedNorms()(mod)
+    with get_target("sm90").tvm_target():
+        cuda = NormGemmPrologue()(mod).script()
+    cpu = NormGemmPrologue()(mod).script()
+    assert "R.nn.layer_norm" in cuda and "rms_norm_stats" in cuda
+    assert "R.nn.layer_norm" not in cpu and "layer_norm_stats" in cpu
