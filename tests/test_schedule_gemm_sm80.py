@@ -24,6 +24,7 @@ import re
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax, te, tirx
 
 from tvmfuse import pipeline
@@ -172,6 +173,38 @@ def test_rule_layouts(kn, dtype):
     assert "ptx_legacy.ldmatrix" in text and "ptx_legacy.mma" in text
     assert ("bf16" if dtype == "bfloat16" else "fp16") in text
     assert "software_pipeline_async_stages" in text
+
+
+def _cuda_source(mod: tvm.IRModule, target) -> str:
+    """The CUDA source ``tvm.compile`` generates for ``mod`` (kept as source, nvcc not run)."""
+    os.environ.setdefault("TVM_COMPILE_FORCE_FALLBACK", "1")  # keep CUDA source, as export does
+    with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
+        ex = tvm.compile(mod, target=target)
+    mods = [ex.mod]
+    while mods:
+        mod = mods.pop()
+        if mod.kind == "cuda":
+            return mod.inspect_source()
+        mods += list(mod.imports)
+    raise AssertionError("no CUDA module")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_kn_weight_uses_ldmatrix_trans(dtype):
+    """A (K, N) weight is loaded with ``ldmatrix.trans``. The bf16 intrinsics are re-parsed from
+    the fp16 ones; an ldmatrix call typed int8 there made codegen emit its int8 gather loop
+    (shared offset taken as a stride: an illegal memory access on the GPU, 2047×1024×2048 bf16
+    with W a model input)."""
+    sch = GemmSM80().apply(te_linear(128, 128, 256, dtype, kn=True), SM80.tvm_target(), False)
+    assert sch.mod["main"].attrs[RULE_ATTR] == "gemm_sm80"
+    calls = []
+    tvm_ffi.structural_map(sch.mod["main"].body, [((tvm.ir.Call,), lambda c: calls.append(c)
+                                                    or c)])
+    ldmatrix = [c for c in calls if getattr(c.op, "name", "") == "tirx.ptx_legacy.ldmatrix"]
+    assert ldmatrix and all(str(c.ty) == dtype for c in ldmatrix), [str(c.ty) for c in ldmatrix]
+    source = _cuda_source(sch.mod, SM80.tvm_target())
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in source
+    assert "for (int i = 0; i < 16; ++i)" not in source, "the int8 ldmatrix gather loop"
 
 
 @pytest.mark.parametrize("func, reason", [

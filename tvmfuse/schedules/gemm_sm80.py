@@ -119,10 +119,27 @@ BUILD_CONFIG = {"tirx.use_async_copy": True, "tirx.disable_cse_tir": True}
 
 def _retyped(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """The fp16 intrinsic ``func`` with every fp16 operand made bf16 (same bits: ldmatrix moves
-    .b16, mma.sync takes ``bf16`` in place of ``fp16``)."""
+    .b16, mma.sync takes ``bf16`` in place of ``fp16``).
+
+    The printed script drops the element dtype of ``T.ptx_legacy.ldmatrix`` (the call's type),
+    and the parser then types the call int8; for a transposing ldmatrix (B as (K, N)) the CUDA
+    codegen emits its int8 gather loop instead of ``ldmatrix.trans``, which takes the shared
+    offset for a stride and reads far outside shared memory (an illegal memory access). Each
+    ldmatrix call is therefore retyped bf16 after parsing.
+    """
     text = func.script()
     text = text.replace('"float16"', '"bfloat16"').replace("T.float16", "T.bfloat16")
-    return tvm.script.from_source(text.replace('"fp16"', '"bf16"'))
+    parsed = tvm.script.from_source(text.replace('"fp16"', '"bf16"'))
+
+    def ldmatrix_bf16(call):
+        if getattr(call.op, "name", "") == _LDMATRIX_OP:
+            return tirx.call_intrin("bfloat16", call.op, *call.args)
+        return call
+
+    return parsed.with_body(tvm_ffi.structural_map(parsed.body, [((tvm.ir.Call,), ldmatrix_bf16)]))
+
+
+_LDMATRIX_OP = "tirx.ptx_legacy.ldmatrix"
 
 
 def _intrin(name: str, dtype: str) -> str:
