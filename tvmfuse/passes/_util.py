@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -14,6 +15,18 @@ def scalar_value(expr: relax.Expr) -> float | None:
         arr = expr.value.numpy()
         if arr.size == 1:
             return float(arr.reshape(-1)[0])
+    return None
+
+
+def is_op(expr: relax.Expr, name: str) -> bool:
+    """True when ``expr`` is a call of the Relax operator ``name``."""
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
+
+
+def const_array(expr: relax.Expr) -> np.ndarray | None:
+    """The value of a constant as a numpy array, else None."""
+    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
+        return expr.value.numpy()
     return None
 
 

@@ -21,17 +21,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._util import const_array as _const
+from ._util import is_op as _is_op
 from ._util import static_shape
-
-
-def _is_op(expr: relax.Expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
-
-
-def _const(expr: relax.Expr) -> np.ndarray | None:
-    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        return expr.value.numpy()
-    return None
 
 
 @dataclass

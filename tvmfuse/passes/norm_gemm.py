@@ -23,6 +23,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._util import const_array as _const
+from ._util import is_op as _is_op
 from ._util import static_shape
 
 _NORMS = ("relax.nn.rms_norm", "relax.nn.layer_norm")
@@ -47,16 +49,6 @@ def _row_stats(x: te.Tensor, eps: float, centered: bool):
     rstd = te.compute((*lead, 1), lambda *i: tirx.rsqrt(s2[i] / tirx.const(int(k), f32)
                                                         + tirx.const(eps, f32)), name="rstd")
     return (mean, rstd) if centered else rstd
-
-
-def _is_op(expr: relax.Expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
-
-
-def _const(expr: relax.Expr) -> np.ndarray | None:
-    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        return expr.value.numpy()
-    return None
 
 
 @mutator
