@@ -175,3 +175,26 @@ def test_gpu_swiglu(dtype, tol, tmp_path):
     with torch.no_grad():
         ref = SwiGLU()(x.double(), wg.double(), wu.double())
     assert rel_err(out, ref) <= tol
+
+
+def test_tuning_label_survives_the_kernel_swap():
+    """The tuning stage labels a fused GEMM (tuned / default); the TIRx kernel keeps the label."""
+    import tvm
+
+    from tvmfuse.frontend import import_model
+    from tvmfuse.pipeline import lower
+    from tvmfuse.schedules.gemm_sm90 import Sm90Gemm
+
+    seen = {}
+    lower(import_model(LinearAct("relu"), _inputs(256, 512, 384, torch.float16)).mod,
+          get_target("sm90"), on_stage=lambda name, mod: seen.setdefault(name, mod))
+    mod = seen["reshape_to_view"]
+    (gv,) = [gv for gv, f in mod.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint]
+    mod[gv] = mod[gv].with_attr("tvmfuse.tuning", "default")
+    with get_target("sm90").tvm_target():
+        out = Sm90Gemm(mod)
+    (func,) = [f for g, f in out.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and g.name_hint.startswith(gv.name_hint)]
+    assert func.attrs.get("tvmfuse.rule") == NAME
+    assert func.attrs["tvmfuse.tuning"] == "default"

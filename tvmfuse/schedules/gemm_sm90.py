@@ -103,6 +103,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         raise NotHandled(f"generated kernel does not parse: {str(err)[-300:]}") from err
     attrs = {"tirx.is_scheduled": True, RULE_ATTR: NAME, TIRX_ATTR: True,
              "tvmfuse.tile": f"{cfg.bm}x{cfg.bn}x64 stages={cfg.stages}"}
+    if func.attrs is not None and "tvmfuse.tuning" in func.attrs:  # tuned / default label stays
+        attrs["tvmfuse.tuning"] = func.attrs["tvmfuse.tuning"]
     return kernel.without_attr("global_symbol").with_attrs(attrs)
 
 
