@@ -27,27 +27,17 @@ import tvm
 import tvm_ffi
 from tvm import relax, te, tirx
 
+from tests.cuda_tools import needs_nvcc
 from tvmfuse import pipeline
 from tvmfuse.build.export import export_library
-from tvmfuse.build.inspect import cuda_images, fatbin_sass, find_cuobjdump
-from tvmfuse.build.nvcc import compile_fatbin, find_nvcc
+from tvmfuse.build.inspect import cuda_images, fatbin_sass
+from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.schedules import RULE_ATTR, GemmSM80
 from tvmfuse.schedules.gemm_sm80 import BUILD_CONFIG, FALLBACK_ATTR, GemmConfig
 from tvmfuse.targets import get_target
 
 SM80 = get_target("sm80")
 SM90 = get_target("sm90")
-
-
-def _has_tool(find) -> bool:
-    try:
-        return find() is not None
-    except Exception:  # noqa: BLE001 - CompileError / LibraryError: the tool is missing
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not (_has_tool(find_nvcc) and _has_tool(find_cuobjdump)),
-                                reason="needs nvcc and cuobjdump")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,26 +21,16 @@ import pytest
 import tvm
 from tvm import relax
 
+from tests.cuda_tools import needs_nvcc
 from tvmfuse import pipeline
-from tvmfuse.build.inspect import fatbin_sass, find_cuobjdump
-from tvmfuse.build.nvcc import compile_fatbin, find_nvcc
+from tvmfuse.build.inspect import fatbin_sass
+from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.schedules import RULE_ATTR, Elementwise, RowNorm, gpu_rules
 from tvmfuse.schedules.row_norm import choose_threads
 from tvmfuse.targets import get_target
 
 SM90 = get_target("sm90")
 CPU = get_target("cpu")
-
-
-def _has_tool(find) -> bool:
-    try:
-        return find() is not None
-    except Exception:  # noqa: BLE001 - CompileError / LibraryError: the tool is missing
-        return False
-
-
-needs_nvcc = pytest.mark.skipif(not (_has_tool(find_nvcc) and _has_tool(find_cuobjdump)),
-                                reason="needs nvcc and cuobjdump")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,19 @@ def const_array(expr: relax.Expr) -> np.ndarray | None:
     return None
 
 
+def constant_weight(expr: relax.Expr, lookup: Callable[[relax.Expr], relax.Expr]) -> np.ndarray | None:
+    """A constant weight's value, looking through ``permute_dims`` of a constant; ``lookup``
+    maps a var to its bound value (identity for anything else)."""
+    expr = lookup(expr)
+    if is_op(expr, "relax.permute_dims"):
+        inner = const_array(lookup(expr.args[0]))
+        if inner is None:
+            return None
+        axes = expr.attrs.axes
+        return np.transpose(inner, [int(a) for a in axes] if axes is not None else None)
+    return const_array(expr)
+
+
 def static_shape(expr: relax.Expr) -> list[int] | None:
     """Static shape of a tensor expression, else None."""
     ty = expr.ty

@@ -22,8 +22,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._util import const_array as _const
+from ._util import constant_weight, static_shape
 from ._util import is_op as _is_op
-from ._util import static_shape
 
 
 @dataclass
@@ -33,19 +33,6 @@ class _Member:
     weight: np.ndarray  # (K, N_i)
     bias: np.ndarray | None
     add_var: relax.Var | None
-
-
-def _weight(expr: relax.Expr, bound: dict) -> np.ndarray | None:
-    """A constant 2-D (K, N) weight, looking through a permute_dims of a constant."""
-    expr = bound.get(expr, expr)
-    if _is_op(expr, "relax.permute_dims"):
-        inner = _const(bound.get(expr.args[0], expr.args[0]))
-        if inner is None or inner.ndim != 2:
-            return None
-        axes = expr.attrs.axes
-        return np.transpose(inner, [int(a) for a in axes] if axes is not None else None)
-    value = _const(expr)
-    return value if value is not None and value.ndim == 2 else None
 
 
 def _groups(func: relax.Function) -> list[list[_Member]]:
@@ -68,9 +55,9 @@ def _groups(func: relax.Function) -> list[list[_Member]]:
         call = bound[var]
         if not _is_op(call, "relax.matmul") or not isinstance(call.args[0], relax.Var):
             continue
-        weight = _weight(call.args[1], bound)
+        weight = constant_weight(call.args[1], lambda e: bound.get(e, e))
         x_shape = static_shape(call.args[0])
-        if weight is None or x_shape is None or x_shape[-1] != weight.shape[0]:
+        if weight is None or weight.ndim != 2 or x_shape is None or x_shape[-1] != weight.shape[0]:
             continue
         member = _Member(var, var, weight, None, None)
         uses = users.get(var, [])

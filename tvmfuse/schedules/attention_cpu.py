@@ -118,37 +118,45 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     return row
 
 
-def attention_cpu_primfunc(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
-    """PrimFunc ``(q, k, v, [bias,] out)`` for the llvm target; see the module docstring."""
+def primfunc_around(spec: AttentionSpec, body) -> tvm.tirx.PrimFunc:
+    """The PrimFunc ``(q, k, v, [bias,] out)`` of ``spec`` whose body is the macro
+    ``body(q, k, v, bias, out)`` (``bias`` is ``q``, unused, when the spec has none)."""
     B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
                               spec.head_dim)
     dt, odt = spec.dtype, spec.result_dtype
-    has_bias = spec.bias_shape is not None
-    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
+    bias_shape = spec.bias_shape or (1, 1, 1, 1)
     bdt = spec.bias_dtype or dt
-    row = row_macro(spec)
 
-    @T.macro
-    def body(q, k, v, bias, out):
-        for bh in T.parallel(B * Hq):
-            for i in T.serial(Sq):
-                row(q, k, v, bias, out, bh, i)
-
-    if has_bias:
+    if spec.bias_shape is not None:
 
         @T.prim_func(s_tir=True)
-        def attention_cpu(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                          v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
-                          out: T.Buffer((B, Sq, Hq, D), odt)):
+        def attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                      v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
+                      out: T.Buffer((B, Sq, Hq, D), odt)):
             T.func_attr({"tir.noalias": True})
             body(q, k, v, bias, out)
 
     else:
 
         @T.prim_func(s_tir=True)
-        def attention_cpu(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                          v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, Sq, Hq, D), odt)):
+        def attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
+                      v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, Sq, Hq, D), odt)):
             T.func_attr({"tir.noalias": True})
             body(q, k, v, q, out)
 
-    return attention_cpu
+    return attention
+
+
+def attention_cpu_primfunc(spec: AttentionSpec) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k, v, [bias,] out)`` for the llvm target; see the module docstring."""
+    Sq, Hq = spec.q_len, spec.q_heads
+    rows = spec.batch * Hq
+    row = row_macro(spec)
+
+    @T.macro
+    def body(q, k, v, bias, out):
+        for bh in T.parallel(rows):
+            for i in T.serial(Sq):
+                row(q, k, v, bias, out, bh, i)
+
+    return primfunc_around(spec, body)

@@ -18,7 +18,7 @@ import tvm
 from tvm.script import tirx as T
 
 from .attention import AttentionSpec
-from .attention_cpu import row_macro
+from .attention_cpu import primfunc_around, row_macro
 
 THREADS = 64
 
@@ -26,38 +26,17 @@ THREADS = 64
 def attention_generic_cuda_primfunc(spec: AttentionSpec, reason: str) -> tvm.tirx.PrimFunc:
     """PrimFunc ``(q, k, v, [bias,] out)``, scheduled for CUDA; ``reason`` says why the flash
     kernel was not used (stored as ``tvmfuse.fallback``)."""
-    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
-                              spec.head_dim)
-    dt, odt = spec.dtype, spec.result_dtype
-    has_bias = spec.bias_shape is not None
-    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
-    bdt = spec.bias_dtype or dt
+    Sq, rows = spec.q_len, spec.batch * spec.q_heads
     row = row_macro(spec, scope="local")
     blocks = (Sq + THREADS - 1) // THREADS
 
     @T.macro
     def body(q, k, v, bias, out):
-        for bh in T.thread_binding(B * Hq, thread="blockIdx.y"):
+        for bh in T.thread_binding(rows, thread="blockIdx.y"):
             for bx in T.thread_binding(blocks, thread="blockIdx.x"):
                 for tx in T.thread_binding(THREADS, thread="threadIdx.x"):
                     if bx * THREADS + tx < Sq:
                         row(q, k, v, bias, out, bh, bx * THREADS + tx)
 
-    if has_bias:
-
-        @T.prim_func(s_tir=True)
-        def attention_generic(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                              v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
-                              out: T.Buffer((B, Sq, Hq, D), odt)):
-            T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
-            body(q, k, v, bias, out)
-
-    else:
-
-        @T.prim_func(s_tir=True)
-        def attention_generic(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                              v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, Sq, Hq, D), odt)):
-            T.func_attr({"tir.noalias": True, "tir.is_scheduled": True})
-            body(q, k, v, q, out)
-
-    return attention_generic.with_attr("tvmfuse.fallback", reason)
+    return primfunc_around(spec, body).with_attrs(
+        {"tir.is_scheduled": True, "tvmfuse.fallback": reason})
