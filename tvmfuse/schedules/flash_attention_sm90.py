@@ -422,6 +422,7 @@ def flash_attention_sm90_primfunc(spec: AttentionSpec, target: tvm.target.Target
     from tvm.script import tirx as T
     from tvm.script.parser.core.entry import parse
 
+    from ..kernel_configs import SPEC_ATTR, spec_json
     from .elementwise import RULE_ATTR
     from .gemm_sm90 import TIRX_ATTR
 
@@ -432,6 +433,7 @@ def flash_attention_sm90_primfunc(spec: AttentionSpec, target: tvm.target.Target
     func = parse(kernel_text(spec, cfg), extra_vars={"T": T})
     attrs = {"tirx.is_scheduled": True, "tir.is_scheduled": True, RULE_ATTR: NAME,
              TIRX_ATTR: True,
-             "tvmfuse.tile": f"{cfg.block_m}x{cfg.block_n} stages={cfg.stages}"}
+             "tvmfuse.tile": f"{cfg.block_m}x{cfg.block_n} stages={cfg.stages}",
+             SPEC_ATTR: spec_json(spec)}  # tvmfuse tune regenerates the kernel from it
     func = func.with_attrs(attrs)
     return func.with_attr("global_symbol", name) if name else func.without_attr("global_symbol")

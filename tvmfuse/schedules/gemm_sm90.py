@@ -75,6 +75,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     from tvm.script import tirx as T
     from tvm.script.parser.core.entry import parse
 
+    from ..kernel_configs import gemm_config_of
+
     g = analyze(func)
     layout = g.layout
     if b_transposed:
@@ -82,7 +84,7 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
             raise NotHandled("B is already (N, K)")
         layout = "nt"
     problem = GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, layout)
-    cfg = cfg or select_config(g.m, g.n)
+    cfg = cfg or gemm_config_of(func) or select_config(g.m, g.n)  # a tuning record's config first
     reason = check(problem, cfg)
     if reason:
         raise NotHandled(reason)
