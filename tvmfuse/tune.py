@@ -42,12 +42,16 @@ import tvm
 from tvm import relax, tirx
 
 from .errors import TvmfuseError
+from .kernel_configs import SPEC_ATTR, attention_flops, space_for, task_key_of
 from .targets import TargetSpec, get_target
-from .tuning_db import TuningDatabase, task_key, task_module
+from .tuning_db import TuningDatabase, task_module
 
 TUNED_PATTERNS = ("gemm_epilogue", "norm_gemm", "attention")
 MIN_GFLOP = 0.1  # GEMM-like kernels below this are launch-bound: nothing to gain
 MIN_MB = 8.0  # norms below this move too few bytes to matter (2 us at 4.2 TB/s)
+# A different kernel config must beat the default by more than timing noise (two timings of one
+# kernel differ by ~0.5 % on the H200): tuning never swaps in a config that is not clearly faster.
+CONFIG_MARGIN = 0.01
 PRE_SCHEDULE_STAGE = "reshape_to_view"  # the last pipeline stage before scheduling
 
 
@@ -64,6 +68,7 @@ class Task:
     bytes: int
     weight: int = 1
     skip: str | None = None  # why it is not tuned (None: tuned)
+    space: Any = None  # a kernel_configs.ConfigSpace: tvmfuse's kernel configs are the search space
 
 
 @dataclass
@@ -77,10 +82,17 @@ class TaskResult:
     trials: int
     seconds: float
     resumed: bool = False
+    space: str = "metaschedule"  # or "configs:<kernel>": tvmfuse's kernel configs were searched
+    config: dict | None = None  # the fastest non-default config (configs spaces)
 
     @property
     def use_tuned(self) -> bool:
-        return self.tuned_ms is not None and (self.default_ms is None or self.tuned_ms < self.default_ms)
+        if self.tuned_ms is None:
+            return False
+        if self.default_ms is None:
+            return True
+        margin = CONFIG_MARGIN if self.space.startswith("configs") else 0.0
+        return self.tuned_ms < self.default_ms * (1.0 - margin)
 
     @property
     def speedup(self) -> float | None:
@@ -101,15 +113,15 @@ class TuneReport:
 
     def table(self) -> str:
         """Per task: default ms, tuned ms, speedup (the faster of the two is what compile uses)."""
-        lines = [f"{'task':<48} {'pattern':<14} {'trials':>6} {'default ms':>11} {'tuned ms':>10} "
-                 f"{'speedup':>8}  used"]
+        lines = [f"{'task':<48} {'pattern':<14} {'space':<20} {'trials':>6} {'default ms':>11} "
+                 f"{'tuned ms':>10} {'speedup':>8}  used"]
         for r in self.results:
             d = f"{r.default_ms:.4f}" if r.default_ms is not None else "failed"
             t = f"{r.tuned_ms:.4f}" if r.tuned_ms is not None else "none"
             s = f"{r.speedup:.2f}x" if r.speedup is not None else "-"
             used = "tuned" if r.use_tuned else "default"
-            lines.append(f"{r.name[:48]:<48} {r.pattern:<14} {r.trials:>6} {d:>11} {t:>10} {s:>8}  "
-                         f"{used}{' (resumed)' if r.resumed else ''}")
+            lines.append(f"{r.name[:48]:<48} {r.pattern:<14} {r.space[:20]:<20} {r.trials:>6} {d:>11} "
+                         f"{t:>10} {s:>8}  {used}{' (resumed)' if r.resumed else ''}")
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)} kernel(s): " + ", ".join(
                 f"{t.name} ({t.skip})" for t in self.skipped[:8]) + (" …" if len(self.skipped) > 8 else ""))
@@ -159,18 +171,23 @@ def extract_tasks(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None)
                 continue
             gvar = call.args[0]
             func = pre[gvar]
-            if not isinstance(func, tirx.PrimFunc) or (
-                    func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+            if not isinstance(func, tirx.PrimFunc):
                 continue
+            attention = func.attrs is not None and SPEC_ATTR in func.attrs
+            if func.attrs and func.attrs.get("tirx.is_scheduled", False) and not attention:
+                continue  # scheduled at legalisation, no config space
             tmod = task_module(func)
-            key = task_key(tmod)
+            key = task_key_of(func)
             if key in tasks:
                 tasks[key].weight += 1
                 continue
             ops, kinds = groups.get(gvar.name_hint, ([op_name(gvar.name_hint)], [
                 int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else -1]))
-            tasks[key] = Task(gvar.name_hint, tmod, key, _classify(ops, kinds), ops, _flops(func),
+            flops = attention_flops(str(func.attrs[SPEC_ATTR])) if attention else _flops(func)
+            tasks[key] = Task(gvar.name_hint, tmod, key, _classify(ops, kinds), ops, flops,
                               _primfunc_bytes(func))
+            if spec.is_cuda:
+                tasks[key].space = space_for(tmod["main"], key, spec.arch)
     return list(tasks.values())
 
 
@@ -320,7 +337,9 @@ def _measure_setup(spec: TargetSpec, rpc: str | None, isolate: bool):
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.utils import cpu_count
 
-    config = ms.runner.EvaluatorConfig(number=3, repeat=1, min_repeat_ms=50 if spec.is_cuda else 10,
+    # CUDA: 3 repeats of ≥ 50 ms each; kernel-config searches take the fastest repeat
+    config = ms.runner.EvaluatorConfig(number=3, repeat=3 if spec.is_cuda else 1,
+                                       min_repeat_ms=50 if spec.is_cuda else 10,
                                        enable_cpu_cache_flush=False)
     builder = (ms.builder.LocalBuilder(max_workers=cpu_count(logical=True), timeout_sec=120.0,
                                        f_build=build_candidate)
@@ -357,6 +376,56 @@ def _measure_ms(mod: tvm.IRModule, target, builder, runner) -> float | None:
     if res.error_msg or not res.run_secs:
         return None
     return 1e3 * sum(float(s) for s in res.run_secs) / len(res.run_secs)
+
+
+def _measure_many(mods: list[tvm.IRModule], target, builder, runner) -> list[float | None]:
+    """Fastest repeat (ms) of each module, or None where it fails to build or run; the builds
+    run in the builder's workers and the runs on every runner slot (RPC: one per GPU)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
+    inputs, where = [], []
+    for i, (mod, b) in enumerate(zip(mods, built)):
+        if b.artifact_path is not None:
+            args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
+            inputs.append(ms.runner.RunnerInput(b.artifact_path, device_type(target), args))
+            where.append(i)
+    out: list[float | None] = [None] * len(mods)
+    try:
+        for i, fut in zip(where, runner.run(inputs) if inputs else []):
+            res = fut.result()
+            if not res.error_msg and res.run_secs:
+                out[i] = 1e3 * min(float(s) for s in res.run_secs)
+    finally:
+        for b in built:
+            if b.artifact_path is not None:
+                shutil.rmtree(os.path.dirname(b.artifact_path), ignore_errors=True)
+    return out
+
+
+def _tune_configs(t: Task, target, trials: int, builder, runner, bar: _Progress) -> tuple[
+        float | None, float | None, dict | None, list[dict]]:
+    """Every config of ``t.space`` (at most ``trials``, the default first), built and timed in one
+    batch. Returns (default ms, fastest other config's ms, that config, all timings)."""
+    space = t.space
+    cands = space.candidates[:max(1, trials)]
+    mods: list[tvm.IRModule | None] = []
+    for cfg in cands:
+        try:
+            mods.append(space.build(cfg))
+        except Exception:  # noqa: BLE001 - a config the generator refuses is a failed candidate
+            mods.append(None)
+    built = [m for m in mods if m is not None]
+    times = iter(_measure_many(built, target, builder, runner))
+    ms_of = [next(times) if m is not None else None for m in mods]
+    bar.step(len(cands), f"{t.name} configs")
+    timings = [{"config": c, "ms": v} for c, v in zip(cands, ms_of)]
+    default_ms = ms_of[0]
+    others = [(v, c) for v, c in zip(ms_of[1:], cands[1:]) if v is not None]
+    if not others:
+        return default_ms, None, None, timings
+    best_ms, best = min(others, key=lambda p: p[0])
+    return default_ms, best_ms, best, timings
 
 
 def default_schedule(mod: tvm.IRModule, spec: TargetSpec) -> tvm.IRModule:
@@ -607,7 +676,8 @@ def tune(
         if t.key in database.tasks:
             s = database.tasks[t.key]
             results.append(TaskResult(t.name, t.pattern, s.get("default_ms"), s.get("tuned_ms"),
-                                      s.get("trials", 0), s.get("seconds", 0.0), resumed=True))
+                                      s.get("trials", 0), s.get("seconds", 0.0), resumed=True,
+                                      space=s.get("space", "metaschedule"), config=s.get("config")))
     if todo:
         if gpus:
             cluster = LocalCluster(gpus, key=f"tvmfuse-{spec.name}", gpus=spec.is_cuda)
@@ -630,6 +700,8 @@ def _run_task(t: Task, spec: TargetSpec, target, trials: int, builder, runner, s
               cost_model: str, bar: _Progress, seed: int, database: TuningDatabase) -> TaskResult:
     """Default measurement, search, then the atomic database write of this one task."""
     start = time.perf_counter()
+    if t.space is not None:
+        return _run_config_task(t, target, trials, builder, runner, bar, database, start)
     default_ms = _measure_ms(default_schedule(t.mod, spec), target, builder, runner)
     bar.note(f"{t.name} ({t.pattern}, {t.flops / 1e9:.3g} GFLOP, {t.bytes / 1e6:.3g} MB): default "
              + (f"{default_ms:.4f} ms" if default_ms is not None else "failed to build/run"))
@@ -645,3 +717,29 @@ def _run_task(t: Task, spec: TargetSpec, target, trials: int, builder, runner, s
         "default_ms": default_ms, "tuned_ms": tuned_ms, "use_tuned": result.use_tuned,
         "trials": measured, "seconds": round(result.seconds, 2)}, t.mod, best)
     return result
+
+
+def _run_config_task(t: Task, target, trials: int, builder, runner, bar: _Progress,
+                     database: TuningDatabase, start: float) -> TaskResult:
+    """A kernel with a config space: all configs timed, the fastest recorded (see kernel_configs)."""
+    default_ms, tuned_ms, best, timings = _tune_configs(t, target, trials, builder, runner, bar)
+    space = f"configs:{t.space.kind}"
+    result = TaskResult(t.name, t.pattern, default_ms, tuned_ms, len(timings),
+                        time.perf_counter() - start, space=space, config=best)
+    bar.note(f"{t.name} ({t.pattern}, {t.flops / 1e9:.3g} GFLOP): " + ", ".join(
+        f"{_config_label(x['config'])} {x['ms']:.4f} ms" if x["ms"] is not None else
+        f"{_config_label(x['config'])} failed" for x in timings))
+    database.finish_task(t.key, {
+        "name": t.name, "pattern": t.pattern, "ops": t.ops, "flops": t.flops, "bytes": t.bytes,
+        "space": space, "default_config": t.space.default, "config": best,
+        "default_ms": default_ms, "tuned_ms": tuned_ms, "use_tuned": result.use_tuned,
+        "trials": len(timings), "seconds": round(result.seconds, 2), "candidates": timings})
+    return result
+
+
+def _config_label(cfg: dict) -> str:
+    """Short text of a kernel config: its tile and the fields that differ from the defaults."""
+    if "bm" in cfg:
+        return f"{cfg['bm']}x{cfg['bn']} s{cfg['stages']} g{cfg['group_m']}"
+    flags = "".join(k[0] for k in ("overlap", "pingpong", "tma_store") if cfg.get(k))
+    return f"{64 * cfg['consumers']}x{cfg['block_n']} s{cfg['stages']} {flags}"

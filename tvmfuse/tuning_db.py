@@ -8,7 +8,11 @@ A database is a directory::
 
 A task's summary holds ``default_ms`` (the default rule's schedule, measured in the same run),
 ``tuned_ms`` (the best MetaSchedule record) and ``use_tuned`` = ``tuned_ms < default_ms``; a task
-is *finished* once it is in ``tvmfuse_tasks.json``. Every file is written whole to a temporary file
+is *finished* once it is in ``tvmfuse_tasks.json``. Kernels tvmfuse generates from a config (the
+sm_90a GEMM and attention, :mod:`tvmfuse.kernel_configs`) are recorded as ``space =
+"configs:<kernel>"`` with the fastest ``config``, every candidate's time, and ``use_tuned`` only
+when that config beats the default config by more than timing noise; they have no MetaSchedule
+record. Every file is written whole to a temporary file
 and moved into place with ``os.replace`` (atomic on POSIX), workloads first and the summary last,
 so a run killed at any point leaves the finished tasks readable and consistent.
 
@@ -189,10 +193,20 @@ def _restore_attrs(tuned: tirx.PrimFunc, original: tirx.PrimFunc) -> tirx.PrimFu
 def choose_schedule(db: TuningDatabase, func: tirx.PrimFunc, spec: TargetSpec) -> tuple[
         tirx.PrimFunc | None, str]:
     """``(tuned func, "tuned")`` or ``(None, "default: <reason>")`` for one kernel."""
-    key = task_key(task_module(func))
+    from .kernel_configs import apply_config, task_key_of
+
+    key = task_key_of(func)
     summary = db.tasks.get(key)
     if summary is None:
         return None, "default: no record"
+    if str(summary.get("space", "")).startswith("configs:"):  # a kernel config, not a trace
+        if not summary.get("use_tuned") or summary.get("config") is None:
+            return None, "default: the default config was fastest"
+        try:
+            tuned = apply_config(func, summary["space"].removeprefix("configs:"), summary["config"])
+        except Exception as err:  # a config the generator no longer takes: keep the default
+            return None, f"default: tuned config unusable ({str(err).strip().splitlines()[-1][:200]})"
+        return tuned.with_attr(TUNING_ATTR, "tuned"), "tuned"
     tuned_ms, default_ms = summary.get("tuned_ms"), summary.get("default_ms")
     if tuned_ms is None:
         return None, "default: no tuned candidate ran"
@@ -221,10 +235,14 @@ class ApplyTuningDatabase:
         self.spec = spec
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        from .kernel_configs import SPEC_ATTR
+
         updates = {}
         for gvar, func in mod.functions_items():
-            if not isinstance(func, tirx.PrimFunc) or (
-                    func.attrs and func.attrs.get("tirx.is_scheduled", False)):
+            if not isinstance(func, tirx.PrimFunc):
+                continue
+            configurable = func.attrs is not None and SPEC_ATTR in func.attrs  # attention kernels
+            if func.attrs and func.attrs.get("tirx.is_scheduled", False) and not configurable:
                 continue
             tuned, why = choose_schedule(self.db, func, self.spec)
             updates[gvar] = tuned if tuned is not None else func.with_attr(TUNING_ATTR, why)

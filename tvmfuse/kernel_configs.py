@@ -1,0 +1,207 @@
+"""Design spaces of tvmfuse's generated sm_90a kernels, for ``tvmfuse tune``.
+
+The TIRx kernels (the wgmma GEMM of :mod:`.schedules.gemm_sm90`, the FA3-style attention of
+:mod:`.schedules.flash_attention_sm90`) are not s_tir schedules, so MetaSchedule's trace search
+cannot vary them. Their generators take a config instead (tile shape, pipeline depth, raster,
+warp-specialisation switches), and that is the space tuned here: every candidate is a complete
+kernel, built and timed by MetaSchedule's builder and runner (locally or over RPC), and the
+fastest config is recorded. Only configs that the GPU tests check for numerics
+(``tests/test_kernel_configs.py``) are in a space.
+
+A space is found for a kernel by :func:`space_for`:
+
+* ``gemm_sm90``: an *unscheduled* fused GEMM PrimFunc that the sm_90a kernel takes (the task key is
+  the function's, as for MetaSchedule tasks). Applying a config marks the function with
+  :data:`CONFIG_ATTR`; the ``gemm_sm90`` stage then generates the kernel with that config.
+* ``attention_sm90``: the *scheduled* flash-attention kernel, which carries its
+  :class:`.schedules.attention.AttentionSpec` in :data:`SPEC_ATTR`; the key is the spec's (a new
+  kernel generator keeps the records). Applying a config regenerates the kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import tvm
+from tvm import tirx
+
+CONFIG_ATTR = "tvmfuse.kernel_config"  # JSON of the config a tuned GEMM is generated with
+SPEC_ATTR = "tvmfuse.attention_spec"  # JSON of the AttentionSpec a flash kernel computes
+
+
+@dataclass
+class ConfigSpace:
+    """The configs of one kernel: ``build(config)`` gives the kernel as a one-function task module."""
+
+    kind: str  # "gemm_sm90" | "attention_sm90"
+    key: str
+    default: dict[str, Any]
+    candidates: list[dict[str, Any]]  # the default first
+    build: Callable[[dict[str, Any]], tvm.IRModule]
+
+
+def _task_module(func: tirx.PrimFunc) -> tvm.IRModule:
+    from .tuning_db import task_module
+
+    return task_module(func)
+
+
+def _fields(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+# ---- GEMM ---------------------------------------------------------------------------------------
+
+def gemm_candidates(m: int, n: int) -> list[dict[str, Any]]:
+    """Tile × pipeline depth × raster group; the default (``select_config``) first.
+
+    128×256 at 3/4 stages (48 KiB a stage), 128×128 at 4/6 stages, 64×256 (one consumer
+    warpgroup, for short M), each with raster groups of 4/8/16 row tiles where it differs.
+    """
+    from .schedules.gemm_sm90 import select_config
+    from .schedules.hopper.kernel import GemmConfig
+
+    default = select_config(m, n)
+    out = [default]
+    for bm, bn, stages in ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 4)):
+        for group_m in (8, 16, 4):
+            cfg = GemmConfig(bm=bm, bn=bn, stages=stages, group_m=group_m)
+            if cfg not in out:
+                out.append(cfg)
+    return [_fields(c) for c in out]
+
+
+def gemm_space(func: tirx.PrimFunc, key: str) -> ConfigSpace | None:
+    """The config space of a fused GEMM the sm_90a kernel takes, else None."""
+    from .schedules.gemm_sm90 import build_kernel, select_config
+    from .schedules.hopper.epilogue import NotHandled, analyze
+    from .schedules.hopper.kernel import GemmConfig, GemmProblem, check
+
+    try:
+        g = analyze(func)
+    except NotHandled:
+        return None
+    problem = GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.layout)
+    if check(problem, select_config(g.m, g.n)):
+        return None
+    cands = [c for c in gemm_candidates(g.m, g.n) if check(problem, GemmConfig(**c)) is None]
+
+    def build(cfg: dict[str, Any]) -> tvm.IRModule:
+        return _task_module(build_kernel(func, GemmConfig(**cfg)))
+
+    return ConfigSpace("gemm_sm90", key, cands[0], cands, build)
+
+
+def gemm_config_of(func: tirx.PrimFunc):
+    """The :class:`GemmConfig` a tuning record put on ``func`` (None: choose the default)."""
+    from .schedules.hopper.kernel import GemmConfig
+
+    if func.attrs is None or CONFIG_ATTR not in func.attrs:
+        return None
+    return GemmConfig(**json.loads(str(func.attrs[CONFIG_ATTR])))
+
+
+# ---- attention ----------------------------------------------------------------------------------
+
+def spec_json(spec: Any) -> str:
+    """Canonical JSON of an AttentionSpec (the attention kernel's :data:`SPEC_ATTR`)."""
+    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
+
+
+def attention_flops(spec_text: str) -> int:
+    """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V, causal pairs only."""
+    f = json.loads(spec_text)
+    sq, skv = f["q_len"], f["kv_len"]
+    if f["causal"] == "none":
+        pairs = sq * skv
+    else:
+        shift = skv - sq if f["causal"] == "BottomRight" else 0  # key j visible iff j ≤ i + shift
+        pairs = sum(min(skv, max(0, i + shift + 1)) for i in range(sq))
+    return 4 * f["batch"] * f["q_heads"] * f["head_dim"] * pairs
+
+
+def attention_key(spec_text: str) -> str:
+    return "attention_sm90-" + hashlib.sha256(spec_text.encode()).hexdigest()[:16]
+
+
+def attention_candidates() -> list[dict[str, Any]]:
+    """Default (2 consumers × BN 128, 2 stages, overlap + ping-pong + TMA store) first, then the
+    variants the H200 probes measured (tools/bench/NOTES.md, "Flash attention sm90a")."""
+    from .schedules.flash_attention_sm90 import Sm90FlashConfig
+
+    base = Sm90FlashConfig()
+    variants = [base, dataclasses.replace(base, stages=3), dataclasses.replace(base, pingpong=False),
+                dataclasses.replace(base, overlap=False), dataclasses.replace(base, block_n=64),
+                dataclasses.replace(base, block_n=64, stages=4)]
+    return [_fields(c) for c in variants]
+
+
+def attention_space(func: tirx.PrimFunc) -> ConfigSpace | None:
+    """The config space of an sm_90a flash-attention kernel, else None."""
+    from .schedules.attention import AttentionSpec
+    from .schedules.flash_attention_sm90 import (
+        Sm90FlashConfig,
+        flash_attention_sm90_primfunc,
+        unsupported,
+    )
+
+    if func.attrs is None or SPEC_ATTR not in func.attrs:
+        return None
+    text = str(func.attrs[SPEC_ATTR])
+    fields = json.loads(text)
+    if fields.get("bias_shape") is not None:
+        fields["bias_shape"] = tuple(fields["bias_shape"])
+    spec = AttentionSpec(**fields)
+    cands = [c for c in attention_candidates() if unsupported(spec, Sm90FlashConfig(**c)) is None]
+    if not cands:
+        return None
+
+    def build(cfg: dict[str, Any]) -> tvm.IRModule:
+        return _task_module(flash_attention_sm90_primfunc(spec, config=Sm90FlashConfig(**cfg)))
+
+    return ConfigSpace("attention_sm90", attention_key(text), cands[0], cands, build)
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+def space_for(func: tirx.PrimFunc, key: str, arch: str) -> ConfigSpace | None:
+    """The config space of one kernel on ``arch`` (None: no generated kernel takes it)."""
+    if arch != "sm_90a":
+        return None
+    scheduled = bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
+    return attention_space(func) if scheduled else gemm_space(func, key)
+
+
+def task_key_of(func: tirx.PrimFunc) -> str:
+    """Database key of a kernel: the spec's for attention kernels, else the function's hash."""
+    from .tuning_db import task_key, task_module
+
+    if func.attrs is not None and SPEC_ATTR in func.attrs:
+        return attention_key(str(func.attrs[SPEC_ATTR]))
+    return task_key(task_module(func))
+
+
+def apply_config(func: tirx.PrimFunc, kind: str, cfg: dict[str, Any]) -> tirx.PrimFunc:
+    """``func`` set up to use ``cfg``: a GEMM marked for the ``gemm_sm90`` stage, an attention
+    kernel regenerated (its attributes kept). Raises ValueError / NotHandled when ``cfg`` does not
+    fit."""
+    if kind == "gemm_sm90":
+        from .schedules.gemm_sm90 import build_kernel
+
+        build_kernel(func.with_attr(CONFIG_ATTR, json.dumps(cfg)))  # raises if it does not fit
+        return func.with_attr(CONFIG_ATTR, json.dumps(cfg, sort_keys=True))
+    if kind == "attention_sm90":
+        space = attention_space(func)
+        if space is None:
+            raise ValueError("not an sm_90a flash-attention kernel")
+        new = space.build(cfg)["main"]
+        attrs = dict(func.attrs)
+        attrs["tvmfuse.tile"] = new.attrs["tvmfuse.tile"]
+        new = new.with_attrs(attrs)
+        return new.without_attr("global_symbol") if "global_symbol" not in func.attrs else new
+    raise ValueError(f"unknown kernel config kind {kind!r}")
