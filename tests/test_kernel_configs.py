@@ -205,15 +205,16 @@ def _outputs_of_every_candidate(model, inputs, pattern: str):
     task = _tasks(model, inputs)[pattern]
     dev = tvm.cuda(0)
     rng = np.random.default_rng(0)
-    func = task.mod["main"]
-    bufs = [func.buffer_map[p] if p in func.buffer_map else p for p in func.params]
-    host = [(rng.standard_normal([int(d) for d in b.shape]) * 0.5).astype(str(b.dtype))
-            for b in bufs[:-1]]  # fp16 models: numpy has the dtype
-    args = [tvm.runtime.tensor(h, dev) for h in host]
+    from tvm.s_tir import meta_schedule as ms
+
+    # (kind, dtype, shape) per parameter, handles (TIRx match_buffer) included; fp16 models
+    info = [a.as_json() for a in ms.arg_info.ArgInfo.from_prim_func(task.mod["main"])]
+    args = [tvm.runtime.tensor((rng.standard_normal(shape) * 0.5).astype(dtype), dev)
+            for _, dtype, shape in info[:-1]]
     outs = []
     for cfg in task.space.candidates:
         lib = tvm.tirx.build(task.space.build(cfg), target=SM90.tvm_target(), pipeline=HYBRID_PIPELINE)
-        out = tvm.runtime.empty([int(d) for d in bufs[-1].shape], str(bufs[-1].dtype), dev)
+        out = tvm.runtime.empty(info[-1][2], info[-1][1], dev)
         lib["main"](*args, out)
         outs.append((cfg, out.numpy().astype("float64")))
     ref = outs[0][1]
