@@ -24,6 +24,7 @@ from .passes import (
     SinkReshape,
 )
 from .passes.attention import FuseAttention
+from .passes.gather_pattern import InjectiveGather
 from .passes.legalize_fixes import legalize_overrides
 from .passes.unwrap_output import UnwrapSingleOutput
 from .schedules import gpu_rules
@@ -93,6 +94,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Ops become TIR; FuseOps groups them by TIR op pattern, FuseTIR merges each group.
         mod = run("legalize", relax.transform.LegalizeOps(legalize_overrides()), mod)
         mod = run("annotate_patterns", relax.transform.AnnotateTIROpPattern(), mod)
+        # Gathers read data-dependent indices, so the line above calls them opaque; they are injective.
+        mod = run("annotate_gathers", InjectiveGather(), mod)
         mod = run("fold_constants", relax.transform.FoldConstant(), mod)
         mod = run("fuse_ops", relax.transform.FuseOps(), mod)
         mod = run("fuse_tir", relax.transform.FuseTIR(), mod)
