@@ -57,13 +57,13 @@ def test_norm_needed_elsewhere_is_left_alone():
     tvm.ir.assert_structural_equal(NormGemmPrologue()(before), before)
 
 
-def test_layer_norm_prologue_is_left_alone_on_cuda():
-    """LayerNorm's stats have no fast GPU schedule: on CUDA the norm stays a kernel of its own;
-    RMSNorm (one reduction) keeps the prologue."""
+def test_cuda_target_folds_both_norms():
+    """LayerNorm's stats kernel has a GPU rule (schedules/row_stats.py): on CUDA, LayerNorm and
+    RMSNorm both become statistics + GEMM epilogue, exactly as on the CPU."""
     import torch
 
     from tvmfuse.frontend import import_model
-    from tvmfuse.passes import FuseDecomposedNorms, NormGemmPrologue
+    from tvmfuse.passes import FuseDecomposedNorms
     from tvmfuse.targets import get_target
 
     class LnLinear(torch.nn.Module):
@@ -78,7 +78,9 @@ def test_layer_norm_prologue_is_left_alone_on_cuda():
     mod = import_model(LnLinear().eval(), (torch.randn(4, 32),)).mod
     mod = FuseDecomposedNorms()(mod)
     with get_target("sm90").tvm_target():
-        cuda = NormGemmPrologue()(mod).script()
-    cpu = NormGemmPrologue()(mod).script()
-    assert "R.nn.layer_norm" in cuda and "rms_norm_stats" in cuda
-    assert "R.nn.layer_norm" not in cpu and "layer_norm_stats" in cpu
+        cuda = NormGemmPrologue()(mod)
+    cpu = NormGemmPrologue()(mod)
+    script = cuda.script()
+    assert "R.nn.layer_norm" not in script and "R.nn.rms_norm" not in script
+    assert {"layer_norm_stats", "rms_norm_stats"} <= _names(cuda)
+    tvm.ir.assert_structural_equal(cuda, cpu)

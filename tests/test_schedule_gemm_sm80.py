@@ -79,18 +79,23 @@ def _uses(epilogue: str) -> list[str]:
             "residual": ["res"], "none": []}[epilogue]
 
 
-def norm_linear_graph(m: int, k: int, n: int, dtype: str = "float16") -> tvm.IRModule:
-    """``rms_norm(x) · W + b`` with constant W, γ, b: NormGemmPrologue's form (on CUDA targets the
-    prologue takes RMSNorm; LayerNorm stays a kernel of its own there, see passes/norm_gemm.py)."""
+def norm_linear_graph(m: int, k: int, n: int, dtype: str = "float16", norm: str = "layer"
+                      ) -> tvm.IRModule:
+    """``norm(x) · W + b`` (LayerNorm or RMSNorm) with constant W, γ[, β], b: NormGemmPrologue's
+    form."""
     rng = np.random.default_rng(0)
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((m, k), dtype))
     gamma = relax.const(rng.normal(1, 0.1, k).astype(dtype))
+    beta = relax.const(rng.normal(0, 0.1, k).astype(dtype))
     w = relax.const((rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype))
     b = relax.const(rng.standard_normal(n).astype(dtype))
     with bb.function("main", [x]):
         with bb.dataflow():
-            h = bb.emit(relax.op.nn.rms_norm(x, gamma, axes=[-1], epsilon=1e-5))
+            if norm == "layer":
+                h = bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-5))
+            else:
+                h = bb.emit(relax.op.nn.rms_norm(x, gamma, axes=[-1], epsilon=1e-5))
             y = bb.emit(relax.op.add(relax.op.matmul(h, w), b))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
@@ -132,6 +137,7 @@ PIPELINE_CASES = {
     "batched": lambda: gemm_graph(128, 128, 64, epilogue="none", lead=(3,), batched_b=True),
     "decode-m8": lambda: gemm_graph(8, 512, 256, epilogue="bias_relu"),
     "norm-prologue": lambda: norm_linear_graph(128, 256, 512),
+    "norm-prologue-rms": lambda: norm_linear_graph(128, 256, 512, norm="rms"),
 }
 
 

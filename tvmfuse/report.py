@@ -212,8 +212,7 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
                 "the second")
     if p == "norm" and c in ("gemm_epilogue",):
         return ("norm → Linear prologue (norm_gemm) not applied: the normed tensor has other users, "
-                "or it is a LayerNorm on CUDA, whose two dependent row reductions have no fast GPU "
-                "schedule yet (the LayerNorm kernel + GEMM is faster there)")
+                "or the weight / norm parameters are not constants, or the norm is not over K")
     if p == "norm" and c == "norm":
         return "a second reduction over a finished reduction's broadcast result needs another pass"
     if p == "elementwise" and c in ("gemm_epilogue", "norm_gemm", "attention"):

@@ -4,8 +4,9 @@ A rule returns ``None`` when a function is not its kind; the first rule that ret
 wins. Order: :class:`GemmSM80` (tensor-core GEMM + epilogue for sm_80 and newer; the GEMMs it
 does not take it hands to dlight's GEMV / Matmul itself, marked ``"tvmfuse.fallback"``), then
 dlight's Matmul and GEMV (they only take GEMM / GEMV shapes), then tvmfuse's
-memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`Elementwise`
-for purely spatial functions; both mark the PrimFunc with ``"tvmfuse.rule"``), then dlight's
+memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`RowStats` for
+per-row statistics (NormGemmPrologue's mean / rstd kernels), :class:`Elementwise`
+for purely spatial functions; all three mark the PrimFunc with ``"tvmfuse.rule"``), then dlight's
 generic Reduction, GeneralReduction and Fallback for everything else.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 from .elementwise import RULE_ATTR, Elementwise
 from .gemm_sm80 import GemmSM80
 from .row_norm import RowNorm
+from .row_stats import RowStats
 
 
 def gpu_rules() -> list:
@@ -25,6 +27,7 @@ def gpu_rules() -> list:
         dl.gpu.Matmul(),
         dl.gpu.GEMV(),
         RowNorm(),
+        RowStats(),
         Elementwise(),
         dl.gpu.Reduction(),
         dl.gpu.GeneralReduction(),
@@ -32,4 +35,4 @@ def gpu_rules() -> list:
     ]
 
 
-__all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "RowNorm", "gpu_rules"]
+__all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "RowNorm", "RowStats", "gpu_rules"]

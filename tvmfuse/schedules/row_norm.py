@@ -132,7 +132,8 @@ class _Shape:
         return roles
 
 
-def _analyse(sch: s_tir.Schedule) -> _Shape | None:
+def _analyse(sch: s_tir.Schedule, last_kind: str = "row") -> _Shape | None:
+    """Rows × columns of the reductions, when every block fits them and the last is ``last_kind``."""
     infos = normalize_prim_func(sch)
     if not infos:
         return None
@@ -149,7 +150,7 @@ def _analyse(sch: s_tir.Schedule) -> _Shape | None:
     shape = _Shape(dom[:n_rows], dom[n_rows:])
     if any(shape.kind(_ints(b.dom()), b.dom_kind()) is None for b in infos):
         return None
-    if shape.kind(_ints(infos[-1].dom()), infos[-1].dom_kind()) != "row":
+    if shape.kind(_ints(infos[-1].dom()), infos[-1].dom_kind()) != last_kind:
         return None
     return shape
 
