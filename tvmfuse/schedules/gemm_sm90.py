@@ -25,6 +25,7 @@ from tvm import tirx
 from .elementwise import RULE_ATTR
 from .hopper.epilogue import NotHandled, analyze, expr_text, top_blocks
 from .hopper.kernel import GemmConfig, GemmProblem, check, kernel_text
+from .hopper.opmath import opmath
 
 NAME = "gemm_sm90"
 TIRX_ATTR = "tvmfuse.tirx"  # lower this PrimFunc with the tirx pipeline
@@ -94,8 +95,10 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     if b_transposed:
         decls[g.b] = (names[g.b], decls[g.b][1][::-1], decls[g.b][2])
 
+    expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
+
     def store_value(acc: str, row: str, col: str) -> str:
-        return expr_text(g.expr, [(g.acc, acc), (g.dims[0], row), (g.dims[1], col)],
+        return expr_text(expr, [(g.acc, acc), (g.dims[0], row), (g.dims[1], col)],
                          list(zip(params, names)))
 
     text = kernel_text(problem, cfg, "main", names, g.a, g.b, g.out, decls, store_value)

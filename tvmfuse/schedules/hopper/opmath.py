@@ -1,0 +1,64 @@
+"""Evaluate an analysed epilogue in fp32 and round once at the store (torch's "opmath").
+
+The fused graph of a half-precision model computes its epilogue in fp16 / bf16 with a cast after
+every op: ``(half)erf((float)((half)(acc + b) * half(0.707)))``. On the GEMM's fp32 accumulator
+that is both slower (a conversion around each op) and less accurate than one fp32 chain:
+
+    opmath(e) = Cast(out_dtype, e')    e' = e with every fp16 / bf16 / fp32 value computed in fp32
+
+* fp16 / bf16 buffer loads become ``Cast("float32", load)``; float constants become fp32 constants;
+* casts between those float types disappear; casts from or to other types (int, bool, fp64) stay,
+  with their operand rewritten;
+* integer and boolean sub-expressions (indices, masks) are left untouched.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+
+from .epilogue import _BINARY, _CALLS, NotHandled, _Call, _dt, _Load, _Op
+
+_NARROW = ("float16", "bfloat16", "float32")  # float types computed in fp32
+F32 = "float32"
+
+
+def _narrow(dtype: str) -> bool:
+    return dtype in _NARROW
+
+
+def to_fp32(e: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``e`` with every fp16 / bf16 / fp32 value computed in fp32 (see the module docstring)."""
+    if isinstance(e, tirx.Var):
+        return tirx.Cast(F32, e) if _dt(e) in ("float16", "bfloat16") else e
+    if isinstance(e, tirx.FloatImm):
+        return tirx.FloatImm(F32, float(e.value)) if _narrow(_dt(e)) else e
+    if isinstance(e, tirx.IntImm):
+        return e
+    if isinstance(e, _Load):
+        return tirx.Cast(F32, e) if _dt(e) in ("float16", "bfloat16") else e
+    if isinstance(e, tirx.Cast):
+        inner = to_fp32(e.value)
+        if _narrow(_dt(e)):
+            return inner if _narrow(_dt(e.value)) else tirx.Cast(F32, inner)
+        return tirx.Cast(_dt(e), inner)
+    if isinstance(e, _BINARY):
+        return type(e)(to_fp32(e.a), to_fp32(e.b))
+    if isinstance(e, tirx.Select):
+        return tirx.Select(to_fp32(e.condition), to_fp32(e.true_value), to_fp32(e.false_value))
+    if isinstance(e, tirx.Not):
+        return tirx.Not(to_fp32(e.a))
+    if isinstance(e, _Call) and isinstance(e.op, _Op) and e.op.name in _CALLS:
+        ret = F32 if _narrow(_dt(e)) else _dt(e)
+        return _Call(e.op, [to_fp32(a) for a in e.args], ret_ty=ret)
+    raise NotHandled(f"opmath: epilogue expression {type(e).__name__} unsupported: {e}")
+
+
+def opmath(e: tirx.PrimExpr, out_dtype: str) -> tirx.PrimExpr:
+    """The epilogue ``e`` (stored as ``out_dtype``) evaluated in fp32 and rounded once at the end.
+
+    Expressions that are not floating point (an integer or boolean output) are returned as they are.
+    """
+    if not _narrow(_dt(e)):
+        return e
+    value = to_fp32(e)
+    return value if out_dtype == F32 else tirx.Cast(out_dtype, value)
