@@ -121,7 +121,7 @@ def _write_config_db(tmp_path: Path, task, times: list[float | None]) -> Path:
     db = TuningDatabase.open(tmp_path / "db", create=True)
     db.target = "sm90"
     real = tune_mod._measure_many
-    tune_mod._measure_many = lambda mods, *a: times[:len(mods)]
+    tune_mod._measure_many = lambda mods, *a: [(v, None if v else "run: failed") for v in times[:len(mods)]]
     try:
         space = task.space
         task.space.candidates = space.candidates[:len(times)]

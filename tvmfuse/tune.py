@@ -378,29 +378,39 @@ def _measure_ms(mod: tvm.IRModule, target, builder, runner) -> float | None:
     return 1e3 * sum(float(s) for s in res.run_secs) / len(res.run_secs)
 
 
-def _measure_many(mods: list[tvm.IRModule], target, builder, runner) -> list[float | None]:
-    """Fastest repeat (ms) of each module, or None where it fails to build or run; the builds
-    run in the builder's workers and the runs on every runner slot (RPC: one per GPU)."""
+def _measure_many(mods: list[tvm.IRModule], target, builder, runner) -> list[tuple[float | None, str | None]]:
+    """``(fastest repeat in ms, None)`` per module, or ``(None, error)`` where it fails to build or
+    run; the builds run in the builder's workers and the runs on every runner slot (RPC: one per
+    GPU)."""
     from tvm.s_tir import meta_schedule as ms
 
     built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
+    out: list[tuple[float | None, str | None]] = [
+        (None, f"build: {_last_line(b.error_msg)}") for b in built]
     inputs, where = [], []
     for i, (mod, b) in enumerate(zip(mods, built)):
         if b.artifact_path is not None:
             args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
             inputs.append(ms.runner.RunnerInput(b.artifact_path, device_type(target), args))
             where.append(i)
-    out: list[float | None] = [None] * len(mods)
     try:
         for i, fut in zip(where, runner.run(inputs) if inputs else []):
             res = fut.result()
             if not res.error_msg and res.run_secs:
-                out[i] = 1e3 * min(float(s) for s in res.run_secs)
+                out[i] = (1e3 * min(float(s) for s in res.run_secs), None)
+            else:
+                out[i] = (None, f"run: {_last_line(res.error_msg or 'no timing')}")
     finally:
         for b in built:
             if b.artifact_path is not None:
                 shutil.rmtree(os.path.dirname(b.artifact_path), ignore_errors=True)
     return out
+
+
+def _last_line(msg: str | None) -> str:
+    """The informative end of a (multi-line, traceback-laden) error message."""
+    lines = [ln.strip() for ln in str(msg or "").splitlines() if ln.strip()]
+    return " | ".join(lines[-3:])[-400:] if lines else "unknown error"
 
 
 def _tune_configs(t: Task, target, trials: int, builder, runner, bar: _Progress) -> tuple[
@@ -410,16 +420,24 @@ def _tune_configs(t: Task, target, trials: int, builder, runner, bar: _Progress)
     space = t.space
     cands = space.candidates[:max(1, trials)]
     mods: list[tvm.IRModule | None] = []
+    errors: list[str | None] = []
     for cfg in cands:
         try:
             mods.append(space.build(cfg))
-        except Exception:  # noqa: BLE001 - a config the generator refuses is a failed candidate
+            errors.append(None)
+        except Exception as err:  # noqa: BLE001 - a config the generator refuses is a failed candidate
             mods.append(None)
+            errors.append(f"generate: {_last_line(str(err))}")
     built = [m for m in mods if m is not None]
-    times = iter(_measure_many(built, target, builder, runner))
-    ms_of = [next(times) if m is not None else None for m in mods]
+    results = iter(_measure_many(built, target, builder, runner))
+    ms_of: list[float | None] = []
+    for i, m in enumerate(mods):
+        v, err = next(results) if m is not None else (None, errors[i])
+        ms_of.append(v)
+        errors[i] = err
     bar.step(len(cands), f"{t.name} configs")
-    timings = [{"config": c, "ms": v} for c, v in zip(cands, ms_of)]
+    timings = [{"config": c, "ms": v} if v is not None else {"config": c, "ms": None, "error": e}
+               for c, v, e in zip(cands, ms_of, errors)]
     default_ms = ms_of[0]
     others = [(v, c) for v, c in zip(ms_of[1:], cands[1:]) if v is not None]
     if not others:
@@ -728,7 +746,9 @@ def _run_config_task(t: Task, target, trials: int, builder, runner, bar: _Progre
                         time.perf_counter() - start, space=space, config=best)
     bar.note(f"{t.name} ({t.pattern}, {t.flops / 1e9:.3g} GFLOP): " + ", ".join(
         f"{_config_label(x['config'])} {x['ms']:.4f} ms" if x["ms"] is not None else
-        f"{_config_label(x['config'])} failed" for x in timings))
+        f"{_config_label(x['config'])} failed ({x['error']})" for x in timings))
+    if default_ms is None and tuned_ms is None:  # nothing ran: leave the task unfinished (a rerun
+        return result                              # retries it; compile keeps the default)
     database.finish_task(t.key, {
         "name": t.name, "pattern": t.pattern, "ops": t.ops, "flops": t.flops, "bytes": t.bytes,
         "space": space, "default_config": t.space.default, "config": best,
