@@ -17,14 +17,16 @@ from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 from .errors import CompileError, TvmfuseError
 from .passes import (
     FuseDecomposedNorms,
+    GatherRowStats,
     HorizontalGemm,
+    InjectiveGather,
     MixedPrecision,
     NormGemmPrologue,
+    PackAttentionInputs,
     SimplifyNoOps,
     SinkReshape,
 )
 from .passes.attention import FuseAttention
-from .passes.gather_pattern import InjectiveGather
 from .passes.legalize_fixes import legalize_overrides
 from .passes.unwrap_output import UnwrapSingleOutput
 from .schedules import gpu_rules
@@ -81,6 +83,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("horizontal_gemm", HorizontalGemm(), mod)
         # A norm feeding Linear(s) becomes row stats + GEMM epilogue: the normed tensor stays on chip.
         mod = run("norm_gemm_prologue", NormGemmPrologue(), mod)
+        # Stats of gathered embedding rows = gathered stats of the table (needs the stats calls above).
+        mod = run("gather_row_stats", GatherRowStats(), mod)
         # Reshapes between a GEMM and its epilogue move below it, so FuseOps fuses the epilogue.
         mod = run("sink_reshape", SinkReshape(), mod)
         # reshape(reshape(x)) and no-op reshapes that sinking leaves behind collapse to one view.
@@ -88,6 +92,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Precision changes op dtypes, so it runs before anything matches on dtype-specific ops.
         if dtype in ("float16", "bfloat16"):
             mod = run("mixed_precision", MixedPrecision(dtype), mod)
+        # Attention operands made by injective ops (RoPE, QKV slices, masks): one kernel writes them
+        # all; after every pass that rewrites those operands, before ops become TIR.
+        mod = run("pack_attention_inputs", PackAttentionInputs(), mod)
         # Library dispatch (sort/scan/sampling) must replace ops before they are legalised.
         mod = run("dispatch", tvm.transform.Sequential(
             [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan()]), mod)

@@ -84,6 +84,8 @@ class InjectiveGather:
                 continue
             if _is_gather(func):
                 updates[gvar] = func.with_attr("op_pattern", INJECTIVE)
-        for gvar, func in updates.items():
-            mod[gvar] = func
+        if updates:
+            mod = mod.clone()  # not the caller's module
+            for gvar, func in updates.items():
+                mod[gvar] = func
         return mod

@@ -86,16 +86,17 @@ def _groups(func: relax.Function) -> list[list[_Member]]:
 
 
 _VIEWS = {"relax.reshape", "relax.permute_dims"}
-_OPAQUE = {"relax.nn.attention", "relax.nn.attention_bias", "relax.matmul"}
+# Attention operands are not here: PackAttentionInputs writes their slices with the other
+# computed operands (RoPE, masks) in one kernel, so a wide GEMM saves launches there too.
+_OPAQUE = {"relax.matmul"}
 
 
 def _feeds_only_opaque(var: relax.Var, bound: dict, users: dict, depth: int = 4) -> bool:
-    """True when ``var`` only reaches attention / matmul operands through views.
+    """True when ``var`` only reaches matmul operands through views.
 
     Its slice would then be a copy kernel of its own (FuseOps fuses an injective producer into
-    elementwise consumers, not into a GEMM or the attention call), so a separate GEMM costs the
-    same launch and no extra HBM pass: BERT's Q/K/V stay three GEMMs, Llama's V stays apart
-    while Q and K (each followed by RoPE, which absorbs its slice) share one.
+    elementwise consumers, not into a GEMM), so a separate GEMM costs the same launch and no
+    extra HBM pass.
     """
     uses = users.get(var, [])
     if not uses or depth == 0:
