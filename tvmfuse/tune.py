@@ -299,9 +299,11 @@ class LocalCluster:
             for i in range(self.n):
                 if self.gpus:
                     os.environ["CUDA_VISIBLE_DEVICES"] = str(i)  # the worker process inherits it
+                # no_fork: sessions start in spawned processes; a forked one inherits a CUDA
+                # context it cannot use (cudaErrorInitializationError, seen on the H200 box)
                 self.servers.append(rpc.Server("127.0.0.1", port=9400, port_end=9600, key=self.key,
                                                tracker_addr=("127.0.0.1", self.tracker.port),
-                                               silent=True))
+                                               silent=True, no_fork=True))
         finally:
             if previous is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
