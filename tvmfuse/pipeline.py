@@ -28,6 +28,7 @@ from .passes import (
 )
 from .passes.attention import FuseAttention
 from .passes.legalize_fixes import legalize_overrides
+from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
 from .schedules import gpu_rules
 from .targets import TargetSpec
@@ -92,6 +93,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Precision changes op dtypes, so it runs before anything matches on dtype-specific ops.
         if dtype in ("float16", "bfloat16"):
             mod = run("mixed_precision", MixedPrecision(dtype), mod)
+        # Gate/up Linears meeting elementwise (SwiGLU) → one interleaved GEMM + pair epilogue, grouped
+        # for FuseTIR; after mixed precision (its dtypes are final), before LegalizeOps.
+        mod = run("pair_gemm", PairGemm(), mod)
         # Attention operands made by injective ops (RoPE, QKV slices, masks): one kernel writes them
         # all; after every pass that rewrites those operands, before ops become TIR.
         mod = run("pack_attention_inputs", PackAttentionInputs(), mod)

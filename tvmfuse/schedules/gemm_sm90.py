@@ -101,7 +101,12 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         return expr_text(expr, [(g.acc, acc), (g.dims[0], row), (g.dims[1], col)],
                          list(zip(params, names)))
 
-    text = kernel_text(problem, cfg, "main", names, g.a, g.b, g.out, decls, store_value)
+    def pair_value(acc: str, acc_odd: str, row: str, col: str) -> str:
+        return expr_text(expr, [(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row),
+                                (g.dims[1], col)], list(zip(params, names)))
+
+    text = kernel_text(problem, cfg, "main", names, g.a, g.b, g.out, decls, store_value,
+                       pair_value if g.acc_odd is not None else None)
     try:
         kernel = parse(text, extra_vars={"T": T})
     except Exception as err:  # parser diagnostics: report as not handled, keep the default

@@ -4,7 +4,10 @@ FuseTIR gives a GEMM with its epilogue as one PrimFunc: a ``matmul`` block
 ``C[i, j] += cast(A[i, k]) * cast(B[k, j])`` (or ``B[j, k]``) followed by spatial blocks over the
 same ``(i, j)`` domain (casts, bias ``b[j]``, activations, residual ``r[i, j]``, row scales
 ``s[i, 0]``). :func:`analyze` inlines those blocks into one expression of the accumulator and the
-parameters, and :func:`expr_text` prints it as TVMScript for the kernel's store. Anything else
+parameters, and :func:`expr_text` prints it as TVMScript for the kernel's store. A *pair*
+epilogue (``PairGemm``'s gated Linear) reads the GEMM result only at ``C[i, 2j]`` and
+``C[i, 2j + 1]`` and writes ``out[i, j]`` (N/2 wide): its expression has two accumulators, ``acc``
+(even column) and ``acc_odd``. Anything else
 (a prologue on A or B, a batched B, a reduction after the GEMM, two outputs) is reported as the
 reason the function is not handled.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import tvm
+import tvm.sym
 from tvm import tirx
 
 _Load = tvm.ir.TensorLoad  # 0.27: buffer loads are TensorLoad(source, indices)
@@ -42,6 +46,7 @@ class FusedGemm:
     acc: tirx.Var
     dims: list[tirx.Var]  # one per output dimension
     param_names: list[str] = field(default_factory=list)
+    acc_odd: tirx.Var | None = None  # pair epilogue: C[i, 2j + 1] (acc is C[i, 2j]); out is N/2 wide
 
 
 def _dt(e) -> str:
@@ -139,17 +144,28 @@ class _Inliner:
     def __init__(self, params, acc, c, dims):
         self.params = params
         self.acc, self.c, self.dims = acc, c, dims
+        self.acc_odd = tirx.Var("acc_odd", "float32")
+        self.reads: set[str] = set()  # "plain" (C[i, j]) and / or "pair" (C[i, 2j], C[i, 2j + 1])
         self.defs: list = []  # [(buffer, block vars, value)]
+
+    def _gemm_read(self, idx) -> tirx.PrimExpr:
+        """The accumulator a read ``C[idx]`` stands for."""
+        if len(idx) == len(self.dims) == 2 and idx[0].same_as(self.dims[0]):
+            if idx[1].same_as(self.dims[1]):
+                self.reads.add("plain")
+                return self.acc
+            offset = tvm.sym.Analyzer().simplify(idx[1] - self.dims[1] * 2)
+            if isinstance(offset, tirx.IntImm) and int(offset.value) in (0, 1):
+                self.reads.add("pair")
+                return self.acc_odd if int(offset.value) else self.acc
+        raise NotHandled(f"GEMM result {self.c.name} read at other indices")
 
     def inline(self, e, vmap):
         """``e`` with block vars mapped (vmap) and intermediate loads replaced by definitions."""
         if isinstance(e, _Load):
             idx = [self.inline(i, vmap) for i in e.indices]
             if self.c.same_as(e.source):
-                if len(idx) != len(self.dims) or not all(
-                        i.same_as(d) for i, d in zip(idx, self.dims)):
-                    raise NotHandled(f"GEMM result {self.c.name} read at other indices")
-                return self.acc
+                return self._gemm_read(idx)
             for buf, ivs, value in self.defs:
                 if buf.same_as(e.source):
                     return self.inline(value, list(zip(ivs, idx)))
@@ -166,7 +182,7 @@ class _Inliner:
         if isinstance(e, tirx.Cast):
             return tirx.Cast(_dt(e), self.inline(e.value, vmap))
         if isinstance(e, _BINARY):
-            return type(e)(self.inline(e.a, vmap), self.inline(e.b, vmap))
+            return type(e)(*_same_int_width(self.inline(e.a, vmap), self.inline(e.b, vmap)))
         if isinstance(e, tirx.Select):
             return tirx.Select(self.inline(e.condition, vmap), self.inline(e.true_value, vmap),
                                self.inline(e.false_value, vmap))
@@ -175,6 +191,20 @@ class _Inliner:
         if isinstance(e, _Call) and isinstance(e.op, _Op) and e.op.name in _CALLS:
             return _Call(e.op, [self.inline(a, vmap) for a in e.args], ret_ty=_dt(e))
         raise NotHandled(f"epilogue expression {type(e).__name__} unsupported: {e}")
+
+
+def _same_int_width(a, b):
+    """Index arithmetic of an int64 block var bound to an int32 output dim: ``d * T.int64(2)``
+    becomes ``d * 2`` (constants take the other side's type; otherwise the narrower is cast)."""
+    da, db = _dt(a), _dt(b)
+    if da == db or not (da.startswith("int") and db.startswith("int")):
+        return a, b
+    if isinstance(b, tirx.IntImm):
+        return a, tirx.IntImm(da, int(b.value))
+    if isinstance(a, tirx.IntImm):
+        return tirx.IntImm(db, int(a.value)), b
+    wide = max(da, db, key=lambda t: int(t[3:]))
+    return (a if da == wide else tirx.Cast(wide, a)), (b if db == wide else tirx.Cast(wide, b))
 
 
 _BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Min, tirx.Max, tirx.FloorDiv,
@@ -218,8 +248,18 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
         last, last_ivs, last_value = body.buffer, block.iter_vars, body.value
     if last_ivs is None:
         raise NotHandled("no epilogue block: the GEMM writes its fp32 accumulator directly")
-    if [_int(iv.dom.extent) for iv in last_ivs] != [m, n]:
-        raise NotHandled("the output block does not span the (M, N) output")
+    expr = inl.inline(last_value, list(zip([iv.var for iv in last_ivs], dims)))
+    if inl.reads == {"pair"}:
+        if n % 2:
+            raise NotHandled(f"pair epilogue over an odd N={n}")
+        out_n, acc_odd = n // 2, inl.acc_odd
+    elif inl.reads == {"plain"}:
+        out_n, acc_odd = n, None
+    else:
+        raise NotHandled("the epilogue reads the GEMM result not at all or both as C[i, j] and "
+                         "as pairs")
+    if [_int(iv.dom.extent) for iv in last_ivs] != [m, out_n]:
+        raise NotHandled(f"the output block does not span the (M, {out_n}) output")
     out_pos = next((i for i, p in enumerate(params) if p.same_as(last)), None)
     if out_pos is None:
         raise NotHandled("the last block does not write a parameter")
@@ -228,9 +268,8 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
         raise NotHandled("more than one output")
     if out_pos in (a_pos, b_pos):
         raise NotHandled("output aliases an input")
-    expr = inl.inline(last_value, list(zip([iv.var for iv in last_ivs], dims)))
     return FusedGemm(a_pos, b_pos, out_pos, m, n, k, in_dtype, str(last.dtype), layout,
-                     _shape(last), expr, acc, dims, [p.name for p in params])
+                     _shape(last), expr, acc, dims, [p.name for p in params], acc_odd)
 
 
 def expr_text(e, names: list, buffers: list) -> str:

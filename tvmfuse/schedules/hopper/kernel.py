@@ -16,7 +16,9 @@ One CTA computes a ``BM × BN`` tile with ``1 + BM/64`` warpgroups:
 ``setmaxnreg`` moves registers from the producer to the consumers. The epilogue runs on the
 accumulator fragment (thread t of a consumer owns rows ``16·(t/32) + (t%32)/4 (+8)`` and columns
 ``8·j + 2·(t%4) (+1)``); here the kernel stores ``cast(acc)`` and :mod:`.epilogue` substitutes the
-fused expression. Rows ≥ M and columns ≥ N are masked on store; TMA fills out-of-range loads with
+fused expression. A *pair* epilogue (``pair_value``) combines the thread's two accumulators of
+columns (2c, 2c + 1) into ``C[row, c]`` of an N/2-wide output. Rows ≥ M and columns ≥ N are
+masked on store; TMA fills out-of-range loads with
 zeros, so any M, N and any K that is a multiple of 8 (16-byte TMA strides) work.
 """
 
@@ -94,13 +96,16 @@ def check(problem: GemmProblem, cfg: GemmConfig) -> str | None:
 def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: list[str],
                 a_param: int, b_param: int, c_param: int,
                 param_decls: list[tuple[str, tuple[int, ...], str]],
-                store_value: Callable[[str, str, str], str] | None = None) -> str:
+                store_value: Callable[[str, str, str], str] | None = None,
+                pair_value: Callable[[str, str, str, str], str] | None = None) -> str:
     """TVMScript (tirx) source of the kernel.
 
     ``params``/``param_decls`` keep the fused PrimFunc's signature (name, shape, dtype per
     parameter) so the kernel replaces it in place; A, B, C are the parameters at the given
     positions. ``store_value(acc, row, col)`` gives the TVMScript text of the value stored at
     ``C[row, col]`` from the accumulator element ``acc`` (default: the cast to C's dtype).
+    ``pair_value(acc_even, acc_odd, row, col)`` instead makes C (M, N/2) with ``C[row, col]``
+    computed from the accumulators of GEMM columns ``2·col`` and ``2·col + 1``.
     """
     p, c = problem, cfg
     ab = {"float16": "f16", "bfloat16": "bf16"}[p.in_dtype]
@@ -133,7 +138,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     for name, shape, dtype in param_decls:
         w(f"    {name} = T.match_buffer({name}_h, {tuple(shape)}, \"{dtype}\", align=16)")
     a_name, b_name, c_name = params[a_param], params[b_param], params[c_param]
-    w(f"    C2 = T.decl_buffer(({p.m}, {p.n}), \"{p.out_dtype}\", data={c_name}.data)")
+    c_cols = p.n // 2 if pair_value else p.n
+    w(f"    C2 = T.decl_buffer(({p.m}, {c_cols}), \"{p.out_dtype}\", data={c_name}.data)")
     # host: tensor maps (dims innermost first, byte strides, box, element strides, interleave,
     # swizzle, L2 promotion 256 B, OOB fill zeros)
     w('    A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)')
@@ -203,7 +209,7 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
       f"smem.ptr_to([{a_stage // 2}]), {b_lbo}, {b_sbo}, {SW128})")
     accs = ", ".join(f"acc[{i}]" for i in range(acc_n))
     mma = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{c.bn}k16.f32.{ab}.{ab}"]'
-    if c.vector_store:
+    if c.vector_store and not pair_value:
         pair_align = max(4, 2 * (8 if p.out_dtype.endswith("64") else 4 if p.out_dtype.endswith("32")
                                  else 2))
         w(f'        pair = T.alloc_buffer((2,), "{p.out_dtype}", scope="local", align={pair_align})')
@@ -235,7 +241,10 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w("                    col = n0 + j * 8 + (t % 4) * 2")
     w("                    for h in T.unroll(2):")
     w(f"                        if row0 + h * 8 < {p.m} and col < {p.n}:")
-    if c.vector_store:
+    if pair_value:
+        w("                            C2[row0 + h * 8, col // 2] = " + pair_value(
+            "acc[j * 4 + h * 2]", "acc[j * 4 + h * 2 + 1]", "(row0 + h * 8)", "(col // 2)"))
+    elif c.vector_store:
         for q in range(2):
             w(f"                            pair[{q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))

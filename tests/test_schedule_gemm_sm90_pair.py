@@ -1,0 +1,91 @@
+"""sm_90a GEMM with a pair epilogue (PairGemm's SwiGLU): one wgmma kernel, x read once.
+
+CPU: the fused ``fused_matmul_pair`` PrimFunc becomes the TIRx kernel (N/2-wide output, fp32
+epilogue) and builds with nvcc to HGMMA + UTMALDG. GPU: numerics against a float64 reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tvmfuse
+from tests.conftest import rel_err
+from tests.test_pass_pair_gemm import ConstSwiGLU
+from tests.test_schedule_gemm_sm90 import _lowered_funcs, _ptxas_kernels, needs_cuobjdump
+from tvmfuse.build.inspect import cuda_images, fatbin_sass
+from tvmfuse.schedules.gemm_sm90 import NAME
+from tvmfuse.schedules.hopper.epilogue import analyze
+
+
+def _x(m: int, k: int, dtype) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+
+
+def test_pair_function_is_read_as_pair_epilogue():
+    """The fused function reads C at (i, 2j) and (i, 2j + 1): two accumulators, out is N/2 wide."""
+    import tvm
+
+    from tvmfuse.frontend import import_model
+    from tvmfuse.pipeline import lower
+    from tvmfuse.targets import get_target
+
+    module = ConstSwiGLU(512, 256).half().eval()
+    seen = {}
+    lower(import_model(module, (_x(256, 256, torch.float16),)).mod, get_target("sm90"),
+          on_stage=lambda name, mod: seen.setdefault(name, mod))
+    (func,) = [f for gv, f in seen["reshape_to_view"].functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and "matmul" in gv.name_hint]
+    g = analyze(func)
+    assert g.acc_odd is not None and (g.m, g.n, g.k) == (256, 1024, 256)
+    assert g.out_shape == (256, 512)
+    assert "acc_odd" in str(g.expr) and "sigmoid" in str(g.expr)
+
+
+@needs_cuobjdump
+def test_swiglu_is_one_sm90_kernel(tmp_path, monkeypatch):
+    """One GEMM kernel (not two), the pair store into the (M, N) output; nvcc: HGMMA, no spills."""
+    module = ConstSwiGLU(512, 256).to(torch.bfloat16).eval()
+    inputs = (_x(256, 256, torch.bfloat16),)
+    funcs = _lowered_funcs(module, inputs)
+    gemm = [f for f in funcs.values() if f.attrs.get("tvmfuse.rule") == NAME]
+    assert len(gemm) == 1
+    text = gemm[0].script()
+    assert "(256, 512)" in text and "col // 2" in text
+    from tvmfuse.build import export
+
+    logs = []
+    real = export.compile_fatbin
+
+    def keep_log(src, spec, workdir, name="kernels"):
+        fatbin = real(src, spec, workdir, name)
+        logs.append((Path(workdir) / f"{name}.ptxas.log").read_text())
+        return fatbin
+
+    monkeypatch.setattr(export, "compile_fatbin", keep_log)
+    path = tvmfuse.compile(module, inputs, target="sm90").export(tmp_path / "m.so")
+    (fmt, code), = cuda_images(path)
+    sass = fatbin_sass(code)["sm_90a"]
+    assert "HGMMA.64x256x16.F32.BF16" in sass and "UTMALDG" in sass
+    kernels = _ptxas_kernels(logs[0])
+    assert kernels and all(spill == 0 for _, spill in kernels.values()), kernels
+
+
+# (M, N, K): tile-aligned; ragged M with N not a multiple of the tile (2N = 1040) and a K tail
+PAIR_CASES = [(512, 1024, 512), (1000, 520, 1000), (16, 2048, 1024)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("m, n, k", PAIR_CASES)
+def test_gpu_swiglu_pair(m, n, k, dtype, tol, tmp_path):
+    module = ConstSwiGLU(n, k).to(dtype).eval()
+    x = _x(m, k, dtype)
+    lib = tvmfuse.compile(module, (x,), target="sm90")
+    run = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
+    out = run(x.cuda())
+    with torch.no_grad():
+        ref = ConstSwiGLU(n, k).double()(x.double())
+    assert rel_err(out, ref) <= tol
