@@ -87,6 +87,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     problem = GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, layout)
     cfg = cfg or gemm_config_of(func) or select_config(g.m, g.n)  # a tuning record's config first
     reason = check(problem, cfg)
+    if g.acc_odd is not None and g.n % 4:
+        reason = f"pair epilogue with N/2={g.n // 2} odd (pairs of outputs are stored together)"
     if reason:
         raise NotHandled(reason)
     params = list(func.params)

@@ -45,6 +45,7 @@ class GemmConfig:
     persistent: bool = True  # one CTA per SM loops over tiles: next tile's loads overlap the epilogue
     num_sms: int = 132  # H200
     vector_store: bool = True  # column pairs stored as one 2-element vector
+    pair_shuffle: bool = True  # pair epilogue: lanes t, t^1 swap one value, store 2-element vectors
 
     @property
     def consumers(self) -> int:
@@ -209,7 +210,7 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
       f"smem.ptr_to([{a_stage // 2}]), {b_lbo}, {b_sbo}, {SW128})")
     accs = ", ".join(f"acc[{i}]" for i in range(acc_n))
     mma = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{c.bn}k16.f32.{ab}.{ab}"]'
-    if c.vector_store and not pair_value:
+    if (c.vector_store and not pair_value) or (pair_value and c.pair_shuffle):
         pair_align = max(4, 2 * (8 if p.out_dtype.endswith("64") else 4 if p.out_dtype.endswith("32")
                                  else 2))
         w(f'        pair = T.alloc_buffer((2,), "{p.out_dtype}", scope="local", align={pair_align})')
@@ -237,6 +238,9 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     # epilogue: fragment -> global, rows/cols masked (N even: a pair is in or out as a whole)
     w("                t = tx % 128")
     w("                row0 = m0 + (wg - 1) * 64 + (t // 32) * 16 + (t % 32) // 4")
+    if pair_value and c.pair_shuffle:
+        _pair_shuffle_store(w, p, c, pair_value)
+        return "\n".join(lines) + "\n"
     w(f"                for j in T.unroll({c.bn // 8}):")
     w("                    col = n0 + j * 8 + (t % 4) * 2")
     w("                    for h in T.unroll(2):")
@@ -254,6 +258,35 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
             w(f"                            C2[row0 + h * 8, col + {q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
     return "\n".join(lines) + "\n"
+
+
+def _pair_shuffle_store(w: Callable[[str], None], p: GemmProblem, c: GemmConfig,
+                        pair_value: Callable[[str, str, str, str], str]) -> None:
+    """Pair epilogue stored as 2-element vectors (16 contiguous bytes per row and quad).
+
+    For fragment columns ``j = 2q`` and ``2q + 1`` lane ``r = t % 4`` of a quad holds outputs
+    ``v0`` at column ``8q + r`` and ``v1`` at ``8q + 4 + r`` (relative to ``n0 / 2``). One
+    ``shfl.xor 1`` (odd lanes send ``v0``, even lanes ``v1``) gives even lanes the pair
+    ``(v0, partner's v0)`` at ``8q + r`` and odd lanes ``(partner's v1, v1)`` at ``8q + r + 3``.
+    Every lane shuffles (rows and columns are masked at the store only).
+    """
+    n_out = p.n // 2
+    w("                r = t % 4")
+    w(f"                for q in T.unroll({c.bn // 16}):")
+    w("                    for h in T.unroll(2):")
+    w("                        row = row0 + h * 8")
+    w("                        c0 = n0 // 2 + q * 8 + r")
+    w("                        v0 = " + pair_value("acc[q * 8 + h * 2]", "acc[q * 8 + h * 2 + 1]",
+                                                    "row", "c0"))
+    w("                        v1 = " + pair_value("acc[q * 8 + 4 + h * 2]",
+                                                    "acc[q * 8 + 4 + h * 2 + 1]", "row", "(c0 + 4)"))
+    w("                        other = T.cuda.__shfl_xor_sync(T.uint32(4294967295), "
+      "T.Select(r % 2 == 1, v0, v1), 1, 32)")
+    w("                        pair[0] = T.Select(r % 2 == 0, v0, other)")
+    w("                        pair[1] = T.Select(r % 2 == 0, other, v1)")
+    w("                        c = c0 + (r % 2) * 3")
+    w(f"                        if row < {p.m} and c < {n_out}:")
+    w("                            C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
 
 
 def standalone(problem: GemmProblem, cfg: GemmConfig | None = None):
