@@ -420,7 +420,11 @@ def _tune_configs(t: Task, target, trials: int, builder, runner, bar: _Progress)
     """Every config of ``t.space`` (at most ``trials``, the default first), built and timed in one
     batch. Returns (default ms, fastest other config's ms, that config, all timings)."""
     space = t.space
+    # The default is timed first and again last: the first kernel of a batch ran slow on the
+    # H200s (0.2112 ms, where the same kernel ran 0.2043 ms in the compiled model), which would
+    # let any later config win; the faster of its two timings is the default's.
     cands = space.candidates[:max(1, trials)]
+    cands = [*cands, cands[0]] if len(cands) > 1 else cands
     mods: list[tvm.IRModule | None] = []
     errors: list[str | None] = []
     for cfg in cands:
@@ -440,6 +444,11 @@ def _tune_configs(t: Task, target, trials: int, builder, runner, bar: _Progress)
     bar.step(len(cands), f"{t.name} configs")
     timings = [{"config": c, "ms": v} if v is not None else {"config": c, "ms": None, "error": e}
                for c, v, e in zip(cands, ms_of, errors)]
+    if len(cands) > 1:  # the repeated default: merged into the first entry
+        again = ms_of.pop()
+        cands.pop()
+        timings[0]["ms_again"] = timings.pop()["ms"]
+        ms_of[0] = min((v for v in (ms_of[0], again) if v is not None), default=None)
     default_ms = ms_of[0]
     others = [(v, c) for v, c in zip(ms_of[1:], cands[1:]) if v is not None]
     if not others:

@@ -201,6 +201,10 @@ def choose_schedule(db: TuningDatabase, func: tirx.PrimFunc, spec: TargetSpec) -
         return None, "default: no record"
     if str(summary.get("space", "")).startswith("configs:"):  # a kernel config, not a trace
         if not summary.get("use_tuned") or summary.get("config") is None:
+            t, d = summary.get("tuned_ms"), summary.get("default_ms")
+            if t is not None and d is not None and t < d:
+                return None, (f"default: the fastest other config ({t:.4g} vs {d:.4g} ms) is "
+                              "within timing noise")
             return None, "default: the default config was fastest"
         try:
             tuned = apply_config(func, summary["space"].removeprefix("configs:"), summary["config"])
