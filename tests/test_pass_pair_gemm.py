@@ -107,6 +107,53 @@ def test_sm90_needs_k_multiple_of_8():
     tvm.ir.assert_structural_equal(after, before)
 
 
+def _wide(w: np.ndarray, scale_first: bool = True) -> tvm.IRModule:
+    """HorizontalGemm + NormGemmPrologue's form: x·[Wg | Wu] · rstd (per row), then the halves."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((M, K), "float16"))
+    s = relax.Var("s", relax.TensorType((M, 1), "float32"))
+    with bb.function("main", [x, s]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.const(w), out_dtype="float32"))
+            z = bb.emit(relax.op.multiply(y, s))
+            gate = bb.emit(relax.op.strided_slice(z, [1], [0], [N]))
+            up = bb.emit(relax.op.strided_slice(z, [1], [N], [2 * N]))
+            out = bb.emit_output(relax.op.multiply(relax.op.nn.silu(gate), up))
+        bb.emit_func_output(out)
+    return relax.transform.Normalize()(bb.get())
+
+
+def test_wide_gemm_halves_become_interleaved():
+    """One (K, 2N) GEMM sliced into halves: its columns are interleaved, the row scale stays on
+    the GEMM result (a parameter of the grouped function), the halves become stride-2 slices."""
+    wg, wu = _weights()
+    with get_target("cpu").tvm_target():
+        after = PairGemm()(_wide(np.concatenate([wg, wu], axis=1)))
+    w_il = np.empty((K, 2 * N), "float16")
+    w_il[:, 0::2], w_il[:, 1::2] = wg, wu
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((M, K), "float16"))
+    w = relax.Var("w", relax.TensorType((K, 2 * N), "float16"))
+    s = relax.Var("s", relax.TensorType((M, 1), "float32"))
+    with bb.function("fused_matmul_pair", [x, w, s], {"Primitive": True}, private=True):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, w, out_dtype="float32"))
+            z = bb.emit(relax.op.multiply(y, s))
+            even = bb.emit(relax.op.strided_slice(z, [1], [0], [2 * N], [2]))
+            odd = bb.emit(relax.op.strided_slice(z, [1], [1], [2 * N], [2]))
+            gate = bb.emit(relax.op.nn.silu(even))
+            out = bb.emit_output(relax.op.multiply(gate, odd))
+        bb.emit_func_output(out)
+    gv = bb.get().get_global_var("fused_matmul_pair")
+    x2 = relax.Var("x", relax.TensorType((M, K), "float16"))
+    s2 = relax.Var("s", relax.TensorType((M, 1), "float32"))
+    with bb.function("main", [x2, s2]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.Call(gv, [x2, relax.const(w_il), s2]))
+        bb.emit_func_output(out)
+    tvm.ir.assert_structural_equal(after, bb.get())
+
+
 class ConstSwiGLU(nn.Module):
     """``silu(x·Wgᵀ) ⊙ (x·Wuᵀ)`` with Wg, Wu (N, K) parameters: constants to tvmfuse."""
 
@@ -138,3 +185,51 @@ def test_cpu_matches_unfused_graph(dtype, tmp_path):
         ref = module(x).double()  # eager: two GEMMs, silu and the product in the model's dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert (out - ref).abs().max().item() <= tol * ref.abs().max().item()
+
+
+class NormSwiGLU(nn.Module):
+    """RMSNorm (weight gamma) feeding a constant-weight SwiGLU: Llama's MLP without down_proj."""
+
+    def __init__(self, n: int, k: int) -> None:
+        super().__init__()
+        self.mlp = ConstSwiGLU(n, k)
+        self.gamma = nn.Parameter(torch.rand(k, generator=torch.Generator().manual_seed(3)) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+        return self.mlp(x * rstd * self.gamma)
+
+
+def _launches(mod: tvm.IRModule) -> int:
+    """Kernel launches in main: call_tir bindings."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    return sum(isinstance(b.value, relax.Call) and b.value.op.same_as(call_tir)
+               for blk in mod["main"].body.blocks for b in blk.bindings)
+
+
+@pytest.mark.parametrize("shape", [(2, 24, 64), (48, 64)])
+def test_cpu_mixed_precision_norm_mlp_same_as_without_pass(shape, monkeypatch, tmp_path):
+    """fp32 model at --dtype float16, norm folded into the GEMMs (3-D x: gate/up merged by
+    HorizontalGemm, halves sliced; 2-D x: two GEMMs, rstd in the epilogue): the pair form gives
+    the numbers of the pipeline without PairGemm, in fewer kernels."""
+    import tvmfuse.pipeline as pipeline
+    from tvmfuse.frontend import import_model
+
+    module = NormSwiGLU(96, 64).eval()
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+    outs, counts = {}, {}
+    for variant in ("pair", "off"):
+        if variant == "off":
+            monkeypatch.setattr(pipeline, "PairGemm", lambda: (lambda m: m))
+        seen = {}
+        pipeline.lower(import_model(module, (x,)).mod, get_target("cpu"), dtype="float16",
+                       on_stage=lambda name, m, seen=seen: seen.setdefault(name, m))
+        counts[variant] = _launches(seen["reshape_to_view"])
+        lib = tvmfuse.compile(module, (x,), target="cpu", dtype="float16")
+        run = tvmfuse.load(lib.export(tmp_path / f"{variant}.so"), device="cpu")
+        outs[variant] = np.asarray(run(x.numpy()))
+    assert counts["pair"] < counts["off"], counts
+    np.testing.assert_allclose(outs["pair"], outs["off"], rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        ref = module(x).numpy()
+    assert np.linalg.norm(outs["pair"] - ref) <= 1e-2 * np.linalg.norm(ref)

@@ -13,7 +13,7 @@ import torch
 
 import tvmfuse
 from tests.conftest import rel_err
-from tests.test_pass_pair_gemm import ConstSwiGLU
+from tests.test_pass_pair_gemm import ConstSwiGLU, NormSwiGLU
 from tests.test_schedule_gemm_sm90 import _lowered_funcs, _ptxas_kernels, needs_cuobjdump
 from tvmfuse.build.inspect import cuda_images, fatbin_sass
 from tvmfuse.schedules.gemm_sm90 import NAME
@@ -73,6 +73,24 @@ def test_swiglu_is_one_sm90_kernel(tmp_path, monkeypatch):
     assert kernels and all(spill == 0 for _, spill in kernels.values()), kernels
 
 
+def test_norm_mlp_mixed_precision_is_one_sm90_kernel():
+    """fp32 RMSNorm + SwiGLU at --dtype float16: stats kernel, then one pair GEMM (row scale and
+    gate in its epilogue); no elementwise kernel for silu(gate)·up."""
+    from tvmfuse.frontend import import_model
+    from tvmfuse.pipeline import lower
+    from tvmfuse.targets import get_target
+
+    module = NormSwiGLU(512, 256).eval()
+    mod = lower(import_model(module, (_x(128, 256, torch.float32),)).mod, get_target("sm90"),
+                dtype="float16")
+    import tvm
+
+    funcs = {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc)}
+    gemm = [n for n, f in funcs.items() if f.attrs.get("tvmfuse.rule") == NAME]
+    assert gemm == ["fused_matmul_pair"], sorted(funcs)
+    assert not any("sigmoid" in f.script() for n, f in funcs.items() if n not in gemm)
+
+
 # (M, N, K): tile-aligned; ragged M with N not a multiple of the tile (2N = 1040) and a K tail
 PAIR_CASES = [(512, 1024, 512), (1000, 520, 1000), (16, 2048, 1024)]
 
@@ -89,3 +107,15 @@ def test_gpu_swiglu_pair(m, n, k, dtype, tol, tmp_path):
     with torch.no_grad():
         ref = ConstSwiGLU(n, k).double()(x.double())
     assert rel_err(out, ref) <= tol
+
+
+@pytest.mark.gpu
+def test_gpu_norm_mlp_mixed_precision(tmp_path):
+    module = NormSwiGLU(1024, 512).eval()
+    x = _x(1000, 512, torch.float32)
+    lib = tvmfuse.compile(module, (x,), target="sm90", dtype="float16")
+    run = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
+    out = run(x.cuda())
+    with torch.no_grad():
+        ref = module.double()(x.double())
+    assert rel_err(out, ref) <= 1e-2

@@ -22,11 +22,12 @@ targets keep two GEMMs (their GEMM rules cannot schedule a strided-slice epilogu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
-from tvm import relax
+import tvm_ffi
+from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._util import is_op, static_shape
@@ -56,13 +57,15 @@ def _const(expr: relax.Expr, bound: dict) -> np.ndarray | None:
 
 @dataclass
 class _Pair:
-    root: relax.Var  # the binding that combines the two GEMMs' outputs
+    root: relax.Var  # the binding that combines the gate and up values
     x: relax.Expr
-    a: relax.Var  # the two matmul vars
-    b: relax.Var
+    matmul: relax.Call  # (one of) the original matmul call(s): its out_dtype is kept
     weight: np.ndarray  # interleaved (K, 2N)
-    out_dtype: str | None
-    body: list[relax.Var]  # epilogue bindings between the matmuls and root, in order (root last)
+    a: relax.Var  # leaves: the gate value (even GEMM columns) and the up value (odd columns)
+    b: relax.Var
+    body: list[relax.Var]  # elementwise bindings from the leaves to root, in order (root last)
+    wide: relax.Var | None = None  # one-GEMM form: the (…, 2N) matmul var
+    pre: list[relax.Var] = field(default_factory=list)  # ... and its row-wise chain before slicing
 
 
 def _target_takes(x: relax.Expr, weight: np.ndarray) -> bool:
@@ -78,8 +81,22 @@ def _target_takes(x: relax.Expr, weight: np.ndarray) -> bool:
             and k % 8 == 0 and n % 4 == 0)
 
 
+def _ints(tup: relax.Expr) -> list[int] | None:
+    """A strided_slice axes / begin / end / strides tuple as ints."""
+    try:
+        return [int(f) for f in tup.fields]
+    except (AttributeError, TypeError):
+        return None
+
+
+def _is_elementwise(call) -> bool:
+    return (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
+            and call.op.name in _ELEMENTWISE)
+
+
 def _find(func: relax.Function) -> list[_Pair]:
-    """Pairs of constant-weight matmuls on one input whose outputs meet only elementwise."""
+    """Gate/up pairs whose values meet only in elementwise ops: two constant-weight matmuls on one
+    input, or the two column halves of one such matmul (HorizontalGemm's merged form)."""
     bound: dict = {}
     users: dict = {}
     order: list = []
@@ -101,19 +118,61 @@ def _find(func: relax.Function) -> list[_Pair]:
         w = _const(call.args[1], bound)
         return w if w is not None and w.ndim == 2 else None
 
+    def wide_source(z) -> tuple[relax.Var, list[relax.Var]] | None:
+        """(matmul var, chain) when ``z`` is a constant-weight matmul after a row-wise chain of
+        elementwise ops (their other operands constant or one value per row, e.g. a norm's rstd)."""
+        chain, shape = [], static_shape(z)
+        while matmul_weight(z) is None:
+            call = bound.get(z)
+            if not _is_elementwise(call):
+                return None
+            same = [a for a in call.args if isinstance(a, relax.Var) and static_shape(a) == shape]
+            if len(same) != 1 or any(
+                    isinstance(a, relax.Var) and not a.same_as(same[0])
+                    and (static_shape(a) or [0])[-1] != 1 for a in call.args):
+                return None
+            chain.insert(0, z)
+            z = same[0]
+        return z, chain
+
+    def half_of(var) -> tuple[relax.Var, int] | None:
+        """(sliced var, 0 | 1) when ``var`` is the first or second half of a matmul's columns."""
+        call = bound.get(var)
+        if not is_op(call, "relax.strided_slice") or not isinstance(call.args[0], relax.Var):
+            return None
+        z, shape = call.args[0], static_shape(call.args[0])
+        axes, begin, end = (_ints(a) for a in call.args[1:4])
+        strides = _ints(call.args[4]) if len(call.args) > 4 else [1]
+        if shape is None or shape[-1] % 2 or axes != [len(shape) - 1] or strides != [1]:
+            return None
+        half = shape[-1] // 2
+        if [begin, end] not in ([[0], [half]], [[half], [2 * half]]) or wide_source(z) is None:
+            return None
+        return z, int(begin[0] == half)
+
+    def per_row(var) -> bool:
+        """A tensor computed outside the pair with one value per row, e.g. ``rstd`` (M, 1)."""
+        shape = static_shape(var) if isinstance(var, relax.Var) else None
+        return bool(shape) and shape[-1] == 1 and not _is_elementwise(bound.get(var)) \
+            and matmul_weight(var) is None
+
+    def same_input(x1, x2) -> bool:
+        """One GEMM input: the same var, or two bindings of one expression (``astype(x)`` twice)."""
+        return x1.same_as(x2) or (x1 in bound and x2 in bound
+                                  and tvm_ffi.structural_equal(bound[x1], bound[x2]))
+
     def sources(var, seen: set) -> set | None:
-        """The matmul vars ``var`` is computed from through elementwise ops (None: other ops)."""
-        if matmul_weight(var) is not None:
+        """The leaves (matmuls, halves) ``var`` is computed from through elementwise ops."""
+        if matmul_weight(var) is not None or half_of(var) is not None:
             return {var}
         call = bound.get(var)
-        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
-                and call.op.name in _ELEMENTWISE):
+        if not _is_elementwise(call):
             return None
         seen.add(var)
         out: set = set()
         for arg in call.args:
-            if isinstance(arg, tvm.ir.expr.Constant):
-                continue
+            if isinstance(arg, tvm.ir.expr.Constant | tirx.IntImm | tirx.FloatImm) or per_row(arg):
+                continue  # constants, clip's bounds, one value per row (a norm's rstd)
             if not isinstance(arg, relax.Var):
                 return None
             found = sources(arg, seen)
@@ -125,51 +184,62 @@ def _find(func: relax.Function) -> list[_Pair]:
     pairs, taken = [], set()
     for var in order:
         call = bound[var]
-        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
-                and call.op.name in _ELEMENTWISE):
+        if not _is_elementwise(call):
             continue
         inner: set = set()
         src = sources(var, inner)
         if src is None or len(src) != 2 or src & taken:
             continue
-        a, b = sorted(src, key=order.index)
-        ca, cb = bound[a], bound[b]
-        wa, wb = matmul_weight(a), matmul_weight(b)
-        shape = static_shape(a)
-        if not (ca.args[0].same_as(cb.args[0]) and wa.shape == wb.shape and wa.dtype == wb.dtype
-                and str(ca.attrs.out_dtype) == str(cb.attrs.out_dtype)
-                and shape is not None and shape == static_shape(b)):
-            continue
-        # every intermediate has the matmuls' shape and is used inside the group only
         inner.discard(var)
-        group = inner | {a, b}
+        a, b = sorted(src, key=order.index)
+        shape = static_shape(a)
+        if shape is None or shape != static_shape(b):
+            continue
+        halves = half_of(a), half_of(b)
+        if halves[0] is None and halves[1] is None:  # two GEMMs
+            ca, cb = bound[a], bound[b]
+            wa, wb = matmul_weight(a), matmul_weight(b)
+            if not (same_input(ca.args[0], cb.args[0]) and wa.shape == wb.shape
+                    and wa.dtype == wb.dtype
+                    and str(ca.attrs.out_dtype) == str(cb.attrs.out_dtype)):
+                continue
+            wide, pre, mm, outer = None, [], ca, {a, b}
+        elif None not in halves and halves[0][0].same_as(halves[1][0]) \
+                and {halves[0][1], halves[1][1]} == {0, 1}:  # one GEMM, two column halves
+            if halves[0][1] == 1:
+                a, b = b, a
+            wide, pre = wide_source(halves[0][0])
+            mm = bound[wide]
+            w = matmul_weight(wide)
+            wa, wb = w[:, : w.shape[1] // 2], w[:, w.shape[1] // 2:]
+            outer = {a, b, wide, *pre}
+        else:
+            continue
+        weight = np.stack([wa, wb], axis=2).reshape(wa.shape[0], 2 * wa.shape[1])
+        if not _target_takes(mm.args[0], weight):
+            continue
+        # every intermediate has the leaves' shape and is used inside the group only
+        group = inner | outer
         if any(static_shape(v) != shape for v in inner | {var}) or any(
                 u not in group and not u.same_as(var) for v in group for u in users.get(v, [])):
             continue
-        # each operand of the root must depend on one matmul alone: a gate and an up projection
+        # each operand of the root must depend on one leaf alone: a gate and an up projection
         if any(len(sources(arg, set()) or ()) != 1 for arg in call.args
                if isinstance(arg, relax.Var)):
-            continue
-        weight = np.stack([wa, wb], axis=2).reshape(wa.shape[0], 2 * wa.shape[1])
-        if not _target_takes(ca.args[0], weight):
             continue
         # a trailing elementwise chain on the result alone (a cast back to the model dtype) joins
         while len(users.get(var, [])) == 1 and isinstance(users[var][0], relax.Var):
             nxt = users[var][0]
             ncall = bound[nxt]
-            if not (isinstance(ncall, relax.Call) and isinstance(ncall.op, tvm.ir.Op)
-                    and ncall.op.name in _ELEMENTWISE
-                    and static_shape(nxt) == shape and all(
-                        a.same_as(var) or isinstance(a, tvm.ir.expr.Constant) for a in ncall.args)):
+            if not (_is_elementwise(ncall) and static_shape(nxt) == shape and all(
+                    a_.same_as(var) or isinstance(a_, tvm.ir.expr.Constant) for a_ in ncall.args)):
                 break
             inner.add(var)
             var = nxt
         inner.add(var)
         body = [v for v in order if v in inner]
-        out_dtype = ca.attrs.out_dtype
-        pairs.append(_Pair(var, ca.args[0], a, b, weight,
-                           None if out_dtype is None else str(out_dtype), body))
-        taken |= group
+        pairs.append(_Pair(var, mm.args[0], mm, weight, a, b, body, wide, pre))
+        taken |= group | {var}
     return pairs
 
 
@@ -181,34 +251,44 @@ class _Rewrite(PyExprMutator):
         self.bound = bound
 
     def _group_func(self, p: _Pair) -> tuple[relax.Function, list[relax.Expr]]:
-        """``fn(x, W, consts…) = f(slice_even(x·W), slice_odd(x·W))`` marked Primitive."""
-        x = relax.Var("x", p.x.ty)
-        w_const = relax.const(p.weight)
-        w = relax.Var("w", w_const.ty)
-        params, args, const_params = [x, w], [p.x, w_const], {}
+        """``fn(x, W, operands…) = f(even(x·W), odd(x·W))`` marked Primitive; its arguments."""
+        params, args, vmap = [], [], {}
+
+        def operand(e: relax.Expr, name: str | None = None) -> relax.Expr:
+            """Inside the function: a mapped var, or a new parameter for an outside tensor."""
+            if isinstance(e, relax.Var) and e in vmap:
+                return vmap[e]
+            if not isinstance(e, relax.Var | tvm.ir.expr.Constant):
+                return e  # PrimValue, shapes: as they are
+            param = relax.Var(name or f"p{len(params)}", e.ty)
+            params.append(param)
+            args.append(e)
+            if isinstance(e, relax.Var):
+                vmap[e] = param
+            return param
+
+        def replay(var: relax.Var) -> relax.Var:
+            call = self.bound[var]
+            new = relax.Call(call.op, [operand(a) for a in call.args], call.attrs, call.ty_args)
+            vmap[var] = (bb.emit_output if var.same_as(p.root) else bb.emit)(new)
+            return vmap[var]
+
         bb = relax.BlockBuilder()
         with bb.function("pair_gemm", attrs={"Primitive": True}, private=True):
             with bb.dataflow():
-                y = bb.emit(relax.op.matmul(x, w, out_dtype=p.out_dtype))
-                axis = len(static_shape(y)) - 1
-                n2 = int(p.weight.shape[1])
-                vmap = {p.a: bb.emit(relax.op.strided_slice(y, [axis], [0], [n2], [2])),
-                        p.b: bb.emit(relax.op.strided_slice(y, [axis], [1], [n2], [2]))}
-                out = None
+                x, w = operand(p.x, "x"), operand(relax.const(p.weight), "w")
+                z = bb.emit(relax.op.matmul(x, w, out_dtype=p.matmul.attrs.out_dtype))
+                if p.wide is not None:
+                    vmap[p.wide] = z
+                    for var in p.pre:
+                        z = replay(var)
+                axis, n2 = len(static_shape(z)) - 1, int(p.weight.shape[1])
+                vmap[p.a] = bb.emit(relax.op.strided_slice(z, [axis], [0], [n2], [2]))
+                vmap[p.b] = bb.emit(relax.op.strided_slice(z, [axis], [1], [n2], [2]))
                 for var in p.body:
-                    call = self.bound[var]
-                    new_args = []
-                    for arg in call.args:
-                        if isinstance(arg, tvm.ir.expr.Constant):  # constants become parameters
-                            if arg not in const_params:
-                                const_params[arg] = relax.Var(f"c{len(const_params)}", arg.ty)
-                            arg = const_params[arg]
-                        new_args.append(vmap.get(arg, arg))
-                    new = relax.Call(call.op, new_args, call.attrs, call.ty_args)
-                    out = vmap[var] = (bb.emit_output if var.same_as(p.root) else bb.emit)(new)
-            bb.emit_func_output(out, params + list(const_params.values()))
-        func = bb.get()["pair_gemm"]
-        return func, args + list(const_params)
+                    out = replay(var)
+            bb.emit_func_output(out, params)
+        return bb.get()["pair_gemm"], args
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         p = self.pairs.get(binding.var)
