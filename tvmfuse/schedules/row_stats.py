@@ -20,6 +20,10 @@ the functions whose last block writes whole rows; this rule shares its analysis 
 * a row scalar a later block reads (``mean``) is computed by every thread into a register; each
   output scalar is written once per row, by the row's thread ``t = 0``.
 
+On the H200 (kernel time, 8192 × 4096 fp16): LayerNorm stats 17.8 µs (3.78 TB/s of x), RMSNorm
+stats 16.5 µs (4.06 TB/s); before this rule dlight's Fallback took 4.32 ms (one thread a row) for
+the former and its Reduction rule 42.0 µs for the latter (tools/bench/results/*-row-stats.json).
+
 Returns ``None`` for anything else (row-wide outputs, more than two outputs, symbolic shapes, rows
 of a prime number of vectors, tiles over the register budget): dlight's rules take those.
 """
