@@ -81,6 +81,8 @@ def _ptxas_kernels(log: str) -> dict[str, tuple[int, int]]:
     ("nt", "float16", GemmConfig()),
     ("nn", "bfloat16", GemmConfig()),
     ("nt", "bfloat16", GemmConfig(bn=128, stages=6)),
+    ("nn", "float16", GemmConfig(bm=64, bn=128, stages=4, ctas_per_sm=2, producer_regs=40,
+                                 consumer_regs=216)),
 ])
 def test_kernel_sass_has_hgmma_and_tma(layout, dtype, cfg, tmp_path, monkeypatch):
     """The generated kernel compiles for sm_90a to HGMMA + UTMALDG with no spills."""
@@ -92,6 +94,8 @@ def test_kernel_sass_has_hgmma_and_tma(layout, dtype, cfg, tmp_path, monkeypatch
                       target=get_target("sm90").tvm_target(), tir_pipeline="tirx")
     src = lib.mod.imports[0].inspect_source()
     assert f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16" in src
+    if cfg.ctas_per_sm > 1:  # two co-resident CTAs: ptxas must fit 65536 / (2 x 256) registers
+        assert f"__launch_bounds__({cfg.threads}, {cfg.ctas_per_sm})" in src
     fatbin = compile_fatbin(src, get_target("sm90"), tmp_path)
     sass = fatbin_sass(fatbin)["sm_90a"]
     assert f"HGMMA.64x{cfg.bn}x16.F32" in sass

@@ -46,6 +46,7 @@ class GemmConfig:
     num_sms: int = 132  # H200
     vector_store: bool = True  # column pairs stored as one 2-element vector
     pair_shuffle: bool = True  # pair epilogue: lanes t, t^1 swap one value, store 2-element vectors
+    ctas_per_sm: int = 1  # > 1: co-resident CTAs (launch bounds), one's epilogue overlaps another's MMAs
 
     @property
     def consumers(self) -> int:
@@ -87,8 +88,9 @@ def check(problem: GemmProblem, cfg: GemmConfig) -> str | None:
         return f"N={problem.n} is odd (the epilogue stores column pairs)"
     if cfg.bm % 64 or cfg.bm > 256 or cfg.bn % 64 or cfg.bn > 256:
         return f"tile {cfg.bm}x{cfg.bn} unsupported"
-    if cfg.smem_bytes() > 227 * 1024:
-        return f"{cfg.smem_bytes()} bytes of shared memory per CTA exceed 227 KiB"
+    if cfg.smem_bytes() * cfg.ctas_per_sm > 227 * 1024:
+        return (f"{cfg.smem_bytes()} bytes of shared memory per CTA x {cfg.ctas_per_sm} CTAs "
+                "exceed 227 KiB")
     if problem.m >= 2**31 or problem.n >= 2**31 or problem.k >= 2**31:
         return "dimension beyond int32"
     return None
@@ -150,8 +152,9 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w(f'    T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, "{e}", 2, {b_name}.data, '
       f"{b_dims[0]}, {b_dims[1]}, {b_dims[0] * 2}, {b_box[0]}, {b_box[1]}, 1, 1, 0, {SW128}, 2, 0)")
     w("    T.device_entry()")
+    device_start = len(lines)
     tiles = tiles_m * tiles_n
-    grid = min(tiles, c.num_sms) if c.persistent else tiles
+    grid = min(tiles, c.num_sms * c.ctas_per_sm) if c.persistent else tiles
     rounds = _cdiv(tiles, grid)  # tiles per CTA (the last round may be partial)
     w(f"    bid = T.cta_id([{grid}])")
     w(f"    tx = T.thread_id([{c.threads}])")
@@ -240,7 +243,7 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w("                row0 = m0 + (wg - 1) * 64 + (t // 32) * 16 + (t % 32) // 4")
     if pair_value and c.pair_shuffle:
         _pair_shuffle_store(w, p, c, pair_value)
-        return "\n".join(lines) + "\n"
+        return _finish(lines, device_start, c)
     w(f"                for j in T.unroll({c.bn // 8}):")
     w("                    col = n0 + j * 8 + (t % 4) * 2")
     w("                    for h in T.unroll(2):")
@@ -257,6 +260,16 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
         for q in range(2):
             w(f"                            C2[row0 + h * 8, col + {q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
+    return _finish(lines, device_start, c)
+
+
+def _finish(lines: list[str], device_start: int, c: GemmConfig) -> str:
+    """The kernel text; with ``ctas_per_sm > 1`` the device body sits in a launch-bounds attr
+    (``__launch_bounds__(threads, ctas_per_sm)``: ptxas keeps the registers for co-residence)."""
+    if c.ctas_per_sm > 1:
+        body = ["    " + ln for ln in lines[device_start:]]
+        lines = lines[:device_start] + [
+            f'    with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", {c.ctas_per_sm}):'] + body
     return "\n".join(lines) + "\n"
 
 
