@@ -215,7 +215,11 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
                 "or the weight / norm parameters are not constants, or the norm is not over K")
     if p == "norm" and c == "norm":
         return "a second reduction over a finished reduction's broadcast result needs another pass"
-    if p == "elementwise" and c in ("gemm_epilogue", "norm_gemm", "attention"):
+    if p == "elementwise" and c == "attention":
+        return ("attention operands computed by injective ops (RoPE, Q/K/V slices, mask) are written "
+                "by one kernel (PackAttentionInputs); folding them into the attention kernel's tile "
+                "loads is not done yet")
+    if p == "elementwise" and c in ("gemm_epilogue", "norm_gemm"):
         return "elementwise/layout producer of a GEMM operand is not folded into the GEMM's loads yet"
     if p in ("gemm_epilogue", "norm_gemm") and c == "elementwise" and any(
             o in LAYOUT_OPS for o in cons.ops):
@@ -233,7 +237,11 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
     by_name = {k.name: k for k in kernels}
     producer_of: dict[Any, KernelInfo] = {}
     found: list[dict[str, Any]] = []
+    views = tuple(tvm.ir.Op.get(n) for n in ("relax.memory.view", "relax.memory.ensure_zero_offset"))
     for var, call in _main_calls(stages["fuse_tir"]):
+        if any(call.op.same_as(v) for v in views) and call.args[0] in producer_of:
+            producer_of[var] = producer_of[call.args[0]]  # a view of a packed output: same producer
+            continue
         if call.op != tvm.ir.Op.get("relax.call_tir"):
             continue
         kernel = by_name.get(call.args[0].name_hint)

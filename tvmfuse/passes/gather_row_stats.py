@@ -17,8 +17,9 @@ indices; one kernel writes them into one buffer, read back through views::
 
 The statistics kernel disappears; the gather kernel also writes B·S floats more. Applies to
 single-output statistics PrimFuncs (``rms_norm_stats``) of a gather of a constant 2-D table on
-axis 0, when ``|x|`` is a multiple of 64 bytes (the views are then copy-free). Sits after
-NormGemmPrologue, which makes the statistics calls.
+axis 0, or of reshapes of it that keep the rows (torch's embedding gathers on flat ids), when
+``|x|`` is a multiple of 64 bytes (the views are then copy-free). Sits after NormGemmPrologue,
+which makes the statistics calls.
 """
 
 from __future__ import annotations
@@ -55,22 +56,30 @@ def _table_stats(func: tirx.PrimFunc, table: np.ndarray) -> np.ndarray:
 
 
 def _matches(mod: tvm.IRModule, value: relax.Expr, bound: dict):
-    """(stats PrimFunc, take call) when ``value`` is call_tir(stats, (take(E, idx, axis=0),))."""
+    """(stats PrimFunc, gathered var, take call) when ``value`` is call_tir(stats, (x,)) with
+    x = take(E, idx, axis=0) or reshapes of it that keep the rows."""
     if not is_op(value, "relax.call_tir") or not isinstance(value.args[0], tvm.ir.GlobalVar):
         return None
     if value.args[0].name_hint not in _STATS or len(value.args[1].fields) != 1:
         return None
     x = value.args[1].fields[0]
-    take = bound.get(x)
+    gathered = x
+    for _ in range(4):  # torch's embedding: take on flat ids, then reshapes to (B, S, H)
+        if not is_op(bound.get(gathered), "relax.reshape"):
+            break
+        gathered = bound[gathered].args[0]
+    take = bound.get(gathered)
     if not is_op(take, "relax.take") or take.attrs.axis is None or int(take.attrs.axis) != 0:
         return None
     table = const_array(take.args[0])
-    x_shape, out_shape = static_shape(x), static_shape(value)
-    if table is None or table.ndim != 2 or x_shape is None or out_shape != x_shape[:-1] + [1]:
+    x_shape, out_shape, idx_shape = static_shape(x), static_shape(value), static_shape(take.args[1])
+    if table is None or table.ndim != 2 or x_shape is None or idx_shape is None \
+            or out_shape != x_shape[:-1] + [1] or x_shape[-1] != table.shape[1] \
+            or int(np.prod(x_shape[:-1])) != int(np.prod(idx_shape)):
         return None
     if int(np.prod(x_shape)) * table.dtype.itemsize % _ALIGN:
         return None
-    return mod[value.args[0]], take
+    return mod[value.args[0]], gathered, take
 
 
 @mutator
@@ -79,8 +88,8 @@ class _Rewrite(PyExprMutator):
 
     def __init__(self, mod: tvm.IRModule, plans: dict) -> None:
         super().__init__(mod)
-        self.plans = plans  # gathered var x → (stats var, R table)
-        self.dropped = {stats for stats, _ in plans.values()}
+        self.plans = plans  # gathered var → (stats var, take call, R table)
+        self.dropped = {plan[0] for plan in plans.values()}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.dropped:
@@ -89,13 +98,11 @@ class _Rewrite(PyExprMutator):
         if plan is None:
             super().visit_var_binding_(binding)
             return
-        stats_var, table = plan
-        take = binding.value
+        stats_var, take, table = plan
         x_shape, out_shape = static_shape(binding.var), static_shape(stats_var)
-        idx = self.visit_expr(take.args[1])
-        x = self.builder_.emit(relax.op.take(self.visit_expr(take.args[0]), idx, axis=0,
-                                             mode=take.attrs.mode))
-        rows = self.builder_.emit(relax.op.take(relax.const(table), idx, axis=0, mode=take.attrs.mode))
+        x = self.builder_.emit(self.visit_expr(take))
+        rows = self.builder_.emit(relax.op.take(relax.const(table), self.visit_expr(take.args[1]),
+                                                axis=0, mode=take.attrs.mode))
         parts = [self.builder_.emit(relax.op.reshape(v, shape_expr([int(np.prod(s))])))
                  for v, s in ((x, x_shape), (rows, out_shape))]
         packed = self.builder_.emit(relax.op.concat(parts, axis=0))
@@ -126,13 +133,12 @@ class GatherRowStats:
                 found = _matches(mod, value, bound)
                 if found is None:
                     continue
-                stats_func, take = found
-                x = value.args[1].fields[0]
+                stats_func, x, take = found  # x: the gathered var (its reshapes stay views of it)
                 table = const_array(take.args[0])
                 if x in seen or str(stats_func.params[-1].dtype) != str(table.dtype):
                     continue  # one packing per gather; the packed buffer has one dtype
                 seen.add(x)
-                plans[x] = (var, _table_stats(stats_func, table))
+                plans[x] = (var, take, _table_stats(stats_func, table))
             if not plans:
                 continue
             rewriter = _Rewrite(mod, plans)

@@ -18,10 +18,10 @@ kernel reads them in place (``R.memory.view`` is a view; ``ensure_zero_offset`` 
 offset into the data pointer, a copy-free step for offsets that are multiples of 64 bytes, the
 only ones this pass makes). Memory planning keeps ``packed`` alive while a view is.
 
-An operand is packed when it is computed (not a GEMM output, a parameter or a constant, looking
-through reshapes and elementwise epilogue ops on a GEMM), the injective chain that computes it
-serves only attention calls, and at least two operands of one call qualify (one alone is a kernel
-either way). An operand shared by several calls (a padding mask) is packed with the first and
+An operand is packed when it is computed (the output of an injective op that is not a GEMM
+epilogue: not a GEMM output, parameter or constant, looking through reshapes and elementwise ops
+on a GEMM), only attention calls read it, its shape is static, and at least two operands of one
+call qualify, of one dtype (one alone is a kernel either way). An operand shared by several calls (a padding mask) is packed with the first and
 read as a view by the others. Sits after every pass that rewrites attention operands (horizontal
 GEMM slices, reshape sinking, mixed precision casts) and before LegalizeOps.
 """
