@@ -1,8 +1,10 @@
 """Mixed precision: matmuls/attention in fp16 or bf16, accumulation in fp32.
 
-Runs TVM's ``ToMixedPrecision`` (which knows the fp16-safe ops and keeps accumulators at fp32);
-for ``bfloat16`` every fp16 cast and constant it introduced is then retyped to bf16. Model inputs
-and outputs keep their float32 signature, as TensorRT's and torch.autocast's do.
+Runs TVM's ``ToMixedPrecision`` (which knows the fp16-safe ops and keeps accumulators at fp32),
+then lets NormGemmPrologue's fp32 epilogues read the GEMM accumulator instead of the half copy
+ToMixedPrecision stores (:mod:`.norm_epilogue_fp32`); for ``bfloat16`` every fp16 cast and
+constant it introduced is then retyped to bf16. Model inputs and outputs keep their float32
+signature, as TensorRT's and torch.autocast's do.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .norm_epilogue_fp32 import NormEpilogueFp32
 
 
 @mutator
@@ -44,6 +48,8 @@ class MixedPrecision:
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = relax.transform.ConvertToDataflow()(mod)
         mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
+        # acc → half → fp32 before a norm epilogue would round it and split it from the GEMM.
+        mod = NormEpilogueFp32()(mod)
         if self.dtype == "bfloat16":
             for gvar, func in list(mod.functions.items()):
                 if isinstance(func, relax.Function):

@@ -1,0 +1,197 @@
+"""MixedPrecision and NormEpilogueFp32: a norm epilogue reads the GEMM's fp32 accumulator.
+
+ToMixedPrecision rounds every matmul result to fp16 and widens it again for fp32 consumers; for
+NormGemmPrologue's epilogue (``rstd ⊙ acc``, ``acc − μ ⊗ colsum``) that rounding cost accuracy
+and, on sm90, moved the multiply out of the GEMM kernel into the statistics kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import tvmfuse
+from tvmfuse.frontend import import_model
+from tvmfuse.passes import MixedPrecision
+from tvmfuse.passes.norm_epilogue_fp32 import NormEpilogueFp32
+from tvmfuse.pipeline import lower
+from tvmfuse.report import analyze
+from tvmfuse.targets import get_target
+
+
+@I.ir_module
+class RowScaleBefore:
+    @R.function
+    def main(x: R.Tensor((16, 64), "float16"), w: R.Tensor((64, 32), "float16"),
+             rstd: R.Tensor((16, 1), "float32")) -> R.Tensor((16, 32), "float32"):
+        with R.dataflow():
+            acc = R.matmul(x, w, out_dtype="float32")
+            h = R.astype(acc, "float16")
+            wide = R.astype(h, "float32")
+            y = R.multiply(rstd, wide)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RowScaleExpected:
+    @R.function
+    def main(x: R.Tensor((16, 64), "float16"), w: R.Tensor((64, 32), "float16"),
+             rstd: R.Tensor((16, 1), "float32")) -> R.Tensor((16, 32), "float32"):
+        with R.dataflow():
+            acc = R.matmul(x, w, out_dtype="float32")
+            y = R.multiply(rstd, acc)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class NotPerRow:
+    """A residual add and a full-size multiply after the cast pair: not a norm epilogue."""
+
+    @R.function
+    def main(x: R.Tensor((16, 64), "float16"), w: R.Tensor((64, 32), "float16"),
+             r: R.Tensor((16, 32), "float32"), s: R.Tensor((1, 32), "float32"),
+             ) -> R.Tuple(R.Tensor((16, 32), "float32"), R.Tensor((16, 32), "float32")):
+        with R.dataflow():
+            acc = R.matmul(x, w, out_dtype="float32")
+            h = R.astype(acc, "float16")
+            wide = R.astype(h, "float32")
+            y = R.add(wide, r)
+            z = R.multiply(wide, s)
+            out = (y, z)
+            R.output(out)
+        return out
+
+
+def test_row_scale_reads_accumulator():
+    tvm.ir.assert_structural_equal(NormEpilogueFp32()(RowScaleBefore), RowScaleExpected)
+
+
+def test_other_cast_pairs_are_kept():
+    tvm.ir.assert_structural_equal(NormEpilogueFp32()(NotPerRow), NotPerRow)
+
+
+def _layer_norm_epilogue(fixed: bool, half: str = "float16") -> tvm.IRModule:
+    """NormGemmPrologue's LayerNorm epilogue after ToMixedPrecision (``fixed``: as it should be)."""
+    colsum = relax.const(np.linspace(-1, 1, 32).astype("float32"))
+    shift = relax.const(np.linspace(0, 1, 32).astype("float32"))
+    x = relax.Var("x", relax.TensorType((16, 64), half))
+    w = relax.Var("w", relax.TensorType((64, 32), half))
+    mean = relax.Var("mean", relax.TensorType((16, 1), "float32"))
+    rstd = relax.Var("rstd", relax.TensorType((16, 1), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, mean, rstd]):
+        with bb.dataflow():
+            acc = bb.emit(relax.op.matmul(x, w, out_dtype="float32"))
+            if not fixed:
+                acc = bb.emit(relax.op.astype(bb.emit(relax.op.astype(acc, half)), "float32"))
+            shifted = bb.emit(relax.op.subtract(acc, bb.emit(relax.op.multiply(colsum, mean))))
+            out = bb.emit_output(relax.op.add(bb.emit(relax.op.multiply(shifted, rstd)), shift))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_centering_reads_accumulator(half):
+    after = NormEpilogueFp32()(_layer_norm_epilogue(fixed=False, half=half))
+    tvm.ir.assert_structural_equal(after, _layer_norm_epilogue(fixed=True, half=half))
+
+
+class _NormLinear(torch.nn.Module):
+    """x (16, 64) → RMSNorm or LayerNorm → Linear (64 → 128, no bias): y (16, 128)."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.norm = torch.nn.RMSNorm(64, eps=1e-6) if norm == "rms" else torch.nn.LayerNorm(64)
+        with torch.no_grad():
+            self.norm.weight.copy_(1 + 0.5 * torch.randn(64, generator=gen))
+            if norm == "layer":
+                self.norm.bias.copy_(0.1 * torch.randn(64, generator=gen))
+        self.lin = torch.nn.Linear(64, 128, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(x))
+
+
+def _fp32_epilogue_reference(model: _NormLinear, x: torch.Tensor) -> np.ndarray:
+    """fp16 GEMM operands (x, diag(γ)·W), everything else in fp32 — what the compiled graph
+    should compute: rstd ⊙ (x₁₆ · W'₁₆ − μ ⊗ colsum(W'₁₆)) + β · W (no rounding of the GEMM)."""
+    xn = x.numpy().astype(np.float64)
+    g = model.norm.weight.detach().numpy().astype(np.float64)
+    w = model.lin.weight.detach().numpy().T.astype(np.float64)  # (64, 128)
+    w16 = (g[:, None] * w).astype(np.float32).astype(np.float16).astype(np.float64)
+    acc = xn.astype(np.float32).astype(np.float16).astype(np.float64) @ w16
+    if isinstance(model.norm, torch.nn.LayerNorm):
+        mean = xn.mean(-1, keepdims=True)
+        rstd = 1 / np.sqrt(((xn - mean) ** 2).mean(-1, keepdims=True) + model.norm.eps)
+        colsum = (g[:, None] * w).astype(np.float32).astype(np.float64).sum(0)
+        beta = model.norm.bias.detach().numpy().astype(np.float64)
+        return rstd * (acc - mean * colsum) + beta @ w
+    rstd = 1 / np.sqrt((xn ** 2).mean(-1, keepdims=True) + model.norm.eps)
+    return rstd * acc
+
+
+def _rel(out: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(out.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_cpu_numerics_no_accumulator_rounding(norm):
+    """On the CPU the fp16 model equals the fp32-epilogue reference to fp32 rounding (rounding the
+    accumulator to fp16, as before, gives ~3e-4) and stays close to the fp32 torch model."""
+    model = _NormLinear(norm).eval()
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref32 = model(x).numpy()
+    out = tvmfuse.compile(model, (x,), target="cpu", dtype="float16").load()(x).numpy()
+    assert _rel(out, _fp32_epilogue_reference(model, x)) < 2e-5
+    assert 1e-5 < _rel(out, ref32.astype(np.float64)) < 5e-3  # fp16 operands, fp32 accumulation
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_sm90_epilogue_stays_in_the_gemm(norm):
+    """fp16 on sm90: the stats kernel alone (RowStats rule), the rstd multiply in the GEMM kernel
+    (sm90 GEMM rule), as in fp32."""
+    model = _NormLinear(norm).eval()
+    mod = import_model(model, (torch.randn(16, 64),)).mod
+    stats = "rms_norm_stats" if norm == "rms" else "layer_norm_stats"
+    report = analyze(mod, get_target("sm90"), "float16")
+    ops = [k["ops"] for k in report["kernels"]]
+    assert [stats] in ops, ops
+    gemm = [o for o in ops if "matmul" in o]
+    assert len(gemm) == 1 and "multiply" in gemm[0] and "cast" not in gemm[0], ops
+
+    rules: dict[str, str] = {}
+
+    def grab(name: str, stage_mod: tvm.IRModule) -> None:
+        if name == "schedule":
+            rules.update({gv.name_hint: str(f.attrs.get("tvmfuse.rule", "")) for gv, f in
+                          stage_mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)})
+
+    lower(mod, get_target("sm90"), "float16", on_stage=grab)
+    assert rules[stats] == "row_stats", rules
+    fused = [name for name in rules if "matmul" in name]
+    assert len(fused) == 1 and "multiply" in fused[0] and rules[fused[0]] == "gemm_sm90", rules
+
+
+def test_mixed_precision_rewrites_norm_gemm_output():
+    """MixedPrecision on NormGemmPrologue's output leaves no cast pair before the epilogue."""
+    from tvmfuse.passes import FuseDecomposedNorms, NormGemmPrologue
+
+    mod = import_model(_NormLinear("rms").eval(), (torch.randn(16, 64),)).mod
+    mod = NormGemmPrologue()(FuseDecomposedNorms()(mod))
+    after = MixedPrecision("float16")(mod)
+    bound = {b.var: b.value for blk in after["main"].body.blocks for b in blk.bindings}
+    mul = [v for v in bound.values() if isinstance(v, relax.Call)
+           and getattr(v.op, "name", "") == "relax.multiply"]
+    assert len(mul) == 1
+    acc = bound[mul[0].args[0]]
+    assert acc.op.name == "relax.matmul" and str(acc.attrs.out_dtype) == "float32"
+    assert str(acc.args[0].ty.dtype) == "float16"
