@@ -13,7 +13,9 @@ import torch
 import tvm
 from tvm import tirx
 
-from tests.test_schedule_gemm_sm90 import LinearAct, SwiGLU, _inputs, _lowered_funcs
+import tvmfuse
+from tests.test_schedule_gemm_sm90 import LinearAct, SwiGLU, _inputs, _lowered_funcs, needs_cuobjdump
+from tvmfuse.build.inspect import cuda_images, fatbin_sass
 from tvmfuse.schedules.gemm_sm90 import NAME, build_kernel
 from tvmfuse.schedules.hopper.epilogue import analyze, expr_text
 from tvmfuse.schedules.hopper.opmath import opmath, to_fp32
@@ -153,3 +155,36 @@ def test_build_kernel_uses_opmath():
     """build_kernel prints the fp32 epilogue (the erf argument is not a half value)."""
     kernel = build_kernel(_gelu_case())
     assert 'T.Cast("float32", T.Cast("float16"' not in kernel.script()
+
+
+def test_fast_erf_constants_within_bound():
+    """The A&S 7.1.26 constants fast_math16 uses give |erf error| ≤ 1.5e-7 (float64 evaluation)."""
+    from math import erf
+
+    from tvmfuse.schedules.hopper.opmath import _AS_A, _AS_P
+
+    x = np.linspace(-6, 6, 20001)
+    t = 1 / (1 + _AS_P * np.abs(x))
+    poly = sum(a * t ** (i + 1) for i, a in enumerate(_AS_A))
+    approx = np.sign(x) * (1 - poly * np.exp(-x * x))
+    assert np.max(np.abs(approx - np.vectorize(erf)(x))) <= 1.5e-7
+
+
+@needs_cuobjdump
+def test_fast_math16_replaces_erf(monkeypatch, tmp_path):
+    """With FAST_MATH16 the 16-bit GELU epilogue calls __expf / __fdividef instead of erf; the
+    library builds with nvcc to HGMMA + MUFU.EX2."""
+    import tvmfuse.schedules.gemm_sm90 as sm90
+    from tvmfuse.schedules.hopper.opmath import fast_math16
+
+    g = analyze(_gelu_case())
+    e = fast_math16(opmath(g.expr, g.out_dtype))
+    assert "erf" not in str(e) and "__expf" in str(e) and "__fdividef" in str(e)
+    monkeypatch.setattr(sm90, "FAST_MATH16", True)
+    text = build_kernel(_gelu_case()).script()
+    assert "T.erf" not in text and "__expf" in text
+    inputs = _inputs(128, 256, 64, torch.float16)
+    path = tvmfuse.compile(LinearAct("gelu"), inputs, target="sm90").export(tmp_path / "m.so")
+    (_, code), = cuda_images(path)
+    sass = fatbin_sass(code)["sm_90a"]
+    assert "HGMMA" in sass and "MUFU.EX2" in sass

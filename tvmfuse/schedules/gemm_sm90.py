@@ -25,12 +25,15 @@ from tvm import tirx
 from .elementwise import RULE_ATTR
 from .hopper.epilogue import NotHandled, analyze, expr_text, top_blocks
 from .hopper.kernel import GemmConfig, GemmProblem, check, kernel_text
-from .hopper.opmath import opmath
+from .hopper.opmath import fast_math16, opmath
 
 NAME = "gemm_sm90"
 TIRX_ATTR = "tvmfuse.tirx"  # lower this PrimFunc with the tirx pipeline
 FALLBACK_ATTR = "tvmfuse.fallback"  # why a GEMM-like PrimFunc kept the default path
 HYBRID_PIPELINE = "tvmfuse_hybrid"
+# fp16 / bf16 outputs: erf and sigmoid in cheaper fp32 forms (hopper.opmath.fast_math16); off until
+# measured on the device
+FAST_MATH16 = False
 
 
 def _is_sm90a(target) -> bool:
@@ -98,6 +101,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         decls[g.b] = (names[g.b], decls[g.b][1][::-1], decls[g.b][2])
 
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
+    if FAST_MATH16 and g.out_dtype in ("float16", "bfloat16"):
+        expr = fast_math16(expr)
 
     def store_value(acc: str, row: str, col: str) -> str:
         return expr_text(expr, [(g.acc, acc), (g.dims[0], row), (g.dims[1], col)],

@@ -304,6 +304,9 @@ def expr_text(e, names: list, buffers: list) -> str:
             return f"T.Select({t(x.condition)}, {t(x.true_value)}, {t(x.false_value)})"
         if isinstance(x, tirx.Not):
             return f"T.Not({t(x.a)})"
+        if isinstance(x, _Call) and x.op.name == "tirx.call_pure_extern":  # CUDA fast-math calls
+            rest = "".join(f", {t(a)}" for a in x.args[1:])
+            return f'T.call_pure_extern("{_dt(x)}", "{x.args[0].value}"{rest})'
         if isinstance(x, _Call):
             return f"T.{x.op.name.removeprefix('tirx.')}({', '.join(t(a) for a in x.args)})"
         return _fail(f"{type(x).__name__}")
