@@ -1,6 +1,7 @@
 """Print `tvmfuse report` totals for the example models and the HF exports, and save them as JSON.
 
-Usage: python tools/report_models.py [--target sm90] [--out tools/bench/results/report_models.json]
+Usage: python tools/report_models.py [--target sm90] [--dtype float16]
+                                     [--out tools/bench/results/report_models.json]
 The HF ONNX files are made at random init by tests/hf_models.py (cached in --hf-dir).
 """
 
@@ -24,6 +25,8 @@ from tvmfuse.targets import get_target  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--target", default="sm90")
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default=None,
+                    help="mixed precision as in `tvmfuse compile --dtype` (default: the models' fp32)")
     ap.add_argument("--hf-dir", type=Path, default=Path("/tmp/tvmfuse-hf-onnx"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -36,7 +39,7 @@ def main() -> None:
     print(f"{'model':<30} {'ops':>5} {'stock':>6} {'tvmfuse':>8} {'ratio':>6} {'MB unfused':>11} "
           f"{'MB fused':>9}")
     for name, model in models.items():
-        report = analyze(import_model(model).mod, get_target(args.target))
+        report = analyze(import_model(model).mod, get_target(args.target), args.dtype)
         stock = report["stock_tvm_kernel_count"]
         ratio = report["fused_kernel_count"] / stock if stock else None
         rows.append({"model": name, **{k: report[k] for k in (
@@ -49,7 +52,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": None,
-            "target": args.target, "command": " ".join(sys.argv),
+            "target": args.target, "dtype": args.dtype or "float32", "command": " ".join(sys.argv),
             "note": "static analysis on the CPU machine (no timing); tiny configs", "rows": rows},
             indent=1))
 
