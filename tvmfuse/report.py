@@ -210,6 +210,10 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
     if p in ("gemm_epilogue", "norm_gemm", "attention") and c in ("gemm_epilogue", "norm_gemm"):
         return ("GEMM feeding a GEMM: fusing would recompute the first product for every tile of "
                 "the second")
+    if p == "norm" and c == "gemm_epilogue" and prod.ops[-1].endswith("_stats"):
+        return ("row statistics for the GEMM epilogue (norm_gemm applied): they need whole rows of "
+                "the GEMM's A operand before the epilogue; accumulating them from the A tiles the "
+                "GEMM's main loop already loads is not done yet")
     if p == "norm" and c in ("gemm_epilogue",):
         return ("norm → Linear prologue (norm_gemm) not applied: the normed tensor has other users, "
                 "or the weight / norm parameters are not constants, or the norm is not over K")
