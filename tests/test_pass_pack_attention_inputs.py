@@ -134,3 +134,22 @@ def test_slices_and_shared_mask_one_kernel():
     mask[1, 5:] = 0
     np.testing.assert_allclose(run_llvm(after, qkv, mask), run_llvm(SharedMask, qkv, mask),
                                rtol=1e-6, atol=1e-6)
+
+
+@I.ir_module
+class Misaligned:
+    """Q is 60 bytes: K's view would start off the 64-byte alignment (a copy): not packed."""
+
+    @R.function
+    def main(q0: R.Tensor((1, 3, 1, 5), "float32"), kt: R.Tensor((1, 1, 3, 5), "float32"),
+             v: R.Tensor((1, 3, 1, 5), "float32")) -> R.Tensor((1, 3, 1, 5), "float32"):
+        with R.dataflow():
+            q = R.multiply(q0, R.const(0.5, "float32"))
+            k = R.permute_dims(kt, axes=[0, 2, 1, 3])
+            o = R.nn.attention(q, k, v)
+            R.output(o)
+        return o
+
+
+def test_misaligned_offsets_not_packed():
+    tvm.ir.assert_structural_equal(PackAttentionInputs()(Misaligned), Misaligned)
