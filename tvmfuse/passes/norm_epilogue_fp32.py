@@ -8,8 +8,10 @@ NormGemmPrologue wrote (``rstd ⊙ acc``, ``acc − μ ⊗ colsum``) gets a roun
     y   = multiply(w, rstd)                                 rstd (M, 1) fp32, one value per row
 
 → ``y = multiply(acc, rstd)``. That is the fp32 graph's math (more accurate, not less), and it keeps
-the epilogue in the GEMM's kernel: with the casts between them, FuseOps handed the ``multiply`` to
-the statistics kernel (bound between the two casts), and the GEMM's result went through HBM in fp32.
+the epilogue in the GEMM's kernel. Both the GEMM and the statistics kernel are out-elementwise
+fusable, and FuseOps gives the ``multiply`` to the first of them, in binding order, whose chain
+reaches it: the statistics are bound between the two casts, so they took it (dlight's Reduction
+rule then scheduled that kernel instead of RowStats) and the GEMM wrote its result to HBM in fp32.
 
 Matched consumers of the widened value (the two ways NormGemmPrologue's epilogue starts):
 
