@@ -44,7 +44,7 @@ a transposed A, K or N not a multiple of 8, symbolic shapes. Non-GEMM functions 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 import tvm_ffi
@@ -105,6 +105,16 @@ SMALL_M_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=128, warp_m=16, warp
                             raster=1)
 
 _IN_DTYPES = ("float16", "bfloat16")
+
+
+def _fit_stages(cfg: GemmConfig, k: int) -> GemmConfig:
+    """``cfg`` with at most ``k_tiles + 1`` stages: TVM's software pipeline needs ``stages - 1``
+    K tiles to fill its prologue, else ``cp.async.wait_group`` keeps a non-constant count and
+    CUDA codegen fails (K = 64 with 64-wide K tiles, K = 256 with the decode tile's 4 stages)."""
+    k_tiles = -(-k // cfg.block_k)
+    if k_tiles >= cfg.stages - 1:
+        return cfg
+    return replace(cfg, stages=max(2, k_tiles + 1))
 
 # TIR build options a module with these kernels must be built with (``pipeline.build`` does):
 # cp.async is emitted only with use_async_copy; CSE hoists ``threadIdx.x * 8`` out of the
@@ -332,7 +342,7 @@ class GemmSM80(GPUScheduleRule):
             return None  # no GEMM: not this rule's
         try:
             gemm = _analyse(sch, block)
-            cfg = self.small_m_config if gemm.m <= SMALL_M else self.config
+            cfg = _fit_stages(self.small_m_config if gemm.m <= SMALL_M else self.config, gemm.k)
             self._schedule(sch, gemm, cfg)
         except _NotThisRule as why:
             return _fallback(func, target, tunable, str(why))
