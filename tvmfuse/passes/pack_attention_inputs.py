@@ -21,9 +21,10 @@ only ones this pass makes). Memory planning keeps ``packed`` alive while a view 
 An operand is packed when it is computed (the output of an injective op that is not a GEMM
 epilogue: not a GEMM output, parameter or constant, looking through reshapes and elementwise ops
 on a GEMM), only attention calls read it, its shape is static, and at least two operands of one
-call qualify, of one dtype (one alone is a kernel either way). An operand shared by several calls (a padding mask) is packed with the first and
-read as a view by the others. Sits after every pass that rewrites attention operands (horizontal
-GEMM slices, reshape sinking, mixed precision casts) and before LegalizeOps.
+call qualify, of one dtype (one alone is a kernel either way). An operand shared by several
+calls (a padding mask) is packed with the first and read as a view by the others. Sits after
+every pass that rewrites attention operands (horizontal GEMM slices, reshape sinking, mixed
+precision casts) and before LegalizeOps.
 """
 
 from __future__ import annotations
