@@ -44,6 +44,20 @@ def test_mixed_precision_on_gpu(dtype, tol, tmp_path):
     assert rel_err(model(x.cuda()), ref) <= tol
 
 
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+def test_decoder_fp16_on_gpu(target, tmp_path):
+    """The decoder layer at a size the tensor-core paths take (head dim 64, K ≥ 512) with
+    ``dtype="float16"``: norm prologues, the SwiGLU pair GEMM (sm90), packed attention operands and
+    the flash kernel on the GPU against float64 torch."""
+    module, example = decoder_layer.build(batch=2, seq=128, hidden=512, n_heads=8, n_kv_heads=2)
+    lib = tvmfuse.compile(module, example, target=target, dtype="float16")
+    model = tvmfuse.load(lib.export(tmp_path / "d.so"), device="cuda")
+    x = torch.randn_like(example[0])
+    with torch.no_grad():
+        ref = module.double()(x.double())
+    assert rel_err(model(x.cuda()), ref) <= 5e-3
+
+
 def test_fp16_model_zero_copy(tmp_path):
     """An fp16 module keeps its dtype; outputs alias no input and land on the same GPU."""
     module, example = mlp_block.build(batch=2, seq=64, hidden=256, dtype=torch.float16)
