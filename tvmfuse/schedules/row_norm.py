@@ -302,6 +302,22 @@ def _write_roles(sch: s_tir.Schedule, block, shape: _Shape) -> list[Role] | None
     return _region_roles(stmt, write.region, write.source, shape)
 
 
+def cache_tiles(sch: s_tir.Schedule, tiles: list, shape: _Shape, t_row: int, vec: int) -> list[str]:
+    """Read each tiled input (:func:`_tile_inputs`) once into a register tile laid out
+    ``(row, [j,] t, v)``, shared by all its readers; returns the copy blocks' names."""
+    names = []
+    for buffer, readers, roles in tiles:
+        stmt = sch.get(readers[0])
+        index = next(i for i, r in enumerate(stmt.reads) if r.source.same_as(buffer))
+        cache = sch.cache_read(readers[0], index, "local", consumer_blocks=readers)
+        sch.transform_layout(cache, ("write", 0),
+                             _index_map(roles, shape, t_row, vec, _dtype(buffer.shape)))
+        sch.transform_block_layout(cache, _index_map(roles, shape, t_row, vec,
+                                                     _iter_dtype(sch, cache)))
+        names.append(sch.get(cache).name_hint)
+    return names
+
+
 def _thread_loops(sch: s_tir.Schedule, loops: list) -> tuple:
     """``[j,] t, v`` → ``t`` bound to threadIdx.x outside an unrolled ``j``; returns ``(t, v)``."""
     if len(loops) == 3:
@@ -379,16 +395,7 @@ class RowNorm(GPUScheduleRule):
         # Phase 1 — tiles and layouts. Inputs via cache_read, the output via cache_write, kept
         # intermediates in place; every block iterates (row, [j,] t, v) or (row,), every tile
         # and row-scalar buffer is laid out the same way.
-        role = {}
-        for buffer, readers, roles in tiles:
-            stmt = sch.get(readers[0])
-            index = next(i for i, r in enumerate(stmt.reads) if r.source.same_as(buffer))
-            cache = sch.cache_read(readers[0], index, "local", consumer_blocks=readers)
-            sch.transform_layout(cache, ("write", 0),
-                                 _index_map(roles, shape, t_row, vec, _dtype(buffer.shape)))
-            sch.transform_block_layout(cache, _index_map(roles, shape, t_row, vec,
-                                                         _iter_dtype(sch, cache)))
-            role[sch.get(cache).name_hint] = "copy"
+        role = {name: "copy" for name in cache_tiles(sch, tiles, shape, t_row, vec)}
         out_roles = write_roles[len(blocks) - 1]
         store = sch.cache_write(blocks[-1], 0, "local")
         sch.transform_layout(blocks[-1], ("write", 0),

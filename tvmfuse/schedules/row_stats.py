@@ -48,6 +48,7 @@ from .row_norm import (
     _thread_loops,
     _tile_inputs,
     _write_roles,
+    cache_tiles,
     choose_threads,
 )
 
@@ -108,16 +109,7 @@ class RowStats(GPUScheduleRule):
 
         # Phase 1 — tiles and layouts: x via cache_read into (row, [j,] t, v); an output that a
         # later block reads (mean) is computed into a register and stored from there.
-        copies = set()
-        for buffer, readers, roles in tiles:
-            stmt = sch.get(readers[0])
-            index = next(i for i, r in enumerate(stmt.reads) if r.source.same_as(buffer))
-            cache = sch.cache_read(readers[0], index, "local", consumer_blocks=readers)
-            sch.transform_layout(cache, ("write", 0),
-                                 _index_map(roles, shape, t_row, vec, _dtype(buffer.shape)))
-            sch.transform_block_layout(cache, _index_map(roles, shape, t_row, vec,
-                                                         _iter_dtype(sch, cache)))
-            copies.add(sch.get(cache).name_hint)
+        copies = set(cache_tiles(sch, tiles, shape, t_row, vec))
         for block in outputs:
             consumers = sch.get_consumers(block)
             if consumers:
