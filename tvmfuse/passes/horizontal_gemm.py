@@ -165,6 +165,7 @@ class HorizontalGemm:
     """x·W_1, …, x·W_n (+ biases) with constant weights → one x·[W_1|…|W_n] and slices."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # the rewriter's builder adds to its module in place: not the caller's
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
