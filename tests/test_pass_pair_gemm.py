@@ -70,6 +70,14 @@ def test_swiglu_becomes_one_interleaved_gemm():
     tvm.ir.assert_structural_equal(after, _expected(wg, wu))
 
 
+def test_input_module_is_not_modified():
+    wg, wu = _weights()
+    before = _before(wg, wu)
+    with get_target("cpu").tvm_target():
+        PairGemm()(before)
+    tvm.ir.assert_structural_equal(before, _before(wg, wu))
+
+
 @pytest.mark.parametrize("target", ["sm80", "cpu_other_use"])
 def test_left_alone(target):
     """sm80 has no pair-epilogue GEMM kernel; a gate used elsewhere too must stay materialised."""

@@ -241,6 +241,7 @@ class ApplyTuningDatabase:
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         from .kernel_configs import SPEC_ATTR
 
+        mod = mod.clone()  # assigned into below: not the caller's module
         updates = {}
         for gvar, func in mod.functions_items():
             if not isinstance(func, tirx.PrimFunc):

@@ -306,6 +306,7 @@ class PairGemm:
     """silu(x·W_a) ⊙ (x·W_b) (constant weights) → one x·W (interleaved) with a pair epilogue."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        mod = mod.clone()  # assigned into below: not the caller's module
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function) or func.attrs and func.attrs.get("Primitive"):
                 continue

@@ -203,6 +203,7 @@ def Sm90Gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass name
     target = tvm.target.Target.current(allow_none=True)
     if not _is_sm90a(target):
         return mod
+    mod = mod.clone()  # assigned into below: not the caller's module
     updates, kernels = {}, {}
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled"):
