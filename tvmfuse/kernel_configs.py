@@ -76,20 +76,29 @@ def gemm_candidates(m: int, n: int) -> list[dict[str, Any]]:
     return [_fields(c) for c in out]
 
 
+def _gemm_problem(func: tirx.PrimFunc):
+    """The GemmProblem of a fused GEMM function (raises NotHandled when it is none)."""
+    from .schedules.hopper.epilogue import analyze
+    from .schedules.hopper.kernel import GemmProblem
+
+    g = analyze(func)
+    return GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.layout)
+
+
 def gemm_space(func: tirx.PrimFunc, key: str) -> ConfigSpace | None:
     """The config space of a fused GEMM the sm_90a kernel takes, else None."""
     from .schedules.gemm_sm90 import build_kernel, select_config
-    from .schedules.hopper.epilogue import NotHandled, analyze
-    from .schedules.hopper.kernel import GemmConfig, GemmProblem, check
+    from .schedules.hopper.epilogue import NotHandled
+    from .schedules.hopper.kernel import GemmConfig, check
 
     try:
-        g = analyze(func)
+        problem = _gemm_problem(func)
     except NotHandled:
         return None
-    problem = GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.layout)
-    if check(problem, select_config(g.m, g.n)):
+    if check(problem, select_config(problem.m, problem.n)):
         return None
-    cands = [c for c in gemm_candidates(g.m, g.n) if check(problem, GemmConfig(**c)) is None]
+    cands = [c for c in gemm_candidates(problem.m, problem.n)
+             if check(problem, GemmConfig(**c)) is None]
 
     def build(cfg: dict[str, Any]) -> tvm.IRModule:
         return _task_module(build_kernel(func, GemmConfig(**cfg)))
@@ -191,9 +200,13 @@ def apply_config(func: tirx.PrimFunc, kind: str, cfg: dict[str, Any]) -> tirx.Pr
     kernel regenerated (its attributes kept). Raises ValueError / NotHandled when ``cfg`` does not
     fit."""
     if kind == "gemm_sm90":
-        from .schedules.gemm_sm90 import build_kernel
+        from .schedules.hopper.epilogue import NotHandled
+        from .schedules.hopper.kernel import GemmConfig, check
 
-        build_kernel(func.with_attr(CONFIG_ATTR, json.dumps(cfg)))  # raises if it does not fit
+        # the gemm_sm90 stage generates the kernel; here only: does cfg fit this GEMM?
+        reason = check(_gemm_problem(func), GemmConfig(**cfg))
+        if reason:
+            raise NotHandled(reason)
         return func.with_attr(CONFIG_ATTR, json.dumps(cfg, sort_keys=True))
     if kind == "attention_sm90":
         space = attention_space(func)

@@ -35,6 +35,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -364,26 +365,18 @@ def device_type(target) -> str:
 
 def _measure_ms(mod: tvm.IRModule, target, builder, runner) -> float | None:
     """Mean run time of one built module in ms, or None if it fails to build or run."""
-    from tvm.s_tir import meta_schedule as ms
-
-    (built,) = builder.build([ms.builder.BuilderInput(mod, target)])
-    if built.artifact_path is None:
-        return None
-    try:
-        args = ms.arg_info.ArgInfo.from_prim_func(mod["main"])
-        (fut,) = runner.run([ms.runner.RunnerInput(built.artifact_path, device_type(target), args)])
-        res = fut.result()
-    finally:
-        shutil.rmtree(os.path.dirname(built.artifact_path), ignore_errors=True)
-    if res.error_msg or not res.run_secs:
-        return None
-    return 1e3 * sum(float(s) for s in res.run_secs) / len(res.run_secs)
+    return _measure_many([mod], target, builder, runner, reduce=_mean)[0][0]
 
 
-def _measure_many(mods: list[tvm.IRModule], target, builder, runner) -> list[tuple[float | None, str | None]]:
-    """``(fastest repeat in ms, None)`` per module, or ``(None, error)`` where it fails to build or
-    run; the builds run in the builder's workers and the runs on every runner slot (RPC: one per
-    GPU)."""
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _measure_many(mods: list[tvm.IRModule], target, builder, runner,
+                  reduce: Callable[[list[float]], float] = min) -> list[tuple[float | None, str | None]]:
+    """``(reduce(repeats) in ms, None)`` per module (default: the fastest repeat), or ``(None,
+    error)`` where it fails to build or run; the builds run in the builder's workers and the runs on
+    every runner slot (RPC: one per GPU)."""
     from tvm.s_tir import meta_schedule as ms
 
     built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
@@ -399,7 +392,7 @@ def _measure_many(mods: list[tvm.IRModule], target, builder, runner) -> list[tup
         for i, fut in zip(where, runner.run(inputs) if inputs else []):
             res = fut.result()
             if not res.error_msg and res.run_secs:
-                out[i] = (1e3 * min(float(s) for s in res.run_secs), None)
+                out[i] = (1e3 * reduce([float(s) for s in res.run_secs]), None)
             else:
                 out[i] = (None, f"run: {_last_line(res.error_msg or 'no timing')}")
     finally:

@@ -73,3 +73,23 @@ def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], rel
     for gv, f in updates.items():
         mod[gv] = f
     return mod
+
+
+def dataflow_bindings(func: relax.Function) -> tuple[dict, list]:
+    """``(var → bound value, vars in binding order)`` over the dataflow blocks of ``func``."""
+    bound: dict = {}
+    order: list = []
+    for block in func.body.blocks:
+        if isinstance(block, relax.DataflowBlock):
+            for binding in block.bindings:
+                bound[binding.var] = binding.value
+                order.append(binding.var)
+    return bound, order
+
+
+def bound_value(mutator, expr: relax.Expr) -> relax.Expr:
+    """The value a ``PyExprMutator`` has bound to ``expr`` (a var), else ``expr`` itself."""
+    if isinstance(expr, relax.Var):
+        value = mutator.lookup_binding(expr)
+        return expr if value is None else value
+    return expr

@@ -22,7 +22,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._util import const_array as _const
-from ._util import constant_weight, static_shape
+from ._util import constant_weight, dataflow_bindings, static_shape
 from ._util import is_op as _is_op
 
 
@@ -37,19 +37,13 @@ class _Member:
 
 def _groups(func: relax.Function) -> list[list[_Member]]:
     """Groups (≥ 2) of constant-weight matmuls on the same left operand, in binding order."""
-    bound: dict = {}
+    bound, order = dataflow_bindings(func)
     users: dict = {}
-    order: list = []
-    for block in func.body.blocks:
-        if not isinstance(block, relax.DataflowBlock):
-            continue
-        for binding in block.bindings:
-            bound[binding.var] = binding.value
-            order.append(binding.var)
-            if isinstance(binding.value, relax.Call):
-                for arg in binding.value.args:
-                    if isinstance(arg, relax.Var):
-                        users.setdefault(arg, []).append(binding.var)
+    for var in order:
+        if isinstance(bound[var], relax.Call):
+            for arg in bound[var].args:
+                if isinstance(arg, relax.Var):
+                    users.setdefault(arg, []).append(var)
     by_input: dict = {}
     for var in order:
         call = bound[var]

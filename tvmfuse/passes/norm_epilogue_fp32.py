@@ -30,7 +30,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._util import is_op, static_shape
+from ._util import bound_value, is_op, static_shape
 
 _HALF = ("float16", "bfloat16")
 _F32 = "float32"
@@ -55,10 +55,7 @@ class _Rewrite(PyExprMutator):
         self.rewritten = 0
 
     def _bound(self, expr: relax.Expr) -> relax.Expr:
-        if isinstance(expr, relax.Var):
-            value = self.lookup_binding(expr)
-            return expr if value is None else value
-        return expr
+        return bound_value(self, expr)
 
     def _accumulator(self, w: relax.Expr) -> relax.Var | None:
         """``acc`` when ``w`` is ``astype(astype(acc, half), float32)`` and ``acc`` an fp32 matmul."""

@@ -19,8 +19,8 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._util import bound_value, constant_weight, static_shape
 from ._util import const_array as _const
-from ._util import constant_weight, static_shape
 from ._util import is_op as _is_op
 
 _NORMS = ("relax.nn.rms_norm", "relax.nn.layer_norm")
@@ -58,10 +58,7 @@ class _NormGemm(PyExprMutator):
         self.rewritten = 0
 
     def _bound(self, expr: relax.Expr) -> relax.Expr:
-        if isinstance(expr, relax.Var):
-            bound = self.lookup_binding(expr)
-            return expr if bound is None else bound
-        return expr
+        return bound_value(self, expr)
 
     def _norm_of(self, expr: relax.Expr):
         """(norm call, reshape shape or None) when ``expr`` is norm(x) or reshape(norm(x))."""

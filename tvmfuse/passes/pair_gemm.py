@@ -30,7 +30,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._util import is_op, static_shape
+from ._util import dataflow_bindings, is_op, static_shape
 
 # elementwise ops a pair epilogue may use (same shape in, same shape out; constants may broadcast)
 _ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.astype",
@@ -97,17 +97,11 @@ def _is_elementwise(call) -> bool:
 def _find(func: relax.Function) -> list[_Pair]:
     """Gate/up pairs whose values meet only in elementwise ops: two constant-weight matmuls on one
     input, or the two column halves of one such matmul (HorizontalGemm's merged form)."""
-    bound: dict = {}
+    bound, order = dataflow_bindings(func)
     users: dict = {}
-    order: list = []
-    for block in func.body.blocks:
-        if not isinstance(block, relax.DataflowBlock):
-            continue
-        for binding in block.bindings:
-            bound[binding.var] = binding.value
-            order.append(binding.var)
-            for used in relax.analysis.free_vars(binding.value):
-                users.setdefault(used, []).append(binding.var)
+    for var in order:
+        for used in relax.analysis.free_vars(bound[var]):
+            users.setdefault(used, []).append(var)
     for used in relax.analysis.free_vars(func.body.body):  # the function's result
         users.setdefault(used, []).append(func)
 
