@@ -100,7 +100,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         print(f"import tvm.s_tir.tensor_intrin.cuda: {time.perf_counter() - t0:.1f} s", flush=True)
     rows: list[dict[str, Any]] = []
     for item in args.workloads.split(","):
-        case, shape, dtype = item.split(":")
+        parts = item.split(":")
+        cases = [*bench_gemm.CASES, "attn_causal", "attn_full"]
+        if len(parts) != 3 or parts[0] not in cases or parts[2] not in common.DTYPES:
+            raise SystemExit(f"--workloads: {item!r} is not CASE:SHAPE:DTYPE with CASE in {cases} "
+                             f"and DTYPE in {list(common.DTYPES)}")
+        case, shape, dtype = parts
         wl = workload(case, shape, dtype, args.device)
         short = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
         rows += run_one(args, wl, Path(args.db) / f"{case}_{shape}_{short}")
