@@ -22,6 +22,8 @@ On the H200 a 5-op fp16 chain over 64 Mi elements (3 streams) runs at 3.77 TB/s 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import tvm_ffi
 from tvm import DataType, s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -29,10 +31,13 @@ from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
+from .hopper.opmath import fast_math16
+
 RULE_ATTR = "tvmfuse.rule"  # PrimFunc attribute naming the tvmfuse rule that scheduled it
 NAME = "elementwise"
 VECTOR_BYTES = 16
 THREADS = 256
+LAUNCH_BOUNDS_ATTR = "tirx.launch_bounds_min_blocks_per_sm"  # SplitHostDevice reads it
 
 
 def _bytes(buffer) -> int:
@@ -88,11 +93,71 @@ def vector_copy(sch: s_tir.Schedule, loop, lanes: int) -> None:
     sch.vectorize(loop)
 
 
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    """How a vectorised elementwise block is spread over the GPU.
+
+    ``vectors``: 16-byte vectors per thread per contiguous stream (k). k > 1 issues k independent
+    loads per input before any math. ``row_reuse``: the k vectors of a thread are k rows of the same
+    columns (stride = one row), so per-channel inputs (``a[j]`` of ``y[i, j]``) are loaded once per
+    thread, not k times; otherwise the k vectors are ``threads`` vectors apart (any shape).
+    ``min_blocks_per_sm``: ``__launch_bounds__(threads, m)``, capping registers so m blocks fit.
+    ``fast_erf``: fp32 ``erf`` by Abramowitz & Stegun 7.1.26 (|error| ≤ 1.5e-7, ``__expf``,
+    ``__fdividef``; ``hopper.opmath.fast_math16``) instead of CUDA's ``erff`` (~28 instructions).
+    """
+
+    threads: int = THREADS
+    vectors: int = 1
+    row_reuse: bool = False
+    min_blocks_per_sm: int | None = None
+    fast_erf: bool = False
+
+
+# Named variants measured on the H200 (tools/bench/bench_elementwise.py --variant NAME).
+VARIANTS: dict[str, ElementwiseConfig] = {
+    "v1": ElementwiseConfig(),
+    "v1_occ8": ElementwiseConfig(min_blocks_per_sm=8),
+    "v2": ElementwiseConfig(vectors=2),
+    "v2_rows": ElementwiseConfig(vectors=2, row_reuse=True),
+    "v4_rows": ElementwiseConfig(vectors=4, row_reuse=True),
+    "v4": ElementwiseConfig(vectors=4),
+    "v1_erf": ElementwiseConfig(fast_erf=True),
+    "v2_rows_erf": ElementwiseConfig(vectors=2, row_reuse=True, fast_erf=True),
+    "v4_rows_erf": ElementwiseConfig(vectors=4, row_reuse=True, fast_erf=True),
+}
+DEFAULT_VARIANT = "v1"
+
+
+def _launch_bounds(func: tirx.PrimFunc, min_blocks: int) -> tirx.PrimFunc:
+    """Wrap the body of every ``blockIdx.x`` loop under the root block in the attribute that
+    SplitHostDevice turns into ``__launch_bounds__(threads, min_blocks)`` of the kernel."""
+
+    def visit(stmt):
+        if isinstance(stmt, tirx.SeqStmt):
+            return tirx.SeqStmt([visit(s) for s in stmt.seq])
+        if isinstance(stmt, tirx.For) and stmt.thread_binding is not None \
+                and stmt.thread_binding.thread_tag == "blockIdx.x":
+            body = tirx.AttrStmt(stmt.thread_binding, LAUNCH_BOUNDS_ATTR,
+                                 tirx.IntImm("int32", min_blocks), stmt.body)
+            return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body,
+                            stmt.thread_binding, stmt.annotations)
+        return stmt
+
+    realize = func.body
+    root = realize.block
+    block = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint,
+                         visit(root.body), root.init, root.alloc_buffers, root.match_buffers,
+                         root.annotations)
+    return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, block))
+
+
 class Elementwise(GPUScheduleRule):
     """Purely spatial functions: fused loops, 256 threads, 16-byte vector loads and stores."""
 
-    def __init__(self, threads: int = THREADS) -> None:
-        self.threads = threads
+    def __init__(self, threads: int | None = None, config: ElementwiseConfig | None = None) -> None:
+        config = config or VARIANTS[DEFAULT_VARIANT]
+        self.config = config if threads is None else replace(config, threads=threads)
+        self.threads = self.config.threads
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
@@ -117,7 +182,34 @@ class Elementwise(GPUScheduleRule):
                 return None  # an intermediate that could not be inlined: leave it to others
         for info in infos:
             self._schedule_block(sch, info.block_rv, params)
-        return s_tir.Schedule(sch.mod["main"].with_attr(RULE_ATTR, NAME))
+        func = sch.mod["main"]
+        if self.config.min_blocks_per_sm:
+            func = _launch_bounds(func, self.config.min_blocks_per_sm)
+        return s_tir.Schedule(func.with_attr(RULE_ATTR, NAME))
+
+    def _thread_loops(self, sch: s_tir.Schedule, loops: list, vec: int) -> tuple:
+        """Split the loops into ``(bx, tx, j, v)``: v = the elements of one vector (or of k
+        adjacent vectors), j = the k rows of one thread (None unless ``row_reuse``). Falls back to
+        one vector a thread when the extents do not divide."""
+        cfg, threads = self.config, self.threads
+        k = cfg.vectors
+        inner = _int(sch.get(loops[-1]).extent)
+        rows = 1
+        for loop in loops[:-1]:
+            extent = _int(sch.get(loop).extent)
+            rows = rows * extent if rows and extent else None
+        if k > 1 and cfg.row_reuse and len(loops) > 1 and rows and rows % k == 0 \
+                and (inner // vec) % threads == 0:
+            outer, v = sch.split(loops[-1], [None, vec])
+            rb, j = sch.split(sch.fuse(*loops[:-1]), [None, k])
+            co, tx = sch.split(outer, [None, threads])
+            sch.reorder(rb, co, tx, j, v)
+            return sch.fuse(rb, co), tx, j, v
+        if k > 1 and not cfg.row_reuse and inner % (k * vec) == 0:
+            vec *= k  # k adjacent vectors: one contiguous 16·k-byte piece a thread
+        outer, v = sch.split(loops[-1], [None, vec])
+        bx, tx = sch.split(sch.fuse(*loops[:-1], outer), [None, threads])
+        return bx, tx, None, v
 
     def _schedule_block(self, sch: s_tir.Schedule, block, params: set) -> None:
         stmt = sch.get(block)
@@ -133,22 +225,47 @@ class Elementwise(GPUScheduleRule):
             vec = VECTOR_BYTES // min(_bytes(b) for b in [out.source, *loads])
             while vec > 1 and inner % vec:
                 vec //= 2
+        if self.config.fast_erf:
+            _rewrite_value(sch, block, fast_math16)
         loops = sch.get_loops(block)
         if vec == 1:
             bx, tx = sch.split(sch.fuse(*loops), [None, self.threads])
             sch.bind(bx, "blockIdx.x")
             sch.bind(tx, "threadIdx.x")
             return
-        outer, v = sch.split(loops[-1], [None, vec])
-        bx, tx = sch.split(sch.fuse(*loops[:-1], outer), [None, self.threads])
+        bx, tx, j, v = self._thread_loops(sch, loops, vec)
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
+        if j is not None:
+            sch.unroll(j)
         sch.unroll(v)
         for buffer in dict.fromkeys(loads):  # one copy per distinct input
             index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(buffer))
             cache = sch.cache_read(block, index, "local")
             sch.compute_at(cache, tx, preserve_unit_loops=False)
-            vector_copy(sch, sch.get_loops(cache)[-1], VECTOR_BYTES // _bytes(buffer))
+            _unrolled_vector_copy(sch, cache, tx, VECTOR_BYTES // _bytes(buffer))
         write = sch.cache_write(block, 0, "local")
         sch.reverse_compute_at(write, tx, preserve_unit_loops=False)
-        vector_copy(sch, sch.get_loops(write)[-1], VECTOR_BYTES // _bytes(out.source))
+        _unrolled_vector_copy(sch, write, tx, VECTOR_BYTES // _bytes(out.source))
+
+
+def _rewrite_value(sch: s_tir.Schedule, block, rewrite) -> None:
+    """Replace the stored value ``v`` of a ``out[...] = v`` block by ``rewrite(v)``."""
+    stmt = sch.get(block)
+    store = stmt.body
+    if not isinstance(store, tirx.BufferStore):
+        return
+    body = tirx.BufferStore(store.buffer, rewrite(store.value), store.indices)
+    new = s_tir.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+                       stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
+    sch.state.replace(sch.get_sref(block), new, {stmt: new})
+
+
+def _unrolled_vector_copy(sch: s_tir.Schedule, block, tx, lanes: int) -> None:
+    """The copy block's last loop as 16-byte vectors, its loops between ``tx`` and that one (the
+    k vectors of a thread) unrolled."""
+    loops = sch.get_loops(block)
+    below = [i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(tx))]
+    for loop in loops[below[0] + 1:-1]:
+        sch.unroll(loop)
+    vector_copy(sch, loops[-1], lanes)
