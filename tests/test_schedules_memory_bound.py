@@ -26,6 +26,7 @@ from tvmfuse import pipeline
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.schedules import RULE_ATTR, Elementwise, RowNorm, gpu_rules
+from tvmfuse.schedules import elementwise as ew_rule
 from tvmfuse.schedules.row_norm import choose_threads
 from tvmfuse.targets import get_target
 
@@ -313,3 +314,136 @@ def test_gpu_rules_order():
 ])
 def test_choose_threads(n_vec, rows, want):
     assert choose_threads(n_vec, rows) == want
+
+
+# ---------------------------------------------------------------------------------------------
+# elementwise variants: y = gelu(x · a + b) · c + d (tools/bench/bench_elementwise.py)
+
+
+def chain_graph(shape: tuple[int, ...], dtype: str) -> tvm.IRModule:
+    """``main(x, a, b, c, d) = gelu(x · a + b) · c + d``: x, d of ``shape``, a, b, c (N,)."""
+    n = shape[-1]
+    bb = relax.BlockBuilder()
+    x, d = (relax.Var(name, relax.TensorType(shape, dtype)) for name in "xd")
+    a, b, c = (relax.Var(name, relax.TensorType((n,), dtype)) for name in "abc")
+    with bb.function("main", [x, a, b, c, d]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.nn.gelu(relax.op.add(relax.op.multiply(x, a), b)))
+            out = bb.emit_output(relax.op.add(relax.op.multiply(h, c), d))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _chain_func(shape: tuple[int, ...], dtype: str) -> tvm.tirx.PrimFunc:
+    """The chain's one fused PrimFunc, unscheduled."""
+    (func,) = prim_funcs(pipeline.lower(chain_graph(shape, dtype), CPU)).values()
+    return func
+
+
+def _variant_kernel(name: str, func: tvm.tirx.PrimFunc):
+    """``(scheduled PrimFunc, CUDA source)`` of ``func`` under elementwise variant ``name``."""
+    target = SM90.tvm_target()
+    with target:
+        sch = Elementwise(config=ew_rule.VARIANTS[name]).apply(func, target, False)
+    assert sch is not None and sch.mod["main"].attrs[RULE_ATTR] == "elementwise"
+    kernel = sch.mod["main"].with_attr("global_symbol", "main").with_attr("target", target)
+    mod = tvm.tirx.build(tvm.IRModule({"main": kernel}), target=target)
+    return sch.mod["main"], mod.imports[0].inspect_source()
+
+
+# (variant, shape, 128-bit global loads, 128-bit stores): x and d are 1 vector each per thread per
+# row of k; a, b, c one vector each — or k each where the k vectors are adjacent (no row reuse).
+VARIANT_CASES = [
+    ("v1", (64, 4096), 5, 1),
+    ("v1_occ8", (64, 4096), 5, 1),
+    ("v2", (64, 4096), 10, 2),         # 2 adjacent vectors of every input
+    ("v2_rows", (64, 4096), 7, 2),     # rows i, i+1: x, d twice; a, b, c once
+    ("v4_rows", (2, 32, 4096), 11, 4),
+    ("v4", (64, 4096), 20, 4),
+    ("v2_rows_erf", (64, 4096), 7, 2),
+    ("v4_rows", (6, 4096), 5, 1),      # 6 rows % 4: one vector a thread
+    ("v4_rows", (64, 1024), 5, 1),     # 128 vectors a row < 256 threads: one vector a thread
+    ("v2", (256, 4112), 10, 2),        # 4112 = 16 · 257: 2 adjacent vectors, 257 of a row
+]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name, shape, n_ld, n_st", VARIANT_CASES,
+                         ids=[f"{c[0]}-{'x'.join(map(str, c[1]))}" for c in VARIANT_CASES])
+def test_elementwise_variant_sass(name, shape, n_ld, n_st, tmp_path):
+    """Every global access is a 16-byte vector; the loads in flight per thread are the variant's
+    (counted in the SASS); no spills; ``min_blocks_per_sm`` caps registers via launch bounds."""
+    config = ew_rule.VARIANTS[name]
+    _, source = _variant_kernel(name, _chain_func(shape, "float16"))
+    bounds = re.findall(r"__launch_bounds__\(([^)]*)\)", source)
+    want = f"256, {config.min_blocks_per_sm}" if config.min_blocks_per_sm else "256"
+    assert bounds and set(bounds) == {want}, bounds
+    assert ("__fdividef" in source) == config.fast_erf and ("erff" in source) != config.fast_erf
+    sass = fatbin_sass(compile_fatbin(source, SM90, tmp_path))["sm_90a"]
+    loads = re.findall(r"LDG\.E(?:\.(\w+))?", sass)
+    stores = re.findall(r"STG\.E(?:\.(\w+))?", sass)
+    assert set(loads) == {"128"} and set(stores) == {"128"}, (loads, stores)
+    assert (len(loads), len(stores)) == (n_ld, n_st)
+    log = (tmp_path / "kernels.ptxas.log").read_text()
+    assert set(re.findall(r"(\d+) bytes spill", log)) <= {"0"}, log
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    if config.min_blocks_per_sm:
+        assert regs and max(regs) <= 65536 // (256 * config.min_blocks_per_sm), log
+
+
+SEMANTIC_VARIANTS = [name for name, cfg in ew_rule.VARIANTS.items() if not cfg.fast_erf]
+
+
+@pytest.mark.parametrize("shape", [(8, 4096), (6, 2048), (3, 5, 40)])
+@pytest.mark.parametrize("name", SEMANTIC_VARIANTS)
+def test_elementwise_variant_semantics(name, shape):
+    """Every variant (thread bindings as serial loops, on the CPU) computes what the unscheduled
+    chain computes, bit for bit: the schedules only move loads and stores."""
+    func = _chain_func(shape, "float16")
+    scheduled, _ = _variant_kernel(name, func)
+    assert tvm.s_tir.analysis.verify_well_formed(tvm.IRModule({"main": scheduled}))
+    rng = np.random.default_rng(1)
+    args = [rng.standard_normal([int(d) for d in p.shape]).astype("float16") for p in func.params]
+    np.testing.assert_array_equal(_run_llvm(_serial(scheduled), args), _run_llvm(func, args))
+
+
+@pytest.mark.parametrize("shape, threads", [
+    ((3, 5, 40), 75),      # 75 vectors: one block of 75 threads
+    ((64, 4112), 128),     # 64 · 514 = 128 · 257 vectors: 128 threads divide them, 256 do not
+    ((1, 8, 13 * 8), 104),  # 104 vectors
+])
+def test_elementwise_blocks_are_whole(shape, threads):
+    """The vectorised schedule never has a partial last block: its local → global copy (from
+    ``reverse_compute_at``) has no predicate, so threads past the end would store out of bounds.
+    blockIdx.x · threadIdx.x · 8 (fp16 lanes) = the elements, and the chosen thread count."""
+    scheduled, _ = _variant_kernel("v1", _chain_func(shape, "float16"))
+    text = scheduled.script()
+    extents = {tag: int(n) for n, tag in re.findall(
+        r'T\.thread_binding\((?:T\.int64\()?(\d+)\)?, thread="(\w+\.x)"\)', text)}
+    assert extents["threadIdx.x"] == threads, extents
+    assert extents["blockIdx.x"] * threads * 8 == int(np.prod(shape)), extents
+
+
+def test_fast_erf_formula_accuracy():
+    """The A&S 7.1.26 erf of ``fast_erf`` in float32 arithmetic: |erf − exact| ≤ 1e-6 on [−6, 6]
+    (the device's ``__expf`` / ``__fdividef`` are checked against torch by the GPU run)."""
+    from math import erf
+
+    from tvmfuse.schedules.hopper.opmath import _AS_A, _AS_P
+
+    x = np.linspace(-6, 6, 200001, dtype=np.float32)
+    f = np.float32
+    t = f(1) / (f(1) + f(_AS_P) * np.abs(x))
+    poly = f(_AS_A[4])
+    for a in reversed(_AS_A[:4]):
+        poly = f(a) + t * poly
+    y = f(1) - t * poly * np.exp(-(x * x))
+    y = np.where(x < 0, -y, y).astype(np.float64)
+    exact = np.array([erf(float(v)) for v in x])
+    assert np.abs(y - exact).max() <= 1e-6
+
+
+def test_default_variant_is_named():
+    assert ew_rule.DEFAULT_VARIANT in ew_rule.VARIANTS
+    assert Elementwise().config == ew_rule.VARIANTS[ew_rule.DEFAULT_VARIANT]
+    assert Elementwise(threads=128).config.threads == 128

@@ -187,10 +187,12 @@ class Elementwise(GPUScheduleRule):
             func = _launch_bounds(func, self.config.min_blocks_per_sm)
         return s_tir.Schedule(func.with_attr(RULE_ATTR, NAME))
 
-    def _thread_loops(self, sch: s_tir.Schedule, loops: list, vec: int) -> tuple:
+    def _thread_loops(self, sch: s_tir.Schedule, loops: list, vec: int) -> tuple | None:
         """Split the loops into ``(bx, tx, j, v)``: v = the elements of one vector (or of k
         adjacent vectors), j = the k rows of one thread (None unless ``row_reuse``). Falls back to
-        one vector a thread when the extents do not divide."""
+        one vector a thread when the extents do not divide. None (nothing split) when no thread
+        count divides the vectors: the local → global copy after ``reverse_compute_at`` carries
+        no predicate, so a partial last block would store past the end of the output."""
         cfg, threads = self.config, self.threads
         k = cfg.vectors
         inner = _int(sch.get(loops[-1]).extent)
@@ -207,6 +209,10 @@ class Elementwise(GPUScheduleRule):
             return sch.fuse(rb, co), tx, j, v
         if k > 1 and not cfg.row_reuse and inner % (k * vec) == 0:
             vec *= k  # k adjacent vectors: one contiguous 16·k-byte piece a thread
+        if (inner // vec) % threads:
+            threads = _dividing_threads(rows * (inner // vec) if rows else None, threads)
+            if threads is None:
+                return None
         outer, v = sch.split(loops[-1], [None, vec])
         bx, tx = sch.split(sch.fuse(*loops[:-1], outer), [None, threads])
         return bx, tx, None, v
@@ -228,12 +234,13 @@ class Elementwise(GPUScheduleRule):
         if self.config.fast_erf:
             _rewrite_value(sch, block, fast_math16)
         loops = sch.get_loops(block)
-        if vec == 1:
+        split = self._thread_loops(sch, loops, vec) if vec > 1 else None
+        if split is None:  # scalar: the block's own predicate guards a partial last block
             bx, tx = sch.split(sch.fuse(*loops), [None, self.threads])
             sch.bind(bx, "blockIdx.x")
             sch.bind(tx, "threadIdx.x")
             return
-        bx, tx, j, v = self._thread_loops(sch, loops, vec)
+        bx, tx, j, v = split
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         if j is not None:
@@ -247,6 +254,17 @@ class Elementwise(GPUScheduleRule):
         write = sch.cache_write(block, 0, "local")
         sch.reverse_compute_at(write, tx, preserve_unit_loops=False)
         _unrolled_vector_copy(sch, write, tx, VECTOR_BYTES // _bytes(out.source))
+
+
+def _dividing_threads(total: int | None, cap: int) -> int | None:
+    """The largest thread count ≤ ``cap`` that divides ``total`` vectors (``total`` itself when it
+    is ≤ cap), None when that is under a warp or ``total`` is symbolic."""
+    if total is None:
+        return None
+    if total <= cap:
+        return total
+    best = next(t for t in range(cap, 0, -1) if total % t == 0)
+    return best if best >= 32 else None
 
 
 def _rewrite_value(sch: s_tir.Schedule, block, rewrite) -> None:
