@@ -3,21 +3,30 @@
 Every block must be spatial (no reduction, no opaque iterators); anything else returns ``None``.
 All producers are inlined into the output block(s); each remaining block is scheduled as
 
-    for bx in blockIdx.x:            # ceil(outer · inner / V / T) blocks
-      for tx in threadIdx.x:         # T = 256 threads
+    for bx in blockIdx.x:            # outer · inner / V / T blocks
+      for tx in threadIdx.x:         # T = 256 threads (a divisor of the vectors, see below)
         in_local[V]  = in[...]       # one 16-byte vector load per contiguous input
         out_local[v] = f(in_local[v], other inputs...)   for v in 0..V-1 (unrolled, scalar)
         out[...]     = out_local[V]  # one 16-byte vector store
 
 ``V`` = 16 bytes / the narrowest dtype among the output and the contiguous inputs (8 × fp16,
 4 × fp32; a wider dtype is copied as several 16-byte vectors), halved until it divides the
-innermost extent; when it reaches 1 (odd innermost extent, symbolic shapes) the block falls back
-to one scalar element per thread. An input is "contiguous"
+innermost extent; when it reaches 1 (odd innermost extent, symbolic innermost extent) the block
+falls back to one scalar element per thread. An input is "contiguous"
 when its last index is the innermost loop variable (a bias ``b[j]`` of ``y[i, j]`` is); the other
 inputs (transposed reads, ``b[i, 0]``) stay scalar loads inside the compute. Loads and stores are
 separate copy blocks so the vectorised code is a plain ``uint4`` copy: TVM's CUDA codegen has no
 8-lane fp32 vectors, which the intermediate math of a half-precision chain would otherwise need.
-On the H200 a 5-op fp16 chain over 64 Mi elements (3 streams) runs at 3.77 TB/s (kernel time).
+The local → global copy placed by ``reverse_compute_at`` carries no predicate, so the vectorised
+form is used only when T divides the vector count (T = the largest divisor ≤ 256, ≥ 32, or the
+whole count when it is ≤ 256); otherwise (e.g. symbolic rows with a row not a multiple of T
+vectors) the scalar form, whose block keeps its own bound check.
+
+:class:`ElementwiseConfig` adds variants (:data:`VARIANTS`, picked by :data:`DEFAULT_VARIANT`):
+k vectors a thread (k adjacent vectors, or k rows of the same columns so that per-channel inputs
+are loaded once for k rows), ``__launch_bounds__(T, min blocks)``, and erf by A&S 7.1.26.
+On the H200 the 5-op fp16 chain over 64 Mi elements (3 streams, ``v1``) runs at 3.74–3.77 TB/s
+(kernel time); the variants' numbers are in tools/bench/NOTES.md.
 """
 
 from __future__ import annotations
