@@ -203,6 +203,45 @@ def test_kn_weight_uses_ldmatrix_trans(dtype):
     assert "for (int i = 0; i < 16; ++i)" not in source, "the int8 ldmatrix gather loop"
 
 
+def _main_loop(source: str) -> str:
+    """The body of the kernel's first top-level ``for`` that issues cp.async: the pipelined K
+    loop (brace matching on TVM's generated CUDA)."""
+    for start in (m.start() for m in re.finditer(r"\n  for \(", source)):
+        depth, i = 0, source.index("{", start)
+        for j in range(i, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[j], 0)
+            if depth == 0:
+                break
+        if "cp_async" in source[i:j]:
+            return source[i:j]
+    raise AssertionError("no cp.async loop in the CUDA source")
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_one_barrier_per_k_tile(stages):
+    """The main loop holds one ``__syncthreads``, after the wait for the tile the next
+    fragments come from and after this tile's k-steps: copies, commit, k-steps, wait, barrier,
+    next tile's first fragments (TVM's ThreadSync gave two: one before the copies)."""
+    cfg = GemmConfig(stages=stages)
+    sch = GemmSM80(config=cfg).apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
+    loop = _main_loop(_cuda_source(sch.mod, SM80.tvm_target()))
+    assert loop.count("__syncthreads()") == 1, loop.count("__syncthreads()")
+    order = [loop.index("commit_group();"), loop.index("  for ("),
+             loop.index(f"wait_group_{stages - 2}();"), loop.index("__syncthreads();")]
+    assert order == sorted(order), order
+    assert loop.index("ldmatrix", order[-1]) > order[-1]  # next tile's fragments after it
+
+
+def test_two_barriers_without_the_rewrite():
+    """``one_barrier=False`` keeps TVM's loop: a barrier before the copies and one after the
+    wait, the k-steps last (the layout the rewrite recognises)."""
+    cfg = GemmConfig(one_barrier=False)
+    sch = GemmSM80(config=cfg).apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
+    loop = _main_loop(_cuda_source(sch.mod, SM80.tvm_target()))
+    assert loop.count("__syncthreads()") == 2
+    assert loop.index("__syncthreads()") < loop.index("cp_async")
+
+
 @pytest.mark.parametrize("func, reason", [
     (lambda: te_linear(128, 128, 128, acc="float16"), "accumulator dtype float16"),
     (lambda: te_linear(128, 128, 100), "K=100"),

@@ -30,6 +30,12 @@ Schedule, per thread block of ``block_m × block_n`` outputs and ``warps = (bloc
 The epilogue runs on the fp32 accumulators (read back from shared memory in 16-byte vectors,
 computed in scalar registers) and each thread writes one 16-byte vector of the output at a time.
 
+The K loop has one ``__syncthreads`` per tile (``GemmConfig.one_barrier``, stages ≥ 3): a pass
+run after TVM's ThreadSync (:func:`_one_barrier_loop`) drops the barrier ThreadSync puts before
+the refill and moves the ``cp.async.wait_group`` + barrier behind the tile's k-steps, so one
+barrier guards both the refill and the next tile's reads, and each tile's loads get two tiles
+of compute to land instead of one.
+
 Tile choices are plain parameters (:class:`GemmConfig`, default 128×128×64, 4 warps of 64×64,
 3 stages, raster 8: the best of the tiles measured on the H200, see tools/bench/NOTES.md) so that
 tuning can vary them. M ≤ ``SMALL_M`` (decode) uses
@@ -82,6 +88,7 @@ class GemmConfig:
     warp_n: int = 64
     stages: int = 3
     raster: int = 8
+    one_barrier: bool = True  # one __syncthreads per K tile (:func:`_one_barrier_loop`), stages ≥ 3
 
     @property
     def warps(self) -> int:
@@ -224,6 +231,124 @@ _lower_all_warp_memory()
 
 
 # ---------------------------------------------------------------------------------------------
+# one barrier per K tile
+
+ONE_BARRIER_ATTR = "tvmfuse.one_barrier"  # PrimFunc attribute: apply _one_barrier at build
+
+
+def _is_attr(stmt, key: str) -> bool:
+    return isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == key
+
+
+def _is_sync(stmt) -> bool:
+    return (isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tvm.ir.Call)
+            and getattr(stmt.value.op, "name", "") == "tirx.tvm_storage_sync")
+
+
+def _count_syncs(stmt) -> int:
+    found = []
+    tvm_ffi.structural_map(stmt, [((tirx.Evaluate,), lambda e: found.append(e) or e)])
+    return sum(1 for e in found if _is_sync(e))
+
+
+def _drop_leading_sync(commit: tirx.AttrStmt) -> tirx.AttrStmt | None:
+    """``commit`` (the async copies of one K tile) without the barrier ThreadSync put at the
+    head of its first ``async_scope``; None when that is not its form."""
+    scopes = list(commit.body.seq) if isinstance(commit.body, tirx.SeqStmt) else [commit.body]
+    first = scopes[0]
+    if not _is_attr(first, "async_scope") or not isinstance(first.body, tirx.SeqStmt):
+        return None
+    head, *rest = first.body.seq
+    if not _is_sync(head) or not rest:
+        return None
+    scopes[0] = tirx.AttrStmt(first.node, first.attr_key, first.value,
+                              rest[0] if len(rest) == 1 else tirx.SeqStmt(rest))
+    body = scopes[0] if len(scopes) == 1 else tirx.SeqStmt(scopes)
+    new = tirx.AttrStmt(commit.node, commit.attr_key, commit.value, body)
+    return new if _count_syncs(new) == 0 else None
+
+
+def _one_barrier_loop(loop: tirx.For) -> tirx.For:
+    """One ``__syncthreads`` per K tile in the pipelined main loop of this schedule.
+
+    TVM's software pipeline with ThreadSync gives iteration ``i`` (``S`` stages, copies
+    ``S - 1`` tiles ahead, the next tile's first fragments loaded at the end)::
+
+        sync; copy tile i+S-1 → stage (i-1)%S; commit; wait(S-2); sync;
+        body(i) [k-steps of tile i]; prologue(i+1) [ldmatrix of tile i+1]; epilogue(i)
+
+    The first barrier guards the stage being refilled, last read by ``body(i-1)``; the
+    second makes tile ``i+1`` visible, which only ``prologue(i+1)`` needs (``body(i)`` reads
+    tile ``i``, waited for and synchronised in iteration ``i-1``). Rewritten to::
+
+        copy tile i+S-1 → stage (i-1)%S; commit; body(i); wait(S-2); sync;
+        prologue(i+1); epilogue(i)
+
+    one barrier does both: ``body(i-1)`` ran before iteration ``i-1``'s barrier, so the
+    refill after it is safe, and the wait now comes a whole ``body(i)`` later (tile ``i+1``
+    was issued one iteration earlier, so its loads have two bodies to land instead of one).
+    Any loop not of exactly this form is returned unchanged.
+    """
+    body = loop.body
+    if not isinstance(body, tirx.SeqStmt) or len(body.seq) < 2:
+        return loop
+    commit, wait, *after = body.seq
+    if not (_is_attr(commit, "async_commit_queue_scope")
+            and _is_attr(wait, "async_wait_queue_scope")
+            and _is_attr(wait.body, "async_wait_inflight_count")):
+        return loop
+    inflight = wait.body
+    inner = list(inflight.body.seq) if isinstance(inflight.body, tirx.SeqStmt) else []
+    if len(inner) < 2 or not _is_sync(inner[0]) or not isinstance(inner[1], tirx.For):
+        return loop
+    sync, k_body, *rest = inner
+    if _count_syncs(k_body) or not (rest or after):
+        return loop
+    copies = _drop_leading_sync(commit)
+    if copies is None:
+        return loop
+    waited = tirx.SeqStmt([sync, *rest]) if rest else sync
+    new_wait = tirx.AttrStmt(wait.node, wait.attr_key, wait.value,
+                             tirx.AttrStmt(inflight.node, inflight.attr_key, inflight.value,
+                                           waited))
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
+                    tirx.SeqStmt([copies, k_body, new_wait, *after]), loop.thread_binding,
+                    loop.annotations, loop.step, loop.span)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmfuse.OneBarrierPerKTile")
+def one_barrier_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """:func:`_one_barrier_loop` on the loops of every PrimFunc marked ``ONE_BARRIER_ATTR``."""
+    funcs = {}
+    for gvar, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and func.attrs and func.attrs.get(ONE_BARRIER_ATTR):
+            func = func.with_body(tvm_ffi.structural_map(func.body,
+                                                         [((tirx.For,), _one_barrier_loop)]))
+        funcs[gvar] = func
+    return tvm.IRModule(funcs, attrs=mod.attrs)
+
+
+def _thread_sync_then_one_barrier() -> None:
+    """Run :data:`one_barrier_pass` right after ``ThreadSync("warp")``, the last of the three
+    ThreadSync passes of the default s_tir pipeline (which looks the pass up at build time, so
+    wrapping the attribute here takes effect there; functions without the mark are untouched)."""
+    transform = s_tir.transform
+    original = getattr(transform.ThreadSync, "_tvmfuse_original", transform.ThreadSync)
+
+    def thread_sync(storage_scope: str) -> tvm.transform.Pass:
+        sync = original(storage_scope)
+        if storage_scope != "warp":
+            return sync
+        return tvm.transform.Sequential([sync, one_barrier_pass], name="tvmfuse.ThreadSync")
+
+    thread_sync._tvmfuse_original = original  # type: ignore[attr-defined]
+    transform.ThreadSync = thread_sync
+
+
+_thread_sync_then_one_barrier()
+
+
+# ---------------------------------------------------------------------------------------------
 # analysis
 
 
@@ -348,7 +473,10 @@ class GemmSM80(GPUScheduleRule):
             return _fallback(func, target, tunable, str(why))
         except Exception as err:  # noqa: BLE001 - a primitive refusing: fall back, say why
             return _fallback(func, target, tunable, f"schedule failed: {_first_line(err)}")
-        return s_tir.Schedule(sch.mod["main"].with_attr(RULE_ATTR, NAME))
+        func = sch.mod["main"].with_attr(RULE_ATTR, NAME)
+        if cfg.one_barrier and cfg.stages >= 3:
+            func = func.with_attr(ONE_BARRIER_ATTR, True)
+        return s_tir.Schedule(func)
 
     # -- the schedule -------------------------------------------------------------------------
 
