@@ -83,14 +83,14 @@ def _flops(func: tirx.PrimFunc) -> int:
         return 0
 
 
-def _main_calls(mod: tvm.IRModule) -> list[relax.Call]:
-    """Calls in ``main``'s bindings, in program order."""
+def _main_calls(mod: tvm.IRModule, items: bool = False) -> list[relax.Call]:
+    """Calls in ``main``'s bindings, in program order (``items``: tuple item reads too)."""
     calls: list[relax.Call] = []
     body = mod["main"].body
     for block in body.blocks:
         for binding in block.bindings:
             value = binding.value
-            if isinstance(value, relax.Call):
+            if isinstance(value, relax.Call) or (items and isinstance(value, relax.TupleGetItem)):
                 calls.append((binding.var, value))
     return calls
 
@@ -102,7 +102,7 @@ def _classify(ops: list[str], kinds: list[int]) -> str:
         k in (_K_REDUCE, _K_GEMM) and o not in GEMM_OPS for o, k in zip(ops, kinds))
     if "attention" in ops or (has_gemm and "softmax" in ops):
         return "attention"
-    if has_gemm and any(o in ("layer_norm", "rms_norm") for o in ops):
+    if has_gemm and any(o in ("layer_norm", "rms_norm") or o.endswith("_norm_stats") for o in ops):
         return "norm_gemm"
     if has_gemm:
         return "gemm_epilogue"
@@ -186,14 +186,20 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
         if not isinstance(call.op, tvm.ir.GlobalVar) or call.op.name_hint not in prim_names:
             continue
         name = call.op.name_hint
-        if name in groups:
+        # an sm_90a GEMM that also computes its A's row statistics: the GEMM's ops, stats first
+        merged = final[name].attrs.get("tvmfuse.in_loop_stats") if final[name].attrs else None
+        if merged is not None:
+            gemm, stats = (str(n) for n in merged)
+            ops, kinds = groups.get(gemm, ([op_name(gemm)], [-1]))
+            ops, kinds = [op_name(stats), *ops], [_K_REDUCE, *kinds]
+        elif name in groups:
             ops, kinds = groups[name]
         else:
             callee = fuse_ops_fns.get(name)
             attrs = callee.attrs if callee is not None else None
             ops = [op_name(name)]
             kinds = [int(attrs["op_pattern"])] if attrs and "op_pattern" in attrs else [-1]
-        unscheduled = fuse_tir_fns.get(name) or final[name]
+        unscheduled = fuse_tir_fns.get(str(merged[0]) if merged is not None else name) or final[name]
         attrs = final[name].attrs
         kernels.append(KernelInfo(name, _classify(ops, kinds), ops, _flops(unscheduled),
                                   _primfunc_bytes(final[name]),
@@ -212,8 +218,9 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
                 "the second")
     if p == "norm" and c == "gemm_epilogue" and prod.ops[-1].endswith("_stats"):
         return ("row statistics for the GEMM epilogue (norm_gemm applied): they need whole rows of "
-                "the GEMM's A operand before the epilogue; accumulating them from the A tiles the "
-                "GEMM's main loop already loads is not done yet")
+                "the GEMM's A operand before the epilogue; only the sm_90a wgmma GEMM accumulates "
+                "them from the A tiles its main loop loads (the sm80 and SIMT paths have no in-loop "
+                "statistics)")
     if p == "norm" and c in ("gemm_epilogue",):
         return ("norm → Linear prologue (norm_gemm) not applied: the normed tensor has other users, "
                 "or the weight / norm parameters are not constants, or the norm is not over K")
@@ -242,7 +249,11 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
     producer_of: dict[Any, KernelInfo] = {}
     found: list[dict[str, Any]] = []
     views = tuple(tvm.ir.Op.get(n) for n in ("relax.memory.view", "relax.memory.ensure_zero_offset"))
-    for var, call in _main_calls(stages["fuse_tir"]):
+    for var, call in _main_calls(stages["fuse_tir"], items=True):
+        if isinstance(call, relax.TupleGetItem):  # one output of a multi-output kernel (mean, rstd)
+            if call.tuple_value in producer_of:
+                producer_of[var] = producer_of[call.tuple_value]
+            continue
         if any(call.op.same_as(v) for v in views) and call.args[0] in producer_of:
             producer_of[var] = producer_of[call.args[0]]  # a view of a packed output: same producer
             continue
@@ -253,10 +264,14 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
         if kernel is not None:
             for arg in args:
                 prod = producer_of.get(arg)
-                if prod is not None and prod is not kernel:
+                if prod is not None and prod is not kernel and not any(
+                        e["kernels"] == [prod.name, kernel.name] for e in found):
+                    attrs = stages["finalize"][prod.name].attrs
+                    kept = attrs.get("tvmfuse.stats_kept") if attrs is not None else None
                     found.append({"ops": [prod.ops[-1], kernel.ops[0]],
                                   "kernels": [prod.name, kernel.name],
-                                  "reason": _boundary_reason(prod, kernel)})
+                                  "reason": _boundary_reason(prod, kernel) + (
+                                      f" (sm_90a: kept because {kept})" if kept else "")})
             producer_of[var] = kernel
         else:  # a view (reshape) between kernels: pass the producer through
             for arg in args:

@@ -19,12 +19,14 @@ share the same host/device finalisation passes).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import tvm
 from tvm import tirx
 
 from .elementwise import RULE_ATTR
 from .hopper.epilogue import NotHandled, analyze, expr_text, top_blocks
-from .hopper.kernel import GemmConfig, GemmProblem, check, kernel_text
+from .hopper.kernel import ROW_MEAN, ROW_RSTD, GemmConfig, GemmProblem, RowStats, check, kernel_text
 from .hopper.opmath import fast_math16, opmath
 
 NAME = "gemm_sm90"
@@ -69,12 +71,31 @@ def select_config(m: int, n: int) -> GemmConfig:
     return GemmConfig()
 
 
+@dataclass(frozen=True)
+class InLoopStats:
+    """Row statistics of A that the kernel computes instead of reading them from parameters.
+
+    ``mean`` / ``rstd``: positions of the (M, 1) fp32 parameters the epilogue reads them from
+    (``mean`` None for RMSNorm); the kernel drops these parameters.
+    """
+
+    stats: RowStats
+    mean: int | None
+    rstd: int
+
+    @property
+    def dropped(self) -> list[int]:
+        return [i for i in (self.mean, self.rstd) if i is not None]
+
+
 def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
-                 b_transposed: bool = False) -> tirx.PrimFunc:
+                 b_transposed: bool = False, in_loop: InLoopStats | None = None) -> tirx.PrimFunc:
     """The TIRx kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads B as (K, N) but the kernel takes B's transpose (N, K)
     instead (the caller drops the transpose kernel that produced B).
+    ``in_loop``: the kernel computes A's row statistics in its main loop; its signature is
+    ``func``'s without the statistics parameters.
     """
     from tvm.script import tirx as T
     from tvm.script.parser.core.entry import parse
@@ -99,21 +120,35 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     decls = [(nm, tuple(int(d) for d in b.shape), str(b.dtype)) for nm, b in zip(names, params)]
     if b_transposed:
         decls[g.b] = (names[g.b], decls[g.b][1][::-1], decls[g.b][2])
+    row_loads, positions = None, (g.a, g.b, g.out)
+    if in_loop is not None:
+        for i in in_loop.dropped:
+            if i in positions or decls[i][1:] != ((g.m, 1), "float32"):
+                raise NotHandled(f"parameter {i} is not an (M, 1) fp32 row statistic")
+        texts = [(params[i], text) for i, text in ((in_loop.mean, ROW_MEAN), (in_loop.rstd, ROW_RSTD))
+                 if i is not None]
+        row_loads = (g.dims[0], texts)
+        kept = [i for i in range(len(params)) if i not in in_loop.dropped]
+        positions = tuple(kept.index(i) for i in positions)
+        names, decls = [names[i] for i in kept], [decls[i] for i in kept]
 
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
     if FAST_MATH16 and g.out_dtype in ("float16", "bfloat16"):
         expr = fast_math16(expr)
 
+    buffers = [(b, f"p{i}") for i, b in enumerate(params) if f"p{i}" in names]
+
     def store_value(acc: str, row: str, col: str) -> str:
-        return expr_text(expr, [(g.acc, acc), (g.dims[0], row), (g.dims[1], col)],
-                         list(zip(params, names)))
+        return expr_text(expr, [(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], buffers,
+                         row_loads)
 
     def pair_value(acc: str, acc_odd: str, row: str, col: str) -> str:
         return expr_text(expr, [(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row),
-                                (g.dims[1], col)], list(zip(params, names)))
+                                (g.dims[1], col)], buffers, row_loads)
 
-    text = kernel_text(problem, cfg, "main", names, g.a, g.b, g.out, decls, store_value,
-                       pair_value if g.acc_odd is not None else None)
+    text = kernel_text(problem, cfg, "main", names, *positions, decls, store_value,
+                       pair_value if g.acc_odd is not None else None,
+                       row_stats=in_loop.stats if in_loop is not None else None)
     try:
         kernel = parse(text, extra_vars={"T": T})
     except Exception as err:  # parser diagnostics: report as not handled, keep the default

@@ -272,11 +272,14 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
                      _shape(last), expr, acc, dims, [p.name for p in params], acc_odd)
 
 
-def expr_text(e, names: list, buffers: list) -> str:
+def expr_text(e, names: list, buffers: list, row_loads: tuple | None = None) -> str:
     """TVMScript text of an epilogue expression.
 
     ``names`` is ``[(var, text)]`` for acc and dims; ``buffers`` is ``[(buffer, name)]`` of params.
+    ``row_loads = (row dim, [(buffer, text)])``: loads ``buffer[row, 0]`` of these (M, 1) buffers
+    print as ``text`` (row statistics the kernel computes itself); any other load of them fails.
     """
+    row_dim, row_texts = row_loads if row_loads is not None else (None, [])
 
     def t(x) -> str:
         if isinstance(x, tirx.Var):
@@ -292,6 +295,11 @@ def expr_text(e, names: list, buffers: list) -> str:
         if isinstance(x, tirx.Cast):
             return f'T.Cast("{_dt(x)}", {t(x.value)})'
         if isinstance(x, _Load):
+            text = next((n for b, n in row_texts if b.same_as(x.source)), None)
+            if text is not None:
+                if not is_row_index(x.indices, row_dim):
+                    _fail(f"{x.source.name} read other than at [row, 0]")
+                return text
             name = next((n for b, n in buffers if b.same_as(x.source)), None)
             if name is None:
                 _fail(f"buffer {x.source.name}")
@@ -312,6 +320,14 @@ def expr_text(e, names: list, buffers: list) -> str:
         return _fail(f"{type(x).__name__}")
 
     return t(e)
+
+
+def is_row_index(indices, row_dim) -> bool:
+    """``indices`` is ``[row_dim, 0]`` (the row index possibly cast to another integer width)."""
+    if len(indices) != 2 or not (isinstance(indices[1], tirx.IntImm) and int(indices[1].value) == 0):
+        return False
+    first = indices[0].value if isinstance(indices[0], tirx.Cast) else indices[0]
+    return first.same_as(row_dim)
 
 
 def _fail(what: str) -> str:

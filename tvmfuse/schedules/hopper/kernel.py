@@ -20,6 +20,27 @@ fused expression. A *pair* epilogue (``pair_value``) combines the thread's two a
 columns (2c, 2c + 1) into ``C[row, c]`` of an N/2-wide output. Rows ≥ M and columns ≥ N are
 masked on store; TMA fills out-of-range loads with
 zeros, so any M, N and any K that is a multiple of 8 (16-byte TMA strides) work.
+
+*Row statistics* (``row_stats``, a :class:`RowStats`): the consumers also compute the LayerNorm /
+RMSNorm statistics of their A rows from the A stages the main loop already has in shared memory,
+so no separate statistics kernel runs. The 128-byte swizzle permutes 16-byte chunks within a
+128-byte row only, so a row of the stage sums to the same value in any order: thread t of a
+consumer reads half ``t % 2`` (four 16-byte vectors) of row ``t / 2`` right after issuing its
+wgmmas (the stage is released later as before, so no new synchronisation) and accumulates, in fp32,
+
+    s1 = Σ_k (x[r, k] − c),   s2 = Σ_k (x[r, k] − c)²      (LayerNorm; c = one element of the row)
+    s2 = Σ_k x[r, k]²                                       (RMSNorm)
+
+The shift c (an element of the row's first K tile) keeps E[(x−c)²] − E[x−c]² free of the
+cancellation that E[x²] − mean² suffers when |mean| ≫ std. TMA's zero fill of columns ≥ K adds
+``P = 64·⌈K/64⌉ − K`` terms of −c and c², removed after the loop. Then (true K)
+
+    mean = c + s1/K,   rstd = rsqrt(max(s2/K − (s1/K)², 0) + eps)      (RMSNorm: rsqrt(s2/K + eps))
+
+Lanes t, t^1 combine their halves with one ``shfl.xor``; the rows of warp w's fragment (16w + t%32/4
+and + 8) are exactly the rows its lanes summed, so four indexed shuffles hand each thread the
+statistics of its two fragment rows (no shared memory, no barrier). The epilogue reads them as
+:data:`ROW_MEAN` / :data:`ROW_RSTD` (text valid where ``h`` is the fragment's row half).
 """
 
 from __future__ import annotations
@@ -30,6 +51,9 @@ from dataclasses import dataclass
 WG = 128  # threads per warpgroup
 BK = 64  # K per stage: one 128-byte swizzle row of fp16 / bf16
 SW128 = 3  # CUtensorMapSwizzle / descriptor code of the 128-byte swizzle
+# epilogue text of the statistics of row ``row0 + h·8`` when the kernel computes them (row_stats)
+ROW_MEAN = "rstat[h * 2]"
+ROW_RSTD = "rstat[h * 2 + 1]"
 
 
 @dataclass(frozen=True)
@@ -72,6 +96,17 @@ class GemmProblem:
     layout: str = "nt"  # "nt": B (N, K); "nn": B (K, N)
 
 
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row statistics of A (over its K columns) that the kernel computes in its main loop.
+
+    ``centered``: LayerNorm (mean and rstd); otherwise RMSNorm (rstd only). ``eps`` as in the norm.
+    """
+
+    centered: bool
+    eps: float
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -100,7 +135,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
                 a_param: int, b_param: int, c_param: int,
                 param_decls: list[tuple[str, tuple[int, ...], str]],
                 store_value: Callable[[str, str, str], str] | None = None,
-                pair_value: Callable[[str, str, str, str], str] | None = None) -> str:
+                pair_value: Callable[[str, str, str, str], str] | None = None,
+                row_stats: RowStats | None = None) -> str:
     """TVMScript (tirx) source of the kernel.
 
     ``params``/``param_decls`` keep the fused PrimFunc's signature (name, shape, dtype per
@@ -109,6 +145,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     ``C[row, col]`` from the accumulator element ``acc`` (default: the cast to C's dtype).
     ``pair_value(acc_even, acc_odd, row, col)`` instead makes C (M, N/2) with ``C[row, col]``
     computed from the accumulators of GEMM columns ``2·col`` and ``2·col + 1``.
+    ``row_stats``: the consumers also compute A's row statistics, which the epilogue text reads as
+    :data:`ROW_MEAN` / :data:`ROW_RSTD`.
     """
     p, c = problem, cfg
     ab = {"float16": "f16", "bfloat16": "bf16"}[p.in_dtype]
@@ -217,9 +255,16 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
         pair_align = max(4, 2 * (8 if p.out_dtype.endswith("64") else 4 if p.out_dtype.endswith("32")
                                  else 2))
         w(f'        pair = T.alloc_buffer((2,), "{p.out_dtype}", scope="local", align={pair_align})')
+    if row_stats:
+        w(f'        xv = T.alloc_buffer((8,), "{e}", scope="local", align=16)')
+        w('        rsum = T.alloc_buffer((3,), "float32", scope="local")')  # s1, s2, shift c
+        w('        rstat = T.alloc_buffer((4,), "float32", scope="local")')  # ROW_MEAN, ROW_RSTD
     tile_loop("        ")
     w(f"                for i in T.unroll({acc_n}):")
     w("                    acc[i] = T.float32(0)")
+    if row_stats:
+        for i in range(3):
+            w(f"                rsum[{i}] = T.float32(0)")
     w(f"                for kt in T.serial({kt_total}):")
     w(f"                    g = ti * {kt_total} + kt")
     w(f"                    s = g % {c.stages}")
@@ -231,6 +276,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
       f"desc_b[0] + T.uint64((s * {stage_bytes} + kk * {b_kstep}) // 16), "
       f"True, 1, 1, 0, {trans_b})")
     w("                    T.ptx.wgmma.commit_group.sync.aligned()")
+    if row_stats:  # while the wgmmas run: this thread's half row of the stage
+        _row_stats_accumulate(w, row_stats, stage_bytes, e)
     w("                    T.ptx.wgmma.wait_group.sync.aligned(1)")
     w("                    if kt > 0:")
     w("                        T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared("
@@ -241,6 +288,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     # epilogue: fragment -> global, rows/cols masked (N even: a pair is in or out as a whole)
     w("                t = tx % 128")
     w("                row0 = m0 + (wg - 1) * 64 + (t // 32) * 16 + (t % 32) // 4")
+    if row_stats:
+        _row_stats_finish(w, row_stats, p.k, kt_total * BK - p.k)
     if pair_value and c.pair_shuffle:
         _pair_shuffle_store(w, p, c, pair_value)
         return _finish(lines, device_start, c)
@@ -261,6 +310,49 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
             w(f"                            C2[row0 + h * 8, col + {q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
     return _finish(lines, device_start, c)
+
+
+def _row_stats_accumulate(w: Callable[[str], None], rs: RowStats, stage_bytes: int,
+                          e: str) -> None:
+    """Thread t adds half ``t % 2`` of row ``t / 2`` of its warpgroup's 64 A rows of stage s."""
+    sp = "                    "
+    row = f"s * {stage_bytes // 2} + (wg - 1) * {64 * BK} + ((tx % 128) // 2) * {BK}"
+    if rs.centered:  # shift: the first stored element of the row in the first K tile
+        w(f"{sp}if kt == 0:")
+        w(f'{sp}    rsum[2] = T.Cast("float32", smem[{row}])')
+    w(f"{sp}for q in T.unroll(4):")
+    w(f"{sp}    xv[T.Ramp(0, 1, 8)] = smem[T.Ramp({row} + (tx % 2) * 32 + q * 8, 1, 8)]")
+    w(f"{sp}    for v in T.unroll(8):")
+    if rs.centered:
+        w(f'{sp}        rsum[0] = rsum[0] + (T.Cast("float32", xv[v]) - rsum[2])')
+        w(f'{sp}        rsum[1] = rsum[1] + (T.Cast("float32", xv[v]) - rsum[2]) * '
+          f'(T.Cast("float32", xv[v]) - rsum[2])')
+    else:
+        w(f'{sp}        rsum[1] = rsum[1] + T.Cast("float32", xv[v]) * T.Cast("float32", xv[v])')
+
+
+def _row_stats_finish(w: Callable[[str], None], rs: RowStats, k: int, pad: int) -> None:
+    """Combine the two half rows, form (mean, rstd) per row, and give each thread the statistics
+    of its fragment rows ``16·(t/32) + (t%32)/4`` (+ 8), summed by lanes ``2·((t%32)/4)`` (+ 16)."""
+    sp = "                "
+    full = "T.uint32(4294967295)"
+    for i in (0, 1) if rs.centered else (1,):
+        w(f"{sp}rsum[{i}] = rsum[{i}] + T.cuda.__shfl_xor_sync({full}, rsum[{i}], 1, 32)")
+    if rs.centered:
+        if pad:  # TMA's zero columns: P terms (0 − c) and (0 − c)² came in
+            w(f"{sp}rsum[0] = rsum[0] + T.float32({float(pad)}) * rsum[2]")
+            w(f"{sp}rsum[1] = rsum[1] - T.float32({float(pad)}) * rsum[2] * rsum[2]")
+        w(f"{sp}rsum[0] = rsum[0] / T.float32({float(k)})")  # mean − c
+        w(f"{sp}rsum[1] = T.rsqrt(T.max(rsum[1] / T.float32({float(k)}) - rsum[0] * rsum[0], "
+          f"T.float32(0)) + T.float32({rs.eps!r}))")
+        w(f"{sp}rsum[0] = rsum[0] + rsum[2]")
+    else:
+        w(f"{sp}rsum[1] = T.rsqrt(rsum[1] / T.float32({float(k)}) + T.float32({rs.eps!r}))")
+    w(f"{sp}for h in T.unroll(2):")
+    src = "((tx % 32) // 4) * 2 + h * 16"
+    if rs.centered:
+        w(f"{sp}    rstat[h * 2] = T.cuda.__shfl_sync({full}, rsum[0], {src}, 32)")
+    w(f"{sp}    rstat[h * 2 + 1] = T.cuda.__shfl_sync({full}, rsum[1], {src}, 32)")
 
 
 def _finish(lines: list[str], device_start: int, c: GemmConfig) -> str:
@@ -302,8 +394,10 @@ def _pair_shuffle_store(w: Callable[[str], None], p: GemmProblem, c: GemmConfig,
     w("                            C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
 
 
-def standalone(problem: GemmProblem, cfg: GemmConfig | None = None):
-    """The kernel as a PrimFunc ``main(A, B, C)`` with ``C = cast(A·B)`` (no epilogue).
+def standalone(problem: GemmProblem, cfg: GemmConfig | None = None,
+               row_stats: RowStats | None = None):
+    """The kernel as a PrimFunc ``main(A, B, C)`` with ``C = cast(A·B)`` (no epilogue); with
+    ``row_stats``, ``C = cast(rstd ⊙ (A·B − mean))`` (LayerNorm) or ``cast(rstd ⊙ A·B)``.
 
     For tests and device probes; the schedule rule builds its kernels from fused PrimFuncs.
     """
@@ -315,5 +409,13 @@ def standalone(problem: GemmProblem, cfg: GemmConfig | None = None):
     b_shape = (p.n, p.k) if p.layout == "nt" else (p.k, p.n)
     decls = [("A", (p.m, p.k), p.in_dtype), ("B", b_shape, p.in_dtype),
              ("C", (p.m, p.n), p.out_dtype)]
-    text = kernel_text(p, cfg, "main", ["A", "B", "C"], 0, 1, 2, decls)
+    value = None
+    if row_stats is not None:
+        centred = f"({{acc}} - {ROW_MEAN})" if row_stats.centered else "{acc}"
+
+        def value(acc: str, row: str, col: str) -> str:
+            return f'T.Cast("{p.out_dtype}", {centred.format(acc=acc)} * {ROW_RSTD})'
+
+    text = kernel_text(p, cfg, "main", ["A", "B", "C"], 0, 1, 2, decls, value,
+                       row_stats=row_stats)
     return parse(text, extra_vars={"T": T})

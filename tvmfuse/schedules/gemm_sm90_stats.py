@@ -1,0 +1,217 @@
+"""sm_90a: a norm's row statistics move into the wgmma GEMM that consumes them.
+
+NormGemmPrologue (``passes/norm_gemm.py``) turns ``norm(x) · W`` into a statistics kernel
+
+    mean, rstd = layer_norm_stats(x)      (rms_norm_stats: rstd only), each (M, 1) fp32
+
+and a GEMM whose epilogue applies them, ``rstd ⊙ (x·W' − mean ⊗ colsum) + c``. On sm_90a the GEMM
+is the TIRx wgmma kernel (:mod:`.hopper.kernel`), whose consumers can compute the same statistics
+from the A tiles its main loop already holds in shared memory (``kernel_text(row_stats=...)``).
+``Sm90GemmRowStats`` does that rewrite: for each statistics call whose every result is read only by
+GEMMs over the same ``x`` that the wgmma kernel takes, each such GEMM becomes a kernel computing
+the statistics itself (without the statistics parameters) and the statistics call is removed: one
+launch and one read of ``x`` less. Several GEMMs on one statistics call each compute their own
+(a few shared-memory reads per K tile), so the call goes away.
+
+Where it does not apply the statistics kernel stays, and its PrimFunc gets
+``tvmfuse.stats_kept = <reason>`` (``tvmfuse report`` prints it for the boundary).
+
+Runs in ``pipeline.lower`` right before :func:`.gemm_sm90.Sm90Gemm` (on the fused PrimFuncs, after
+``reshape_to_view``); the kernels it makes are tagged scheduled, so Sm90Gemm and dlight skip them.
+Only with an sm_90a target; elsewhere the module is returned unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+import tvm_ffi
+from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .gemm_sm90 import InLoopStats, _is_sm90a, build_kernel
+from .hopper.epilogue import NotHandled, analyze, top_blocks
+from .hopper.kernel import RowStats
+
+NAME = "gemm_sm90_row_stats"
+ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
+KEPT_ATTR = "tvmfuse.stats_kept"  # on a statistics PrimFunc that still runs: why
+# on a GEMM kernel computing statistics: [the GEMM PrimFunc it replaces, the statistics PrimFunc]
+IN_LOOP_ATTR = "tvmfuse.in_loop_stats"
+_CALL_TIR = "relax.call_tir"
+
+
+def _stats_function(x_ty, eps: float, centered: bool) -> tirx.PrimFunc:
+    """The statistics PrimFunc NormGemmPrologue emits for an input of type ``x_ty``."""
+    from ..passes.norm_gemm import _row_stats
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", x_ty)
+    with bb.function("main", [x]):
+        bb.emit_func_output(bb.emit_te(_row_stats, x, eps, centered, primfunc_name_hint="stats"))
+    return bb.get()["stats"]
+
+
+def _eps_of(func: tirx.PrimFunc) -> float | None:
+    """The constant ``eps`` of the last block's value ``rsqrt(… + eps)``."""
+    try:
+        _, blocks = top_blocks(func)
+    except Exception:  # noqa: BLE001 - not block-structured: not a statistics function
+        return None
+    value = getattr(blocks[-1][0].body, "value", None) if blocks else None
+    if isinstance(value, tvm.ir.Call) and value.op.name == "tirx.rsqrt" \
+            and isinstance(value.args[0], tirx.Add) and isinstance(value.args[0].b, tirx.FloatImm):
+        return float(value.args[0].b.value)
+    return None
+
+
+def row_stats_of(func: tirx.PrimFunc) -> RowStats | None:
+    """What ``func`` computes when it is exactly NormGemmPrologue's statistics function of its
+    first parameter (mean and rstd, or rstd), else None."""
+    params = list(func.params)
+    if len(params) not in (2, 3) or len(params[0].shape) != 2:
+        return None
+    eps = _eps_of(func)
+    if eps is None:
+        return None
+    centered = len(params) == 3
+    x_ty = relax.TensorType([int(d) for d in params[0].shape], str(params[0].dtype))
+    ref = _stats_function(x_ty, eps, centered)
+    same = tvm_ffi.structural_equal(tirx.PrimFunc(func.params, func.body),
+                                    tirx.PrimFunc(ref.params, ref.body))
+    return RowStats(centered, eps) if same else None
+
+
+@dataclass
+class _Plan:
+    """One statistics call and the GEMM calls that take over its work."""
+
+    call: relax.Call
+    outputs: list[relax.Var]  # [mean, rstd] or [rstd]
+    gemms: list[relax.Call]
+    kernels: list[tirx.PrimFunc]
+
+
+def _bindings(func: relax.Function) -> list:
+    return [b for block in func.body.blocks for b in block.bindings]
+
+
+def _uses(func: relax.Function) -> dict:
+    """var → list of the binding values (or the function's result) that read it."""
+    uses: dict = {}
+    for b in _bindings(func):
+        for v in relax.analysis.free_vars(b.value):
+            uses.setdefault(v, []).append(b.value)
+    for v in relax.analysis.free_vars(func.body.body):
+        uses.setdefault(v, []).append(None)
+    return uses
+
+
+def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[_Plan]:
+    """Statistics calls of ``func`` that all their GEMM consumers can compute themselves."""
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    uses = _uses(func)
+    items: dict = {}  # stats var → {index: TupleGetItem var}
+    for b in _bindings(func):
+        if isinstance(b.value, relax.TupleGetItem) and isinstance(b.value.tuple_value, relax.Var):
+            items.setdefault(b.value.tuple_value, {})[int(b.value.index)] = b.var
+    plans = []
+    for b in _bindings(func):
+        call = b.value
+        if not (isinstance(call, relax.Call) and call.op == call_tir):
+            continue
+        stats_fn = mod[call.args[0]]
+        if not isinstance(stats_fn, tirx.PrimFunc):
+            continue
+        spec = row_stats_of(stats_fn)
+        if spec is None:
+            continue
+        x = call.args[1].fields[0]
+        if spec.centered:
+            got = items.get(b.var, {})
+            if set(got) != {0, 1} or len(uses.get(b.var, [])) != 2:
+                kept[call.args[0]] = "the statistics tuple is used other than by its two items"
+                continue
+            outputs = [got[0], got[1]]
+        else:
+            outputs = [b.var]
+        plan, why = _Plan(call, outputs, [], []), None
+        consumers = {id(u): u for o in outputs for u in uses.get(o, [])}.values()
+        for user in consumers:
+            why = _why_not(mod, user, x, outputs, spec, plan, call.args[0].name_hint)
+            if why:
+                break
+        if why:
+            kept[call.args[0]] = why
+        elif plan.gemms:
+            plans.append(plan)
+    return plans
+
+
+def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowStats,
+             plan: _Plan, stats_name: str) -> str | None:
+    """Why ``user`` cannot compute the statistics itself (None: it can; added to ``plan``)."""
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    if not (isinstance(user, relax.Call) and user.op == call_tir
+            and isinstance(mod[user.args[0]], tirx.PrimFunc)):
+        return "a statistic is used outside a GEMM kernel"
+    func = mod[user.args[0]]
+    args = list(user.args[1].fields)
+    try:
+        g = analyze(func)
+    except NotHandled as err:
+        return f"consumer {user.args[0].name_hint} is not a GEMM + epilogue ({err})"
+    if not args[g.a].same_as(x):
+        return "the GEMM's A operand is not the tensor the statistics are taken of"
+    pos = []
+    for o in outputs:
+        found = [i for i, a in enumerate(args) if a.same_as(o)]
+        if len(found) != 1:
+            return "a statistic is passed to the GEMM more than once"
+        pos.append(found[0])
+    in_loop = InLoopStats(spec, pos[0] if spec.centered else None, pos[-1])
+    try:
+        kernel = build_kernel(func, in_loop=in_loop)
+    except NotHandled as err:
+        return f"the sm_90a wgmma GEMM does not take {user.args[0].name_hint}: {err}"
+    plan.gemms.append(user)
+    plan.kernels.append(kernel.with_attr(IN_LOOP_ATTR, [user.args[0].name_hint, stats_name]))
+    return None
+
+
+@tvm.transform.module_pass(opt_level=0, name="Sm90GemmRowStats")
+def Sm90GemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
+    """Statistics kernels feeding sm_90a wgmma GEMMs → statistics computed in those GEMMs."""
+    if not ENABLED or not _is_sm90a(tvm.target.Target.current(allow_none=True)):
+        return mod
+    kept: dict = {}
+    plans = [p for gv, f in mod.functions_items() if isinstance(f, relax.Function)
+             for p in _plan(mod, f, kept)]
+    mod = mod.clone()  # assigned into below: not the caller's module
+    for gv, why in kept.items():
+        mod[gv] = mod[gv].with_attr(KEPT_ATTR, why)
+    if not plans:
+        return mod
+    replaced = [(gemm, kernel, plan.outputs) for plan in plans
+                for gemm, kernel in zip(plan.gemms, plan.kernels)]
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+
+    @mutator
+    class _Rewrite(PyExprMutator):
+        def visit_call_(self, call):
+            match = next(((k, outs) for g, k, outs in replaced if g.same_as(call)), None)
+            if match is None:
+                return super().visit_call_(call)
+            kernel, outs = match
+            gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_stats")
+            args = [a for a in call.args[1].fields if not any(a.same_as(o) for o in outs)]
+            return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
+
+    rewriter = _Rewrite(mod)
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    # the statistics calls are now unused: dead code, and so are their PrimFuncs
+    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+
