@@ -25,7 +25,7 @@ zeros, so any M, N and any K that is a multiple of 8 (16-byte TMA strides) work.
 RMSNorm statistics of their A rows from the A stages the main loop already has in shared memory,
 so no separate statistics kernel runs. The 128-byte swizzle permutes 16-byte chunks within a
 128-byte row only, so a row of the stage sums to the same value in any order: thread t of a
-consumer reads half ``t % 2`` (four 16-byte vectors) of row ``t / 2`` right after issuing its
+consumer reads four of the eight 16-byte chunks of row ``t / 2`` right after issuing its
 wgmmas (the stage is released later as before, so no new synchronisation) and accumulates, in fp32,
 
     s1 = Σ_k (x[r, k] − c),   s2 = Σ_k (x[r, k] − c)²      (LayerNorm; c = one element of the row)
@@ -320,8 +320,11 @@ def _row_stats_accumulate(w: Callable[[str], None], rs: RowStats, stage_bytes: i
     if rs.centered:  # shift: the first stored element of the row in the first K tile
         w(f"{sp}if kt == 0:")
         w(f'{sp}    rsum[2] = T.Cast("float32", smem[{row}])')
+    # physical 16-byte chunk ((t % 2)·4 + q) ^ (row % 8): the 8 lanes of one shared-memory phase
+    # read 8 different chunks (all 32 banks); the pair t, t^1 still covers the row's 8 chunks
     w(f"{sp}for q in T.unroll(4):")
-    w(f"{sp}    xv[T.Ramp(0, 1, 8)] = smem[T.Ramp({row} + (tx % 2) * 32 + q * 8, 1, 8)]")
+    w(f"{sp}    xv[T.Ramp(0, 1, 8)] = smem[T.Ramp({row} + T.bitwise_xor((tx % 2) * 4 + q, "
+      f"((tx % 128) // 2) % 8) * 8, 1, 8)]")
     w(f"{sp}    for v in T.unroll(8):")
     if rs.centered:
         w(f'{sp}        rsum[0] = rsum[0] + (T.Cast("float32", xv[v]) - rsum[2])')
