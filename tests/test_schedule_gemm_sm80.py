@@ -222,7 +222,7 @@ def test_one_barrier_per_k_tile(stages):
     """The main loop holds one ``__syncthreads``, after the wait for the tile the next
     fragments come from and after this tile's k-steps: copies, commit, k-steps, wait, barrier,
     next tile's first fragments (TVM's ThreadSync gave two: one before the copies)."""
-    cfg = GemmConfig(stages=stages)
+    cfg = GemmConfig(stages=stages, one_barrier=True)
     sch = GemmSM80(config=cfg).apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
     loop = _main_loop(_cuda_source(sch.mod, SM80.tvm_target()))
     assert loop.count("__syncthreads()") == 1, loop.count("__syncthreads()")
@@ -233,8 +233,8 @@ def test_one_barrier_per_k_tile(stages):
 
 
 def test_two_barriers_without_the_rewrite():
-    """``one_barrier=False`` keeps TVM's loop: a barrier before the copies and one after the
-    wait, the k-steps last (the layout the rewrite recognises)."""
+    """``one_barrier=False`` (the default) keeps TVM's loop: a barrier before the copies and
+    one after the wait, the k-steps last (the layout the rewrite recognises)."""
     cfg = GemmConfig(one_barrier=False)
     sch = GemmSM80(config=cfg).apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
     loop = _main_loop(_cuda_source(sch.mod, SM80.tvm_target()))

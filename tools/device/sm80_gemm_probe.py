@@ -1,13 +1,16 @@
 """Device probe for the sm80 tensor-core GEMM rule (``tvmfuse/schedules/gemm_sm80.py``).
 
 Run on the GPU machine from the repository root:
-``python tools/device/sm80_gemm_probe.py [--quick] [--configs 128x128x32w64x64s4,...]``.
+``python tools/device/sm80_gemm_probe.py [--quick] [--one-barrier] [--configs 128x128x32w64x64s4,...]``
+(a tile ending in ``b1``, or every default-tile case with ``--one-barrier``, is built with one
+``__syncthreads`` per K tile: ``GemmConfig.one_barrier``).
 
 Builds ``relu(x · Wᵀ + b)`` (x (M, K), W (N, K) or (K, N), b (N); fp32 accumulation, output in the
 input dtype) directly with the rule and TVM's CUDA build (sm_80 target: the H200 runs it as
 sm_90 code), checks it against a float32 torch reference (‖out − ref‖ / ‖ref‖), and times it
 with CUDA events next to ``torch.mm`` (cuBLAS, no epilogue) and eager ``relu(F.linear)``.
-One line per case: shape, dtype, layout, tile, rel err, ms, TFLOP/s, ratio to cuBLAS.
+One line per case: shape, dtype, layout, tile, barriers in the K loop of the generated CUDA,
+rel err, ms, TFLOP/s, ratio to cuBLAS.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import re
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 sys.path.insert(0, os.getcwd())
 os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
@@ -27,7 +31,14 @@ import tvm  # noqa: E402
 import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback)
 from tvm import te, tirx  # noqa: E402
 
-from tvmfuse.schedules.gemm_sm80 import BUILD_CONFIG, GemmConfig, GemmSM80  # noqa: E402
+from tvmfuse.schedules.gemm_sm80 import (  # noqa: E402
+    BUILD_CONFIG,
+    DEFAULT_CONFIG,
+    SMALL_M,
+    SMALL_M_CONFIG,
+    GemmConfig,
+    GemmSM80,
+)
 
 # The sm80 schedule, built for the H200 (sm_90 SASS of the same code, as target "sm80" ships).
 TARGET = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
@@ -55,14 +66,14 @@ def linear_relu(m: int, n: int, k: int, dtype: str, kn: bool, batch: int = 0) ->
 
 
 def parse_config(text: str) -> GemmConfig:
-    """``128x128x32w64x64s4[r8][b2]`` → GemmConfig (``b2``: TVM's two barriers per K tile, i.e.
-    ``one_barrier=False``)."""
-    got = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)x(\d+)s(\d+)(?:r(\d+))?(b2)?", text)
+    """``128x128x32w64x64s4[r8][b1]`` → GemmConfig (``b1``: one barrier per K tile, i.e.
+    ``one_barrier=True``; without it TVM's two)."""
+    got = re.fullmatch(r"(\d+)x(\d+)x(\d+)w(\d+)x(\d+)s(\d+)(?:r(\d+))?(b1)?", text)
     if got is None:
-        raise ValueError(f"bad tile {text!r}: want BMxBNxBKwWMxWNsS[rR][b2]")
+        raise ValueError(f"bad tile {text!r}: want BMxBNxBKwWMxWNsS[rR][b1]")
     bm, bn, bk, wm, wn, stages = (int(v) for v in got.groups()[:6])
     return GemmConfig(bm, bn, bk, wm, wn, stages, int(got.group(7) or 8),
-                      one_barrier=got.group(8) is None)
+                      one_barrier=got.group(8) is not None)
 
 
 def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
@@ -107,10 +118,15 @@ _REFERENCE_MS: dict[tuple, tuple[float, float]] = {}  # (m, n, k, dtype, batch) 
 
 
 def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = None,
-         time_it=True) -> None:
+         time_it=True, one_barrier=False) -> None:
+    """One shape; ``cfg`` None: the rule's default tiles (``one_barrier`` switched on in both
+    the default and the decode tile when asked)."""
     t0 = time.time()
     func = linear_relu(m, n, k, dtype, kn, batch)
-    sch = GemmSM80(config=cfg).apply(func, TARGET, False)
+    small = SMALL_M_CONFIG
+    if cfg is None and one_barrier:
+        cfg, small = (replace(c, one_barrier=True) for c in (DEFAULT_CONFIG, small))
+    sch = GemmSM80(config=cfg, small_m_config=small).apply(func, TARGET, False)
     attrs = sch.mod["main"].attrs
     rule = attrs.get("tvmfuse.rule") or f"fallback({attrs.get('tvmfuse.fallback')})"
     with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
@@ -128,9 +144,9 @@ def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = N
     torch.cuda.synchronize()
     ref = torch.relu(x.float() @ w.float().transpose(-1, -2) + b.float())
     err = float((y.float() - ref).norm() / ref.norm())
-    cfg = cfg or GemmConfig()
+    cfg = small if m <= SMALL_M else (cfg or DEFAULT_CONFIG)  # the tile the rule used
     tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.warp_m}x{cfg.warp_n}s{cfg.stages}"
-           f"r{cfg.raster}{'' if cfg.one_barrier else 'b2'}")
+           f"r{cfg.raster}{'b1' if cfg.one_barrier else ''}")
     shape = f"{f'{batch}x' if batch else ''}{m}x{n}x{k}"
     try:
         bars = main_loop_barriers(cuda_source(lib))
@@ -156,6 +172,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", default="", help="comma-separated tiles for 4096^3 fp16")
     p.add_argument("--quick", action="store_true", help="4096^3 fp16 default tile only")
+    p.add_argument("--one-barrier", action="store_true",
+                   help="the default-tile cases with GemmConfig.one_barrier on")
     args = p.parse_args()
     print("gpu", torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
     runs = [dict(m=4096, n=4096, k=4096)]
@@ -171,6 +189,7 @@ def main() -> None:
         ]
     runs += [dict(m=4096, n=4096, k=4096, cfg=parse_config(c)) for c in args.configs.split(",") if c]
     for kw in runs:
+        kw.setdefault("one_barrier", args.one_barrier)
         try:
             case(**kw)
         except Exception:  # noqa: BLE001 - one failing case must not hide the others

@@ -30,7 +30,7 @@ Schedule, per thread block of ``block_m × block_n`` outputs and ``warps = (bloc
 The epilogue runs on the fp32 accumulators (read back from shared memory in 16-byte vectors,
 computed in scalar registers) and each thread writes one 16-byte vector of the output at a time.
 
-The K loop has one ``__syncthreads`` per tile (``GemmConfig.one_barrier``, stages ≥ 3): a pass
+With ``GemmConfig.one_barrier`` (stages ≥ 3) the K loop has one ``__syncthreads`` per tile: a pass
 run after TVM's ThreadSync (:func:`_one_barrier_loop`) drops the barrier ThreadSync puts before
 the refill and moves the ``cp.async.wait_group`` + barrier behind the tile's k-steps, so one
 barrier guards both the refill and the next tile's reads, and each tile's loads get two tiles
@@ -88,7 +88,7 @@ class GemmConfig:
     warp_n: int = 64
     stages: int = 3
     raster: int = 8
-    one_barrier: bool = True  # one __syncthreads per K tile (:func:`_one_barrier_loop`), stages ≥ 3
+    one_barrier: bool = False  # one __syncthreads per K tile (:func:`_one_barrier_loop`), stages ≥ 3
 
     @property
     def warps(self) -> int:
