@@ -191,7 +191,7 @@ def test_sass(shape, dtype, ld_bits, loads, shuffles, centered, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("centered", [True, False], ids=["layer", "rms"])
-@pytest.mark.parametrize("shape", [(8192, 4096), (7, 4100), (2, 5, 768)], ids=str)
+@pytest.mark.parametrize("shape", [(8192, 4096), (7, 4100), (2, 5, 768), (2, 128, 1024)], ids=str)
 def test_gpu_matches_float64(shape, centered):
     import torch
 

@@ -87,7 +87,10 @@ def choose_threads(n_vec: int, rows: int) -> tuple[int, int] | None:
         if best is None:
             return None
         t_row = best[1]
-    r_blk = max(1, min(MIN_BLOCK_THREADS // t_row, rows)) if t_row < MIN_BLOCK_THREADS else 1
+    # Several rows share a block only when each row is one (sub-)warp: TVM 0.27 lowers a
+    # reduction of several warps per row with several rows per block wrongly on the GPU
+    # (LayerNorm 256×512 fp32 gave NaN on the H200: 64 threads a row, 2 rows a block).
+    r_blk = max(1, min(MIN_BLOCK_THREADS // t_row, rows)) if t_row <= 32 else 1
     return t_row, r_blk
 
 
