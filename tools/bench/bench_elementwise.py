@@ -107,7 +107,8 @@ def compare_variants(args: argparse.Namespace, names: list[str], rounds: int = 2
         print(f"{name:<14} {' '.join(f'{t:7.1f}' for t in prof):>22} "
               f"{' '.join(f'{t:7.1f}' for t in events):>22} {wl.bytes / best / 1e6:6.2f} "
               f"{100 * floor_us / best:6.1f}% {common.rel_err(outs[name], ref):8.1e} {diff:16.3g}")
-    base = common.baselines(wl.module, inputs, warmup=args.warmup, iters=args.iters)
+    base = common.baselines(wl.module, inputs, use_compile=not args.no_compile,
+                            warmup=args.warmup, iters=args.iters)
     print("torch per call (CUDA events, median):",
           {k: v for k, v in base.items() if k.endswith("_ms")}, base.get("errors", ""))
 
