@@ -14,9 +14,9 @@ from torch import nn
 from tvm import tirx
 
 import tvmfuse
+from models.decoder_layer import RMSNorm
 from tests.conftest import rel_err
 from tests.cuda_tools import needs_nvcc
-from models.decoder_layer import RMSNorm
 from tests.test_schedule_gemm_sm90 import _ptxas_kernels
 from tvmfuse.frontend import import_model
 from tvmfuse.pipeline import lower
@@ -202,3 +202,13 @@ def test_gpu_mlp_block(tmp_path):
     module, (x,) = mlp_block.build(batch=2, seq=1000, hidden=1024, dtype=torch.float16)
     _check(module, (x + 3,), tmp_path, 5e-3)
 
+
+
+@pytest.mark.gpu
+def test_gpu_decoder_layer_fp16(tmp_path):
+    """fp16 Llama-style layer: RMS statistics in the wide Q/K/V GEMM and in the SwiGLU pair GEMM."""
+    from models import decoder_layer
+
+    module, (x,) = decoder_layer.build(batch=2, seq=128, hidden=512, n_heads=8, n_kv_heads=2)
+    module = module.half()
+    _check(module, ((x + 3).half(),), tmp_path, 5e-3)
