@@ -430,6 +430,33 @@ def test_elementwise_blocks_are_whole(shape, threads):
     assert extents["blockIdx.x"] * threads * 8 == int(np.prod(shape)), extents
 
 
+BROADCAST_CASES = [((2, 7, 4096), (7, 4096)), ((4, 6, 4096), (6, 4096)),
+                   ((4, 6, 4096), (4, 1, 4096)), ((4, 6, 4096), (4096,)), ((4, 6, 4096), (4, 6, 4096))]
+
+
+@pytest.mark.parametrize("name", ["v2_rows", "v4_rows"])
+@pytest.mark.parametrize("shape, mshape", BROADCAST_CASES,
+                         ids=[f"{'x'.join(map(str, s))}+{'x'.join(map(str, m))}"
+                              for s, m in BROADCAST_CASES])
+def test_elementwise_rows_with_broadcasts(name, shape, mshape):
+    """``x + m`` with m broadcast over leading dims: the k-row variants build for CUDA (the k rows
+    split only the last row dim, so every cached region is a constant size; split across a fused
+    (b, s) loop, the build failed with "Cannot unroll non-constant loop") and keep the semantics."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float16"))
+    m = relax.Var("m", relax.TensorType(mshape, "float16"))
+    with bb.function("main", [x, m]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(x, m))
+        bb.emit_func_output(out)
+    (func,) = prim_funcs(pipeline.lower(bb.get(), CPU)).values()
+    scheduled, source = _variant_kernel(name, func)
+    assert "uint4" in source
+    rng = np.random.default_rng(2)
+    args = [rng.standard_normal([int(d) for d in p.shape]).astype("float16") for p in func.params]
+    np.testing.assert_array_equal(_run_llvm(_serial(scheduled), args), _run_llvm(func, args))
+
+
 def test_fast_erf_formula_accuracy():
     """The A&S 7.1.26 erf of ``fast_erf`` in float32 arithmetic: |erf − exact| ≤ 1e-6 on [−6, 6]
     (the device's ``__expf`` / ``__fdividef`` are checked against torch by the GPU run)."""

@@ -108,8 +108,9 @@ class ElementwiseConfig:
 
     ``vectors``: 16-byte vectors per thread per contiguous stream (k). k > 1 issues k independent
     loads per input before any math. ``row_reuse``: the k vectors of a thread are k rows of the same
-    columns (stride = one row), so per-channel inputs (``a[j]`` of ``y[i, j]``) are loaded once per
-    thread, not k times; otherwise the k vectors are ``threads`` vectors apart (any shape).
+    columns (stride = one row; k must divide the second-to-last dim), so per-channel inputs
+    (``a[j]`` of ``y[i, j]``) are loaded once per thread, not k times; otherwise the k vectors are
+    adjacent (one 16·k-byte piece a thread).
     ``min_blocks_per_sm``: ``__launch_bounds__(threads, m)``, capping registers so m blocks fit.
     ``fast_erf``: in blocks with an fp16 / bf16 output, fp32 ``erf`` by Abramowitz & Stegun 7.1.26
     (|error| ≤ 1.5e-7 in exact arithmetic, 5.8e-7 measured with ``__expf`` / ``__fdividef``;
@@ -214,13 +215,16 @@ class Elementwise(GPUScheduleRule):
         for loop in loops[:-1]:
             extent = _int(sch.get(loop).extent)
             rows = rows * extent if rows and extent else None
-        if k > 1 and cfg.row_reuse and len(loops) > 1 and rows and rows % k == 0 \
+        # The k rows split the last row loop only: split across a fused (b, s) row loop they
+        # would index b, s as (r·k + j) // S, % S, whose cache regions are not constant in size.
+        last_rows = _int(sch.get(loops[-2]).extent) if len(loops) > 1 else None
+        if k > 1 and cfg.row_reuse and last_rows and last_rows % k == 0 \
                 and (inner // vec) % threads == 0:
             outer, v = sch.split(loops[-1], [None, vec])
-            rb, j = sch.split(sch.fuse(*loops[:-1]), [None, k])
+            ro, j = sch.split(loops[-2], [None, k])
             co, tx = sch.split(outer, [None, threads])
-            sch.reorder(rb, co, tx, j, v)
-            return sch.fuse(rb, co), tx, j, v
+            sch.reorder(*loops[:-2], ro, co, tx, j, v)
+            return sch.fuse(*loops[:-2], ro, co), tx, j, v
         if k > 1 and not cfg.row_reuse and inner % (k * vec) == 0:
             vec *= k  # k adjacent vectors: one contiguous 16·k-byte piece a thread
         if (inner // vec) % threads:
