@@ -8,7 +8,8 @@ normalised tensor is never written to HBM: the GEMM reads x itself and the stati
 to its accumulators, in fp32. Q/K/V projections of one normed input share the statistics.
 Only constant weights are folded (W' and colsum are computed at compile time); anything else is
 left alone. On CUDA the statistics kernel is scheduled by ``schedules/row_stats.py`` (x read once
-into registers, both reductions from there).
+into registers, both reductions from there); on sm_90a, where the GEMM is the wgmma kernel,
+``schedules/gemm_sm90_stats.py`` removes it and the GEMM computes the statistics in its main loop.
 Sits after FuseDecomposedNorms (which makes the norm ops this pass looks for) and before LegalizeOps.
 """
 

@@ -5,7 +5,9 @@
     x (..., N) → mean, rstd (..., 1) in fp32
 
 NormGemmPrologue (``passes/norm_gemm.py``) emits these kernels; its GEMM applies the statistics in
-its epilogue. The shape this rule takes, after row-wide elementwise producers (casts) are inlined:
+its epilogue. On sm_90a with fp16 / bf16 GEMMs they do not run at all: the wgmma GEMM computes
+them itself (``gemm_sm90_stats.py``); this rule schedules the ones that remain.
+The shape this rule takes, after row-wide elementwise producers (casts) are inlined:
 blocks that are reductions over the row's columns (iterators ``S…S R…R``) or row scalars (rows
 only), the last a row scalar, and 1–2 outputs, all row scalars. :class:`~.row_norm.RowNorm` takes
 the functions whose last block writes whole rows; this rule shares its analysis and layout:
