@@ -217,16 +217,17 @@ def _main_loop(source: str) -> str:
     raise AssertionError("no cp.async loop in the CUDA source")
 
 
-@pytest.mark.parametrize("stages", [3, 4])
-def test_one_barrier_per_k_tile(stages):
+@pytest.mark.parametrize("block_k, stages", [(64, 3), (64, 4), (32, 4)])
+def test_one_barrier_per_k_tile(block_k, stages):
     """The main loop holds one ``__syncthreads``, after the wait for the tile the next
     fragments come from and after this tile's k-steps: copies, commit, k-steps, wait, barrier,
-    next tile's first fragments (TVM's ThreadSync gave two: one before the copies)."""
-    cfg = GemmConfig(stages=stages, one_barrier=True)
+    next tile's first fragments (TVM's ThreadSync gave two: one before the copies). With
+    ``block_k`` 32 the k-steps are no loop but a straight run of ldmatrix / mma."""
+    cfg = GemmConfig(block_k=block_k, stages=stages, one_barrier=True)
     sch = GemmSM80(config=cfg).apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
     loop = _main_loop(_cuda_source(sch.mod, SM80.tvm_target()))
     assert loop.count("__syncthreads()") == 1, loop.count("__syncthreads()")
-    order = [loop.index("commit_group();"), loop.index("  for ("),
+    order = [loop.index("commit_group();"), loop.index("mma.sync"),
              loop.index(f"wait_group_{stages - 2}();"), loop.index("__syncthreads();")]
     assert order == sorted(order), order
     assert loop.index("ldmatrix", order[-1]) > order[-1]  # next tile's fragments after it
@@ -280,6 +281,28 @@ def _check_sass(sass: str, log: str, kernel: str) -> None:
         report
 
 
+@pytest.mark.parametrize("m, n, batch, want", [
+    (4096, 4096, 1, "large"),  # 16 × 32 tiles of 256 × 128
+    (2047, 4096, 1, "large"),  # 8 × 32 = 256 blocks
+    (512, 512, 8, "default"),  # 2 × 4 × 8 = 64 blocks: 128 × 128 tiles keep the SMs busy
+    (1024, 2048, 1, "default"),  # 4 × 16 = 64
+    (16, 4096, 1, "small"),
+])
+def test_pick_config(m, n, batch, want):
+    from tvmfuse.schedules.gemm_sm80 import (
+        DEFAULT_CONFIG,
+        LARGE_CONFIG,
+        SMALL_M_CONFIG,
+        _Gemm,
+    )
+
+    gemm = _Gemm(None, "float16", False, m, n, 4096, batch)
+    expect = {"large": LARGE_CONFIG, "default": DEFAULT_CONFIG, "small": SMALL_M_CONFIG}[want]
+    assert GemmSM80().pick_config(gemm) == expect
+    assert GemmSM80(config=DEFAULT_CONFIG).pick_config(gemm) == (
+        SMALL_M_CONFIG if want == "small" else DEFAULT_CONFIG)
+
+
 def test_stages_fit_short_k():
     """Fewer K tiles than the pipeline's prologue needs: the stages shrink (K = 64 built with 3
     stages left ``cp.async.wait_group`` with a non-constant count and CUDA codegen failed)."""
@@ -316,11 +339,16 @@ def test_export_sm80_sass(dtype, tmp_path):
 
 
 @needs_nvcc
-def test_sm90a_sass(tmp_path):
-    """The same schedule built for sm_90a (what target sm90 runs when the wgmma rule passes)."""
+@pytest.mark.parametrize("large", [False, True], ids=["128x128", "256x128"])
+def test_sm90a_sass(large, tmp_path):
+    """The same schedule built for sm_90a (what target sm90 runs when the wgmma rule passes),
+    with the 4-warp tile and the 8-warp 256 × 128 one (no spills at 8 warps either)."""
+    from tvmfuse.schedules.gemm_sm80 import LARGE_CONFIG, TILE_ATTR
+
     func = te_linear(512, 512, 256, kn=False)
     target = SM90.tvm_target()
-    sch = GemmSM80().apply(func, target, False)
+    sch = GemmSM80(config=LARGE_CONFIG if large else None).apply(func, target, False)
+    assert sch.mod["main"].attrs[TILE_ATTR].startswith("256x128" if large else "128x128")
     os.environ.setdefault("TVM_COMPILE_FORCE_FALLBACK", "1")  # keep CUDA source, as export does
     with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
         ex = tvm.compile(sch.mod, target=target)

@@ -1,9 +1,9 @@
 """Device probe for the sm80 tensor-core GEMM rule (``tvmfuse/schedules/gemm_sm80.py``).
 
 Run on the GPU machine from the repository root:
-``python tools/device/sm80_gemm_probe.py [--quick] [--one-barrier] [--configs 128x128x32w64x64s4,...]``
-(a tile ending in ``b1``, or every default-tile case with ``--one-barrier``, is built with one
-``__syncthreads`` per K tile: ``GemmConfig.one_barrier``).
+``python tools/device/sm80_gemm_probe.py [--quick] [--configs 128x128x32w64x64s4b1,...]``
+(tiles as ``GemmConfig.tag``; one ending in ``b1`` has one ``__syncthreads`` per K tile:
+``GemmConfig.one_barrier``). Without ``--configs`` every case takes the tile the rule picks.
 
 Builds ``relu(x · Wᵀ + b)`` (x (M, K), W (N, K) or (K, N), b (N); fp32 accumulation, output in the
 input dtype) directly with the rule and TVM's CUDA build (sm_80 target: the H200 runs it as
@@ -21,7 +21,6 @@ import re
 import sys
 import time
 import traceback
-from dataclasses import replace
 
 sys.path.insert(0, os.getcwd())
 os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
@@ -33,9 +32,7 @@ from tvm import te, tirx  # noqa: E402
 
 from tvmfuse.schedules.gemm_sm80 import (  # noqa: E402
     BUILD_CONFIG,
-    DEFAULT_CONFIG,
-    SMALL_M,
-    SMALL_M_CONFIG,
+    TILE_ATTR,
     GemmConfig,
     GemmSM80,
 )
@@ -118,16 +115,13 @@ _REFERENCE_MS: dict[tuple, tuple[float, float]] = {}  # (m, n, k, dtype, batch) 
 
 
 def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = None,
-         time_it=True, one_barrier=False) -> None:
-    """One shape; ``cfg`` None: the rule's default tiles (``one_barrier`` switched on in both
-    the default and the decode tile when asked)."""
+         time_it=True) -> None:
+    """One shape; ``cfg`` None: the tile the rule picks."""
     t0 = time.time()
     func = linear_relu(m, n, k, dtype, kn, batch)
-    small = SMALL_M_CONFIG
-    if cfg is None and one_barrier:
-        cfg, small = (replace(c, one_barrier=True) for c in (DEFAULT_CONFIG, small))
-    sch = GemmSM80(config=cfg, small_m_config=small).apply(func, TARGET, False)
+    sch = GemmSM80(config=cfg).apply(func, TARGET, False)
     attrs = sch.mod["main"].attrs
+    tag = str(attrs.get(TILE_ATTR, "-"))
     rule = attrs.get("tvmfuse.rule") or f"fallback({attrs.get('tvmfuse.fallback')})"
     with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
         lib = tvm.compile(sch.mod, target=TARGET)
@@ -144,9 +138,6 @@ def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = N
     torch.cuda.synchronize()
     ref = torch.relu(x.float() @ w.float().transpose(-1, -2) + b.float())
     err = float((y.float() - ref).norm() / ref.norm())
-    cfg = small if m <= SMALL_M else (cfg or DEFAULT_CONFIG)  # the tile the rule used
-    tag = (f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k}w{cfg.warp_m}x{cfg.warp_n}s{cfg.stages}"
-           f"r{cfg.raster}{'b1' if cfg.one_barrier else ''}")
     shape = f"{f'{batch}x' if batch else ''}{m}x{n}x{k}"
     try:
         bars = main_loop_barriers(cuda_source(lib))
@@ -172,8 +163,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", default="", help="comma-separated tiles for 4096^3 fp16")
     p.add_argument("--quick", action="store_true", help="4096^3 fp16 default tile only")
-    p.add_argument("--one-barrier", action="store_true",
-                   help="the default-tile cases with GemmConfig.one_barrier on")
     args = p.parse_args()
     print("gpu", torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
     runs = [dict(m=4096, n=4096, k=4096)]
@@ -189,7 +178,6 @@ def main() -> None:
         ]
     runs += [dict(m=4096, n=4096, k=4096, cfg=parse_config(c)) for c in args.configs.split(",") if c]
     for kw in runs:
-        kw.setdefault("one_barrier", args.one_barrier)
         try:
             case(**kw)
         except Exception:  # noqa: BLE001 - one failing case must not hide the others

@@ -36,9 +36,11 @@ the refill and moves the ``cp.async.wait_group`` + barrier behind the tile's k-s
 barrier guards both the refill and the next tile's reads, and each tile's loads get two tiles
 of compute to land instead of one.
 
-Tile choices are plain parameters (:class:`GemmConfig`, default 128×128×64, 4 warps of 64×64,
-3 stages, raster 8: the best of the tiles measured on the H200, see tools/bench/NOTES.md) so that
-tuning can vary them. M ≤ ``SMALL_M`` (decode) uses
+Tile choices are plain parameters (:class:`GemmConfig`) so that tuning can vary them. By default
+(:meth:`GemmSM80.pick_config`) a GEMM whose grid of 256×128 tiles has at least
+``LARGE_MIN_BLOCKS`` blocks takes :data:`LARGE_CONFIG` (256×128×64, 8 warps of 64×64, 3 stages,
+one barrier per K tile: the fastest tile measured on the H200, see tools/bench/NOTES.md), a
+smaller one :data:`DEFAULT_CONFIG` (128×128×64, 4 warps, 2 blocks per SM). M ≤ ``SMALL_M`` (decode) uses
 :data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128:
 measured at cuBLAS speed for M = 8 / 16 (tools/bench/NOTES.md). M = 1 has no M axis, so it is
 no GEMM to this rule (``None``): dlight's GEMV rule takes it.
@@ -70,6 +72,7 @@ from .elementwise import RULE_ATTR, VECTOR_BYTES, _int
 
 NAME = "gemm_sm80"
 FALLBACK_ATTR = "tvmfuse.fallback"  # PrimFunc attribute: why a GEMM did not get this rule
+TILE_ATTR = "tvmfuse.gemm_tile"  # PrimFunc attribute: GemmConfig.tag of the tile it got
 WARP = 32
 MMA = 16  # the m16n16k16 fragment that ldmatrix.x4 + two mma.sync.m16n8k16 compute
 SMALL_M = 16  # M up to this uses SMALL_M_CONFIG
@@ -91,6 +94,12 @@ class GemmConfig:
     one_barrier: bool = False  # one __syncthreads per K tile (:func:`_one_barrier_loop`), stages ≥ 3
 
     @property
+    def tag(self) -> str:
+        """``BMxBNxBKwWMxWNsS rR [b1]`` in one word, as tools/device/sm80_gemm_probe.py parses it."""
+        return (f"{self.block_m}x{self.block_n}x{self.block_k}w{self.warp_m}x{self.warp_n}"
+                f"s{self.stages}r{self.raster}{'b1' if self.one_barrier else ''}")
+
+    @property
     def warps(self) -> int:
         return (self.block_m // self.warp_m) * (self.block_n // self.warp_n)
 
@@ -106,7 +115,12 @@ class GemmConfig:
             raise ValueError("stages must be >= 2 and raster >= 1")
 
 
-DEFAULT_CONFIG = GemmConfig()
+# 4 warps of 64×64 (2 blocks/SM); taken when LARGE_CONFIG would leave SMs idle.
+DEFAULT_CONFIG = GemmConfig(one_barrier=True)
+# 8 warps of 64×64 in a 256×128 tile (1 block/SM, 166 KB shared): with one barrier per K tile
+# 0.320 ms at 4096³ fp16 on the H200 against 0.383 for DEFAULT_CONFIG (tools/bench/NOTES.md).
+LARGE_CONFIG = GemmConfig(block_m=256, one_barrier=True)
+LARGE_MIN_BLOCKS = 132  # LARGE_CONFIG when its grid covers this many blocks (the H200's SMs)
 # Decode (M ≤ SMALL_M): the weight stream dominates; narrow N tiles give more blocks to stream it.
 SMALL_M_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=128, warp_m=16, warp_n=16, stages=4,
                             raster=1)
@@ -246,9 +260,7 @@ def _is_sync(stmt) -> bool:
 
 
 def _count_syncs(stmt) -> int:
-    found = []
-    tvm_ffi.structural_map(stmt, [((tirx.Evaluate,), lambda e: found.append(e) or e)])
-    return sum(1 for e in found if _is_sync(e))
+    return sum(1 for e in _nodes(stmt, (tirx.Evaluate,)) if _is_sync(e))
 
 
 def _drop_leading_sync(commit: tirx.AttrStmt) -> tirx.AttrStmt | None:
@@ -266,6 +278,31 @@ def _drop_leading_sync(commit: tirx.AttrStmt) -> tirx.AttrStmt | None:
     body = scopes[0] if len(scopes) == 1 else tirx.SeqStmt(scopes)
     new = tirx.AttrStmt(commit.node, commit.attr_key, commit.value, body)
     return new if _count_syncs(new) == 0 else None
+
+
+def _nodes(tree, types: tuple) -> list:
+    """Every node of ``types`` in ``tree``."""
+    found: list = []
+    tvm_ffi.structural_map(tree, [(types, lambda node: found.append(node) or node)])
+    return found
+
+
+def _reads_only_this_tile(stmt, k0: tirx.Var) -> bool:
+    """True when ``stmt`` has no barrier and every ring-buffer index in it that involves
+    ``k0`` is ``k0 % S`` (this tile's stage), none ``(k0 + c) % S`` of another tile."""
+    if _count_syncs(stmt):
+        return False
+    for mod in _nodes(stmt, (tirx.FloorMod,)):
+        a, b = mod.a, mod.b
+        if not any(v.same_as(k0) for v in _nodes(a, (tirx.Var,))):
+            continue
+        if isinstance(a, tirx.Var):
+            continue
+        if not (isinstance(a, tirx.Add) and isinstance(a.a, tirx.Var) and a.a.same_as(k0)
+                and isinstance(a.b, tirx.IntImm) and isinstance(b, tirx.IntImm)
+                and int(a.b.value) % int(b.value) == 0):
+            return False
+    return True
 
 
 def _one_barrier_loop(loop: tirx.For) -> tirx.For:
@@ -287,7 +324,9 @@ def _one_barrier_loop(loop: tirx.For) -> tirx.For:
     one barrier does both: ``body(i-1)`` ran before iteration ``i-1``'s barrier, so the
     refill after it is safe, and the wait now comes a whole ``body(i)`` later (tile ``i+1``
     was issued one iteration earlier, so its loads have two bodies to land instead of one).
-    Any loop not of exactly this form is returned unchanged.
+    ``body(i)`` is the run of statements after the barrier whose shared-memory indices name
+    stage ``i % S`` only (:func:`_reads_only_this_tile`). Any loop not of this form is
+    returned unchanged.
     """
     body = loop.body
     if not isinstance(body, tirx.SeqStmt) or len(body.seq) < 2:
@@ -298,21 +337,24 @@ def _one_barrier_loop(loop: tirx.For) -> tirx.For:
             and _is_attr(wait.body, "async_wait_inflight_count")):
         return loop
     inflight = wait.body
-    inner = list(inflight.body.seq) if isinstance(inflight.body, tirx.SeqStmt) else []
-    if len(inner) < 2 or not _is_sync(inner[0]) or not isinstance(inner[1], tirx.For):
+    inner = list(inflight.body.seq) if isinstance(inflight.body, tirx.SeqStmt) \
+        else [inflight.body]
+    if not _is_sync(inner[0]):
         return loop
-    sync, k_body, *rest = inner
-    if _count_syncs(k_body) or not (rest or after):
+    sync, stmts = inner[0], inner[1:] + after  # the wait scope only prints the wait first
+    n = 0
+    while n < len(stmts) and _reads_only_this_tile(stmts[n], loop.loop_var):
+        n += 1
+    if n == 0 or n == len(stmts):
         return loop
     copies = _drop_leading_sync(commit)
     if copies is None:
         return loop
-    waited = tirx.SeqStmt([sync, *rest]) if rest else sync
     new_wait = tirx.AttrStmt(wait.node, wait.attr_key, wait.value,
                              tirx.AttrStmt(inflight.node, inflight.attr_key, inflight.value,
-                                           waited))
+                                           tirx.SeqStmt([sync, *stmts[n:]])))
     return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
-                    tirx.SeqStmt([copies, k_body, new_wait, *after]), loop.thread_binding,
+                    tirx.SeqStmt([copies, *stmts[:n], new_wait]), loop.thread_binding,
                     loop.annotations, loop.step, loop.span)
 
 
@@ -362,6 +404,7 @@ class _Gemm:
     m: int
     n: int
     k: int
+    batch: int = 1
 
 
 class _NotThisRule(Exception):
@@ -413,7 +456,8 @@ def _analyse(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> _Gemm:
         extent = _int(iv.dom.extent)
         if extent is None:
             raise _NotThisRule("symbolic shape")
-        if trait.kind in (IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K):
+        if trait.kind in (IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J,
+                          IterKind.kIter_K):
             sizes[trait.kind] = sizes.get(trait.kind, 1) * extent
 
     def last_kind(region) -> IterKind | None:
@@ -429,7 +473,8 @@ def _analyse(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> _Gemm:
     m, n, k = sizes[IterKind.kIter_I], sizes[IterKind.kIter_J], sizes[IterKind.kIter_K]
     if k % 8 or n % 8:
         raise _NotThisRule(f"K={k}, N={n} not multiples of 8")
-    return _Gemm(block, str(a.dtype), b_last == IterKind.kIter_J, m, n, k)
+    return _Gemm(block, str(a.dtype), b_last == IterKind.kIter_J, m, n, k,
+                 sizes.get(IterKind.kIter_S, 1))
 
 
 def _innermost_split(stmt, kinds: dict) -> bool:
@@ -451,10 +496,25 @@ class GemmSM80(GPUScheduleRule):
 
     def __init__(self, config: GemmConfig | None = None,
                  small_m_config: GemmConfig | None = None) -> None:
-        self.config = config or DEFAULT_CONFIG
+        self.config = config  # None: LARGE_CONFIG or DEFAULT_CONFIG by the grid it gives
         self.small_m_config = small_m_config or SMALL_M_CONFIG
-        self.config.check()
-        self.small_m_config.check()
+        for cfg in (config, self.small_m_config):
+            if cfg is not None:
+                cfg.check()
+
+    def pick_config(self, gemm: _Gemm) -> GemmConfig:
+        """The tile for ``gemm``: the decode tile for M ≤ SMALL_M, else the configured one, else
+        LARGE_CONFIG when its grid has at least LARGE_MIN_BLOCKS blocks, else DEFAULT_CONFIG;
+        stages cut to what K fills."""
+        if gemm.m <= SMALL_M:
+            cfg = self.small_m_config
+        elif self.config is not None:
+            cfg = self.config
+        else:
+            big = LARGE_CONFIG
+            blocks = gemm.batch * -(-gemm.m // big.block_m) * -(-gemm.n // big.block_n)
+            cfg = big if blocks >= LARGE_MIN_BLOCKS else DEFAULT_CONFIG
+        return _fit_stages(cfg, gemm.k)
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
@@ -467,13 +527,13 @@ class GemmSM80(GPUScheduleRule):
             return None  # no GEMM: not this rule's
         try:
             gemm = _analyse(sch, block)
-            cfg = _fit_stages(self.small_m_config if gemm.m <= SMALL_M else self.config, gemm.k)
+            cfg = self.pick_config(gemm)
             self._schedule(sch, gemm, cfg)
         except _NotThisRule as why:
             return _fallback(func, target, tunable, str(why))
         except Exception as err:  # noqa: BLE001 - a primitive refusing: fall back, say why
             return _fallback(func, target, tunable, f"schedule failed: {_first_line(err)}")
-        func = sch.mod["main"].with_attr(RULE_ATTR, NAME)
+        func = sch.mod["main"].with_attr(RULE_ATTR, NAME).with_attr(TILE_ATTR, cfg.tag)
         if cfg.one_barrier and cfg.stages >= 3:
             func = func.with_attr(ONE_BARRIER_ATTR, True)
         return s_tir.Schedule(func)
