@@ -360,14 +360,19 @@ def _one_barrier_loop(loop: tirx.For) -> tirx.For:
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.OneBarrierPerKTile")
 def one_barrier_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """:func:`_one_barrier_loop` on the loops of every PrimFunc marked ``ONE_BARRIER_ATTR``."""
-    funcs = {}
+    """:func:`_one_barrier_loop` on the loops of every PrimFunc marked ``ONE_BARRIER_ATTR``
+    (a copy of ``mod`` with those functions replaced; ``mod`` itself when none is marked)."""
+    changed = {}
     for gvar, func in mod.functions_items():
         if isinstance(func, tirx.PrimFunc) and func.attrs and func.attrs.get(ONE_BARRIER_ATTR):
-            func = func.with_body(tvm_ffi.structural_map(func.body,
-                                                         [((tirx.For,), _one_barrier_loop)]))
-        funcs[gvar] = func
-    return tvm.IRModule(funcs, attrs=mod.attrs)
+            changed[gvar] = func.with_body(
+                tvm_ffi.structural_map(func.body, [((tirx.For,), _one_barrier_loop)]))
+    if not changed:
+        return mod
+    mod = mod.clone()
+    for gvar, func in changed.items():
+        mod.update_func(gvar, func)
+    return mod
 
 
 def _thread_sync_then_one_barrier() -> None:
