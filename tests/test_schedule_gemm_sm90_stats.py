@@ -78,6 +78,21 @@ def test_sm90_gemm_computes_the_statistics(norm, dtype):
     assert "rsum" in text and "T.rsqrt" in text
 
 
+@pytest.mark.parametrize("m, in_loop", [(16, True), (8192, False)])
+def test_cost_estimate_decides(m, in_loop, monkeypatch):
+    """A decode-sized GEMM computes its statistics; an 8192x4096->4096 projection keeps the
+    statistics kernel (measured: 12 % of its main loop > the 20 us kernel), with the estimate as
+    the reason; FORCE moves them anyway."""
+    from tvmfuse.schedules import gemm_sm90_stats
+
+    funcs = _lowered(*_model("layer", m, 4096, 4096, torch.float16))
+    assert ("layer_norm_stats" not in funcs) == in_loop, sorted(funcs)
+    if not in_loop:
+        assert "estimated" in str(funcs["layer_norm_stats"].attrs[KEPT_ATTR])
+        monkeypatch.setattr(gemm_sm90_stats, "FORCE", True)
+        assert "layer_norm_stats" not in _lowered(*_model("layer", m, 4096, 4096, torch.float16))
+
+
 @pytest.mark.parametrize("target, dtype, why", [
     ("sm80", torch.float16, None),                   # the sm80 GEMM has no in-loop statistics
     ("sm90", torch.float32, "input dtype float32"),  # fp32 GEMMs take the SIMT path
@@ -191,7 +206,10 @@ def _check(module, inputs, tmp_path, tol):
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)],
                          ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m, k, n", GPU_CASES, ids=["8192", "2047", "16"])
-def test_gpu_norm_linear(norm, dtype, tol, m, k, n, tmp_path):
+def test_gpu_norm_linear(norm, dtype, tol, m, k, n, tmp_path, monkeypatch):
+    from tvmfuse.schedules import gemm_sm90_stats
+
+    monkeypatch.setattr(gemm_sm90_stats, "FORCE", True)  # the in-loop kernel at every size
     _check(*_model(norm, m, k, n, dtype), tmp_path, tol)
 
 

@@ -13,7 +13,9 @@ the statistics itself (without the statistics parameters) and the statistics cal
 launch and one read of ``x`` less. Several GEMMs on one statistics call each compute their own
 (a few shared-memory reads per K tile), so the call goes away.
 
-Where it does not apply the statistics kernel stays, and its PrimFunc gets
+Only where it pays (:func:`_costlier`, from H200 measurements): the extra shared-memory reads
+cost ~12 % of a compute-bound main loop, more than the statistics kernel for large-N projections,
+so those keep the kernel. Where it does not apply the statistics kernel stays, and its PrimFunc gets
 ``tvmfuse.stats_kept = <reason>`` (``tvmfuse report`` prints it for the boundary).
 
 Runs in ``pipeline.lower`` right before :func:`.gemm_sm90.Sm90Gemm` (on the fused PrimFuncs, after
@@ -36,6 +38,17 @@ from .hopper.kernel import RowStats
 
 NAME = "gemm_sm90_row_stats"
 ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
+FORCE = False  # measurements / tests: move the statistics whatever the cost estimate says
+# Measured on the H200 (.devq stats1, 2026-11-30, fp16): the in-loop statistics (an extra shared-
+# memory read of each A stage) slow a compute-bound main loop by 9-12 % (LN+Linear 8192x4096->4096:
+# GEMM 485.9 vs 444.8 us; MLP fc1 2048x4096->16384: 563.0 vs 503.1 us), at 618 TFLOP/s without them;
+# the statistics kernel reads x at 3.78 TB/s and takes at least 1.14 us (tools/bench/results
+# *-row-stats.json). In-loop pays only where 12 % of the GEMM is less than the statistics kernel:
+# small GEMMs and launch-bound shapes, not large-N projections.
+IN_LOOP_OVERHEAD = 0.12
+GEMM_FLOPS = 618e12
+STATS_BANDWIDTH = 3.78e12
+STATS_MIN_S = 1.14e-6
 KEPT_ATTR = "tvmfuse.stats_kept"  # on a statistics PrimFunc that still runs: why
 # on a GEMM kernel computing statistics: [the GEMM PrimFunc it replaces, the statistics PrimFunc]
 IN_LOOP_ATTR = "tvmfuse.in_loop_stats"
@@ -170,6 +183,8 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
         if len(found) != 1:
             return "a statistic is passed to the GEMM more than once"
         pos.append(found[0])
+    if not FORCE and (why := _costlier(g)):
+        return why
     in_loop = InLoopStats(spec, pos[0] if spec.centered else None, pos[-1])
     try:
         kernel = build_kernel(func, in_loop=in_loop)
@@ -178,6 +193,21 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
     plan.gemms.append(user)
     plan.kernels.append(kernel.with_attr(IN_LOOP_ATTR, [user.args[0].name_hint, stats_name]))
     return None
+
+
+def _costlier(g) -> str | None:
+    """Why computing the statistics in this GEMM is estimated slower than the statistics kernel.
+
+    in-loop ≈ IN_LOOP_OVERHEAD · 2·M'·N·K / GEMM_FLOPS (M' = M rounded up to the 128-row tile);
+    kernel ≈ max(M·K·bytes / STATS_BANDWIDTH, STATS_MIN_S).
+    """
+    m_pad = -(-g.m // 128) * 128
+    in_loop = IN_LOOP_OVERHEAD * 2.0 * m_pad * g.n * g.k / GEMM_FLOPS
+    kernel = max(g.m * g.k * 2 / STATS_BANDWIDTH, STATS_MIN_S)
+    if in_loop <= kernel:
+        return None
+    return (f"computing them in the {g.m}x{g.n}x{g.k} GEMM's main loop is estimated at "
+            f"{in_loop * 1e6:.1f} us, the statistics kernel at {kernel * 1e6:.1f} us")
 
 
 @tvm.transform.module_pass(opt_level=0, name="Sm90GemmRowStats")
