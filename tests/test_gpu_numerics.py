@@ -58,6 +58,48 @@ def test_decoder_fp16_on_gpu(target, tmp_path):
     assert rel_err(model(x.cuda()), ref) <= 5e-3
 
 
+class _PaddedBert(torch.nn.Module):
+    """BERT's embeddings + LayerNorm + self-attention with HF's padding bias
+    ``(1 − mask) · finfo(float32).min`` and a residual (hidden 512: 64 threads a LayerNorm row)."""
+
+    def __init__(self, vocab: int = 1000, seq: int = 128, hidden: int = 512, heads: int = 8) -> None:
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(vocab, hidden), torch.nn.Embedding(seq, hidden)
+        self.ln = torch.nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(hidden, hidden) for _ in range(4))
+        self.heads = heads
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s = ids.shape
+        x = self.ln(self.emb(ids) + self.pos.weight[:s])
+        bias = (1.0 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, self.heads, -1).transpose(1, 2)
+
+        a = torch.nn.functional.scaled_dot_product_attention(
+            split(self.q(x)), split(self.k(x)), split(self.v(x)), attn_mask=bias)
+        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+@pytest.mark.parametrize("dtype, tol", [(None, 1e-5), ("float16", 5e-3)])
+def test_padded_bert_on_gpu(dtype, tol, tmp_path):
+    """A padding mask (finfo.min bias) and a 512-wide LayerNorm on the GPU: this gave NaN once
+    (LayerNorm rows of two warps packed two to a block), while the cpu build was right."""
+    torch.manual_seed(0)
+    module = _PaddedBert().eval()
+    ids = torch.randint(0, 1000, (2, 128))
+    mask = torch.ones(2, 128, dtype=torch.int64)
+    mask[1, 100:] = 0
+    lib = tvmfuse.compile(module, (ids, mask), target="sm90", dtype=dtype)
+    model = tvmfuse.load(lib.export(tmp_path / "b.so"), device="cuda")
+    with torch.no_grad():
+        ref = module.double()(ids, mask)
+    y = model(ids.cuda(), mask.cuda())
+    assert not torch.isnan(y).any()
+    assert rel_err(y, ref) <= tol
+
+
 def test_fp16_model_zero_copy(tmp_path):
     """An fp16 module keeps its dtype; outputs alias no input and land on the same GPU."""
     module, example = mlp_block.build(batch=2, seq=64, hidden=256, dtype=torch.float16)
