@@ -109,6 +109,8 @@ def test_matches_torch(name, dtype, n, tmp_path):
     ("layer_norm", (1000, 768), "float16"),   # one warp a row (3 vectors a lane), 4 rows a block
     ("rms_norm", (37, 96), "float32"),        # 8 lanes a row, 16 rows a block, predicated
     ("layer_norm", (16, 4100), "float32"),    # 205 threads a row: a partial warp
+    ("layer_norm", (256, 512), "float32"),    # 64 threads a row (NaN when 2 rows shared a block)
+    ("rms_norm", (300, 1024), "float16"),     # 64 threads a row, 300 blocks
 ])
 def test_short_rows(name, shape, dtype, tmp_path):
     """Rows reduced inside one warp (shuffles only) and rows packed several to a thread block."""
