@@ -9,7 +9,7 @@
 #   bash .tvmdev/setup.sh && export PYTHONPATH=/tmp/tvmdev/site:$PWD && bash tools/device/closing_run.sh
 # Env: LIMIT_S (default 480: nothing starts after it), REQS (default reqs). Outputs: $OUT/closing.tgz.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 TVM_CUDA_COMPILE_MODE=nvcc
+export PYTHONUNBUFFERED=1 TVM_CUDA_COMPILE_MODE=nvcc PYTHONPATH=${PYTHONPATH:-/tmp/tvmdev/site:$PWD}
 OUT=${OUT:-$PWD/out}
 R=$OUT/r
 LIMIT=${LIMIT_S:-480}
