@@ -30,7 +30,7 @@ from tvm import relax, te, tirx
 from tests.cuda_tools import needs_nvcc
 from tvmfuse import pipeline
 from tvmfuse.build.export import export_library
-from tvmfuse.build.inspect import cuda_images, fatbin_sass
+from tvmfuse.build.inspect import cuda_images, cuda_source, fatbin_sass, pipelined_loop
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.schedules import RULE_ATTR, GemmSM80
 from tvmfuse.schedules.gemm_sm80 import BUILD_CONFIG, FALLBACK_ATTR, GemmConfig
@@ -175,14 +175,9 @@ def _cuda_source(mod: tvm.IRModule, target) -> str:
     """The CUDA source ``tvm.compile`` generates for ``mod`` (kept as source, nvcc not run)."""
     os.environ.setdefault("TVM_COMPILE_FORCE_FALLBACK", "1")  # keep CUDA source, as export does
     with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
-        ex = tvm.compile(mod, target=target)
-    mods = [ex.mod]
-    while mods:
-        mod = mods.pop()
-        if mod.kind == "cuda":
-            return mod.inspect_source()
-        mods += list(mod.imports)
-    raise AssertionError("no CUDA module")
+        source = cuda_source(tvm.compile(mod, target=target))
+    assert source is not None, "no CUDA module"
+    return source
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -204,17 +199,10 @@ def test_kn_weight_uses_ldmatrix_trans(dtype):
 
 
 def _main_loop(source: str) -> str:
-    """The body of the kernel's first top-level ``for`` that issues cp.async: the pipelined K
-    loop (brace matching on TVM's generated CUDA)."""
-    for start in (m.start() for m in re.finditer(r"\n  for \(", source)):
-        depth, i = 0, source.index("{", start)
-        for j in range(i, len(source)):
-            depth += {"{": 1, "}": -1}.get(source[j], 0)
-            if depth == 0:
-                break
-        if "cp_async" in source[i:j]:
-            return source[i:j]
-    raise AssertionError("no cp.async loop in the CUDA source")
+    """The pipelined K loop's body (``tvmfuse.build.inspect.pipelined_loop``)."""
+    loop = pipelined_loop(source)
+    assert loop is not None, "no cp.async loop in the CUDA source"
+    return loop
 
 
 @pytest.mark.parametrize("block_k, stages", [(64, 3), (64, 4), (32, 4)])
@@ -349,16 +337,7 @@ def test_sm90a_sass(large, tmp_path):
     target = SM90.tvm_target()
     sch = GemmSM80(config=LARGE_CONFIG if large else None).apply(func, target, False)
     assert sch.mod["main"].attrs[TILE_ATTR].startswith("256x128" if large else "128x128")
-    os.environ.setdefault("TVM_COMPILE_FORCE_FALLBACK", "1")  # keep CUDA source, as export does
-    with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
-        ex = tvm.compile(sch.mod, target=target)
-    mods, source = [ex.mod], None
-    while mods:
-        mod = mods.pop()
-        if mod.kind == "cuda":
-            source = mod.inspect_source()
-        mods += list(mod.imports)
-    assert source is not None
+    source = _cuda_source(sch.mod, target)
     sass = fatbin_sass(compile_fatbin(source, SM90, tmp_path))["sm_90a"]
     _check_sass(sass, (tmp_path / "kernels.ptxas.log").read_text(), "main_kernel")
 

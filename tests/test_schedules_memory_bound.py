@@ -24,6 +24,7 @@ from tvm import relax
 
 from tests.cuda_tools import needs_nvcc
 from tvmfuse import pipeline
+from tvmfuse.build.inspect import cuda_source as find_cuda_source
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.schedules import RULE_ATTR, Elementwise, RowNorm, gpu_rules
@@ -85,13 +86,9 @@ def prim_funcs(mod: tvm.IRModule) -> dict[str, tvm.tirx.PrimFunc]:
 
 
 def cuda_source(executable) -> str:
-    mods = [executable.mod]
-    while mods:
-        mod = mods.pop()
-        if mod.kind == "cuda":
-            return mod.inspect_source()
-        mods += list(mod.imports)
-    raise AssertionError("no CUDA module in the executable")
+    source = find_cuda_source(executable)
+    assert source is not None, "no CUDA module in the executable"
+    return source
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import tvm  # noqa: E402
 import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback)
 from tvm import te, tirx  # noqa: E402
 
+from tvmfuse.build.inspect import cuda_source, pipelined_loop  # noqa: E402
 from tvmfuse.schedules.gemm_sm80 import (  # noqa: E402
     BUILD_CONFIG,
     TILE_ATTR,
@@ -86,29 +87,10 @@ def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
     return start.elapsed_time(end) / iters
 
 
-def main_loop_barriers(source: str) -> int:
-    """``__syncthreads()`` calls in the first top-level ``for`` of the kernel that issues
-    cp.async (the pipelined K loop), by brace matching on TVM's generated CUDA; -1 if none."""
-    for start in (m.start() for m in re.finditer(r"\n  for \(", source)):
-        depth, i = 0, source.index("{", start)
-        for j in range(i, len(source)):
-            depth += {"{": 1, "}": -1}.get(source[j], 0)
-            if depth == 0:
-                break
-        body = source[i:j]
-        if "cp_async" in body:
-            return body.count("__syncthreads()")
-    return -1
-
-
-def cuda_source(lib) -> str:
-    mods = [lib.mod]
-    while mods:
-        mod = mods.pop()
-        if mod.kind == "cuda":
-            return mod.inspect_source()
-        mods += list(mod.imports)
-    return ""
+def main_loop_barriers(source: str | None) -> int:
+    """``__syncthreads()`` calls in the pipelined K loop of the kernel; -1 if there is none."""
+    loop = pipelined_loop(source or "")
+    return -1 if loop is None else loop.count("__syncthreads()")
 
 
 _REFERENCE_MS: dict[tuple, tuple[float, float]] = {}  # (m, n, k, dtype, batch) → (cuBLAS, eager)

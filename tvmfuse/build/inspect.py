@@ -47,6 +47,32 @@ def cuda_images(path: str | os.PathLike) -> list[tuple[str, bytes]]:
     return images
 
 
+def cuda_source(module) -> str | None:
+    """CUDA source of the first ``cuda`` module in ``module`` (a runtime module, or an executable
+    with ``.mod``) and its imports; None when there is none (e.g. built for ``llvm`` only)."""
+    mods = [getattr(module, "mod", module)]
+    while mods:
+        mod = mods.pop()
+        if mod.kind == "cuda":
+            return mod.inspect_source()
+        mods += list(mod.imports)
+    return None
+
+
+def pipelined_loop(source: str) -> str | None:
+    """Body of the first top-level ``for`` of TVM's generated CUDA that issues cp.async: the
+    pipelined K loop of an sm80 GEMM (brace matching); None when there is none."""
+    for start in (m.start() for m in re.finditer(r"\n  for \(", source)):
+        depth, i = 0, source.index("{", start)
+        for j in range(i, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[j], 0)
+            if depth == 0:
+                break
+        if "cp_async" in source[i:j]:
+            return source[i:j]
+    return None
+
+
 def find_cuobjdump() -> str | None:
     """cuobjdump from PATH, $CUDA_HOME or PyPI's ``nvidia-cuda-cuobjdump``."""
     cands = [shutil.which("cuobjdump")]
