@@ -83,6 +83,10 @@ def _ptxas_kernels(log: str) -> dict[str, tuple[int, int]]:
     ("nt", "bfloat16", GemmConfig(bn=128, stages=6)),
     ("nn", "float16", GemmConfig(bm=64, bn=128, stages=4, ctas_per_sm=2, producer_regs=40,
                                  consumer_regs=216)),
+    ("nt", "float16", GemmConfig(cluster_m=2, warp_release=True)),
+    ("nn", "bfloat16", GemmConfig(bn=128, stages=6, cluster_m=2)),
+    ("nt", "float16", GemmConfig(bm=64, stages=5, pingpong=True, warp_release=True)),
+    ("nn", "float16", GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True)),
 ])
 def test_kernel_sass_has_hgmma_and_tma(layout, dtype, cfg, tmp_path, monkeypatch):
     """The generated kernel compiles for sm_90a to HGMMA + UTMALDG with no spills."""
@@ -100,6 +104,10 @@ def test_kernel_sass_has_hgmma_and_tma(layout, dtype, cfg, tmp_path, monkeypatch
     sass = fatbin_sass(fatbin)["sm_90a"]
     assert f"HGMMA.64x{cfg.bn}x16.F32" in sass
     assert "UTMALDG" in sass
+    if cfg.cluster_m > 1:  # B halves multicast to the CTA pair; stages freed in both CTAs
+        assert "multicast::cluster" in src and "mbarrier.arrive.shared::cluster" in src
+        assert "UTMALDG.2D.MULTICAST" in sass, sorted({ln.split()[0] for ln in sass.split(";")
+                                                      if "UTMA" in ln})
     kernels = _ptxas_kernels((tmp_path / "kernels.ptxas.log").read_text())
     assert kernels and all(spill == 0 for _, spill in kernels.values()), kernels
 

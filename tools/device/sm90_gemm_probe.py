@@ -1,6 +1,7 @@
 """Device probe for the sm90a TIRx GEMM: correctness against torch and TFLOP/s next to cuBLAS.
 
-Run on the H200 from the repository root: ``python tools/device/sm90_gemm_probe.py``.
+Run on the H200 from the repository root: ``python tools/device/sm90_gemm_probe.py``; the session-5
+cluster / ping-pong A/B set: ``--cluster build DIR`` then ``--cluster run DIR 0`` (see cluster_main).
 Prints one line per case: shape, layout, dtype, tile, rel err vs fp32 torch, ms, TFLOP/s.
 """
 
@@ -18,7 +19,12 @@ import torch  # noqa: E402
 import tvm  # noqa: E402
 import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback)
 
-from tvmfuse.schedules.hopper.kernel import GemmConfig, GemmProblem, standalone  # noqa: E402
+from tvmfuse.schedules.hopper.kernel import (  # noqa: E402
+    GemmConfig,
+    GemmProblem,
+    RowStats,
+    standalone,
+)
 
 TARGET = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host="llvm")
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -37,10 +43,28 @@ def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
     return start.elapsed_time(end) / iters
 
 
-def case(m, n, k, dtype, layout, cfg, time_it=True):
+def build(m, n, k, dtype, layout, cfg, row_stats=None):
+    """The standalone kernel built for sm_90a (a runtime module)."""
     p = GemmProblem(m, n, k, dtype, dtype, layout)
+    return tvm.compile(tvm.IRModule({"main": standalone(p, cfg, row_stats)}), target=TARGET,
+                       tir_pipeline="tirx")
+
+
+def _build_to(job) -> str:
+    """Pool worker: build case ``i`` and export it to ``DIR/case{i}.so`` (the path or the error)."""
+    i, args, out_dir = job
+    m, n, k, dtype, layout, cfg, _time_it, *rs = args
+    try:
+        path = os.path.join(out_dir, f"case{i}.so")
+        build(m, n, k, dtype, layout, cfg, *rs).export_library(path)
+        return path
+    except Exception:
+        return "FAILED " + traceback.format_exc()[-400:]
+
+
+def case(m, n, k, dtype, layout, cfg, time_it=True, row_stats=None, lib=None):
     t0 = time.time()
-    lib = tvm.compile(tvm.IRModule({"main": standalone(p, cfg)}), target=TARGET, tir_pipeline="tirx")
+    lib = lib or build(m, n, k, dtype, layout, cfg, row_stats)
     build_s = time.time() - t0
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(m, k, device="cuda", dtype=DT[dtype], generator=g)
@@ -51,8 +75,18 @@ def case(m, n, k, dtype, layout, cfg, time_it=True):
     lib(ta, tb, tc)
     torch.cuda.synchronize()
     ref = a.float() @ w.float().t()
+    if row_stats is not None:  # C = rstd * (A·B - mean) (LayerNorm) or rstd * A·B (RMSNorm)
+        x = a.double()
+        mean = x.mean(1, keepdim=True) if row_stats.centered else torch.zeros_like(x[:, :1])
+        var = x.var(1, unbiased=False, keepdim=True) if row_stats.centered else (x * x).mean(1, True)
+        rstd = torch.rsqrt(var + row_stats.eps)
+        ref = (rstd * (ref.double() - mean)).float()
     err = float((c.float() - ref).norm() / ref.norm())
-    tag = f"bn{cfg.bn}s{cfg.stages}{'P' if cfg.persistent else ''}{'V' if cfg.vector_store else ''}"
+    tag = (f"bn{cfg.bn}s{cfg.stages}{'P' if cfg.persistent else ''}{'V' if cfg.vector_store else ''}"
+           f"{f'C{cfg.cluster_m}' if cfg.cluster_m > 1 else ''}{'W' if cfg.warp_release else ''}"
+           f"{f'g{cfg.group_m}' if cfg.group_m != 8 else ''}"
+           f"{f'sm{cfg.num_sms}' if cfg.num_sms != 132 else ''}"
+           f"{'+stats' if row_stats else ''}")
     del build_s
     line = f"{m}x{n}x{k} {layout} {dtype[:4]} {tag} err {err:.1e}"
     if time_it:
@@ -63,7 +97,65 @@ def case(m, n, k, dtype, layout, cfg, time_it=True):
     print(line, flush=True)
 
 
+def cluster_cases() -> list:
+    """Session 5: B multicast over a 2-CTA cluster, per-warp stage release and ping-pong consumers,
+    A/B in one run (correctness cases untimed)."""
+    base, w = GemmConfig(), GemmConfig(warp_release=True)
+    c2 = GemmConfig(cluster_m=2, warp_release=True)
+    pp = GemmConfig(bm=64, stages=5, pingpong=True, warp_release=True)
+    ppc2 = GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True)
+    ln = RowStats(True, 1e-5)
+    big = (8192, 8192, 4096, "float16", "nt")
+    sq = (4096, 4096, 4096, "float16", "nt")
+    return [
+        (300, 520, 1000, "float16", "nn", c2, False),  # odd row-tile count: a lone CTA of a pair
+        (300, 520, 1000, "float16", "nt", ppc2, False),
+        (2047, 4096, 4096, "float16", "nt", pp, False),
+        (300, 520, 1000, "bfloat16", "nt", GemmConfig(bn=128, stages=6, cluster_m=2), False),
+        (16, 4096, 4096, "bfloat16", "nt", ppc2, False),
+        (2047, 1024, 4096, "float16", "nt", ppc2, False, ln),
+        (*sq, base, True), (*sq, w, True), (*sq, c2, True), (*sq, pp, True), (*sq, ppc2, True),
+        (*sq, GemmConfig(cluster_m=2), True),
+        (*sq, GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True, group_m=16),
+         True),
+        (*big, base, True), (*big, c2, True), (*big, ppc2, True),
+        (4096, 4096, 4096, "bfloat16", "nn", ppc2, True),
+        (*sq, base, True),  # base again: drift check
+        (8192, 4096, 4096, "float16", "nt", w, True, ln),
+        (8192, 4096, 4096, "float16", "nt", ppc2, True, ln),
+    ]
+
+
+def cluster_main(argv: list[str]) -> None:
+    """``--cluster build DIR``: build every case in parallel; ``--cluster run DIR START``: run
+    cases START.. from their libraries, printing ``DONE i`` after each (a caller restarts after
+    the last DONE when a kernel hangs past its timeout)."""
+    mode, out_dir = argv[0], argv[1]
+    cases = cluster_cases()
+    if mode == "build":
+        from concurrent.futures import ProcessPoolExecutor
+
+        os.makedirs(out_dir, exist_ok=True)
+        with ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 4)) as pool:
+            jobs = [(i, a, out_dir) for i, a in enumerate(cases)]
+            for i, res in enumerate(pool.map(_build_to, jobs)):
+                print(i, res[:400], flush=True)
+        return
+    print(torch.cuda.get_device_name(), tvm.__version__, flush=True)
+    for i in range(int(argv[2]), len(cases)):
+        path = os.path.join(out_dir, f"case{i}.so")
+        try:
+            if not os.path.exists(path):
+                raise FileNotFoundError(path)
+            case(*cases[i], lib=tvm.runtime.load_module(path))
+        except Exception:  # report and go on with the next case
+            print("FAILED", i, cases[i][:6], traceback.format_exc()[-600:], flush=True)
+        print("DONE", i, flush=True)
+
+
 def main() -> None:
+    if "--cluster" in sys.argv:
+        return cluster_main(sys.argv[sys.argv.index("--cluster") + 1:])
     print(torch.cuda.get_device_name(), tvm.__version__, flush=True)
     base = GemmConfig()
     v1 = GemmConfig(persistent=False, vector_store=False)

@@ -71,10 +71,22 @@ class GemmConfig:
     vector_store: bool = True  # column pairs stored as one 2-element vector
     pair_shuffle: bool = True  # pair epilogue: lanes t, t^1 swap one value, store 2-element vectors
     ctas_per_sm: int = 1  # > 1: co-resident CTAs (launch bounds), one's epilogue overlaps another's MMAs
+    cluster_m: int = 1  # 2: CTA pairs (tiles m, m+1) share the B tile: each loads half, multicast to both
+    warp_release: bool = False  # one lane per consumer warp (not every thread) frees a stage
+    # two consumer warpgroups on alternate tiles of bm = 64 rows: one's epilogue runs while the
+    # other's wgmmas keep the tensor cores busy (the producer fills the ring in tile order)
+    pingpong: bool = False
 
     @property
     def consumers(self) -> int:
-        return self.bm // 64
+        return 2 if self.pingpong else self.bm // 64
+
+    @property
+    def release_count(self) -> int:
+        """Arrivals that free one stage: every consumer thread (or warp) of every CTA reading it."""
+        readers = 1 if self.pingpong else self.consumers  # warpgroups reading one stage
+        per_cta = readers * (WG // 32 if self.warp_release else WG)
+        return per_cta * self.cluster_m
 
     @property
     def threads(self) -> int:
@@ -123,6 +135,10 @@ def check(problem: GemmProblem, cfg: GemmConfig) -> str | None:
         return f"N={problem.n} is odd (the epilogue stores column pairs)"
     if cfg.bm % 64 or cfg.bm > 256 or cfg.bn % 64 or cfg.bn > 256:
         return f"tile {cfg.bm}x{cfg.bn} unsupported"
+    if cfg.pingpong and cfg.bm != 64:
+        return f"ping-pong tiles are 64 rows a warpgroup (bm={cfg.bm})"
+    if cfg.cluster_m not in (1, 2) or (cfg.cluster_m == 2 and cfg.ctas_per_sm != 1):
+        return f"cluster of {cfg.cluster_m} CTAs unsupported (1, or 2 with one CTA per SM)"
     if cfg.smem_bytes() * cfg.ctas_per_sm > 227 * 1024:
         return (f"{cfg.smem_bytes()} bytes of shared memory per CTA x {cfg.ctas_per_sm} CTAs "
                 "exceed 227 KiB")
@@ -158,14 +174,20 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     stage_bytes = a_stage + b_stage
     acc_n = c.bn // 2  # fp32 accumulators per consumer thread (64 x BN / 128)
     # B smem layout: nt -> BN rows of 128 B (K-major); nn -> BN/64 chunks of [64 k][64 n].
+    cl = c.cluster_m
+    wg_row = "0" if c.pingpong else "(wg - 1)"  # this consumer's 64-row block of the A stage / tile
     if p.layout == "nt":
-        b_box = (BK, c.bn)
-        b_boxes = [("kt * 64", "n0", 0)]
+        b_box = (BK, c.bn // cl)
+        b_boxes = [("kt * 64", "n0", 0)] if cl == 1 else [
+            ("kt * 64", f"n0 + rank * {c.bn // 2}", f"rank * {c.bn // 2 * BK * 2}")]
         b_lbo, b_sbo, b_kstep = 1, 64, 32  # 16-byte units; K step of 16 elements = 32 bytes
         b_dims = (p.k, p.n)
     else:
         b_box = (64, BK)
-        b_boxes = [(f"n0 + {j * 64}", "kt * 64", j * 64 * BK * 2) for j in range(c.bn // 64)]
+        half = c.bn // 64 // cl  # 64-column chunks this CTA loads
+        b_boxes = [(f"n0 + {j * 64}" if cl == 1 else f"n0 + (rank * {half} + {j}) * 64", "kt * 64",
+                    j * 64 * BK * 2 if cl == 1 else f"(rank * {half} + {j}) * {64 * BK * 2}")
+                   for j in range(half)]
         b_lbo, b_sbo, b_kstep = (64 * BK * 2) // 16, 64, 16 * 128  # 16 K rows of 128 B
         b_dims = (p.n, p.k)
     e = p.in_dtype
@@ -191,26 +213,35 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
       f"{b_dims[0]}, {b_dims[1]}, {b_dims[0] * 2}, {b_box[0]}, {b_box[1]}, 1, 1, 0, {SW128}, 2, 0)")
     w("    T.device_entry()")
     device_start = len(lines)
-    tiles = tiles_m * tiles_n
-    grid = min(tiles, c.num_sms * c.ctas_per_sm) if c.persistent else tiles
+    # a cluster of cl CTAs owns cl row tiles of one column tile: "tiles" counts those units
+    units_m = _cdiv(tiles_m, cl)
+    tiles = units_m * tiles_n
+    grid = min(tiles, c.num_sms * c.ctas_per_sm // cl) if c.persistent else tiles
     rounds = _cdiv(tiles, grid)  # tiles per CTA (the last round may be partial)
-    w(f"    bid = T.cta_id([{grid}])")
+    w(f"    bid = T.cta_id([{grid * cl}])")
+    if cl > 1:
+        w(f"    rank = T.cta_id_in_cluster([{cl}])")
     w(f"    tx = T.thread_id([{c.threads}])")
     w(f'    smem = T.alloc_buffer(({c.stages * stage_bytes // 2},), "{e}", scope="shared.dyn", '
       "align=1024)")
     w(f'    full = T.alloc_shared([{c.stages}], "uint64")')
     w(f'    empty = T.alloc_shared([{c.stages}], "uint64")')
-    group = min(c.group_m, tiles_m)
+    if c.pingpong:  # turn[i]: warpgroup i + 1 may start its next main loop
+        w('    turn = T.alloc_shared([2], "uint64")')
+    group = max(1, min(c.group_m // cl, units_m))
     in_group = group * tiles_n
+    unit = "bid" if cl == 1 else f"bid // {cl}"
 
-    def tile_loop(sp: str) -> None:
-        """Open the loop over this CTA's tiles; m0, n0 = the tile's origin (grouped raster)."""
+    def tile_loop(sp: str, mine: str = "") -> None:
+        """Open the loop over this CTA's tiles; m0, n0 = the tile's origin (grouped raster).
+        ``mine``: a condition on ``ti`` selecting this warpgroup's tiles (ping-pong)."""
         w(f"{sp}for ti in T.serial({rounds}):")
-        w(f"{sp}    tile = bid + ti * {grid}")
-        w(f"{sp}    if tile < {tiles}:")
+        w(f"{sp}    tile = {unit} + ti * {grid}")
+        w(f"{sp}    if tile < {tiles}{mine}:")
         w(f"{sp}        first_m = (tile // {in_group}) * {group}")
-        w(f"{sp}        gsize = T.min({tiles_m} - first_m, {group})")
-        w(f"{sp}        m0 = (first_m + (tile % {in_group}) % gsize) * {c.bm}")
+        w(f"{sp}        gsize = T.min({units_m} - first_m, {group})")
+        mt = f"(first_m + (tile % {in_group}) % gsize)"
+        w(f"{sp}        m0 = {mt if cl == 1 else f'({mt} * {cl} + rank)'} * {c.bm}")
         w(f"{sp}        n0 = ((tile % {in_group}) // gsize) * {c.bn}")
 
     w("    wg = tx // 128")
@@ -218,9 +249,13 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w(f"        for s in T.unroll({c.stages}):")
     init = "            T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared("
     w(init + "full.ptr_to([s])), T.uint32(1))")
-    w(init + f"empty.ptr_to([s])), T.uint32({c.consumers * WG}))")
+    w(init + f"empty.ptr_to([s])), T.uint32({c.release_count}))")
+    if c.pingpong:
+        w("        for i in T.unroll(2):")
+        w(init + "turn.ptr_to([i])), T.uint32(1))")
     w("    T.ptx.fence.mbarrier_init.release.cluster()")
-    w("    T.cuda.cta_sync()")
+    # a cluster: the peer's TMA and stage releases reach this CTA's barriers once both initialised
+    w("    T.cuda.cluster_sync()" if cl > 1 else "    T.cuda.cta_sync()")
     w("    if wg == 0:")
     w(f'        T.ptx["setmaxnreg.dec.sync.aligned.u32"]({c.producer_regs})')
     w("        if tx == 0:")
@@ -232,21 +267,26 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w(f"                            T.cuda.mbarrier_wait(empty.ptr_to([s]), (g // {c.stages} + 1) % 2)")
     w("                        T.ptx.mbarrier.arrive.expect_tx.shared.b64("
       f"T.cuda.cvta_generic_to_shared(full.ptr_to([s])), T.uint32({stage_bytes}))")
-    tma = ('T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]')
+    tma = 'T.ptx["cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"]'
+    tma_mc = tma[:-2] + '.multicast::cluster"]'
     w(f"                        {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to("
       f"[s * {stage_bytes // 2}])), T.address_of(A_map), kt * 64, m0, "
       "T.cuda.cvta_generic_to_shared(full.ptr_to([s])))")
     for c0, c1, off in b_boxes:
-        w(f"                        {tma}(T.cuda.cvta_generic_to_shared(smem.ptr_to("
-          f"[s * {stage_bytes // 2} + {(a_stage + off) // 2}])), T.address_of(B_map), {c0}, {c1}, "
-          "T.cuda.cvta_generic_to_shared(full.ptr_to([s])))")
+        dst = f"s * {stage_bytes // 2} + {a_stage // 2} + ({off}) // 2"
+        args = (f"T.cuda.cvta_generic_to_shared(smem.ptr_to([{dst}])), T.address_of(B_map), {c0}, {c1}, "
+                "T.cuda.cvta_generic_to_shared(full.ptr_to([s]))")
+        if cl == 1:
+            w(f"                        {tma}({args})")
+        else:  # the same smem offset and barrier in every CTA of the cluster (mask: all)
+            w(f"                        {tma_mc}({args}, T.uint16({(1 << cl) - 1}))")
     w("    else:")
     w(f'        T.ptx["setmaxnreg.inc.sync.aligned.u32"]({c.consumer_regs})')
     w(f'        acc = T.alloc_buffer(({acc_n},), "float32", scope="local")')
     w('        desc_a = T.alloc_buffer((1,), "uint64", scope="local")')
     w('        desc_b = T.alloc_buffer((1,), "uint64", scope="local")')
     w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a[0]), "
-      f"smem.ptr_to([(wg - 1) * {64 * 64}]), 1, 64, {SW128})")
+      f"smem.ptr_to([{wg_row} * {64 * 64}]), 1, 64, {SW128})")
     w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b[0]), "
       f"smem.ptr_to([{a_stage // 2}]), {b_lbo}, {b_sbo}, {SW128})")
     accs = ", ".join(f"acc[{i}]" for i in range(acc_n))
@@ -259,7 +299,17 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
         w(f'        xv = T.alloc_buffer((8,), "{e}", scope="local", align=16)')
         w('        rsum = T.alloc_buffer((3,), "float32", scope="local")')  # s1, s2, shift c
         w('        rstat = T.alloc_buffer((4,), "float32", scope="local")')  # ROW_MEAN, ROW_RSTD
-    tile_loop("        ")
+    if cl > 1:  # the peer CTA's empty barriers in the cluster's shared window
+        w('        peer_empty = T.alloc_buffer((1,), "uint32", scope="local")')
+        w("        T.ptx.mapa.shared__cluster.u32(peer_empty[0], T.cuda.cvta_generic_to_shared("
+          "empty.ptr_to([0])), T.uint32(rank ^ 1))")
+    tile_loop("        ", " and ti % 2 == wg - 1" if c.pingpong else "")
+    if c.pingpong:
+        # Main loops alternate: warpgroup w starts tile ti once the other one has passed every
+        # full-barrier wait of tile ti - 1. Without this order a warpgroup waiting for a stage's
+        # phase two ahead of the barrier's would pass on the parity of the older phase.
+        w("                if ti > 0:")
+        w("                    T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), ((ti - 1) // 2) % 2)")
     w(f"                for i in T.unroll({acc_n}):")
     w("                    acc[i] = T.float32(0)")
     if row_stats:
@@ -277,17 +327,18 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
       f"True, 1, 1, 0, {trans_b})")
     w("                    T.ptx.wgmma.commit_group.sync.aligned()")
     if row_stats:  # while the wgmmas run: this thread's half row of the stage
-        _row_stats_accumulate(w, row_stats, stage_bytes, e)
+        _row_stats_accumulate(w, row_stats, stage_bytes, e, wg_row)
     w("                    T.ptx.wgmma.wait_group.sync.aligned(1)")
-    w("                    if kt > 0:")
-    w("                        T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared("
-      f"empty.ptr_to([(g + {c.stages - 1}) % {c.stages}])))")
+    _release(w, c, "                    ", f"(g + {c.stages - 1}) % {c.stages}", "kt > 0")
+    if c.pingpong:  # one thread past the last full wait of this tile: the other's turn
+        w("                if tx % 128 == 0:")
+        w("                    T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared("
+          "turn.ptr_to([2 - wg])))")
     w("                T.ptx.wgmma.wait_group.sync.aligned(0)")
-    w("                T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared("
-      f"empty.ptr_to([(ti * {kt_total} + {kt_total - 1}) % {c.stages}])))")
+    _release(w, c, "                ", f"(ti * {kt_total} + {kt_total - 1}) % {c.stages}", None)
     # epilogue: fragment -> global, rows/cols masked (N even: a pair is in or out as a whole)
     w("                t = tx % 128")
-    w("                row0 = m0 + (wg - 1) * 64 + (t // 32) * 16 + (t % 32) // 4")
+    w(f"                row0 = m0 + {wg_row} * 64 + (t // 32) * 16 + (t % 32) // 4")
     if row_stats:
         _row_stats_finish(w, row_stats, p.k, kt_total * BK - p.k)
     if pair_value and c.pair_shuffle:
@@ -312,11 +363,23 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     return _finish(lines, device_start, c)
 
 
+def _release(w: Callable[[str], None], c: GemmConfig, sp: str, stage: str, cond: str | None) -> None:
+    """Free ``stage`` for the producers: this CTA's ``empty`` barrier and, in a cluster, the peer's
+    (its producer multicasts into this CTA's copy of the stage); by every thread or one lane a warp."""
+    conds = ([cond] if cond else []) + (["tx % 32 == 0"] if c.warp_release else [])
+    if conds:
+        w(f"{sp}if {' and '.join(conds)}:")
+        sp += "    "
+    w(f"{sp}T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared(empty.ptr_to([{stage}])))")
+    if c.cluster_m > 1:
+        w(f"{sp}T.ptx.mbarrier.arrive.shared__cluster.b64(peer_empty[0] + T.uint32(({stage}) * 8))")
+
+
 def _row_stats_accumulate(w: Callable[[str], None], rs: RowStats, stage_bytes: int,
-                          e: str) -> None:
+                          e: str, wg_row: str) -> None:
     """Thread t adds half ``t % 2`` of row ``t / 2`` of its warpgroup's 64 A rows of stage s."""
     sp = "                    "
-    row = f"s * {stage_bytes // 2} + (wg - 1) * {64 * BK} + ((tx % 128) // 2) * {BK}"
+    row = f"s * {stage_bytes // 2} + {wg_row} * {64 * BK} + ((tx % 128) // 2) * {BK}"
     if rs.centered:  # shift: the first stored element of the row in the first K tile
         w(f"{sp}if kt == 0:")
         w(f'{sp}    rsum[2] = T.Cast("float32", smem[{row}])')
@@ -361,6 +424,8 @@ def _row_stats_finish(w: Callable[[str], None], rs: RowStats, k: int, pad: int) 
 def _finish(lines: list[str], device_start: int, c: GemmConfig) -> str:
     """The kernel text; with ``ctas_per_sm > 1`` the device body sits in a launch-bounds attr
     (``__launch_bounds__(threads, ctas_per_sm)``: ptxas keeps the registers for co-residence)."""
+    if c.cluster_m > 1:  # no CTA exits while its peer may still arrive on its barriers
+        lines = [*lines, "    T.cuda.cluster_sync()"]
     if c.ctas_per_sm > 1:
         body = ["    " + ln for ln in lines[device_start:]]
         lines = lines[:device_start] + [
