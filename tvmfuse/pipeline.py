@@ -122,11 +122,14 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         if spec.is_cuda:
             from tvm.s_tir import dlight as dl
 
+            from .schedules.gemm_row_stats_simt import SimtGemmRowStats
             from .schedules.gemm_sm90 import Sm90Gemm
             from .schedules.gemm_sm90_stats import Sm90GemmRowStats
 
             # sm_90a only: a norm's row statistics move into the wgmma GEMMs that read them.
             mod = run("gemm_sm90_row_stats", Sm90GemmRowStats, mod)
+            # fp32 GEMMs (SIMT): the row statistics merge into them; after the wgmma ones took theirs.
+            mod = run("gemm_row_stats_simt", SimtGemmRowStats, mod)
             # sm_90a only: fused GEMMs become TIRx wgmma kernels, tagged so dlight skips them.
             mod = run("gemm_sm90", Sm90Gemm, mod)
             mod = run("schedule", dl.ApplyDefaultSchedule(*gpu_rules()), mod)

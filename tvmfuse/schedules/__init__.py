@@ -1,7 +1,8 @@
 """Schedule rules for fused kernels, tried in order per PrimFunc (dlight style).
 
 A rule returns ``None`` when a function is not its kind; the first rule that returns a schedule
-wins. Order: :class:`GemmSM80` (tensor-core GEMM + epilogue for sm_80 and newer; the GEMMs it
+wins. Order: :class:`GemmSimtRowStats` (only the fp32 GEMMs that ``gemm_row_stats_simt`` gave
+their norm statistics), :class:`GemmSM80` (tensor-core GEMM + epilogue for sm_80 and newer; the GEMMs it
 does not take it hands to dlight's GEMV / Matmul itself, marked ``"tvmfuse.fallback"``), then
 dlight's Matmul and GEMV (they only take GEMM / GEMV shapes), then tvmfuse's
 memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`RowStats` for
@@ -13,6 +14,7 @@ generic Reduction, GeneralReduction and Fallback for everything else.
 from __future__ import annotations
 
 from .elementwise import RULE_ATTR, Elementwise
+from .gemm_simt_stats import GemmSimtRowStats
 from .gemm_sm80 import GemmSM80
 from .row_norm import RowNorm
 from .row_stats import RowStats
@@ -23,6 +25,7 @@ def gpu_rules() -> list:
     from tvm.s_tir import dlight as dl
 
     return [
+        GemmSimtRowStats(),
         GemmSM80(),
         dl.gpu.Matmul(),
         dl.gpu.GEMV(),
@@ -35,4 +38,5 @@ def gpu_rules() -> list:
     ]
 
 
-__all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "RowNorm", "RowStats", "gpu_rules"]
+__all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "GemmSimtRowStats", "RowNorm", "RowStats",
+           "gpu_rules"]

@@ -1,0 +1,212 @@
+"""CUDA fp32 GEMMs: a norm's row statistics computed by the GEMM kernel that consumes them.
+
+NormGemmPrologue (``passes/norm_gemm.py``) turns ``norm(x) · W`` into a statistics kernel
+
+    mean, rstd = layer_norm_stats(x)      (rms_norm_stats: rstd only), each (M, 1) fp32
+
+and a GEMM whose epilogue applies them, ``rstd ⊙ (x·W' − mean ⊗ colsum) + c``. On sm_90a the
+16-bit GEMMs are wgmma kernels that compute the statistics in their main loop
+(:mod:`.gemm_sm90_stats`). fp32 GEMMs take neither tensor-core kernel; dlight-style SIMT tiles
+schedule them, and without this pass the statistics kernel stayed a launch of its own.
+
+``SimtGemmRowStats`` merges, for each statistics call whose every result is read only by fp32
+GEMMs over the same ``x``, the statistics PrimFunc into each such GEMM PrimFunc (FuseTIR on a
+``Primitive`` group of the two calls): one PrimFunc whose first blocks reduce the rows of ``x``
+into (M, 1) intermediates (the same two-pass ``Σ(x − mean)²`` as the statistics kernel, so the
+same numerics), then the matmul and its epilogue. The statistics call is removed: one launch less.
+:class:`.gemm_simt_stats.GemmSimtRowStats` schedules the result: a shared-memory, register-blocked
+SIMT GEMM whose thread block first computes the statistics of its own ``BM`` rows (a recompute
+per column tile of blocks: each block reads its rows of ``x`` once more, mostly from L2, as the
+blocks of one row tile run side by side).
+
+Marks: the merged PrimFunc gets ``tvmfuse.in_loop_stats = [GEMM PrimFunc, statistics PrimFunc]``
+(``tvmfuse report`` counts the statistics' op in that kernel) and ``tvmfuse.simt_row_stats``
+(what the schedule rule looks for). A statistics PrimFunc that stays gets
+``tvmfuse.stats_kept = <reason>`` unless :mod:`.gemm_sm90_stats` gave one already.
+
+Runs in ``pipeline.lower`` right after Sm90GemmRowStats (which takes the 16-bit sm_90a GEMMs
+first) on the fused PrimFuncs; CUDA targets only, elsewhere the module is returned unchanged.
+16-bit GEMMs are left alone: on sm_80 they are mma.sync kernels (GemmSM80) that a SIMT kernel
+would slow down far more than one statistics launch costs.
+"""
+
+from __future__ import annotations
+
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from .gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR, _bindings, _uses, row_stats_of
+from .hopper.epilogue import _strip_cast
+
+NAME = "gemm_row_stats_simt"
+ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
+SIMT_ATTR = "tvmfuse.simt_row_stats"  # on a merged PrimFunc: "layer" (mean, rstd) or "rms" (rstd)
+_CALL_TIR = "relax.call_tir"
+_FP32 = "float32"
+
+
+def _matmul_operands(func: tirx.PrimFunc) -> tuple[tirx.Buffer, tirx.Buffer] | None:
+    """The two buffers of the single ``C += A[..] · B[..]`` reduction block, or None."""
+    found: list = []
+
+    def visit(block: s_tir.SBlock) -> s_tir.SBlock:
+        if any(iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars):
+            body = block.body
+            ok = isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add) \
+                and isinstance(body.value.b, tirx.Mul)
+            a, b = (_strip_cast(body.value.b.a), _strip_cast(body.value.b.b)) if ok else (0, 0)
+            ok = ok and isinstance(a, tvm.ir.TensorLoad) and isinstance(b, tvm.ir.TensorLoad)
+            found.append((a.source, b.source) if ok else None)
+        return block
+
+    tvm_ffi.structural_map(func.body, [((s_tir.SBlock,), visit)])
+    return found[0] if len(found) == 1 and found[0] is not None else None
+
+
+def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list) -> str | None:
+    """Why the consumer ``user`` of the statistics cannot compute them itself (None: it can)."""
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    if not (isinstance(user, relax.Call) and user.op == call_tir
+            and isinstance(mod[user.args[0]], tirx.PrimFunc)):
+        return "a statistic is used outside a GEMM kernel"
+    func = mod[user.args[0]]
+    name = user.args[0].name_hint
+    if func.attrs and func.attrs.get("tirx.is_scheduled"):
+        return f"consumer {name} is scheduled already (a tuned or generated kernel)"
+    operands = _matmul_operands(func)
+    if operands is None:
+        return f"consumer {name} is not one GEMM + epilogue"
+    args = list(user.args[1].fields)
+    a_pos = [i for i, p in enumerate(func.params) if p.same_as(operands[0])]
+    if len(a_pos) != 1 or not args[a_pos[0]].same_as(x):
+        return "the GEMM's A operand is not the tensor the statistics are taken of"
+    dtypes = {str(b.dtype) for b in operands}
+    if dtypes != {_FP32}:
+        return (f"consumer {name} is a {'/'.join(sorted(dtypes))} GEMM (a tensor-core kernel; "
+                "only fp32 SIMT GEMMs take the statistics)")
+    for o in outputs:
+        if sum(1 for a in args if a.same_as(o)) != 1:
+            return "a statistic is passed to the GEMM more than once"
+    return None
+
+
+def merge(stats: tirx.PrimFunc, stats_call: relax.Call, gemm: tirx.PrimFunc, gemm_call: relax.Call,
+          outputs: list[relax.Var]) -> tuple[tirx.PrimFunc, list[relax.Expr]]:
+    """One PrimFunc computing ``gemm_call`` with the statistics of ``stats_call`` made inside.
+
+    Returns it and its call arguments: the GEMM's arguments without the statistics ``outputs``.
+    The two calls are put in a ``Primitive`` Relax function and merged by FuseTIR (the statistics'
+    outputs become intermediate buffers of the merged PrimFunc).
+    """
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    args: list[relax.Expr] = []
+    for a in gemm_call.args[1].fields:  # each tensor once (x may be both A and a residual)
+        if not any(a.same_as(o) for o in outputs) and not any(a.same_as(b) for b in args):
+            args.append(a)
+    params = [relax.Var(f"p{i}", a.ty) for i, a in enumerate(args)]
+    bb = relax.BlockBuilder()
+    stats_gv = bb.add_func(stats, "stats")
+    gemm_gv = bb.add_func(gemm, "gemm")
+    x = stats_call.args[1].fields[0]
+    with bb.function("merged", params, attrs={"Primitive": True}, private=True):
+        with bb.dataflow():
+            x_param = next(p for a, p in zip(args, params) if a.same_as(x))
+            st = bb.emit(relax.Call(call_tir, [stats_gv, relax.Tuple([x_param])], stats_call.attrs,
+                                    stats_call.ty_args))
+            inner = [bb.emit(relax.TupleGetItem(st, i)) for i in range(len(outputs))] \
+                if len(outputs) == 2 else [st]
+            gemm_args = []
+            for a in gemm_call.args[1].fields:
+                hit = [v for o, v in zip(outputs, inner) if a.same_as(o)]
+                gemm_args.append(hit[0] if hit else next(
+                    p for b, p in zip(args, params) if b.same_as(a)))
+            y = bb.emit_output(relax.Call(call_tir, [gemm_gv, relax.Tuple(gemm_args)],
+                                          gemm_call.attrs, gemm_call.ty_args))
+        bb.emit_func_output(y)
+    merged_gv = bb.get().get_global_var("merged")
+    outer = [relax.Var(f"a{i}", a.ty) for i, a in enumerate(args)]
+    with bb.function("main", outer):
+        with bb.dataflow():
+            out = bb.emit_output(relax.Call(merged_gv, outer))
+        bb.emit_func_output(out)
+    fused = relax.transform.FuseTIR()(bb.get())
+    prims = [f for f in fused.functions.values() if isinstance(f, tirx.PrimFunc)]
+    if len(prims) != 1:
+        raise ValueError(f"FuseTIR left {len(prims)} PrimFuncs, expected 1")
+    return prims[0].without_attr("global_symbol"), args
+
+
+def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[tuple]:
+    """(GEMM call, merged PrimFunc, new args) for every statistics call all GEMMs can absorb."""
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    uses = _uses(func)
+    items: dict = {}
+    for b in _bindings(func):
+        if isinstance(b.value, relax.TupleGetItem) and isinstance(b.value.tuple_value, relax.Var):
+            items.setdefault(b.value.tuple_value, {})[int(b.value.index)] = b.var
+    plans = []
+    for b in _bindings(func):
+        call = b.value
+        if not (isinstance(call, relax.Call) and call.op == call_tir):
+            continue
+        stats_fn = mod[call.args[0]]
+        if not isinstance(stats_fn, tirx.PrimFunc) or (spec := row_stats_of(stats_fn)) is None:
+            continue
+        x = call.args[1].fields[0]
+        if spec.centered:
+            got = items.get(b.var, {})
+            if set(got) != {0, 1} or len(uses.get(b.var, [])) != 2:
+                kept.setdefault(call.args[0], "the statistics tuple is used other than by its items")
+                continue
+            outputs = [got[0], got[1]]
+        else:
+            outputs = [b.var]
+        consumers = list({id(u): u for o in outputs for u in uses.get(o, [])}.values())
+        why = next((w for u in consumers if (w := _why_not(mod, u, x, outputs))), None)
+        if why or not consumers:
+            kept.setdefault(call.args[0], why or "no consumer")
+            continue
+        for user in consumers:
+            gemm_gv = user.args[0]
+            merged, args = merge(stats_fn, call, mod[gemm_gv], user, outputs)
+            merged = merged.with_attrs({IN_LOOP_ATTR: [gemm_gv.name_hint, call.args[0].name_hint],
+                                        SIMT_ATTR: "layer" if spec.centered else "rms"})
+            plans.append((user, merged, args))
+    return plans
+
+
+@tvm.transform.module_pass(opt_level=0, name="SimtGemmRowStats")
+def SimtGemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
+    """Statistics kernels feeding fp32 GEMMs on CUDA → statistics computed in those GEMMs."""
+    target = tvm.target.Target.current(allow_none=True)
+    if not ENABLED or target is None or target.kind.name != "cuda":
+        return mod
+    kept: dict = {}
+    plans = [p for f in list(mod.functions.values()) if isinstance(f, relax.Function)
+             for p in _plan(mod, f, kept)]
+    mod = mod.clone()  # assigned into below: not the caller's module
+    for gv, why in kept.items():
+        if not (mod[gv].attrs and mod[gv].attrs.get(KEPT_ATTR)):
+            mod[gv] = mod[gv].with_attr(KEPT_ATTR, why)
+    if not plans:
+        return mod
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+
+    @mutator
+    class _Rewrite(PyExprMutator):
+        def visit_call_(self, call):
+            match = next(((k, a) for g, k, a in plans if g.same_as(call)), None)
+            if match is None:
+                return super().visit_call_(call)
+            kernel, args = match
+            gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_stats")
+            return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
+
+    rewriter = _Rewrite(mod)
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    # the statistics calls are now unused: dead code, and so are their PrimFuncs
+    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
