@@ -29,6 +29,9 @@ VARIANTS = {
     "c2": GemmConfig(cluster_m=2, warp_release=True),
     "pp": GemmConfig(bm=64, stages=5, pingpong=True, warp_release=True),
     "pp_c2": GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True),
+    # ping-pong on 128x128 tiles: two independent 64-row accumulator chains per warpgroup
+    "pp128": GemmConfig(bn=128, stages=6, pingpong=True, warp_release=True),
+    "pp128_c2": GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True),
 }
 
 

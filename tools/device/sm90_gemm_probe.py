@@ -22,7 +22,6 @@ import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback
 from tvmfuse.schedules.hopper.kernel import (  # noqa: E402
     GemmConfig,
     GemmProblem,
-    RowStats,
     standalone,
 )
 
@@ -98,31 +97,27 @@ def case(m, n, k, dtype, layout, cfg, time_it=True, row_stats=None, lib=None):
 
 
 def cluster_cases() -> list:
-    """Session 5: B multicast over a 2-CTA cluster, per-warp stage release and ping-pong consumers,
-    A/B in one run (correctness cases untimed)."""
-    base, w = GemmConfig(), GemmConfig(warp_release=True)
+    """Session 5: B multicast over a 2-CTA cluster, per-warp stage release and ping-pong consumers
+    (device call 2: ping-pong on 128x128 tiles, two accumulator chains per warpgroup), A/B in one
+    run (correctness cases untimed). Call 1 measured the 64-row ping-pong (0.223 ms vs 0.200)."""
+    base = GemmConfig()
     c2 = GemmConfig(cluster_m=2, warp_release=True)
-    pp = GemmConfig(bm=64, stages=5, pingpong=True, warp_release=True)
-    ppc2 = GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True)
-    ln = RowStats(True, 1e-5)
+    pp = GemmConfig(bn=128, stages=6, pingpong=True, warp_release=True)
+    ppc2 = GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True)
     big = (8192, 8192, 4096, "float16", "nt")
     sq = (4096, 4096, 4096, "float16", "nt")
     return [
-        (300, 520, 1000, "float16", "nn", c2, False),  # odd row-tile count: a lone CTA of a pair
-        (300, 520, 1000, "float16", "nt", ppc2, False),
-        (2047, 4096, 4096, "float16", "nt", pp, False),
-        (300, 520, 1000, "bfloat16", "nt", GemmConfig(bn=128, stages=6, cluster_m=2), False),
+        (300, 520, 1000, "float16", "nn", ppc2, False),  # odd row-tile count: a lone CTA of a pair
+        (300, 520, 1000, "bfloat16", "nt", pp, False),
+        (2047, 4096, 4096, "float16", "nt", ppc2, False),
         (16, 4096, 4096, "bfloat16", "nt", ppc2, False),
-        (2047, 1024, 4096, "float16", "nt", ppc2, False, ln),
-        (*sq, base, True), (*sq, w, True), (*sq, c2, True), (*sq, pp, True), (*sq, ppc2, True),
-        (*sq, GemmConfig(cluster_m=2), True),
-        (*sq, GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True, group_m=16),
-         True),
+        (*sq, base, True), (*sq, c2, True), (*sq, pp, True), (*sq, ppc2, True),
+        (*sq, GemmConfig(bn=128, stages=5, pingpong=True, cluster_m=2, warp_release=True), True),
+        (*sq, GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True,
+                         group_m=16), True),
         (*big, base, True), (*big, c2, True), (*big, ppc2, True),
         (4096, 4096, 4096, "bfloat16", "nn", ppc2, True),
         (*sq, base, True),  # base again: drift check
-        (8192, 4096, 4096, "float16", "nt", w, True, ln),
-        (8192, 4096, 4096, "float16", "nt", ppc2, True, ln),
     ]
 
 
@@ -133,10 +128,12 @@ def cluster_main(argv: list[str]) -> None:
     mode, out_dir = argv[0], argv[1]
     cases = cluster_cases()
     if mode == "build":
+        import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
-        os.makedirs(out_dir, exist_ok=True)
-        with ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 4)) as pool:
+        os.makedirs(out_dir, exist_ok=True)  # spawn: a forked child cannot initialise CUDA
+        with ProcessPoolExecutor(max_workers=min(12, os.cpu_count() or 4),
+                                 mp_context=multiprocessing.get_context("spawn")) as pool:
             jobs = [(i, a, out_dir) for i, a in enumerate(cases)]
             for i, res in enumerate(pool.map(_build_to, jobs)):
                 print(i, res[:400], flush=True)

@@ -82,6 +82,11 @@ class GemmConfig:
         return 2 if self.pingpong else self.bm // 64
 
     @property
+    def chains(self) -> int:
+        """Independent 64-row accumulator chains per consumer (ping-pong: the whole tile)."""
+        return self.bm // 64 if self.pingpong else 1
+
+    @property
     def release_count(self) -> int:
         """Arrivals that free one stage: every consumer thread (or warp) of every CTA reading it."""
         readers = 1 if self.pingpong else self.consumers  # warpgroups reading one stage
@@ -135,8 +140,8 @@ def check(problem: GemmProblem, cfg: GemmConfig) -> str | None:
         return f"N={problem.n} is odd (the epilogue stores column pairs)"
     if cfg.bm % 64 or cfg.bm > 256 or cfg.bn % 64 or cfg.bn > 256:
         return f"tile {cfg.bm}x{cfg.bn} unsupported"
-    if cfg.pingpong and cfg.bm != 64:
-        return f"ping-pong tiles are 64 rows a warpgroup (bm={cfg.bm})"
+    if cfg.pingpong and cfg.bm * cfg.bn > 128 * 128:
+        return f"ping-pong tile {cfg.bm}x{cfg.bn}: one warpgroup holds at most 128x128 accumulators"
     if cfg.cluster_m not in (1, 2) or (cfg.cluster_m == 2 and cfg.ctas_per_sm != 1):
         return f"cluster of {cfg.cluster_m} CTAs unsupported (1, or 2 with one CTA per SM)"
     if cfg.smem_bytes() * cfg.ctas_per_sm > 227 * 1024:
@@ -172,7 +177,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     a_stage = c.bm * BK * 2
     b_stage = c.bn * BK * 2
     stage_bytes = a_stage + b_stage
-    acc_n = c.bn // 2  # fp32 accumulators per consumer thread (64 x BN / 128)
+    acc_n = c.bn // 2  # fp32 accumulators per consumer thread and 64-row chain (64 x BN / 128)
+    sub = c.chains
     # B smem layout: nt -> BN rows of 128 B (K-major); nn -> BN/64 chunks of [64 k][64 n].
     cl = c.cluster_m
     wg_row = "0" if c.pingpong else "(wg - 1)"  # this consumer's 64-row block of the A stage / tile
@@ -282,14 +288,14 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
             w(f"                        {tma_mc}({args}, T.uint16({(1 << cl) - 1}))")
     w("    else:")
     w(f'        T.ptx["setmaxnreg.inc.sync.aligned.u32"]({c.consumer_regs})')
-    w(f'        acc = T.alloc_buffer(({acc_n},), "float32", scope="local")')
+    w(f'        acc = T.alloc_buffer(({acc_n * sub},), "float32", scope="local")')
     w('        desc_a = T.alloc_buffer((1,), "uint64", scope="local")')
     w('        desc_b = T.alloc_buffer((1,), "uint64", scope="local")')
     w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a[0]), "
       f"smem.ptr_to([{wg_row} * {64 * 64}]), 1, 64, {SW128})")
     w("        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b[0]), "
       f"smem.ptr_to([{a_stage // 2}]), {b_lbo}, {b_sbo}, {SW128})")
-    accs = ", ".join(f"acc[{i}]" for i in range(acc_n))
+    accs = [", ".join(f"acc[{u * acc_n + i}]" for i in range(acc_n)) for u in range(sub)]
     mma = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{c.bn}k16.f32.{ab}.{ab}"]'
     if (c.vector_store and not pair_value) or (pair_value and c.pair_shuffle):
         pair_align = max(4, 2 * (8 if p.out_dtype.endswith("64") else 4 if p.out_dtype.endswith("32")
@@ -310,7 +316,7 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
         # phase two ahead of the barrier's would pass on the parity of the older phase.
         w("                if ti > 0:")
         w("                    T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), ((ti - 1) // 2) % 2)")
-    w(f"                for i in T.unroll({acc_n}):")
+    w(f"                for i in T.unroll({acc_n * sub}):")
     w("                    acc[i] = T.float32(0)")
     if row_stats:
         for i in range(3):
@@ -321,10 +327,12 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w(f"                    T.cuda.mbarrier_wait(full.ptr_to([s]), (g // {c.stages}) % 2)")
     w("                    T.ptx.wgmma.fence.sync.aligned()")
     w(f"                    for kk in T.unroll({BK // 16}):")
-    w(f"                        {mma}({accs}, "
-      f"desc_a[0] + T.uint64((s * {stage_bytes} + kk * 32) // 16), "
-      f"desc_b[0] + T.uint64((s * {stage_bytes} + kk * {b_kstep}) // 16), "
-      f"True, 1, 1, 0, {trans_b})")
+    for u in range(sub):  # chain u: rows 64u.. of this consumer's tile (8 KiB into the A stage)
+        w(f"                        {mma}({accs[u]}, "
+          f"desc_a[0] + T.uint64((s * {stage_bytes} + kk * 32{f' + {u * 64 * BK * 2}' if u else ''})"
+          " // 16), "
+          f"desc_b[0] + T.uint64((s * {stage_bytes} + kk * {b_kstep}) // 16), "
+          f"True, 1, 1, 0, {trans_b})")
     w("                    T.ptx.wgmma.commit_group.sync.aligned()")
     if row_stats:  # while the wgmmas run: this thread's half row of the stage
         _row_stats_accumulate(w, row_stats, stage_bytes, e, wg_row)
@@ -338,12 +346,13 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     _release(w, c, "                ", f"(ti * {kt_total} + {kt_total - 1}) % {c.stages}", None)
     # epilogue: fragment -> global, rows/cols masked (N even: a pair is in or out as a whole)
     w("                t = tx % 128")
+    epi_start = len(lines)
     w(f"                row0 = m0 + {wg_row} * 64 + (t // 32) * 16 + (t % 32) // 4")
     if row_stats:
         _row_stats_finish(w, row_stats, p.k, kt_total * BK - p.k)
     if pair_value and c.pair_shuffle:
         _pair_shuffle_store(w, p, c, pair_value)
-        return _finish(lines, device_start, c)
+        return _finish(_chains(lines, epi_start, sub, acc_n), device_start, c)
     w(f"                for j in T.unroll({c.bn // 8}):")
     w("                    col = n0 + j * 8 + (t % 4) * 2")
     w("                    for h in T.unroll(2):")
@@ -360,7 +369,17 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
         for q in range(2):
             w(f"                            C2[row0 + h * 8, col + {q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
-    return _finish(lines, device_start, c)
+    return _finish(_chains(lines, epi_start, sub, acc_n), device_start, c)
+
+
+def _chains(lines: list[str], start: int, sub: int, acc_n: int) -> list[str]:
+    """With ``sub`` accumulator chains the epilogue ``lines[start:]`` runs once per chain ``u``:
+    rows 64u further down, accumulators ``u·acc_n`` further on."""
+    if sub == 1:
+        return lines
+    body = ["    " + ln.replace("acc[", f"acc[u * {acc_n} + ").replace(
+        "row0 = m0 + ", "row0 = m0 + u * 64 + ") for ln in lines[start:]]
+    return lines[:start] + [f"                for u in T.unroll({sub}):"] + body
 
 
 def _release(w: Callable[[str], None], c: GemmConfig, sp: str, stage: str, cond: str | None) -> None:
