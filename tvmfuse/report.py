@@ -218,9 +218,10 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
                 "the second")
     if p == "norm" and c == "gemm_epilogue" and prod.ops[-1].endswith("_stats"):
         return ("row statistics for the GEMM epilogue (norm_gemm applied): they need whole rows of "
-                "the GEMM's A operand before the epilogue; only the sm_90a wgmma GEMM accumulates "
-                "them from the A tiles its main loop loads (the sm80 and SIMT paths have no in-loop "
-                "statistics)")
+                "the GEMM's A operand before the epilogue; only the sm_90a wgmma GEMM (from the A "
+                "tiles its main loop loads) and fp32 SIMT GEMMs (per thread block, from a second "
+                "read of its rows of A, mostly from L2) compute them in-kernel; the sm80 mma.sync "
+                "GEMM does not")
     if p == "norm" and c in ("gemm_epilogue",):
         return ("norm → Linear prologue (norm_gemm) not applied: the normed tensor has other users, "
                 "or the weight / norm parameters are not constants, or the norm is not over K")
@@ -271,7 +272,7 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
                     found.append({"ops": [prod.ops[-1], kernel.ops[0]],
                                   "kernels": [prod.name, kernel.name],
                                   "reason": _boundary_reason(prod, kernel) + (
-                                      f" (sm_90a: kept because {kept})" if kept else "")})
+                                      f" (kept because {kept})" if kept else "")})
             producer_of[var] = kernel
         else:  # a view (reshape) between kernels: pass the producer through
             for arg in args:
