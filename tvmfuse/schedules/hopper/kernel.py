@@ -179,6 +179,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     stage_bytes = a_stage + b_stage
     acc_n = c.bn // 2  # fp32 accumulators per consumer thread and 64-row chain (64 x BN / 128)
     sub = c.chains
+    if row_stats and sub > 1:
+        raise ValueError("in-loop row statistics need one 64-row chain per consumer warpgroup")
     # B smem layout: nt -> BN rows of 128 B (K-major); nn -> BN/64 chunks of [64 k][64 n].
     cl = c.cluster_m
     wg_row = "0" if c.pingpong else "(wg - 1)"  # this consumer's 64-row block of the A stage / tile
