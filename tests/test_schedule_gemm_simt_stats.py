@@ -97,19 +97,27 @@ def test_fp32_gemm_takes_the_statistics(norm, target):
     assert "threadIdx.x" in scheduled.script() and "shared" in scheduled.script()
 
 
-@pytest.mark.parametrize("target, dtype", [("sm90", torch.float16), ("sm80", torch.float16),
-                                           ("cpu", torch.float32)])
-def test_other_gemms_keep_their_path(target, dtype):
-    """16-bit GEMMs (sm_90a: the wgmma kernel computes the statistics or keeps the kernel by its
-    estimate; sm_80: mma.sync, faster than any SIMT kernel) and the CPU are not this pass's."""
-    seen = _stages(*_model("layer", 256, 512, 384, dtype), target)
-    if "gemm_row_stats_simt" in seen:
-        assert _call_tirs(seen["gemm_row_stats_simt"]) is not None
-        assert not any(f.attrs.get(SIMT_ATTR) for f in _prims(
-            seen["gemm_row_stats_simt"]).values())
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+def test_16_bit_gemms_keep_their_path(target):
+    """16-bit GEMMs are not this pass's (sm_90a: the wgmma kernel computes the statistics or
+    keeps the kernel by its estimate; sm_80: mma.sync, faster than any SIMT kernel)."""
+    seen = _stages(*_model("layer", 256, 512, 384, torch.float16), target)
+    funcs = _prims(seen["gemm_row_stats_simt"])
+    assert not any(f.attrs.get(SIMT_ATTR) for f in funcs.values())
     if target == "sm80":
-        funcs = _prims(seen["gemm_row_stats_simt"])
-        assert "float16" in str(funcs["layer_norm_stats"].attrs[KEPT_ATTR])
+        assert "float16 GEMM" in str(funcs["layer_norm_stats"].attrs[KEPT_ATTR])
+
+
+def test_statistics_stay_when_the_rule_refuses(monkeypatch):
+    """A merged function the SIMT rule cannot schedule is not made: the statistics kernel stays,
+    with the reason."""
+    from tvmfuse.schedules.gemm_simt_stats import GemmSimtRowStats
+
+    monkeypatch.setattr(GemmSimtRowStats, "apply", lambda self, func, target, tunable: None)
+    seen = _stages(*_model("rms", 37, 256, 192), "sm90")
+    funcs = _prims(seen["gemm_row_stats_simt"])
+    assert "SIMT schedule does not take" in str(funcs["rms_norm_stats"].attrs[KEPT_ATTR])
+    assert not any(f.attrs.get(SIMT_ATTR) for f in funcs.values())
 
 
 def test_pass_is_a_no_op_off_cuda():

@@ -11,6 +11,7 @@ Usage: python tools/device/simt_stats_ab.py [--sizes 2048x1024,2048x4096] [--tar
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import time
 from pathlib import Path
@@ -43,17 +44,19 @@ def main() -> None:
         seq, hidden = (int(v) for v in size.split("x"))
         module, (x,) = mlp_block.build(batch=1, seq=seq, hidden=hidden)
         xg = x.cuda()
-        with torch.no_grad():
-            ref = module.double().cuda()(xg.double())
-            module32 = module.float()
-            eager_ms, _ = common.time_stats(lambda m=module32, a=xg: m(a), iters=args.iters, device="cuda")
+        with torch.no_grad():  # .double() / .cuda() convert a module in place: copies
+            ref = copy.deepcopy(module).double().cuda()(xg.double())
+            eager = copy.deepcopy(module).cuda()
+            eager_ms, _ = common.time_stats(lambda m=eager, a=xg: m(a), iters=args.iters,
+                                            device="cuda")
+            del eager
         flops = 4.0 * seq * hidden * 4 * hidden
         print(f"mlp fp32 seq {seq} hidden {hidden} ffn {4 * hidden}: torch eager {eager_ms:.3f} ms "
               f"({flops / eager_ms / 1e9:.1f} TFLOP/s)")
         for enabled in (False, True):
             gemm_row_stats_simt.ENABLED = enabled
             tc = time.time()
-            lib = tvmfuse.compile(module32, (x,), target=args.target)
+            lib = tvmfuse.compile(module, (x,), target=args.target)
             path = lib.export(Path("/tmp") / f"simt_ab_{enabled}.so")
             run = tvmfuse.load(path, device="cuda")
             err = rel_err(run(xg), ref)

@@ -22,7 +22,8 @@ blocks of one row tile run side by side).
 Marks: the merged PrimFunc gets ``tvmfuse.in_loop_stats = [GEMM PrimFunc, statistics PrimFunc]``
 (``tvmfuse report`` counts the statistics' op in that kernel) and ``tvmfuse.simt_row_stats``
 (what the schedule rule looks for). A statistics PrimFunc that stays gets
-``tvmfuse.stats_kept = <reason>`` unless :mod:`.gemm_sm90_stats` gave one already.
+``tvmfuse.stats_kept = <reason>``; a reason :mod:`.gemm_sm90_stats` gave stays where the GEMM is
+not fp32 (then the wgmma path's reason is the one that matters).
 
 Runs in ``pipeline.lower`` right after Sm90GemmRowStats (which takes the 16-bit sm_90a GEMMs
 first) on the fused PrimFuncs; CUDA targets only, elsewhere the module is returned unchanged.
@@ -45,6 +46,7 @@ ENABLED = True  # A/B switch for measurements: False keeps every statistics kern
 SIMT_ATTR = "tvmfuse.simt_row_stats"  # on a merged PrimFunc: "layer" (mean, rstd) or "rms" (rstd)
 _CALL_TIR = "relax.call_tir"
 _FP32 = "float32"
+_NOT_FP32 = "a tensor-core kernel; only fp32 SIMT GEMMs take the statistics"
 
 
 def _matmul_operands(func: tirx.PrimFunc) -> tuple[tirx.Buffer, tirx.Buffer] | None:
@@ -84,8 +86,7 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list) -> str | Non
         return "the GEMM's A operand is not the tensor the statistics are taken of"
     dtypes = {str(b.dtype) for b in operands}
     if dtypes != {_FP32}:
-        return (f"consumer {name} is a {'/'.join(sorted(dtypes))} GEMM (a tensor-core kernel; "
-                "only fp32 SIMT GEMMs take the statistics)")
+        return f"consumer {name} is a {'/'.join(sorted(dtypes))} GEMM ({_NOT_FP32})"
     for o in outputs:
         if sum(1 for a in args if a.same_as(o)) != 1:
             return "a statistic is passed to the GEMM more than once"
@@ -138,8 +139,11 @@ def merge(stats: tirx.PrimFunc, stats_call: relax.Call, gemm: tirx.PrimFunc, gem
     return prims[0].without_attr("global_symbol"), args
 
 
-def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[tuple]:
-    """(GEMM call, merged PrimFunc, new args) for every statistics call all GEMMs can absorb."""
+def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[tuple]:
+    """(GEMM call, merged PrimFunc, new args) for every statistics call all its GEMMs can absorb
+    (each merged PrimFunc is scheduled once here: one the rule refuses keeps the statistics)."""
+    from .gemm_simt_stats import GemmSimtRowStats
+
     call_tir = tvm.ir.Op.get(_CALL_TIR)
     uses = _uses(func)
     items: dict = {}
@@ -158,7 +162,7 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[tuple]:
         if spec.centered:
             got = items.get(b.var, {})
             if set(got) != {0, 1} or len(uses.get(b.var, [])) != 2:
-                kept.setdefault(call.args[0], "the statistics tuple is used other than by its items")
+                kept[call.args[0]] = ("the statistics tuple is used other than by its items", True)
                 continue
             outputs = [got[0], got[1]]
         else:
@@ -166,14 +170,20 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[tuple]:
         consumers = list({id(u): u for o in outputs for u in uses.get(o, [])}.values())
         why = next((w for u in consumers if (w := _why_not(mod, u, x, outputs))), None)
         if why or not consumers:
-            kept.setdefault(call.args[0], why or "no consumer")
+            kept[call.args[0]] = (why or "no consumer", not why or _NOT_FP32 not in why)
             continue
+        mine = []
         for user in consumers:
             gemm_gv = user.args[0]
             merged, args = merge(stats_fn, call, mod[gemm_gv], user, outputs)
             merged = merged.with_attrs({IN_LOOP_ATTR: [gemm_gv.name_hint, call.args[0].name_hint],
                                         SIMT_ATTR: "layer" if spec.centered else "rms"})
-            plans.append((user, merged, args))
+            if GemmSimtRowStats().apply(merged, target, False) is None:
+                kept[call.args[0]] = (f"the SIMT schedule does not take {gemm_gv.name_hint}", True)
+                break
+            mine.append((user, merged, args))
+        else:
+            plans += mine
     return plans
 
 
@@ -185,10 +195,10 @@ def SimtGemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - p
         return mod
     kept: dict = {}
     plans = [p for f in list(mod.functions.values()) if isinstance(f, relax.Function)
-             for p in _plan(mod, f, kept)]
+             for p in _plan(mod, f, kept, target)]
     mod = mod.clone()  # assigned into below: not the caller's module
-    for gv, why in kept.items():
-        if not (mod[gv].attrs and mod[gv].attrs.get(KEPT_ATTR)):
+    for gv, (why, fp32) in kept.items():  # fp32: this pass's reason is the one that matters
+        if fp32 or not (mod[gv].attrs and mod[gv].attrs.get(KEPT_ATTR)):
             mod[gv] = mod[gv].with_attr(KEPT_ATTR, why)
     if not plans:
         return mod
