@@ -16,17 +16,24 @@ Schedule, per thread block of ``BM × BN`` outputs and ``(BM / TM) × (BN / TN)`
                                                  statistics kernel: no E[x²] − mean² cancellation)
     acc[TM, TN] = 0                             registers
     for k0 in K / BK:
-        x_s[BM, BK], W_s[BK, BN] ← global       (vector loads, all threads)
-        for k1 in BK: acc[tm, tn] += x_s[ty·TM + tm, k1] · W_s[k1, tx·TN + tn]
-    out[...] = f(acc, mean_s, rstd_s, …)         the epilogue on the registers, one store
+        x_s[BK, BM], W_s[BK, BN] ← global       (16-byte loads by all threads; x stored K-major)
+        for k1 in BK: a ← x_s[k1, ty·TM : +TM], b ← W_s[k1, tx·TN : +TN]   (16-byte reads)
+                      acc[tm, tn] += a[tm] · b[tn]
+    out[i, j] = f(acc, mean_s[i], rstd_s[i], …)  the epilogue on the registers, 16-byte stores
+
+The epilogue drives the loop nest (the matmul is computed at its thread loop, the statistics at
+its block loop): TVM's reverse_compute_inline cannot put an epilogue that also reads the
+statistics into the matmul's store. Tiles (:func:`pick_config`): 128 × 128 with 8 × 8 per thread
+when that grid fills the GPU, else 64 × 64 with 4 × 4, and 16 × 64 for decode rows (M ≤ 16).
 
 M, N, K are padded to the tile (``pad_einsum``: zero rows/columns, predicated stores). Each
 block reads its ``BM`` rows of ``x`` twice more than a GEMM alone (the two statistics passes):
 ``N / BN`` recomputations of the statistics in all, traded for the statistics kernel's launch
 and its HBM read of ``x`` and write of mean / rstd.
 
-Returns ``None`` for any function without the mark, or when a primitive refuses (dlight's rules
-then take it: correct, with the statistics computed by its Fallback).
+Returns ``None`` for any function without the mark, or when a primitive refuses;
+:mod:`.gemm_row_stats_simt` schedules each merged function once and keeps the statistics kernel
+where this rule refuses, so a merged function always gets this schedule.
 """
 
 from __future__ import annotations
