@@ -1,9 +1,16 @@
 """Device probe for the sm80 tensor-core GEMM rule (``tvmfuse/schedules/gemm_sm80.py``).
 
 Run on the GPU machine from the repository root:
-``python tools/device/sm80_gemm_probe.py [--quick] [--configs 128x128x32w64x64s4b1,...]``
+``python tools/device/sm80_gemm_probe.py [--quick] [--configs 128x128x32w64x64s4b1,...]
+[--shapes 4096x4096x1024,...]``
 (tiles as ``GemmConfig.tag``; one ending in ``b1`` has one ``__syncthreads`` per K tile:
-``GemmConfig.one_barrier``). Without ``--configs`` every case takes the tile the rule picks.
+``GemmConfig.one_barrier``; ``default`` = the tile the rule picks). A tile may carry module knobs
+of gemm_sm80 after ``+``: ``pad0`` / ``pad4`` (``C_ROW_PAD``), ``lane4`` (``EPILOGUE_LANE_ELEMS``),
+``regs1`` (``EPILOGUE_FROM_REGISTERS``), e.g. ``default+pad0``; ``--knobs regs1`` sets them for
+every case, ``--no-time`` only builds and checks. Without ``--configs`` every case takes the
+tile the rule picks.
+``--shapes`` times the default tile at other M×N×K (fp16): the K sweep separates a block's fixed
+cost (pipeline fill, epilogue) from its per-K-tile cost.
 
 Builds ``relu(x · Wᵀ + b)`` (x (M, K), W (N, K) or (K, N), b (N); fp32 accumulation, output in the
 input dtype) directly with the rule and TVM's CUDA build (sm_80 target: the H200 runs it as
@@ -31,6 +38,7 @@ import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback
 from tvm import te, tirx  # noqa: E402
 
 from tvmfuse.build.inspect import cuda_source, pipelined_loop  # noqa: E402
+from tvmfuse.schedules import gemm_sm80  # noqa: E402
 from tvmfuse.schedules.gemm_sm80 import (  # noqa: E402
     BUILD_CONFIG,
     TILE_ATTR,
@@ -74,6 +82,39 @@ def parse_config(text: str) -> GemmConfig:
                       one_barrier=got.group(8) is not None)
 
 
+# +padN, +laneN, +regsN → gemm_sm80.X = N
+KNOBS = {"pad": "C_ROW_PAD", "lane": "EPILOGUE_LANE_ELEMS", "regs": "EPILOGUE_FROM_REGISTERS"}
+
+
+def parse_variant(text: str) -> tuple[GemmConfig | None, dict[str, int]]:
+    """``TILE[+knob…]`` → (GemmConfig or None for ``default``, {gemm_sm80 constant: value})."""
+    tile, *knobs = text.split("+")
+    values = {}
+    for knob in knobs:
+        got = re.fullmatch(r"([a-z]+)(\d+)", knob)
+        if got is None or got.group(1) not in KNOBS:
+            raise ValueError(f"bad knob {knob!r}: want one of {sorted(KNOBS)} and a number")
+        values[KNOBS[got.group(1)]] = int(got.group(2))
+    return (None if tile == "default" else parse_config(tile)), values
+
+
+def median_events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
+    """Median of per-call event pairs (tools/bench/common.py's method; ``events_ms`` is the
+    mean over back-to-back calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(iters)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in pairs)
+    return times[len(times) // 2]
+
+
 def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
@@ -93,17 +134,25 @@ def main_loop_barriers(source: str | None) -> int:
     return -1 if loop is None else loop.count("__syncthreads()")
 
 
-_REFERENCE_MS: dict[tuple, tuple[float, float]] = {}  # (m, n, k, dtype, batch) → (cuBLAS, eager)
+_REFERENCE_MS: dict[tuple, tuple[float, ...]] = {}  # (m, n, k, dtype, batch) → cuBLAS, eager, …
 
 
 def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = None,
-         time_it=True) -> None:
-    """One shape; ``cfg`` None: the tile the rule picks."""
+         time_it=True, knobs: dict[str, int] | None = None) -> None:
+    """One shape; ``cfg`` None: the tile the rule picks; ``knobs`` set gemm_sm80 constants for
+    this build only."""
     t0 = time.time()
     func = linear_relu(m, n, k, dtype, kn, batch)
-    sch = GemmSM80(config=cfg).apply(func, TARGET, False)
+    saved = {name: getattr(gemm_sm80, name) for name in knobs or {}}
+    try:
+        for name, value in (knobs or {}).items():
+            setattr(gemm_sm80, name, value)
+        sch = GemmSM80(config=cfg).apply(func, TARGET, False)
+    finally:
+        for name, value in saved.items():
+            setattr(gemm_sm80, name, value)
     attrs = sch.mod["main"].attrs
-    tag = str(attrs.get(TILE_ATTR, "-"))
+    tag = str(attrs.get(TILE_ATTR, "-")) + "".join(f"+{k}={v}" for k, v in (knobs or {}).items())
     rule = attrs.get("tvmfuse.rule") or f"fallback({attrs.get('tvmfuse.fallback')})"
     with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
         lib = tvm.compile(sch.mod, target=TARGET)
@@ -130,14 +179,17 @@ def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = N
     if time_it:
         flops = 2.0 * max(batch, 1) * m * n * k
         ms = events_ms(lambda: lib(*args))
+        med = median_events_ms(lambda: lib(*args))
         wt = w.transpose(-1, -2)
         key = (m, n, k, dtype, batch)
         if key not in _REFERENCE_MS:  # once per shape: more variants fit in one device run
             _REFERENCE_MS[key] = (events_ms(lambda: torch.matmul(x, wt)),
-                                  events_ms(lambda: torch.relu(torch.matmul(x, wt) + b)))
-        cub, eager = _REFERENCE_MS[key]
-        line += (f" | {ms:.3f} ms {flops / ms / 1e9:6.1f} TF/s | cuBLAS mm {cub:.3f} ms "
-                 f"{flops / cub / 1e9:6.1f} TF/s | eager {eager:.3f} ms | x{cub / ms:.2f} of cuBLAS")
+                                  events_ms(lambda: torch.relu(torch.matmul(x, wt) + b)),
+                                  median_events_ms(lambda: torch.matmul(x, wt)))
+        cub, eager, cub_med = _REFERENCE_MS[key]
+        line += (f" | {ms:.4f} ms {flops / ms / 1e9:6.1f} TF/s | cuBLAS mm {cub:.4f} ms "
+                 f"{flops / cub / 1e9:6.1f} TF/s | eager {eager:.3f} ms | x{cub / ms:.3f} of cuBLAS"
+                 f" | median/call {med:.4f} ms, cuBLAS {cub_med:.4f}")
     print(line + f" (build {build_s:.0f}s)", flush=True)
 
 
@@ -145,7 +197,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--configs", default="", help="comma-separated tiles for 4096^3 fp16")
     p.add_argument("--quick", action="store_true", help="4096^3 fp16 default tile only")
+    p.add_argument("--shapes", default="", help="comma-separated MxNxK, default tile, fp16")
+    p.add_argument("--knobs", default="", help="knobs for every case, e.g. regs1+lane4")
+    p.add_argument("--no-time", action="store_true", help="build and check only")
     args = p.parse_args()
+    _, common = parse_variant("default+" + args.knobs) if args.knobs else (None, {})
     print("gpu", torch.cuda.get_device_name(0), "torch", torch.__version__, flush=True)
     runs = [dict(m=4096, n=4096, k=4096)]
     if not args.quick:
@@ -158,8 +214,15 @@ def main() -> None:
             dict(m=8, n=4096, k=4096),
             dict(m=512, n=512, k=512, batch=8),
         ]
-    runs += [dict(m=4096, n=4096, k=4096, cfg=parse_config(c)) for c in args.configs.split(",") if c]
+    for text in (c for c in args.configs.split(",") if c):
+        cfg, knobs = parse_variant(text)
+        runs.append(dict(m=4096, n=4096, k=4096, cfg=cfg, knobs=knobs))
+    for text in (s for s in args.shapes.split(",") if s):
+        m, n, k = (int(v) for v in text.split("x"))
+        runs.append(dict(m=m, n=n, k=k))
     for kw in runs:
+        kw["knobs"] = {**common, **kw.get("knobs", {})}
+        kw["time_it"] = not args.no_time
         try:
             case(**kw)
         except Exception:  # noqa: BLE001 - one failing case must not hide the others

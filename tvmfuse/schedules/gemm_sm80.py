@@ -24,11 +24,16 @@ Schedule, per thread block of ``block_m × block_n`` outputs and ``warps = (bloc
         for k1 in block_k / 16:                 fragments double-buffered in registers
             A_f ← ldmatrix.x4(A_s); B_f ← ldmatrix.x4[.trans](B_s)
             acc += mma.sync.m16n8k16(A_f, B_f)
-    C_s[warp tile] ← acc                        (shared, fp32, per warp)
-    out[i, j..j+V] = epilogue(C_s[i, j..j+V], bias, residual, …)   one 16-byte store per thread
+    C_s[warp tile] ← acc                        (shared, fp32, per warp, rows padded by 8 floats)
+    out[i, j..j+V] = epilogue(C_s[i, j..j+V], bias, residual, …)   one V-wide store per lane
 
-The epilogue runs on the fp32 accumulators (read back from shared memory in 16-byte vectors,
-computed in scalar registers) and each thread writes one 16-byte vector of the output at a time.
+The epilogue runs on the fp32 accumulators, read back from shared memory in 16-byte vectors
+(``V`` = ``EPILOGUE_LANE_ELEMS`` = 4: a quarter-warp's reads cover one 128-byte row piece, no
+bank conflict), computed in scalar registers, stored ``V`` outputs at a time. With
+``EPILOGUE_FROM_REGISTERS`` (off by default; an experiment of session 5, tools/bench/NOTES.md)
+the epilogue runs on the mma fragments themselves and each lane stores pairs of outputs
+(``half2``), with no shared-memory staging; where that does not schedule (a padded, ragged C)
+the staged epilogue is used.
 
 With ``GemmConfig.one_barrier`` (stages ≥ 3) the K loop has one ``__syncthreads`` per tile: a pass
 run after TVM's ThreadSync (:func:`_one_barrier_loop`) drops the barrier ThreadSync puts before
@@ -38,7 +43,7 @@ of compute to land instead of one.
 
 Tile choices are plain parameters (:class:`GemmConfig`) so that tuning can vary them. By default
 (:meth:`GemmSM80.pick_config`) a GEMM whose grid of 256×128 tiles has at least
-``LARGE_MIN_BLOCKS`` blocks takes :data:`LARGE_CONFIG` (256×128×64, 8 warps of 64×64, 3 stages,
+``LARGE_MIN_BLOCKS`` blocks takes :data:`LARGE_CONFIG` (256×128×64, 8 warps of 64×64, 4 stages,
 one barrier per K tile: the fastest tile measured on the H200, see tools/bench/NOTES.md), a
 smaller one :data:`DEFAULT_CONFIG` (128×128×64, 4 warps, 2 blocks per SM). M ≤ ``SMALL_M`` (decode) uses
 :data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128:
@@ -117,15 +122,27 @@ class GemmConfig:
 
 # 4 warps of 64×64 (2 blocks/SM); taken when LARGE_CONFIG would leave SMs idle.
 DEFAULT_CONFIG = GemmConfig(one_barrier=True)
-# 8 warps of 64×64 in a 256×128 tile (1 block/SM, 166 KB shared): with one barrier per K tile
-# 0.320 ms at 4096³ fp16 on the H200 against 0.383 for DEFAULT_CONFIG (tools/bench/NOTES.md).
-LARGE_CONFIG = GemmConfig(block_m=256, one_barrier=True)
+# 8 warps of 64×64 in a 256×128 tile (1 block/SM, 221 KB shared with 4 stages): with one barrier
+# per K tile 0.320 ms at 4096³ fp16 on the H200 against 0.383 for DEFAULT_CONFIG (3 stages,
+# session 4); 4 stages 0.3077 vs 0.3120 ms for 3 with padded C rows (sm80_6, tools/bench/NOTES.md).
+LARGE_CONFIG = GemmConfig(block_m=256, stages=4, one_barrier=True)
 LARGE_MIN_BLOCKS = 132  # LARGE_CONFIG when its grid covers this many blocks (the H200's SMs)
 # Decode (M ≤ SMALL_M): the weight stream dominates; narrow N tiles give more blocks to stream it.
 SMALL_M_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=128, warp_m=16, warp_n=16, stages=4,
                             raster=1)
 
 _IN_DTYPES = ("float16", "bfloat16")
+# fp32 accumulator rows in shared memory padded by this many floats: a warp's fragment store
+# (lanes 4 to a row, rows 8 apart) then puts each half-warp's 64-bit stores in 32 distinct banks;
+# unpadded (128-float rows) every row lands on the same 8 banks, a 4-way conflict.
+C_ROW_PAD = 8
+# Output elements per lane and vector in the epilogue; None / 0: 16 bytes of the output dtype (8
+# halves: each lane reads 32 fp32 bytes, so a quarter-warp's 16-byte reads hit each bank twice).
+# 4: one 16-byte read per lane and vector, 8-byte fp16 stores (H200 4096³: 0.3094 vs 0.3120 ms).
+EPILOGUE_LANE_ELEMS: int | None = 4
+# The epilogue computed on the mma fragments in registers and stored from there (each lane
+# writes pairs of adjacent outputs), with no shared-memory staging.
+EPILOGUE_FROM_REGISTERS = False
 
 
 def _fit_stages(cfg: GemmConfig, k: int) -> GemmConfig:
@@ -533,7 +550,14 @@ class GemmSM80(GPUScheduleRule):
         try:
             gemm = _analyse(sch, block)
             cfg = self.pick_config(gemm)
-            self._schedule(sch, gemm, cfg)
+            try:
+                self._schedule(sch, gemm, cfg, EPILOGUE_FROM_REGISTERS)
+            except Exception:  # noqa: BLE001 - e.g. a padded (ragged) C: stage it in shared
+                if not EPILOGUE_FROM_REGISTERS:
+                    raise
+                sch = s_tir.Schedule(func)
+                gemm = _analyse(sch, _find_gemm(sch))
+                self._schedule(sch, gemm, cfg, False)
         except _NotThisRule as why:
             return _fallback(func, target, tunable, str(why))
         except Exception as err:  # noqa: BLE001 - a primitive refusing: fall back, say why
@@ -545,7 +569,9 @@ class GemmSM80(GPUScheduleRule):
 
     # -- the schedule -------------------------------------------------------------------------
 
-    def _schedule(self, sch: s_tir.Schedule, gemm: _Gemm, cfg: GemmConfig) -> None:
+    def _schedule(self, sch: s_tir.Schedule, gemm: _Gemm, cfg: GemmConfig,
+                  direct: bool = False) -> None:
+        """Schedule ``gemm`` with tile ``cfg``; ``direct``: the epilogue from registers."""
         block = gemm.block
         # 1. Canonical layout: C[S, I, J] += A[S, I, K] · B[S, J, K] (or B[S, K, J]).
         reindex_a = sch.reindex(block, ("read", 0))
@@ -621,24 +647,6 @@ class GemmSM80(GPUScheduleRule):
         a_frag = to_fragments(0)
         b_frag = to_fragments(1)
 
-        # 6. Accumulators → shared (per warp) → epilogue → global.
-        c_shared = sch.cache_write(outer, 0, "shared.dyn")
-        c_frag = sch.cache_write(outer, 0, "warp")
-        sch.reverse_compute_at(c_frag, ty)
-        sch.reverse_compute_at(c_shared, ty)
-        sch.storage_align(c_frag, 0, axis=-2, factor=32, offset=8)  # fp32 rows: 8 banks apart
-        r, c = sch.get_loops(c_frag)[-2:]
-        r0, r1 = sch.split(r, [None, MMA])
-        c0, c1 = sch.split(c, [None, MMA])
-        sch.reorder(r0, c0, r1, c1)
-        sch.unroll(r0)
-        sch.unroll(c0)
-
-        init = sch.decompose_reduction(outer, k0)
-        init_inner = sch.get_child_blocks(init)[0]
-        for loop in sch.get_loops(init)[-2:]:
-            sch.unroll(loop)
-
         from tvm.s_tir.tensor_intrin import cuda as intrins
 
         def ldmatrix_layout(*idx):
@@ -646,9 +654,44 @@ class GemmSM80(GPUScheduleRule):
             return (*lead, row // MMA, col // MMA,
                     *intrins.shared_16x16_to_ldmatrix_32x8_layout(row % MMA, col % MMA))
 
+        # 6. Accumulators → shared (per warp) → epilogue → global.
+        if direct:  # the epilogue on the fragments, stored from registers (no shared memory)
+            c_frag = sch.cache_write(outer, 0, "warp")
+            auto_inline_consumer_chain(sch, c_frag)
+            sch.transform_layout(c_frag, ("read", 0), ldmatrix_layout)
+            sch.transform_block_layout(c_frag, lambda b, i, j: ldmatrix_layout(b, i, j))
+            sch.reverse_compute_at(c_frag, ty)
+            f_i, f_j, f_tx, f_local = sch.get_loops(c_frag)[-4:]
+            sch.bind(f_tx, "threadIdx.x")
+            # local id = 4·(column half) + 2·(row half) + (column pair): affine pieces
+            f_ch, f_rh, f_pair = sch.split(f_local, [2, 2, 2])
+            for loop in (f_i, f_j, f_ch, f_rh, f_pair):  # unrolled by nvcc: LowerWarpMemory
+                sch.unroll(loop)                          # must see the loop vars (a folded
+                sch.annotate(loop, "pragma_unroll_explicit", 0)  # offset ≥ 256 breaks it)
+            pair = sch.cache_write(c_frag, 0, "local")  # the two outputs, one vector store
+            sch.reverse_compute_at(pair, f_rh, preserve_unit_loops=False)
+            sch.vectorize(sch.get_loops(pair)[-1])
+        else:
+            c_shared = sch.cache_write(outer, 0, "shared.dyn")
+            c_frag = sch.cache_write(outer, 0, "warp")
+            sch.reverse_compute_at(c_frag, ty)
+            sch.reverse_compute_at(c_shared, ty)
+            r, c = sch.get_loops(c_frag)[-2:]
+            r0, r1 = sch.split(r, [None, MMA])
+            c0, c1 = sch.split(c, [None, MMA])
+            sch.reorder(r0, c0, r1, c1)
+            sch.unroll(r0)
+            sch.unroll(c0)
+
+        init = sch.decompose_reduction(outer, k0)
+        init_inner = sch.get_child_blocks(init)[0]
+        for loop in sch.get_loops(init)[-2:]:
+            sch.unroll(loop)
+
         sch.transform_layout(a_frag, ("write", 0), ldmatrix_layout)
         sch.transform_layout(b_frag, ("write", 0), ldmatrix_layout)
-        sch.transform_layout(c_frag, ("read", 0), ldmatrix_layout)
+        if not direct:
+            sch.transform_layout(c_frag, ("read", 0), ldmatrix_layout)
         dt = gemm.dtype
         sch.tensorize(sch.get_loops(a_frag)[-2], _intrin(intrins.LDMATRIX_f16_A_DYN_INTRIN, dt))
         b_load = intrins.LDMATRIX_f16_B_DYN_INTRIN if gemm.b_kn \
@@ -657,7 +700,13 @@ class GemmSM80(GPUScheduleRule):
         mma = intrins.MMA_f16f16f32_INTRIN if gemm.b_kn else intrins.MMA_f16f16f32_TRANS_B_INTRIN
         sch.tensorize(sch.get_loops(inner)[-3], _intrin(mma, dt))
         sch.tensorize(sch.get_loops(init_inner)[-2], intrins.MMA_fill_16x16_f32_INTRIN)
-        sch.tensorize(sch.get_loops(c_frag)[-2], intrins.MMA_store_16x16_f32_shared_dyn_INTRIN_SIMPLE)
+        if not direct:
+            c_store_loop = sch.get_loops(c_frag)[-3]
+            sch.tensorize(sch.get_loops(c_frag)[-2],
+                          intrins.MMA_store_16x16_f32_shared_dyn_INTRIN_SIMPLE)
+            if C_ROW_PAD:  # on the block tensorize made: blockize drops the old one's annotation
+                c_store = sch.get_child_blocks(c_store_loop)[0]
+                sch.storage_align(c_store, 0, axis=-2, factor=32, offset=C_ROW_PAD)
 
         # 7. Software pipelines. k1 = [A frag, B frag, mma]: fragments one k-step ahead. It is
         # expanded first, so k0 = [A copy, B copy, k1 prologue, k1 body, k1 epilogue]: copies run
@@ -672,15 +721,16 @@ class GemmSM80(GPUScheduleRule):
 
         # 8. Epilogue: every consumer of C inlined into the shared → global copy, which then
         # runs as [rows, 32 lanes, V] with 16-byte vector loads of C and stores of the output.
-        auto_inline_consumer_chain(sch, c_shared)
-        self._epilogue(sch, c_shared)
+        if not direct:
+            auto_inline_consumer_chain(sch, c_shared)
+            self._epilogue(sch, c_shared)
 
     @staticmethod
     def _epilogue(sch: s_tir.Schedule, store: s_tir.schedule.SBlockRV) -> None:
         """The warp's ``rows × cols`` output tile: each lane owns ``V``-wide row pieces
         (16 bytes of the output dtype), lanes side by side along a row, then down the rows."""
         out = sch.get(store).writes[0].source
-        vec = VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
+        vec = EPILOGUE_LANE_ELEMS or VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
         r, c = sch.get_loops(store)[-2:]
         rows, cols = _int(sch.get(r).extent), _int(sch.get(c).extent)
         while vec > 1 and cols % vec:
