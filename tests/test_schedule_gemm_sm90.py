@@ -213,3 +213,22 @@ def test_tuning_label_survives_the_kernel_swap():
                if isinstance(f, tvm.tirx.PrimFunc) and g.name_hint.startswith(gv.name_hint)]
     assert func.attrs.get("tvmfuse.rule") == NAME
     assert func.attrs["tvmfuse.tuning"] == "default"
+
+
+@pytest.mark.parametrize("m, n, fast_only", [(4096, 4096, True), (300, 520, False), (4096, 520, False)])
+def test_full_tiles_store_without_guards(m, n, fast_only):
+    """Tiles inside (M, N) store without per-element bounds tests; ragged shapes keep the guarded
+    copy behind a per-tile test (rows for M, columns for N)."""
+    from tvmfuse.schedules.hopper.kernel import kernel_text
+
+    p = GemmProblem(m, n, 1024, "float16", "float16", "nt")
+    decls = [("A", (m, 1024), "float16"), ("B", (n, 1024), "float16"), ("C", (m, n), "float16")]
+    text = kernel_text(p, GemmConfig(), "main", ["A", "B", "C"], 0, 1, 2, decls)
+    guard = f"if row0 + h * 8 < {m} and col < {n}:"
+    assert text.count("C2[row0 + h * 8, T.Ramp(col, 1, 2)]") == (1 if fast_only else 2)
+    assert (guard in text) != fast_only
+    if not fast_only:
+        tile_test = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("if m0 + ")
+                     or ln.strip().startswith("if n0 + ")]
+        assert tile_test == [" and ".join([f"m0 + 128 <= {m}"] * (m % 128 != 0)
+                                          + [f"n0 + 256 <= {n}"] * (n % 256 != 0)).join(["if ", ":"])]

@@ -21,6 +21,7 @@ import bench_gemm  # noqa: E402
 import common  # noqa: E402
 
 from tvmfuse.schedules import gemm_sm90  # noqa: E402
+from tvmfuse.schedules.hopper import kernel  # noqa: E402
 from tvmfuse.schedules.hopper.kernel import GemmConfig  # noqa: E402
 
 VARIANTS = {
@@ -32,7 +33,10 @@ VARIANTS = {
     # ping-pong on 128x128 tiles: two independent 64-row accumulator chains per warpgroup
     "pp128": GemmConfig(bn=128, stages=6, pingpong=True, warp_release=True),
     "pp128_c2": GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True),
+    # c2 with the per-element bounds tests kept on full tiles (kernel.UNGUARDED_FULL_TILES off)
+    "c2_guarded": GemmConfig(cluster_m=2, warp_release=True),
 }
+GUARDED = {"c2_guarded"}
 
 
 def main() -> int:
@@ -44,6 +48,7 @@ def main() -> int:
     for name in args.variants.split(","):
         cfg = VARIANTS[name]
         gemm_sm90.select_config = lambda m, n, cfg=cfg: cfg if n > 128 else default(m, n)
+        kernel.UNGUARDED_FULL_TILES = name not in GUARDED
         for row in bench_gemm.run(args):
             row["variant"] = name
             row["config"] = {k: v for k, v in vars(cfg).items() if v != getattr(GemmConfig(), k)}

@@ -352,13 +352,58 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     w(f"                row0 = m0 + {wg_row} * 64 + (t // 32) * 16 + (t % 32) // 4")
     if row_stats:
         _row_stats_finish(w, row_stats, p.k, kt_total * BK - p.k)
+    # A tile inside (M, N) stores without per-element guards: straight-line code whose loads
+    # (bias, residual) and arithmetic the compiler can schedule across elements.
+    full = [f"m0 + {c.bm} <= {p.m}"] * (p.m % c.bm != 0) + [f"n0 + {c.bn} <= {p.n}"] * (p.n % c.bn != 0)
+    body_start = len(lines)
     if pair_value and c.pair_shuffle:
         _pair_shuffle_store(w, p, c, pair_value)
-        return _finish(_chains(lines, epi_start, sub, acc_n), device_start, c)
+    else:
+        _store(w, p, c, value, pair_value)
+    _unguarded(lines, body_start, full)
+    return _finish(_chains(lines, epi_start, sub, acc_n), device_start, c)
+
+
+GUARD = "  # guard"  # marks the per-element bounds test of an epilogue store
+UNGUARDED_FULL_TILES = True  # A/B switch for measurements: False keeps the guards on every tile
+
+
+def _unguarded(lines: list[str], start: int, full: list[str]) -> None:
+    """Make the epilogue ``lines[start:]`` skip its bounds tests (lines ending in :data:`GUARD`)
+    on tiles inside the output: always when the tile divides (M, N), else behind ``if full``."""
+    body = lines[start:]
+    if not UNGUARDED_FULL_TILES:
+        lines[start:] = [ln.removesuffix(GUARD) for ln in body]
+        return
+    fast = []
+    cut = None  # indentation of a dropped guard's block
+    for ln in body:
+        ind = len(ln) - len(ln.lstrip())
+        if cut is not None and ind > cut:
+            fast.append(ln[4:])
+            continue
+        cut = None
+        if ln.endswith(GUARD):
+            cut = ind
+            continue
+        fast.append(ln)
+    if not full:
+        lines[start:] = fast
+        return
+    guarded = [ln.removesuffix(GUARD) for ln in body]
+    sp = "                "
+    lines[start:] = ([f"{sp}if {' and '.join(full)}:"] + ["    " + ln for ln in fast]
+                     + [f"{sp}else:"] + ["    " + ln for ln in guarded])
+
+
+def _store(w: Callable[[str], None], p: GemmProblem, c: GemmConfig,
+           value: Callable[[str, str, str], str], pair_value) -> None:
+    """Fragment → C: a column pair per thread, row and column masked (N even: a pair is in or out
+    as a whole)."""
     w(f"                for j in T.unroll({c.bn // 8}):")
     w("                    col = n0 + j * 8 + (t % 4) * 2")
     w("                    for h in T.unroll(2):")
-    w(f"                        if row0 + h * 8 < {p.m} and col < {p.n}:")
+    w(f"                        if row0 + h * 8 < {p.m} and col < {p.n}:{GUARD}")
     if pair_value:
         w("                            C2[row0 + h * 8, col // 2] = " + pair_value(
             "acc[j * 4 + h * 2]", "acc[j * 4 + h * 2 + 1]", "(row0 + h * 8)", "(col // 2)"))
@@ -371,7 +416,6 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
         for q in range(2):
             w(f"                            C2[row0 + h * 8, col + {q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
-    return _finish(_chains(lines, epi_start, sub, acc_n), device_start, c)
 
 
 def _chains(lines: list[str], start: int, sub: int, acc_n: int) -> list[str]:
@@ -479,7 +523,7 @@ def _pair_shuffle_store(w: Callable[[str], None], p: GemmProblem, c: GemmConfig,
     w("                        pair[0] = T.Select(r % 2 == 0, v0, other)")
     w("                        pair[1] = T.Select(r % 2 == 0, other, v1)")
     w("                        c = c0 + (r % 2) * 3")
-    w(f"                        if row < {p.m} and c < {n_out}:")
+    w(f"                        if row < {p.m} and c < {n_out}:{GUARD}")
     w("                            C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
 
 
