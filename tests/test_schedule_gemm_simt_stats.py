@@ -16,10 +16,9 @@ import tvm
 from torch import nn
 from tvm import relax, tirx
 
-import tvmfuse
 from models.decoder_layer import RMSNorm
 from tests.conftest import rel_err
-from tests.cuda_tools import needs_nvcc
+from tests.cuda_tools import check_vs_float64, needs_nvcc
 from tvmfuse.frontend import import_model
 from tvmfuse.pipeline import lower
 from tvmfuse.report import analyze, stock_kernel_count
@@ -191,16 +190,7 @@ def test_fp32_mlp_block_launches_at_most_half_of_stock(target):
 # GPU numerics against float64 torch
 
 
-def _check(module, inputs, target: str, tmp_path, tol: float) -> float:
-    lib = tvmfuse.compile(module, inputs, target=target)
-    run = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
-    out = run(*(x.cuda() for x in inputs))
-    with torch.no_grad():
-        ref = module.double()(*(x.double() for x in inputs))
-    err = rel_err(out, ref)
-    print(f"rel_err {err:.2e}")
-    assert err <= tol
-    return err
+_check = check_vs_float64
 
 
 @pytest.mark.gpu

@@ -15,8 +15,7 @@ from tvm import tirx
 
 import tvmfuse
 from models.decoder_layer import RMSNorm
-from tests.conftest import rel_err
-from tests.cuda_tools import needs_nvcc
+from tests.cuda_tools import check_vs_float64, needs_nvcc
 from tests.test_schedule_gemm_sm90 import _ptxas_kernels
 from tvmfuse.frontend import import_model
 from tvmfuse.pipeline import lower
@@ -191,14 +190,7 @@ GPU_CASES = [(8192, 4096, 4096), (2047, 4096, 4096), (16, 4096, 4096)]
 
 
 def _check(module, inputs, tmp_path, tol):
-    lib = tvmfuse.compile(module, inputs, target="sm90")
-    run = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
-    out = run(*(x.cuda() for x in inputs))
-    with torch.no_grad():
-        ref = module.double()(*(x.double() for x in inputs))
-    err = rel_err(out, ref)
-    print(f"rel_err {err:.2e}")
-    assert err <= tol
+    check_vs_float64(module, inputs, "sm90", tmp_path, tol)
 
 
 @pytest.mark.gpu

@@ -36,9 +36,15 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
-from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR, _bindings, _uses, row_stats_of
+from .gemm_sm90_stats import (
+    IN_LOOP_ATTR,
+    KEPT_ATTR,
+    _bindings,
+    _uses,
+    row_stats_of,
+    swap_gemm_calls,
+)
 from .hopper.epilogue import _strip_cast
 
 NAME = "gemm_row_stats_simt"
@@ -202,21 +208,4 @@ def SimtGemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - p
             mod[gv] = mod[gv].with_attr(KEPT_ATTR, why)
     if not plans:
         return mod
-    call_tir = tvm.ir.Op.get(_CALL_TIR)
-
-    @mutator
-    class _Rewrite(PyExprMutator):
-        def visit_call_(self, call):
-            match = next(((k, a) for g, k, a in plans if g.same_as(call)), None)
-            if match is None:
-                return super().visit_call_(call)
-            kernel, args = match
-            gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_stats")
-            return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
-
-    rewriter = _Rewrite(mod)
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-    # the statistics calls are now unused: dead code, and so are their PrimFuncs
-    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+    return swap_gemm_calls(mod, plans)  # the statistics calls go as dead code

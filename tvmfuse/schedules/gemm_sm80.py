@@ -633,15 +633,19 @@ class GemmSM80(GPUScheduleRule):
         to_shared(1)
 
         # 5. Shared → registers with ldmatrix, one 16×16 fragment per call.
-        def to_fragments(index: int) -> s_tir.schedule.SBlockRV:
-            frag = sch.cache_read(outer, index, "warp")
-            sch.compute_at(frag, k1)
-            r, c = sch.get_loops(frag)[-2:]
+        def by_fragment(block: s_tir.schedule.SBlockRV) -> None:
+            """The block's last two loops as unrolled 16×16 fragments (outer) × one fragment."""
+            r, c = sch.get_loops(block)[-2:]
             r0, r1 = sch.split(r, [None, MMA])
             c0, c1 = sch.split(c, [None, MMA])
             sch.reorder(r0, c0, r1, c1)
             sch.unroll(r0)
             sch.unroll(c0)
+
+        def to_fragments(index: int) -> s_tir.schedule.SBlockRV:
+            frag = sch.cache_read(outer, index, "warp")
+            sch.compute_at(frag, k1)
+            by_fragment(frag)
             return frag
 
         a_frag = to_fragments(0)
@@ -676,12 +680,7 @@ class GemmSM80(GPUScheduleRule):
             c_frag = sch.cache_write(outer, 0, "warp")
             sch.reverse_compute_at(c_frag, ty)
             sch.reverse_compute_at(c_shared, ty)
-            r, c = sch.get_loops(c_frag)[-2:]
-            r0, r1 = sch.split(r, [None, MMA])
-            c0, c1 = sch.split(c, [None, MMA])
-            sch.reorder(r0, c0, r1, c1)
-            sch.unroll(r0)
-            sch.unroll(c0)
+            by_fragment(c_frag)
 
         init = sch.decompose_reduction(outer, k0)
         init_inner = sch.get_child_blocks(init)[0]

@@ -223,25 +223,33 @@ def Sm90GemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - p
         mod[gv] = mod[gv].with_attr(KEPT_ATTR, why)
     if not plans:
         return mod
-    replaced = [(gemm, kernel, plan.outputs) for plan in plans
-                for gemm, kernel in zip(plan.gemms, plan.kernels)]
+    swaps = []
+    for plan in plans:
+        for gemm, kernel in zip(plan.gemms, plan.kernels):
+            args = [a for a in gemm.args[1].fields if not any(a.same_as(o) for o in plan.outputs)]
+            swaps.append((gemm, kernel, args))
+    return swap_gemm_calls(mod, swaps)
+
+
+def swap_gemm_calls(mod: tvm.IRModule, swaps: list[tuple]) -> tvm.IRModule:
+    """Each ``(call, kernel, args)``: the GEMM ``call_tir`` becomes ``call_tir(kernel, args)``
+    (the kernel added as ``<old name>_stats``); the statistics calls this leaves unused, and
+    their PrimFuncs, are removed as dead code."""
     call_tir = tvm.ir.Op.get(_CALL_TIR)
 
     @mutator
     class _Rewrite(PyExprMutator):
         def visit_call_(self, call):
-            match = next(((k, outs) for g, k, outs in replaced if g.same_as(call)), None)
+            match = next(((k, a) for g, k, a in swaps if g.same_as(call)), None)
             if match is None:
                 return super().visit_call_(call)
-            kernel, outs = match
+            kernel, args = match
             gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_stats")
-            args = [a for a in call.args[1].fields if not any(a.same_as(o) for o in outs)]
             return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
 
     rewriter = _Rewrite(mod)
     for gv, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-    # the statistics calls are now unused: dead code, and so are their PrimFuncs
     return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
 
