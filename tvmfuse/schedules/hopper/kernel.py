@@ -13,6 +13,14 @@ One CTA computes a ``BM × BN`` tile with ``1 + BM/64`` warpgroups:
   ``BK/16`` ``wgmma.mma_async.m64n{BN}k16`` on shared-memory descriptors, keeps one wgmma group
   in flight and releases the previous stage (``empty``) once that group retired.
 
+Options (:class:`GemmConfig`): ``cluster_m=2`` pairs CTAs (m, n) and (m+1, n) in a cluster; each
+producer loads its own A box and half of the B tile, multicast into the same offset of both CTAs,
+and a consumer frees a stage in both (``mbarrier.arrive.shared::cluster`` on the peer's ``empty``
+via ``mapa``), so a stage costs each CTA 32 instead of 48 KiB of L2 reads. ``warp_release``: one
+lane a warp frees a stage. ``pingpong``: the consumers take alternate tiles of ``bm`` rows (one or
+two 64-row accumulator chains each), ordered by a ``turn`` barrier pair so that their main loops
+alternate (measured slower than the cooperative default; kept for experiments).
+
 ``setmaxnreg`` moves registers from the producer to the consumers. The epilogue runs on the
 accumulator fragment (thread t of a consumer owns rows ``16·(t/32) + (t%32)/4 (+8)`` and columns
 ``8·j + 2·(t%4) (+1)``); here the kernel stores ``cast(acc)`` and :mod:`.epilogue` substitutes the
