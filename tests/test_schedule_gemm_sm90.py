@@ -88,6 +88,7 @@ def _ptxas_kernels(log: str) -> dict[str, tuple[int, int]]:
     ("nt", "float16", GemmConfig(bm=64, stages=5, pingpong=True, warp_release=True)),
     ("nn", "float16", GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True)),
     ("nt", "bfloat16", GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True)),
+    ("nn", "float16", GemmConfig(bm=256, bn=128, wg_rows=128, cluster_m=2, warp_release=True)),
 ])
 def test_kernel_sass_has_hgmma_and_tma(layout, dtype, cfg, tmp_path, monkeypatch):
     """The generated kernel compiles for sm_90a to HGMMA + UTMALDG with no spills."""

@@ -33,6 +33,8 @@ VARIANTS = {
     # ping-pong on 128x128 tiles: two independent 64-row accumulator chains per warpgroup
     "pp128": GemmConfig(bn=128, stages=6, pingpong=True, warp_release=True),
     "pp128_c2": GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True),
+    # 256x128 tiles, two consumer warpgroups of 128 rows (two 64-row chains each), as cuBLAS
+    "t2": GemmConfig(bm=256, bn=128, wg_rows=128, cluster_m=2, warp_release=True),
     # c2 with the per-element bounds tests kept on full tiles (kernel.UNGUARDED_FULL_TILES off)
     "c2_guarded": GemmConfig(cluster_m=2, warp_release=True),
 }

@@ -97,27 +97,19 @@ def case(m, n, k, dtype, layout, cfg, time_it=True, row_stats=None, lib=None):
 
 
 def cluster_cases() -> list:
-    """Session 5: B multicast over a 2-CTA cluster, per-warp stage release and ping-pong consumers
-    (device call 2: ping-pong on 128x128 tiles, two accumulator chains per warpgroup), A/B in one
-    run (correctness cases untimed). Call 1 measured the 64-row ping-pong (0.223 ms vs 0.200)."""
-    base = GemmConfig()
+    """Session 5, last call: a 256x128 tile of two consumer warpgroups with two 64-row chains each
+    (the shape cuBLAS's nvjet kernel runs at 4096^3, per ncu) against the 128x256 default.
+    Correctness cases untimed."""
     c2 = GemmConfig(cluster_m=2, warp_release=True)
-    pp = GemmConfig(bn=128, stages=6, pingpong=True, warp_release=True)
-    ppc2 = GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True)
-    big = (8192, 8192, 4096, "float16", "nt")
+    t2 = GemmConfig(bm=256, bn=128, wg_rows=128, cluster_m=2, warp_release=True)
     sq = (4096, 4096, 4096, "float16", "nt")
     return [
-        (300, 520, 1000, "float16", "nn", ppc2, False),  # odd row-tile count: a lone CTA of a pair
-        (300, 520, 1000, "bfloat16", "nt", pp, False),
-        (2047, 4096, 4096, "float16", "nt", ppc2, False),
-        (16, 4096, 4096, "bfloat16", "nt", ppc2, False),
-        (*sq, base, True), (*sq, c2, True), (*sq, pp, True), (*sq, ppc2, True),
-        (*sq, GemmConfig(bn=128, stages=5, pingpong=True, cluster_m=2, warp_release=True), True),
-        (*sq, GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True,
-                         group_m=16), True),
-        (*big, base, True), (*big, c2, True), (*big, ppc2, True),
-        (4096, 4096, 4096, "bfloat16", "nn", ppc2, True),
-        (*sq, base, True),  # base again: drift check
+        (300, 520, 1000, "float16", "nn", t2, False),
+        (2047, 4096, 4096, "bfloat16", "nt", t2, False),
+        (*sq, c2, True), (*sq, t2, True),
+        (*sq, GemmConfig(bm=256, bn=128, wg_rows=128, cluster_m=2, warp_release=True, stages=3), True),
+        (8192, 8192, 4096, "float16", "nt", c2, True), (8192, 8192, 4096, "float16", "nt", t2, True),
+        (*sq, c2, True),
     ]
 
 

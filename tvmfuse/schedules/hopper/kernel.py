@@ -84,15 +84,16 @@ class GemmConfig:
     # two consumer warpgroups on alternate tiles of bm = 64 rows: one's epilogue runs while the
     # other's wgmmas keep the tensor cores busy (the producer fills the ring in tile order)
     pingpong: bool = False
+    wg_rows: int = 64  # cooperative: rows per consumer warpgroup (128: two 64-row chains each)
 
     @property
     def consumers(self) -> int:
-        return 2 if self.pingpong else self.bm // 64
+        return 2 if self.pingpong else self.bm // self.wg_rows
 
     @property
     def chains(self) -> int:
         """Independent 64-row accumulator chains per consumer (ping-pong: the whole tile)."""
-        return self.bm // 64 if self.pingpong else 1
+        return self.bm // 64 if self.pingpong else self.wg_rows // 64
 
     @property
     def release_count(self) -> int:
@@ -150,6 +151,8 @@ def check(problem: GemmProblem, cfg: GemmConfig) -> str | None:
         return f"tile {cfg.bm}x{cfg.bn} unsupported"
     if cfg.pingpong and cfg.bm * cfg.bn > 128 * 128:
         return f"ping-pong tile {cfg.bm}x{cfg.bn}: one warpgroup holds at most 128x128 accumulators"
+    if cfg.wg_rows not in (64, 128) or cfg.bm % cfg.wg_rows or (cfg.wg_rows > 64 and cfg.bn > 128):
+        return f"{cfg.wg_rows} rows a warpgroup with a {cfg.bm}x{cfg.bn} tile unsupported"
     if cfg.cluster_m not in (1, 2) or (cfg.cluster_m == 2 and cfg.ctas_per_sm != 1):
         return f"cluster of {cfg.cluster_m} CTAs unsupported (1, or 2 with one CTA per SM)"
     if cfg.smem_bytes() * cfg.ctas_per_sm > 227 * 1024:
@@ -191,7 +194,8 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
         raise ValueError("in-loop row statistics need one 64-row chain per consumer warpgroup")
     # B smem layout: nt -> BN rows of 128 B (K-major); nn -> BN/64 chunks of [64 k][64 n].
     cl = c.cluster_m
-    wg_row = "0" if c.pingpong else "(wg - 1)"  # this consumer's 64-row block of the A stage / tile
+    # this consumer's first 64-row block of the A stage / tile
+    wg_row = "0" if c.pingpong else f"(wg - 1) * {c.wg_rows // 64}" if c.wg_rows > 64 else "(wg - 1)"
     if p.layout == "nt":
         b_box = (BK, c.bn // cl)
         b_boxes = [("kt * 64", "n0", 0)] if cl == 1 else [
