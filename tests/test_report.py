@@ -93,4 +93,7 @@ def test_cli_json_and_plot(tmp_path):
     report = json.loads(res.stdout)
     assert report["fused_kernel_count"] == len(report["kernels"]) == 2
     assert [k["pattern"] for k in report["kernels"]] == ["norm_gemm", "gemm_epilogue"]
+    # the one boundary left (fc1 → fc2) keeps its reason after fc1 absorbed the statistics kernel
+    assert [(b["kernels"], b["reason"].split(":")[0]) for b in report["not_fused"]] == [
+        ([k["name"] for k in report["kernels"]], "GEMM feeding a GEMM")]
     assert png.stat().st_size > 10_000

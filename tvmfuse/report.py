@@ -247,6 +247,10 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
 def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[dict[str, Any]]:
     """Producer → consumer pairs between kernels, each with the reason they stayed apart."""
     by_name = {k.name: k for k in kernels}
+    for k in kernels:  # a GEMM that computes its statistics stands for both fused_tir functions
+        attrs = stages["finalize"][k.name].attrs
+        for merged in (attrs.get("tvmfuse.in_loop_stats") or []) if attrs is not None else []:
+            by_name.setdefault(str(merged), k)
     producer_of: dict[Any, KernelInfo] = {}
     found: list[dict[str, Any]] = []
     views = tuple(tvm.ir.Op.get(n) for n in ("relax.memory.view", "relax.memory.ensure_zero_offset"))
