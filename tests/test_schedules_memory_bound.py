@@ -300,7 +300,8 @@ def test_rules_decline_cpu_targets():
 
 def test_gpu_rules_order():
     names = [type(r).__name__ for r in gpu_rules()]
-    assert names[:6] == ["GemmSM80", "Matmul", "GEMV", "RowNorm", "RowStats", "Elementwise"]
+    assert names[:7] == ["GemmSimtRowStats", "GemmSM80", "Matmul", "GEMV", "RowNorm", "RowStats",
+                         "Elementwise"]
     assert names[-1] == "Fallback"
 
 
