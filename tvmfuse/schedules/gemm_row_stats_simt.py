@@ -40,9 +40,8 @@ from tvm import relax, s_tir, tirx
 from .gemm_sm90_stats import (
     IN_LOOP_ATTR,
     KEPT_ATTR,
-    _bindings,
-    _uses,
-    row_stats_of,
+    TUPLE_USED,
+    stats_calls,
     swap_gemm_calls,
 )
 from .hopper.epilogue import _strip_cast
@@ -150,29 +149,11 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[t
     (each merged PrimFunc is scheduled once here: one the rule refuses keeps the statistics)."""
     from .gemm_simt_stats import GemmSimtRowStats
 
-    call_tir = tvm.ir.Op.get(_CALL_TIR)
-    uses = _uses(func)
-    items: dict = {}
-    for b in _bindings(func):
-        if isinstance(b.value, relax.TupleGetItem) and isinstance(b.value.tuple_value, relax.Var):
-            items.setdefault(b.value.tuple_value, {})[int(b.value.index)] = b.var
     plans = []
-    for b in _bindings(func):
-        call = b.value
-        if not (isinstance(call, relax.Call) and call.op == call_tir):
+    for call, stats_fn, spec, x, outputs, uses in stats_calls(mod, func):
+        if outputs is None:
+            kept[call.args[0]] = (TUPLE_USED, True)
             continue
-        stats_fn = mod[call.args[0]]
-        if not isinstance(stats_fn, tirx.PrimFunc) or (spec := row_stats_of(stats_fn)) is None:
-            continue
-        x = call.args[1].fields[0]
-        if spec.centered:
-            got = items.get(b.var, {})
-            if set(got) != {0, 1} or len(uses.get(b.var, [])) != 2:
-                kept[call.args[0]] = ("the statistics tuple is used other than by its items", True)
-                continue
-            outputs = [got[0], got[1]]
-        else:
-            outputs = [b.var]
         consumers = list({id(u): u for o in outputs for u in uses.get(o, [])}.values())
         why = next((w for u in consumers if (w := _why_not(mod, u, x, outputs))), None)
         if why or not consumers:

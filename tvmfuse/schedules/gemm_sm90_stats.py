@@ -121,34 +121,41 @@ def _uses(func: relax.Function) -> dict:
     return uses
 
 
-def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[_Plan]:
-    """Statistics calls of ``func`` that all their GEMM consumers can compute themselves."""
+TUPLE_USED = "the statistics tuple is used other than by its two items"
+
+
+def stats_calls(mod: tvm.IRModule, func: relax.Function):
+    """The statistics ``call_tir``s of ``func``: ``(call, stats PrimFunc, RowStats, x, outputs,
+    uses)``, ``outputs`` being the (mean, rstd) items (LayerNorm) or the rstd result (RMSNorm), or
+    None when the LayerNorm tuple is used other than by its two items (:data:`TUPLE_USED`)."""
     call_tir = tvm.ir.Op.get(_CALL_TIR)
     uses = _uses(func)
     items: dict = {}  # stats var → {index: TupleGetItem var}
     for b in _bindings(func):
         if isinstance(b.value, relax.TupleGetItem) and isinstance(b.value.tuple_value, relax.Var):
             items.setdefault(b.value.tuple_value, {})[int(b.value.index)] = b.var
-    plans = []
     for b in _bindings(func):
         call = b.value
         if not (isinstance(call, relax.Call) and call.op == call_tir):
             continue
         stats_fn = mod[call.args[0]]
-        if not isinstance(stats_fn, tirx.PrimFunc):
+        if not isinstance(stats_fn, tirx.PrimFunc) or (spec := row_stats_of(stats_fn)) is None:
             continue
-        spec = row_stats_of(stats_fn)
-        if spec is None:
-            continue
-        x = call.args[1].fields[0]
+        outputs = [b.var]
         if spec.centered:
             got = items.get(b.var, {})
-            if set(got) != {0, 1} or len(uses.get(b.var, [])) != 2:
-                kept[call.args[0]] = "the statistics tuple is used other than by its two items"
-                continue
-            outputs = [got[0], got[1]]
-        else:
-            outputs = [b.var]
+            ok = set(got) == {0, 1} and len(uses.get(b.var, [])) == 2
+            outputs = [got[0], got[1]] if ok else None
+        yield call, stats_fn, spec, call.args[1].fields[0], outputs, uses
+
+
+def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[_Plan]:
+    """Statistics calls of ``func`` that all their GEMM consumers can compute themselves."""
+    plans = []
+    for call, _fn, spec, x, outputs, uses in stats_calls(mod, func):
+        if outputs is None:
+            kept[call.args[0]] = TUPLE_USED
+            continue
         plan, why = _Plan(call, outputs, [], []), None
         consumers = {id(u): u for o in outputs for u in uses.get(o, [])}.values()
         for user in consumers:
