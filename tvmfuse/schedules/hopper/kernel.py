@@ -367,66 +367,51 @@ def kernel_text(problem: GemmProblem, cfg: GemmConfig, func_name: str, params: l
     # A tile inside (M, N) stores without per-element guards: straight-line code whose loads
     # (bias, residual) and arithmetic the compiler can schedule across elements.
     full = [f"m0 + {c.bm} <= {p.m}"] * (p.m % c.bm != 0) + [f"n0 + {c.bn} <= {p.n}"] * (p.n % c.bn != 0)
-    body_start = len(lines)
-    if pair_value and c.pair_shuffle:
-        _pair_shuffle_store(w, p, c, pair_value)
+
+    def store(guarded: bool, out: Callable[[str], None]) -> None:
+        if pair_value and c.pair_shuffle:
+            _pair_shuffle_store(out, p, c, pair_value, guarded)
+        else:
+            _store(out, p, c, value, pair_value, guarded)
+
+    if not UNGUARDED_FULL_TILES or not full:  # every tile guarded, or none needs it
+        store(not UNGUARDED_FULL_TILES, w)
     else:
-        _store(w, p, c, value, pair_value)
-    _unguarded(lines, body_start, full)
+        def nested(ln: str) -> None:
+            w("    " + ln)
+
+        w(f"                if {' and '.join(full)}:")
+        store(False, nested)
+        w("                else:")
+        store(True, nested)
     return _finish(_chains(lines, epi_start, sub, acc_n), device_start, c)
 
 
-GUARD = "  # guard"  # marks the per-element bounds test of an epilogue store
 UNGUARDED_FULL_TILES = True  # A/B switch for measurements: False keeps the guards on every tile
 
 
-def _unguarded(lines: list[str], start: int, full: list[str]) -> None:
-    """Make the epilogue ``lines[start:]`` skip its bounds tests (lines ending in :data:`GUARD`)
-    on tiles inside the output: always when the tile divides (M, N), else behind ``if full``."""
-    body = lines[start:]
-    if not UNGUARDED_FULL_TILES:
-        lines[start:] = [ln.removesuffix(GUARD) for ln in body]
-        return
-    fast = []
-    cut = None  # indentation of a dropped guard's block
-    for ln in body:
-        ind = len(ln) - len(ln.lstrip())
-        if cut is not None and ind > cut:
-            fast.append(ln[4:])
-            continue
-        cut = None
-        if ln.endswith(GUARD):
-            cut = ind
-            continue
-        fast.append(ln)
-    if not full:
-        lines[start:] = fast
-        return
-    guarded = [ln.removesuffix(GUARD) for ln in body]
-    sp = "                "
-    lines[start:] = ([f"{sp}if {' and '.join(full)}:"] + ["    " + ln for ln in fast]
-                     + [f"{sp}else:"] + ["    " + ln for ln in guarded])
-
-
 def _store(w: Callable[[str], None], p: GemmProblem, c: GemmConfig,
-           value: Callable[[str, str, str], str], pair_value) -> None:
-    """Fragment → C: a column pair per thread, row and column masked (N even: a pair is in or out
-    as a whole)."""
+           value: Callable[[str, str, str], str], pair_value, guarded: bool) -> None:
+    """Fragment → C: a column pair per thread; ``guarded``: row and column masked (N even: a pair
+    is in or out as a whole)."""
     w(f"                for j in T.unroll({c.bn // 8}):")
     w("                    col = n0 + j * 8 + (t % 4) * 2")
     w("                    for h in T.unroll(2):")
-    w(f"                        if row0 + h * 8 < {p.m} and col < {p.n}:{GUARD}")
+    sp = "                        "
+    if guarded:
+        w(f"{sp}if row0 + h * 8 < {p.m} and col < {p.n}:")
+        sp += "    "
     if pair_value:
-        w("                            C2[row0 + h * 8, col // 2] = " + pair_value(
+        w(f"{sp}C2[row0 + h * 8, col // 2] = " + pair_value(
             "acc[j * 4 + h * 2]", "acc[j * 4 + h * 2 + 1]", "(row0 + h * 8)", "(col // 2)"))
     elif c.vector_store:
         for q in range(2):
-            w(f"                            pair[{q}] = "
+            w(f"{sp}pair[{q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
-        w("                            C2[row0 + h * 8, T.Ramp(col, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
+        w(f"{sp}C2[row0 + h * 8, T.Ramp(col, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
     else:
         for q in range(2):
-            w(f"                            C2[row0 + h * 8, col + {q}] = "
+            w(f"{sp}C2[row0 + h * 8, col + {q}] = "
               + value(f"acc[j * 4 + h * 2 + {q}]", "(row0 + h * 8)", f"(col + {q})"))
 
 
@@ -511,14 +496,14 @@ def _finish(lines: list[str], device_start: int, c: GemmConfig) -> str:
 
 
 def _pair_shuffle_store(w: Callable[[str], None], p: GemmProblem, c: GemmConfig,
-                        pair_value: Callable[[str, str, str, str], str]) -> None:
+                        pair_value: Callable[[str, str, str, str], str], guarded: bool) -> None:
     """Pair epilogue stored as 2-element vectors (16 contiguous bytes per row and quad).
 
     For fragment columns ``j = 2q`` and ``2q + 1`` lane ``r = t % 4`` of a quad holds outputs
     ``v0`` at column ``8q + r`` and ``v1`` at ``8q + 4 + r`` (relative to ``n0 / 2``). One
     ``shfl.xor 1`` (odd lanes send ``v0``, even lanes ``v1``) gives even lanes the pair
     ``(v0, partner's v0)`` at ``8q + r`` and odd lanes ``(partner's v1, v1)`` at ``8q + r + 3``.
-    Every lane shuffles (rows and columns are masked at the store only).
+    Every lane shuffles (``guarded``: rows and columns are masked at the store only).
     """
     n_out = p.n // 2
     w("                r = t % 4")
@@ -535,8 +520,11 @@ def _pair_shuffle_store(w: Callable[[str], None], p: GemmProblem, c: GemmConfig,
     w("                        pair[0] = T.Select(r % 2 == 0, v0, other)")
     w("                        pair[1] = T.Select(r % 2 == 0, other, v1)")
     w("                        c = c0 + (r % 2) * 3")
-    w(f"                        if row < {p.m} and c < {n_out}:{GUARD}")
-    w("                            C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
+    sp = "                        "
+    if guarded:
+        w(f"{sp}if row < {p.m} and c < {n_out}:")
+        sp += "    "
+    w(f"{sp}C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]")
 
 
 def standalone(problem: GemmProblem, cfg: GemmConfig | None = None,
