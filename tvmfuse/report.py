@@ -323,8 +323,11 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
 
 
 def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
-            tuning_db: str | None = None) -> dict[str, Any]:
-    """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema)."""
+            tuning_db: str | None = None, stock: bool = True) -> dict[str, Any]:
+    """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema).
+
+    ``stock=False`` skips the stock-TVM launch count (a second lowering): ``None`` in the report.
+    """
     from .pipeline import lower
 
     capture = _StageCapture()
@@ -334,7 +337,7 @@ def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
     return {
         "target": spec.name,
         "unfused_kernel_count": len(unfused),
-        "stock_tvm_kernel_count": stock_kernel_count(mod, spec) if dtype is None else None,
+        "stock_tvm_kernel_count": stock_kernel_count(mod, spec) if dtype is None and stock else None,
         "fused_kernel_count": len(fused),
         "hbm_bytes_unfused": sum(k.bytes for k in unfused),
         "hbm_bytes_fused": sum(k.bytes for k in fused),
