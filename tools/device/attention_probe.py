@@ -30,7 +30,7 @@ def build(spec_kw: dict, cfg: tuple | None, arch: str, path: str, kind: str = "f
     try:
         import tvm
 
-        from tvmfuse.schedules.attention import AttentionSpec
+        from tvmfuse.schedules.attention_spec import AttentionSpec
 
         spec = AttentionSpec(**spec_kw)
         target = tvm.target.Target({"kind": "cuda", "arch": arch}, host={"kind": "llvm"})
@@ -207,7 +207,7 @@ def main() -> int:
                 for n, (kw, cfg, kind) in jobs.items()}
         errors = {n: f.result() for n, f in futs.items()}
     print(f"built {len(jobs)} kernels in {time.time() - t0:.1f}s", flush=True)
-    from tvmfuse.schedules.attention import AttentionSpec
+    from tvmfuse.schedules.attention_spec import AttentionSpec
 
     rows = []
     for name, (kw, cfg, kind) in jobs.items():

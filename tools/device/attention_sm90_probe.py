@@ -33,7 +33,7 @@ def build(spec_kw: dict, cfg: tuple | None, path: str, kind: str) -> str:
     try:
         import tvm
 
-        from tvmfuse.schedules.attention import AttentionSpec
+        from tvmfuse.schedules.attention_spec import AttentionSpec
 
         spec = AttentionSpec(**spec_kw)
         if kind == "sm80":
@@ -121,7 +121,7 @@ def main() -> int:
                 for n, (kw, cfg, kind) in jobs.items()}
         errors = {n: f.result() for n, f in futs.items()}
     print(f"built {len(jobs)} kernels in {time.time() - t0:.1f}s", flush=True)
-    from tvmfuse.schedules.attention import AttentionSpec
+    from tvmfuse.schedules.attention_spec import AttentionSpec
 
     rows, sdpa_done = [], {}
     for name, (kw, cfg, kind) in jobs.items():
