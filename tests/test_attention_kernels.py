@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 import tvm
 
-from tvmfuse.schedules.attention import AttentionSpec, attention_primfunc
+from tvmfuse.schedules.attention import attention_primfunc
 from tvmfuse.schedules.attention_cpu import attention_cpu_primfunc
+from tvmfuse.schedules.attention_spec import AttentionSpec
 
 
 def reference(q, k, v, bias, spec: AttentionSpec) -> np.ndarray:

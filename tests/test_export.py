@@ -95,9 +95,9 @@ def test_rewrite_replaces_source_payload():
 
 
 def _walk(blob: bytes):
-    from tvmfuse.build.export import _Reader
+    from tvmfuse.build.export import BlobReader
 
-    r = _Reader(blob, 8)
+    r = BlobReader(blob, 8)
     indptr = r.u64_vec()
     r.u64_vec()
     for _ in range(len(indptr) - 1):

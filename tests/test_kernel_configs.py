@@ -86,7 +86,7 @@ def test_spaces_found_and_candidates_valid(tasks):
 
 
 def test_attention_key_is_the_spec_not_the_kernel(tasks):
-    from tvmfuse.kernel_configs import task_key_of
+    from tvmfuse.tuning_db import task_key_of
 
     attn = tasks["attention"]
     other = attn.space.build(attn.space.candidates[1])["main"]

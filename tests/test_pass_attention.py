@@ -645,7 +645,7 @@ def hf_dir(tmp_path_factory):
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "llama_sdpa"])
 def test_hf_export_one_attention_per_layer(name, exporter, hf_dir, monkeypatch):
-    from tests import hf_models
+    from models import hf_models
     from tvmfuse.frontend import import_model
 
     monkeypatch.setattr(hf_models, "SEQ", SEQ)

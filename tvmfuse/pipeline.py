@@ -13,6 +13,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
+from tvm.s_tir import dlight as dl
 
 from .errors import CompileError, TvmfuseError
 from .passes import (
@@ -31,7 +32,12 @@ from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
 from .schedules import gpu_rules
+from .schedules.gemm_row_stats_simt import SimtGemmRowStats
+from .schedules.gemm_sm80 import BUILD_CONFIG
+from .schedules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
+from .schedules.gemm_sm90_stats import Sm90GemmRowStats
 from .targets import TargetSpec
+from .tuning_db import ApplyTuningDatabase
 
 
 class _Stages:
@@ -115,17 +121,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Tuned records (tvmfuse tune extracts its tasks just above) go first: the rules below
         # skip kernels marked scheduled and take every kernel without a faster record.
         if tuning_db is not None:
-            from .tuning_db import ApplyTuningDatabase
-
             mod = run("apply_tuning_db", ApplyTuningDatabase(tuning_db, spec), mod)
         # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
         if spec.is_cuda:
-            from tvm.s_tir import dlight as dl
-
-            from .schedules.gemm_row_stats_simt import SimtGemmRowStats
-            from .schedules.gemm_sm90 import Sm90Gemm
-            from .schedules.gemm_sm90_stats import Sm90GemmRowStats
-
             # sm_90a only: a norm's row statistics move into the wgmma GEMMs that read them.
             mod = run("gemm_sm90_row_stats", Sm90GemmRowStats, mod)
             # fp32 GEMMs (SIMT): the row statistics merge into them; after the wgmma ones took theirs.
@@ -163,12 +161,8 @@ def build(mod: tvm.IRModule, spec: TargetSpec):
     previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
     os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
     try:
-        from .schedules.gemm_sm90 import HYBRID_PIPELINE, uses_tirx
-
         # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
         tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
-        from .schedules.gemm_sm80 import BUILD_CONFIG
-
         # gemm_sm80's cp.async pipelines need TIR build options (see BUILD_CONFIG).
         with tvm.transform.PassContext(config=BUILD_CONFIG):
             return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None,

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import LibraryError
-from .export import _Reader, parse_cuda_payload
+from .export import BlobReader, parse_cuda_payload
 
 BLOB_SYMBOL = "__tvm_ffi__library_bin"
 
@@ -27,7 +27,7 @@ def embedded_modules(path: str | os.PathLike) -> list[tuple[str, bytes]]:
     except (OSError, ValueError) as err:
         raise LibraryError(f"{path}: no TVM module blob ({err})") from err
     (nbytes,) = struct.unpack("<Q", ctypes.string_at(base, 8))
-    r = _Reader(ctypes.string_at(base, nbytes + 8), 8)
+    r = BlobReader(ctypes.string_at(base, nbytes + 8), 8)
     indptr = r.u64_vec()
     r.u64_vec()
     mods = []

@@ -57,6 +57,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ._util import last_axis_only, scalar_value, shape_expr, static_shape
+from .legalize_fixes import legalize_overrides
 
 DECISIONS_ATTR = "tvmfuse.attention_decisions"
 _BSHD = "BSHD"  # attention operand layout; labels: B batch, H heads, Q/K query/key positions, D dim
@@ -184,8 +185,6 @@ class _Function:
 
 def _evaluate(expr: relax.Expr, deps: list[relax.Var], table: dict) -> np.ndarray:
     """Run the constant subgraph ``deps → expr`` once on the CPU."""
-    from .legalize_fixes import legalize_overrides
-
     out = relax.Var("mask_value", expr.ty)
     bindings = [relax.VarBinding(v, table[v]) for v in deps] + [relax.VarBinding(out, expr)]
     func = relax.Function([], relax.SeqExpr([relax.DataflowBlock(bindings)], out), expr.ty)

@@ -1,6 +1,6 @@
-"""Tiny Hugging Face models (random init, no hub access) exported to ONNX for the frontend tests.
+"""Tiny Hugging Face models (random init, no hub access) exported to ONNX (tests, tools/report_models).
 
-    from tests.hf_models import gpt2_onnx, bert_onnx, llama_onnx, llama_sdpa_onnx
+    from models.hf_models import gpt2_onnx, bert_onnx, llama_onnx, llama_sdpa_onnx
     path = llama_onnx(tmp_dir)          # written once, reused while the file exists
 
 Every model is built from a small config (2 layers, hidden 64, 4 heads, vocab 128) after
