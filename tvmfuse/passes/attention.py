@@ -837,6 +837,7 @@ class FuseAttention:
             if isinstance(func, relax.Function):
                 _existing(func, decisions)
                 updates[gv] = _rewrite(func, decisions)
+        mod = mod.clone()  # assigned into below: not the caller's module
         for gv, func in updates.items():
             mod[gv] = func
         return mod.with_attr(DECISIONS_ATTR, list(decisions.values()))

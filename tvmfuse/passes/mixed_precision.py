@@ -51,6 +51,7 @@ class MixedPrecision:
         # acc → half → fp32 before a norm epilogue would round it and split it from the GEMM.
         mod = NormEpilogueFp32()(mod)
         if self.dtype == "bfloat16":
+            mod = mod.clone()  # a pass above may hand back its input unchanged: not the caller's
             for gvar, func in list(mod.functions.items()):
                 if isinstance(func, relax.Function):
                     mod[gvar] = _Fp16ToBf16().visit_expr(func)
