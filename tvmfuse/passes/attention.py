@@ -768,9 +768,25 @@ def _causal_kind(visible: np.ndarray | None, sq: int, skv: int) -> str:
         return "TopLeft"
     if np.array_equal(visible, np.tril(np.ones((sq, skv), bool), skv - sq)):
         return "BottomRight"
+    window = _band_window(visible)
+    if window is not None:
+        raise _Reject(f"sliding-window band (each query sees its last {window} keys): no tvmfuse "
+                      "attention kernel honours R.nn.attention's window_size, so it stays unfused")
     wrong = np.argwhere(visible != np.tril(np.ones((sq, skv), bool), 0))[0]
     raise _Reject(f"constant mask is not causal: entry {tuple(int(x) for x in wrong)} is "
                   f"{'visible' if visible[tuple(wrong)] else 'masked'}")
+
+
+def _band_window(visible: np.ndarray) -> int | None:
+    """``w`` when ``visible`` is a causal band ``i - w < j <= i + (Skv - Sq)`` narrower than causal."""
+    sq, skv = visible.shape
+    window = int(visible[-1].sum())  # the last query row sees exactly w keys in a band
+    ones = np.ones((sq, skv), bool)
+    for offset in (0, skv - sq):
+        band = np.tril(ones, offset) & np.triu(ones, offset - window + 1)
+        if window > 0 and np.array_equal(visible, band):
+            return window
+    return None
 
 
 def _rewrite(func: relax.Function, decisions: dict[str, dict[str, str]]) -> relax.Function:
