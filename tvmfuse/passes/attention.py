@@ -154,9 +154,19 @@ class _Function:
         return x
 
     def const(self, expr: relax.Expr) -> relax.Expr:
-        """The constant a variable is bound to (exporters bind scalars such as -inf), else ``expr``."""
+        """``expr`` as a constant when it is one element computed from constants only, else ``expr``.
+
+        Exporters bind scalars to variables (-inf) or compute them (ONNX: the SDPA scale as
+        ``sqrt(1 / sqrt(d))``); such a scalar is evaluated once.
+        """
         value = self.value(expr)
-        return value if isinstance(value, tvm.ir.expr.Constant) else expr
+        if isinstance(value, tvm.ir.expr.Constant):
+            return value
+        shape = static_shape(expr)
+        if shape is None or math.prod(shape) != 1:
+            return expr
+        arr = self.constant(expr)
+        return expr if arr is None else relax.const(arr, str(expr.ty.dtype))
 
     def value(self, expr: relax.Expr) -> relax.Expr:
         """Look through variable bindings to the bound expression."""
@@ -731,10 +741,9 @@ class _Matcher:
             # with one, a row whose scores are all -inf gives 0 in every attention kernel too.
             info["safe_softmax_guard"] = ("dropped: a fully masked row gives 0 (kernel contract)"
                                           if may_mask_rows else "dropped: no row can be fully masked")
-        upcasts = {x.upcast for x in (q, k, v)}
-        if len(upcasts) != 1:
-            raise _Reject("only some of query/key/value are upcast from half precision")
-        upcast = upcasts.pop()
+        # only some upcast (ONNX's SDPA: fp16 Q·Kᵀ upcast before softmax, V upcast): all are half
+        # operands now (the dtypes check above), the kernel's fp32 scores are the same or finer
+        upcast = next((x.upcast for x in (q, k, v) if x.upcast is not None), None)
         if upcast is not None:
             # fp32 attention on exactly-upcast half operands runs on the half operands (fp32 scores
             # and softmax, as the kernels always do; P·V in the half dtype with fp32 accumulation)
