@@ -250,13 +250,16 @@ UNMATCHED: dict[str, tuple] = {
 }
 
 
-def build(name: str, dtype: torch.dtype = torch.float16, seed: int = 0):
-    """``(module, inputs)`` of form ``name`` in ``dtype`` (random normal q, k, v)."""
+def build(name: str, dtype: torch.dtype = torch.float16, seed: int = 0, head_dim: int = D):
+    """``(module, inputs)`` of form ``name`` in ``dtype`` (random normal q, k, v of ``head_dim``).
+
+    The modules' scales use ``D`` whatever ``head_dim`` is (a scale is a scale).
+    """
     factory, kvh, layout, padding = {**FORMS, **UNMATCHED}[name]
     g = torch.Generator().manual_seed(seed)
 
     def qkv(heads: int) -> torch.Tensor:
-        shape = (B, heads, S, D) if layout == "bhsd" else (B, S, heads, D)
+        shape = (B, heads, S, head_dim) if layout == "bhsd" else (B, S, heads, head_dim)
         return torch.randn(*shape, generator=g).to(dtype)
 
     inputs = [qkv(H), qkv(kvh), qkv(kvh)]
