@@ -779,8 +779,9 @@ def _causal_kind(visible: np.ndarray | None, sq: int, skv: int) -> str:
         return "BottomRight"
     window = _band_window(visible)
     if window is not None:
-        raise _Reject(f"sliding-window band (each query sees its last {window} keys): no tvmfuse "
-                      "attention kernel honours R.nn.attention's window_size, so it stays unfused")
+        raise _Reject(f"constant mask is not causal: a sliding-window band (each query sees its last "
+                      f"{window} keys); no tvmfuse attention kernel honours R.nn.attention's "
+                      "window_size, so it stays unfused")
     wrong = np.argwhere(visible != np.tril(np.ones((sq, skv), bool), 0))[0]
     raise _Reject(f"constant mask is not causal: entry {tuple(int(x) for x in wrong)} is "
                   f"{'visible' if visible[tuple(wrong)] else 'masked'}")
