@@ -28,6 +28,7 @@ from .passes import (
     SinkReshape,
 )
 from .passes.attention import FuseAttention
+from .passes.canonical import CanonicalizeBatchedMatmul
 from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
@@ -80,6 +81,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
+        # torch.export's N-D `@` (broadcast_to + reshape to 3-D + matmul + reshape back) becomes the
+        # N-D matmul, so attention and GEMM patterns see one product.
+        mod = run("canonical_batched_matmul", CanonicalizeBatchedMatmul(), mod)
         # Exporters' no-op casts and x*1 would hide the patterns below and add kernel boundaries.
         mod = run("simplify_noops", SimplifyNoOps(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
