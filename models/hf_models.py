@@ -1,6 +1,6 @@
 """Tiny Hugging Face models (random init, no hub access) exported to ONNX (tests, tools/report_models).
 
-    from models.hf_models import gpt2_onnx, bert_onnx, llama_onnx, llama_sdpa_onnx
+    from models.hf_models import gpt2_onnx, bert_onnx, llama_onnx, llama_sdpa_onnx, llama_pt2
     path = llama_onnx(tmp_dir)          # written once, reused while the file exists
 
 Every model is built from a small config (2 layers, hidden 64, 4 heads, vocab 128) after
@@ -152,17 +152,19 @@ def _build_bert(attn: str):
     return _wrapper(BertModel(config, add_pooling_layer=False).eval(), "last_hidden_state", decoder=False)
 
 
-def _build_llama(attn: str):
+def _build_llama(attn: str, hidden: int = HIDDEN, heads: int = HEADS, kv_heads: int = KV_HEADS,
+                 ones_mask: bool = True):
+    """``ones_mask=False``: called with ``input_ids`` only, as a user does (torch.export only)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=64,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=LAYERS,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, use_cache=False, attn_implementation=attn,
     )
     torch.manual_seed(0)
-    return _wrapper(LlamaForCausalLM(config).eval(), "logits", decoder=True)
+    return _wrapper(LlamaForCausalLM(config).eval(), "logits", decoder=ones_mask)
 
 
 # --- export --------------------------------------------------------------------------------------
@@ -292,6 +294,32 @@ def llama_sdpa_onnx(dir: str | os.PathLike, exporter: str = "auto") -> Path:
     ``dynamo`` gives ``dynamo-opset18``.
     """
     return _export("llama", lambda: _build_llama("sdpa"), dir, "llama_sdpa", exporter)
+
+
+def llama_pt2(dir: str | os.PathLike, attn: str = "sdpa") -> Path:
+    """Llama LM (hidden 256, 8 query / 2 KV heads, 2 layers) → ``torch.export.save`` →
+    ``dir/llama_<attn>.pt2``: input_ids [1, 16] -> logits [1, 16, 128].
+
+    Called with ``input_ids`` only (no mask), so transformers' ``create_causal_mask`` keeps its
+    packed-sequence check (``torch.diff`` + a bool ``cumsum``), which the TorchScript ONNX exporter
+    cannot take but torch.export can. Written once, reused while the file exists.
+    """
+    import torch
+
+    path = Path(dir) / f"llama_{attn}.pt2"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    module = _build_llama(attn, hidden=256, heads=8, kv_heads=2, ones_mask=False)
+    args = tuple(torch.from_numpy(a) for a in sample_inputs("llama", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(module, args)
+    fd, tmp = tempfile.mkstemp(suffix=".pt2", prefix=".llama-", dir=path.parent)
+    os.close(fd)
+    torch.export.save(program, tmp)
+    os.replace(tmp, path)  # atomic: a concurrent caller never sees a half-written file
+    return path
 
 
 MODELS: dict[str, Callable[..., Path]] = {

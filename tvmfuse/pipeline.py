@@ -16,6 +16,7 @@ from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 from tvm.s_tir import dlight as dl
 
 from .errors import CompileError, TvmfuseError
+from .locate import locate
 from .passes import (
     FuseDecomposedNorms,
     GatherRowStats,
@@ -58,13 +59,29 @@ class _Stages:
         except TvmfuseError:
             raise
         except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
-            raise CompileError(f"stage {name!r} failed: {err}") from err
+            raise _stage_error(name, pass_, mod, err) from err
         self.count += 1
         if self.on_stage:
             self.on_stage(name, mod)
         if self.dump_dir:
             (self.dump_dir / f"{self.count:02d}_{name}.py").write_text(mod.script(show_meta=False))
         return mod
+
+
+_DETAIL_LINES = 12
+
+
+def _stage_error(name: str, pass_: tvm.transform.Pass, mod: tvm.IRModule, err: Exception) -> CompileError:
+    """A failed stage as a CompileError naming the function, binding and op it failed on (rerun on
+    reduced copies of its input, :mod:`tvmfuse.locate`); TVM's own text is only the detail."""
+    where = locate(pass_, mod, err)
+    lines = [line.rstrip() for line in str(err).strip().splitlines() if line.strip()]
+    detail = "\n    ".join(lines[:_DETAIL_LINES] + (["..."] if len(lines) > _DETAIL_LINES else []))
+    if where is None:
+        return CompileError(stage=name, detail=detail or type(err).__name__)
+    return CompileError(stage=name, function=where.function, binding=where.binding or None,
+                        op=where.op, expr=where.expr or None, detail=detail or type(err).__name__,
+                        index=where.index)
 
 
 def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
