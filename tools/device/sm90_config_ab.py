@@ -21,7 +21,6 @@ import bench_gemm  # noqa: E402
 import common  # noqa: E402
 
 from tvmfuse.schedules import gemm_sm90  # noqa: E402
-from tvmfuse.schedules.hopper import kernel  # noqa: E402
 from tvmfuse.schedules.hopper.kernel import GemmConfig  # noqa: E402
 
 VARIANTS = {
@@ -35,10 +34,9 @@ VARIANTS = {
     "pp128_c2": GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True),
     # 256x128 tiles, two consumer warpgroups of 128 rows (two 64-row chains each), as cuBLAS
     "t2": GemmConfig(bm=256, bn=128, wg_rows=128, cluster_m=2, warp_release=True),
-    # c2 with the per-element bounds tests kept on full tiles (kernel.UNGUARDED_FULL_TILES off)
-    "c2_guarded": GemmConfig(cluster_m=2, warp_release=True),
+    # c2 with the per-element bounds tests kept on full tiles
+    "c2_guarded": GemmConfig(cluster_m=2, warp_release=True, unguarded_full_tiles=False),
 }
-GUARDED = {"c2_guarded"}
 
 
 def main() -> int:
@@ -50,7 +48,6 @@ def main() -> int:
     for name in args.variants.split(","):
         cfg = VARIANTS[name]
         gemm_sm90.select_config = lambda m, n, cfg=cfg: cfg if n > 128 else default(m, n)
-        kernel.UNGUARDED_FULL_TILES = name not in GUARDED
         for row in bench_gemm.run(args):
             row["variant"] = name
             row["config"] = {k: v for k, v in vars(cfg).items() if v != getattr(GemmConfig(), k)}
