@@ -219,17 +219,17 @@ def test_tuning_label_survives_the_kernel_swap():
 @pytest.mark.parametrize("m, n, fast_only", [(4096, 4096, True), (300, 520, False), (4096, 520, False)])
 def test_full_tiles_store_without_guards(m, n, fast_only):
     """Tiles inside (M, N) store without per-element bounds tests; ragged shapes keep the guarded
-    copy behind a per-tile test (rows for M, columns for N)."""
-    from tvmfuse.schedules.hopper.kernel import kernel_text
-
+    copy behind a per-tile test (rows for M, columns for N). ``unguarded_full_tiles=False``: one
+    guarded store for every tile."""
     p = GemmProblem(m, n, 1024, "float16", "float16", "nt")
-    decls = [("A", (m, 1024), "float16"), ("B", (n, 1024), "float16"), ("C", (m, n), "float16")]
-    text = kernel_text(p, GemmConfig(), "main", ["A", "B", "C"], 0, 1, 2, decls)
+    text = standalone(p, GemmConfig()).script()
+    store = "C2[row0 + h * 8, col:col + 2] = pair[T.Ramp(0, 1, 2)]"
     guard = f"if row0 + h * 8 < {m} and col < {n}:"
-    assert text.count("C2[row0 + h * 8, T.Ramp(col, 1, 2)]") == (1 if fast_only else 2)
+    assert text.count(store) == (1 if fast_only else 2)
     assert (guard in text) != fast_only
-    if not fast_only:
-        tile_test = [ln.strip() for ln in text.splitlines() if ln.strip().startswith("if m0 + ")
-                     or ln.strip().startswith("if n0 + ")]
-        assert tile_test == [" and ".join([f"m0 + 128 <= {m}"] * (m % 128 != 0)
-                                          + [f"n0 + 256 <= {n}"] * (n % 256 != 0)).join(["if ", ":"])]
+    tile_test = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("if m0 + ", "if n0 + "))]
+    expected = " and ".join([f"m0 + 128 <= {m}"] * (m % 128 != 0) + [f"n0 + 256 <= {n}"] * (n % 256 != 0))
+    assert tile_test == ([] if fast_only else [f"if {expected}:"])
+    guarded = standalone(p, GemmConfig(unguarded_full_tiles=False)).script()
+    assert guarded.count(store) == 1 and guard in guarded
+    assert not any(ln.strip().startswith(("if m0 + ", "if n0 + ")) for ln in guarded.splitlines())

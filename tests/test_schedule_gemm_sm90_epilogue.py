@@ -17,7 +17,7 @@ import tvmfuse
 from tests.test_schedule_gemm_sm90 import LinearAct, SwiGLU, _inputs, _lowered_funcs, needs_cuobjdump
 from tvmfuse.build.inspect import cuda_images, fatbin_sass
 from tvmfuse.schedules.gemm_sm90 import NAME, build_kernel
-from tvmfuse.schedules.hopper.epilogue import analyze, expr_text
+from tvmfuse.schedules.hopper.epilogue import analyze, expr_value
 from tvmfuse.schedules.hopper.opmath import opmath, to_fp32
 
 
@@ -90,22 +90,26 @@ def test_to_fp32_leaves_int_and_bool_alone():
 
 
 def _eval_epilogue(func, g, expr, acc: np.ndarray, params: dict[int, np.ndarray]) -> np.ndarray:
-    """``out[i, j] = expr(acc[i, j], params)`` (``expr`` of ``g = analyze(func)``), built for llvm
-    from the printed TVMScript."""
+    """``out[i, j] = expr(acc[i, j], params)`` (``expr`` of ``g = analyze(func)``), rebuilt by
+    ``expr_value`` into a kernel built for llvm."""
     from tvm.script import tirx as T
-    from tvm.script.parser.core.entry import parse
 
     m, n = acc.shape
-    buffers = [(p, f"p{i}") for i, p in enumerate(func.params)]
-    body = expr_text(expr, [(g.acc, "ACC[i, j]"), (g.dims[0], "i"), (g.dims[1], "j")], buffers)
-    sig = [f"ACC: T.Buffer(({m}, {n}), \"float32\")"]
-    sig += [f"p{k}: T.Buffer({tuple(int(d) for d in func.params[k].shape)}, "
-            f"\"{func.params[k].dtype}\")" for k in sorted(params)]
-    sig.append(f"OUT: T.Buffer(({m}, {n}), \"{g.out_dtype}\")")
-    text = (f"@T.prim_func\ndef main({', '.join(sig)}):\n"
-            f"    for i, j in T.grid({m}, {n}):\n"
-            f"        OUT[i, j] = {body}\n")
-    lib = tvm.compile(parse(text, extra_vars={"T": T}), target="llvm")
+    acc_buf = tirx.decl_buffer((m, n), "float32", name="ACC")
+    new = {k: tirx.decl_buffer(tuple(int(d) for d in func.params[k].shape),
+                               str(func.params[k].dtype), name=f"p{k}") for k in sorted(params)}
+    out_buf = tirx.decl_buffer((m, n), g.out_dtype, name="OUT")
+    buffers = [(func.params[k], b) for k, b in new.items()]
+
+    @T.prim_func(check_well_formed=False)
+    def body():
+        for i, j in T.grid(m, n):
+            out_buf[i, j] = expr_value(expr, [(g.acc, acc_buf[i, j]), (g.dims[0], i),
+                                              (g.dims[1], j)], buffers)
+
+    main = tirx.PrimFunc([acc_buf, *new.values(), out_buf], body.body).with_attr(
+        "global_symbol", "main")
+    lib = tvm.compile(main, target="llvm")
     dev = tvm.cpu()
     out = tvm.runtime.tensor(np.zeros((m, n), g.out_dtype), dev)
     lib(tvm.runtime.tensor(acc, dev), *(tvm.runtime.tensor(params[k], dev) for k in sorted(params)),
@@ -171,21 +175,20 @@ def test_fast_erf_constants_within_bound():
 
 
 @needs_cuobjdump
-def test_fast_math16_replaces_erf(monkeypatch, tmp_path):
-    """With FAST_MATH16 (the default) the 16-bit GELU epilogue calls __expf / __fdividef instead
-    of erf; the library builds with nvcc to HGMMA + MUFU.EX2. Switched off, erf comes back."""
-    import tvmfuse.schedules.gemm_sm90 as sm90
+def test_fast_math16_replaces_erf(tmp_path):
+    """With ``GemmConfig.fast_math16`` (the default) the 16-bit GELU epilogue calls __expf /
+    __fdividef instead of erf; the library builds with nvcc to HGMMA + MUFU.EX2. Switched off, erf
+    comes back."""
+    from tvmfuse.schedules.hopper.kernel import GemmConfig
     from tvmfuse.schedules.hopper.opmath import fast_math16
 
     g = analyze(_gelu_case())
     e = fast_math16(opmath(g.expr, g.out_dtype))
     assert "erf" not in str(e) and "__expf" in str(e) and "__fdividef" in str(e)
-    assert sm90.FAST_MATH16
+    assert GemmConfig().fast_math16
     text = build_kernel(_gelu_case()).script()
     assert "T.erf" not in text and "__expf" in text
-    monkeypatch.setattr(sm90, "FAST_MATH16", False)
-    assert "T.erf" in build_kernel(_gelu_case()).script()
-    monkeypatch.setattr(sm90, "FAST_MATH16", True)
+    assert "T.erf" in build_kernel(_gelu_case(), GemmConfig(fast_math16=False)).script()
     inputs = _inputs(128, 256, 64, torch.float16)
     path = tvmfuse.compile(LinearAct("gelu"), inputs, target="sm90").export(tmp_path / "m.so")
     (_, code), = cuda_images(path)

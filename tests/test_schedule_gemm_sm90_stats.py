@@ -21,7 +21,7 @@ from tvmfuse.frontend import import_model
 from tvmfuse.pipeline import lower
 from tvmfuse.report import analyze, stock_kernel_count
 from tvmfuse.schedules.gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR, row_stats_of
-from tvmfuse.schedules.hopper.kernel import GemmConfig, GemmProblem, RowStats, standalone
+from tvmfuse.schedules.hopper.kernel import GemmConfig, GemmProblem, RowStats, check, standalone
 from tvmfuse.targets import get_target
 
 
@@ -109,6 +109,18 @@ def test_statistic_with_another_user_is_kept():
     either way nothing is computed twice and the outputs' kernels stay as they were."""
     funcs = _lowered(*_model("layer", 256, 512, 384, torch.float16, NormLinearAndNorm))
     assert not any(f.attrs.get(IN_LOOP_ATTR) is not None for f in funcs.values())
+
+
+def test_two_chain_tiles_refuse_in_loop_statistics():
+    """A tile with two 64-row accumulator chains per warpgroup cannot compute the statistics: the
+    kernel's check says so (the caller keeps the statistics kernel), the generator refuses it."""
+    prob = GemmProblem(512, 256, 512, "float16", "float16", "nt")
+    two_chains = GemmConfig(bm=128, bn=128, wg_rows=128)
+    stats = RowStats(True, 1e-5)
+    assert check(prob, two_chains) is None
+    assert "one 64-row chain" in check(prob, two_chains, stats)
+    with pytest.raises(ValueError, match="one 64-row chain"):
+        standalone(prob, two_chains, stats)
 
 
 def test_recognises_only_the_statistics_functions():

@@ -1,4 +1,4 @@
-"""FlashAttention prefill kernel for sm_90a (FA3-style): TMA → mbarrier ring → wgmma, TIRx text.
+"""FlashAttention prefill kernel for sm_90a (FA3-style): TMA → mbarrier ring → wgmma, in TIRx.
 
 One CTA per (query tile of ``BM = 64·consumers`` rows, query head, batch), ``1 + consumers``
 warpgroups (warp specialisation)::
@@ -16,7 +16,8 @@ warpgroups (warp specialisation)::
                                          read MN-major from shared (trans-b)
     out = O / l (rows that see no key: 0), stored from registers, rows ≥ Sq masked.
 
-S and P stay in registers. The kernel is TIRx text parsed by TVMScript and tagged
+S and P stay in registers. The kernel is a ``@T.prim_func`` with ``@T.inline`` helpers (closures
+over the spec and config; loops unrolled at generation time emit through the IR builder), tagged
 ``tvmfuse.tirx`` so :func:`.gemm_sm90.uses_tirx` sends the build through the hybrid pipeline.
 Covers fp16 / bf16, head dim 64 / 128, causal kinds, GQA / MQA, any Sq / Skv (D·2 bytes is a
 multiple of 16, so TMA strides are legal). Not covered (the caller falls back to the sm80-style
@@ -29,6 +30,8 @@ import math
 from dataclasses import dataclass
 
 import tvm
+from tvm import tirx
+from tvm.script import tirx as T
 
 from ..attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
 from .attention_cpu import causal_offset
@@ -102,16 +105,23 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def kernel_text(spec: AttentionSpec, cfg: Sm90FlashConfig, func_name: str = "main") -> str:
-    """TVMScript (tirx) source of the kernel ``func_name(q, k, v, out)``."""
+def _emit(res) -> None:
+    """An expression statement as TVMScript emits it (a call's value becomes an Evaluate)."""
+    if res is not None:
+        T.evaluate(res)
+
+
+def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
+    """The kernel ``main(q, k, v, out)`` for ``spec`` (checked by :func:`unsupported`)."""
     B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
                               spec.head_dim)
     G = spec.group
-    e, odt = spec.dtype, spec.result_dtype
-    ab = _PTX_TYPE[e]
+    in_dt, odt = spec.dtype, spec.result_dtype
+    ab = _PTX_TYPE[in_dt]
     BM, BN, NS, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     DC = D // 64  # 64-element (128-byte) chunks per row: one TMA box / swizzle atom column each
     n_m, n_kv = _cdiv(Sq, BM), _cdiv(Skv, BN)
+    n_kv_full = Skv // BN
     off = causal_offset(spec)
     causal = off is not None
     off = off or 0
@@ -124,293 +134,327 @@ def kernel_text(spec: AttentionSpec, cfg: Sm90FlashConfig, func_name: str = "mai
     total = v_off + NS * kv_tile
     q_bytes, kv_bytes = BM * D * 2, BN * D * 2
     s_n, o_n = BN // 2, D // 2  # fp32 accumulators per consumer thread (64 × N / 128)
-    mma_s = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]'
-    mma_o = f'T.ptx["wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"]'
-    tma = 'T.ptx["cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"]'
-    cvt = f'T.ptx["cvt.rn.{ab}x2.f32"]'
-    tma_st = 'T.ptx["cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"]'
-    smem = "T.cuda.cvta_generic_to_shared"
+    heads_batch, last_tile, ns_m1 = Hq * B, n_m - 1, NS - 1
+    v_lbo = kv_chunk * 2 // 16
+    two_wg = 2 * WG
+    mma_s = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab}"]
+    mma_o = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"]
+    tma = T.ptx["cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"]
+    cvt = T.ptx[f"cvt.rn.{ab}x2.f32"]
+    tma_st = T.ptx["cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"]
+    to_shared = T.cuda.cvta_generic_to_shared
+    tma_store = cfg.tma_store and odt == in_dt
 
-    lines: list[str] = []
+    def encode_map(tmap, buf, heads: int, seq: int, rows: int):
+        # host: 4-D tensor map, dims innermost first (D, H, S, B), byte strides of H, S, B,
+        # box (64, 1, rows, 1), element strides 1, no interleave, 128B swizzle, L2 256B, OOB zeros
+        return T.call_packed("runtime.cuTensorMapEncodeTiled", tmap, in_dt, 4, buf.data, D, heads,
+                             seq, B, D * 2, heads * D * 2, seq * heads * D * 2, 64, 1, rows, 1, 1, 1,
+                             1, 1, 0, SW128, 2, 0)
 
-    def w(indent: int, text: str) -> None:
-        lines.append("    " * indent + text)
+    def tile_row(bid):
+        # causal: the longest query tiles first; the heads and batches of one tile run side by side
+        return last_tile - bid // heads_batch if causal else bid // heads_batch
 
-    w(0, "@T.prim_func")
-    w(0, f"def {func_name}(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle):")
-    w(1, 'T.func_attr({"tirx.noalias": True})')
-    w(1, f'q = T.match_buffer(q_h, ({B}, {Sq}, {Hq}, {D}), "{e}", align=16)')
-    w(1, f'k = T.match_buffer(k_h, ({B}, {Skv}, {Hkv}, {D}), "{e}", align=16)')
-    w(1, f'v = T.match_buffer(v_h, ({B}, {Skv}, {Hkv}, {D}), "{e}", align=16)')
-    w(1, f'out = T.match_buffer(o_h, ({B}, {Sq}, {Hq}, {D}), "{odt}", align=16)')
-    # host: 4-D tensor maps, dims innermost first (D, H, S, B), byte strides of H, S, B,
-    # box (64, 1, rows, 1), element strides 1, no interleave, 128B swizzle, L2 256B, OOB zeros
-    tma_store = cfg.tma_store and odt == e
-    maps = [("Q", "q", Hq, Sq, BM), ("K", "k", Hkv, Skv, BN), ("V", "v", Hkv, Skv, BN)]
-    if tma_store:
-        maps.append(("O", "out", Hq, Sq, 64))
-    for name, buf, heads, seq, rows in maps:
-        w(1, f'{name}_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)')
-        w(1, f'T.call_packed("runtime.cuTensorMapEncodeTiled", {name}_map, "{e}", 4, {buf}.data, '
-             f"{D}, {heads}, {seq}, {B}, {D * 2}, {heads * D * 2}, {seq * heads * D * 2}, "
-             f"64, 1, {rows}, 1, 1, 1, 1, 1, 0, {SW128}, 2, 0)")
-    w(1, "T.device_entry()")
-    w(1, f"bid = T.cta_id([{n_m * Hq * B}])")
-    w(1, f"tx = T.thread_id([{cfg.threads}])")
-    w(1, f'smem = T.alloc_buffer(({total},), "{e}", scope="shared.dyn", align=1024)')
-    if tma_store:
-        w(1, f'smem32 = T.decl_buffer(({total // 2},), "uint32", data=smem.data, scope="shared.dyn")')
-    w(1, 'q_full = T.alloc_shared([1], "uint64")')
-    for bar in ("k_full", "k_empty", "v_full", "v_empty"):
-        w(1, f'{bar} = T.alloc_shared([{NS}], "uint64")')
-    # causal: the longest query tiles first; the heads and batches of one tile run side by side
-    tile = f"({n_m - 1} - bid // {Hq * B})" if causal else f"(bid // {Hq * B})"
-    w(1, f"m0 = {tile} * {BM}")
-    w(1, f"b = (bid % {Hq * B}) // {Hq}")
-    w(1, f"h = bid % {Hq}")
-    w(1, f"g = h // {G}")
-    if causal:
-        # KV tiles holding a key visible to some row (n_end) / to every row (n_full) of the tile
-        w(1, f"n_end = T.max(T.min({n_kv}, (T.min(m0 + {BM}, {Sq}) - 1 + {off}) // {BN} + 1), 0)")
-        w(1, f"n_full = T.min(T.max(T.min({Skv // BN}, (m0 + {off} + 1) // {BN}), 0), n_end)")
-    else:
-        w(1, f"n_end = {n_kv}")
-        w(1, f"n_full = {Skv // BN}")
-    w(1, "n_mask = n_end - n_full")
-    w(1, "if tx == 0:")
-    w(2, f"T.ptx.mbarrier.init.shared.b64({smem}(q_full.ptr_to([0])), T.uint32(1))")
-    w(2, f"for s in T.unroll({NS}):")
-    for bar, count in (("k_full", 1), ("v_full", 1), ("k_empty", NC * WG), ("v_empty", NC * WG)):
-        w(3, f"T.ptx.mbarrier.init.shared.b64({smem}({bar}.ptr_to([s])), T.uint32({count}))")
-    w(1, "T.ptx.fence.mbarrier_init.release.cluster()")
-    w(1, "T.cuda.cta_sync()")
-    w(1, "if tx // 128 == 0:")
-    w(2, f'T.ptx["setmaxnreg.dec.sync.aligned.u32"]({cfg.producer_regs})')
-    w(2, "if tx == 0:")
-    w(3, f"T.ptx.mbarrier.arrive.expect_tx.shared.b64({smem}(q_full.ptr_to([0])), "
-         f"T.uint32({q_bytes}))")
-    for c in range(DC):
-        w(3, f"{tma}({smem}(smem.ptr_to([{c * q_chunk}])), T.address_of(Q_map), "
-             f"{c * 64}, h, m0, b, {smem}(q_full.ptr_to([0])))")
-    # KV tiles in processing order: jj-th tile is j = n_end − 1 − jj (masked tiles first)
-    w(3, "for jj in T.serial(n_end):")
-    w(4, f"s = jj % {NS}")
-    w(4, "j = n_end - 1 - jj")
-    for name, full, empty, base in (("K", "k_full", "k_empty", k_off),
-                                    ("V", "v_full", "v_empty", v_off)):
-        w(4, f"if jj >= {NS}:")
-        w(5, f"T.cuda.mbarrier_wait({empty}.ptr_to([s]), (jj // {NS} + 1) % 2)")
-        w(4, f"T.ptx.mbarrier.arrive.expect_tx.shared.b64({smem}({full}.ptr_to([s])), "
-             f"T.uint32({kv_bytes}))")
+    def tma_rows(smem, tmap, base, chunk: int, head, row, b, bar) -> None:
+        """One TMA box per 64-element d-chunk c: rows ``row..`` of ``head`` into ``base + c·chunk``."""
         for c in range(DC):
-            w(4, f"{tma}({smem}(smem.ptr_to([{base} + s * {kv_tile} + {c * kv_chunk}])), "
-                 f"T.address_of({name}_map), {c * 64}, g, j * {BN}, b, "
-                 f"{smem}({full}.ptr_to([s])))")
-    w(1, "else:")
-    w(2, f'T.ptx["setmaxnreg.inc.sync.aligned.u32"]({cfg.consumer_regs})')
-    w(2, f's_acc = T.alloc_buffer(({s_n},), "float32", scope="local")')
-    w(2, f'o_acc = T.alloc_buffer(({o_n},), "float32", scope="local")')
-    w(2, f'p_frag = T.alloc_buffer(({BN // 4},), "uint32", scope="local")')
-    w(2, 'm_i = T.alloc_buffer((2,), "float32", scope="local")')
-    w(2, 'l_i = T.alloc_buffer((2,), "float32", scope="local")')
-    w(2, 'st = T.alloc_buffer((4,), "float32", scope="local")')
-    w(2, 'alpha = T.alloc_buffer((2,), "float32", scope="local")')
-    w(2, 'desc_q = T.alloc_buffer((1,), "uint64", scope="local")')
-    w(2, 'desc_k = T.alloc_buffer((1,), "uint64", scope="local")')
-    w(2, 'desc_v = T.alloc_buffer((1,), "uint64", scope="local")')
-    w(2, "wg = tx // 128 - 1")
-    w(2, "t = tx % 128")
-    w(2, "row0 = m0 + wg * 64 + (t // 32) * 16 + (t % 32) // 4")
-    w(2, "col0 = (t % 4) * 2")
-    # descriptors: K-major 128B-swizzled Q / K (LBO unused, SBO 1024 B between 8-row groups);
-    # V MN-major (LBO = one 64-column chunk of BN rows, SBO 1024 B)
-    w(2, f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_q[0]), "
-         f"smem.ptr_to([wg * {64 * 64}]), 1, 64, {SW128})")
-    w(2, f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_k[0]), "
-         f"smem.ptr_to([{k_off}]), 1, 64, {SW128})")
-    w(2, f"T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_v[0]), "
-         f"smem.ptr_to([{v_off}]), {kv_chunk * 2 // 16}, 64, {SW128})")
-    w(2, f"for i in T.unroll({o_n}):")
-    w(3, "o_acc[i] = T.float32(0)")
-    w(2, "for i in T.unroll(2):")
-    w(3, 'm_i[i] = T.float32("-inf")')
-    w(3, "l_i[i] = T.float32(0)")
-    w(2, "T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)")
-    s_accs = ", ".join(f"s_acc[{i}]" for i in range(s_n))
-    o_accs = ", ".join(f"o_acc[{i}]" for i in range(o_n))
+            _emit(tma(to_shared(smem.ptr_to([base + c * chunk])), T.address_of(tmap), c * 64, head,
+                      row, b, to_shared(bar)))
 
-    def issue_s(ind: int, stage: str) -> None:
+    def store_o(tmap, smem, h, m0, wg, b) -> None:
+        for c in range(DC):
+            _emit(tma_st(T.address_of(tmap), c * 64, h, m0 + wg * 64, b,
+                         to_shared(smem.ptr_to([c * q_chunk + wg * 4096]))))
+
+    def mma_qk(s_acc, desc_q, desc_k, stage) -> None:
         # S = Q·Kᵀ: k16 step kk reads 32 bytes into the 128-byte row of d-chunk kk // 4
         for kk in range(D // 16):
             a_off = ((kk // 4) * q_chunk * 2 + (kk % 4) * 32) // 16
-            b_off = f"({stage} * {kv_tile * 2} + {(kk // 4) * kv_chunk * 2 + (kk % 4) * 32}) // 16"
-            w(ind, f"{mma_s}({s_accs}, desc_q[0] + T.uint64({a_off}), "
-                   f"desc_k[0] + T.uint64({b_off}), {kk > 0}, 1, 1, 0, 0)")
-        w(ind, "T.ptx.wgmma.commit_group.sync.aligned()")
+            b_off = (stage * (kv_tile * 2) + ((kk // 4) * kv_chunk * 2 + (kk % 4) * 32)) // 16
+            _emit(mma_s(*[s_acc[i] for i in range(s_n)], desc_q[0] + T.uint64(a_off),
+                        desc_k[0] + T.uint64(b_off), kk > 0, 1, 1, 0, 0))
 
-    def issue_pv(ind: int, stage: str) -> None:
+    def mma_pv(o_acc, p_frag, desc_v, stage) -> None:
         # O += P·V: k16 step kt = keys 16kt.. = 16 rows of 128 B in every d-chunk
         for kt in range(BN // 16):
-            b_off = f"({stage} * {kv_tile * 2} + {kt * 16 * 128}) // 16"
-            w(ind, f"{mma_o}({o_accs}, p_frag[{kt * 4}], p_frag[{kt * 4 + 1}], "
-                   f"p_frag[{kt * 4 + 2}], p_frag[{kt * 4 + 3}], desc_v[0] + T.uint64({b_off}), "
-                   "True, 1, 1, 1)")
-        w(ind, "T.ptx.wgmma.commit_group.sync.aligned()")
+            b_off = (stage * (kv_tile * 2) + kt * 16 * 128) // 16
+            _emit(mma_o(*[o_acc[i] for i in range(o_n)], p_frag[kt * 4], p_frag[kt * 4 + 1],
+                        p_frag[kt * 4 + 2], p_frag[kt * 4 + 3], desc_v[0] + T.uint64(b_off),
+                        True, 1, 1, 1))
 
-    def mask(ind: int, jj: str = "jj", j: str = "j") -> None:
-        # keys past Skv and (causal) right of the diagonal; only the first n_mask tiles
-        w(ind, f"if {jj} < n_mask:")
-        w(ind + 1, f"for jn in T.unroll({BN // 8}):")
-        w(ind + 2, "for x in T.unroll(4):")
-        w(ind + 3, f"col = {j} * {BN} + jn * 8 + col0 + x % 2")
-        cond = f"col >= {Skv}"
+    @T.prim_func
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        q = T.match_buffer(q_h, (B, Sq, Hq, D), in_dt, align=16)
+        k = T.match_buffer(k_h, (B, Skv, Hkv, D), in_dt, align=16)
+        v = T.match_buffer(v_h, (B, Skv, Hkv, D), in_dt, align=16)
+        out = T.match_buffer(o_h, (B, Sq, Hq, D), odt, align=16)
+        Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        encode_map(Q_map, q, Hq, Sq, BM)
+        K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        encode_map(K_map, k, Hkv, Skv, BN)
+        V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        encode_map(V_map, v, Hkv, Skv, BN)
+        if tma_store:
+            O_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            encode_map(O_map, out, Hq, Sq, 64)
+        T.device_entry()
+        bid = T.cta_id([n_m * Hq * B])
+        tx = T.thread_id([cfg.threads])
+        smem = T.alloc_buffer((total,), in_dt, scope="shared.dyn", align=1024)
+        if tma_store:
+            smem32 = T.decl_buffer((total // 2,), "uint32", data=smem.data, scope="shared.dyn")
+        q_full = T.alloc_shared([1], "uint64")
+        k_full = T.alloc_shared([NS], "uint64")
+        k_empty = T.alloc_shared([NS], "uint64")
+        v_full = T.alloc_shared([NS], "uint64")
+        v_empty = T.alloc_shared([NS], "uint64")
+        m0 = tile_row(bid) * BM
+        b = (bid % heads_batch) // Hq
+        h = bid % Hq
+        g = h // G
         if causal:
-            cond += f" or col > row0 + (x // 2) * 8 + {off}"
-        w(ind + 3, f"if {cond}:")
-        w(ind + 4, 's_acc[jn * 4 + x] = T.float32("-inf")')
+            # KV tiles holding a key visible to some row (n_end) / to every row (n_full) of the tile
+            n_end = T.max(T.min(n_kv, (T.min(m0 + BM, Sq) - 1 + off) // BN + 1), 0)
+            n_full = T.min(T.max(T.min(n_kv_full, (m0 + off + 1) // BN), 0), n_end)
+        else:
+            n_end = n_kv
+            n_full = n_kv_full
+        n_mask = n_end - n_full
+        if tx == 0:
+            T.ptx.mbarrier.init.shared.b64(to_shared(q_full.ptr_to([0])), T.uint32(1))
+            for s in T.unroll(NS):
+                T.ptx.mbarrier.init.shared.b64(to_shared(k_full.ptr_to([s])), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(to_shared(v_full.ptr_to([s])), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(to_shared(k_empty.ptr_to([s])), T.uint32(NC * WG))
+                T.ptx.mbarrier.init.shared.b64(to_shared(v_empty.ptr_to([s])), T.uint32(NC * WG))
+        T.ptx.fence.mbarrier_init.release.cluster()
+        T.cuda.cta_sync()
+        if tx // 128 == 0:
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](cfg.producer_regs)
+            if tx == 0:
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(to_shared(q_full.ptr_to([0])),
+                                                           T.uint32(q_bytes))
+                tma_rows(smem, Q_map, 0, q_chunk, h, m0, b, q_full.ptr_to([0]))
 
-    def softmax(ind: int, rescale_now: bool) -> None:
-        # a thread holds rows row0 and row0 + 8; a row lives in a quad of lanes.
-        # alpha[r] = 2^(m − m'); O is rescaled here or (overlap) once the P·V in flight retired
-        w(ind, "for r in T.unroll(2):")
-        w(ind + 1, "st[0] = m_i[r]")
-        w(ind + 1, f"for jn in T.unroll({BN // 8}):")
-        w(ind + 2, f"st[0] = T.max(st[0], T.max(s_acc[jn * 4 + r * 2], s_acc[jn * 4 + r * 2 + 1]) "
-                   f"* T.float32({c_log2!r}))")
-        for lane_mask in (1, 2):
-            w(ind + 1, f"st[0] = T.max(st[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], "
-                       f"{lane_mask}, 32, 32))")
-        # m' = −inf: nothing visible yet; subtract 0 so 2^(−inf) = 0, not NaN
-        w(ind + 1, 'st[1] = T.if_then_else(st[0] == T.float32("-inf"), T.float32(0), st[0])')
-        w(ind + 1, "alpha[r] = T.exp2(m_i[r] - st[1])")
-        w(ind + 1, "m_i[r] = st[0]")
-        w(ind + 1, "l_i[r] = l_i[r] * alpha[r]")
-        w(ind + 1, f"for jn in T.unroll({BN // 8}):")
-        w(ind + 2, "for x in T.unroll(2):")
-        w(ind + 3, 'T.ptx["ex2.approx.ftz.f32"](s_acc[jn * 4 + r * 2 + x], '
-                   f"s_acc[jn * 4 + r * 2 + x] * T.float32({c_log2!r}) - st[1])")
-        w(ind + 3, "l_i[r] = l_i[r] + s_acc[jn * 4 + r * 2 + x]")
-        if rescale_now:
-            rescale(ind)
+                @T.inline
+                def load_kv(tmap, full, empty, base, jj, s, j):
+                    if jj >= NS:
+                        T.cuda.mbarrier_wait(empty.ptr_to([s]), (jj // NS + 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(to_shared(full.ptr_to([s])),
+                                                               T.uint32(kv_bytes))
+                    tma_rows(smem, tmap, base + s * kv_tile, kv_chunk, g, j * BN, b,
+                             full.ptr_to([s]))
 
-    def rescale(ind: int) -> None:
-        w(ind, f"for dn in T.unroll({D // 8}):")
-        w(ind + 1, "for x in T.unroll(4):")
-        w(ind + 2, "o_acc[dn * 4 + x] = o_acc[dn * 4 + x] * alpha[x // 2]")
+                # KV tiles in processing order: jj-th tile is j = n_end − 1 − jj (masked tiles first)
+                for jj in T.serial(n_end):
+                    s = jj % NS
+                    j = n_end - 1 - jj
+                    load_kv(K_map, k_full, k_empty, k_off, jj, s, j)
+                    load_kv(V_map, v_full, v_empty, v_off, jj, s, j)
+        else:
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](cfg.consumer_regs)
+            s_acc = T.alloc_buffer((s_n,), "float32", scope="local")
+            o_acc = T.alloc_buffer((o_n,), "float32", scope="local")
+            p_frag = T.alloc_buffer((BN // 4,), "uint32", scope="local")
+            m_i = T.alloc_buffer((2,), "float32", scope="local")
+            l_i = T.alloc_buffer((2,), "float32", scope="local")
+            st = T.alloc_buffer((4,), "float32", scope="local")
+            alpha = T.alloc_buffer((2,), "float32", scope="local")
+            desc_q = T.alloc_buffer((1,), "uint64", scope="local")
+            desc_k = T.alloc_buffer((1,), "uint64", scope="local")
+            desc_v = T.alloc_buffer((1,), "uint64", scope="local")
+            wg = tx // 128 - 1
+            t = tx % 128
+            row0 = m0 + wg * 64 + (t // 32) * 16 + (t % 32) // 4
+            col0 = (t % 4) * 2
+            # descriptors: K-major 128B-swizzled Q / K (LBO unused, SBO 1024 B between 8-row
+            # groups); V MN-major (LBO = one 64-column chunk of BN rows, SBO 1024 B)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_q[0]), smem.ptr_to([wg * 4096]),
+                                                  1, 64, SW128)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_k[0]), smem.ptr_to([k_off]),
+                                                  1, 64, SW128)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_v[0]), smem.ptr_to([v_off]),
+                                                  v_lbo, 64, SW128)
+            for i in T.unroll(o_n):
+                o_acc[i] = T.float32(0)
+            for i in T.unroll(2):
+                m_i[i] = T.float32("-inf")
+                l_i[i] = T.float32(0)
+            T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)
 
-    def to_p(ind: int) -> None:
-        # P → A fragments: register i packs accumulators 2i (low half) and 2i + 1 (high half)
-        w(ind, f"for i in T.unroll({BN // 4}):")
-        w(ind + 1, f"{cvt}(p_frag[i], s_acc[2 * i + 1], s_acc[2 * i])")
+            @T.inline
+            def issue_s(stage):
+                mma_qk(s_acc, desc_q, desc_k, stage)
+                T.ptx.wgmma.commit_group.sync.aligned()
 
-    def turn_wait(ind: int) -> None:
-        # ping-pong: warpgroup wg issues its GEMMs only after the other one issued theirs
-        if cfg.pingpong:
-            w(ind, f"T.ptx['bar.sync'](T.uint32(1 + wg), T.uint32({2 * WG}))")
+            @T.inline
+            def issue_pv(stage):
+                mma_pv(o_acc, p_frag, desc_v, stage)
+                T.ptx.wgmma.commit_group.sync.aligned()
 
-    def turn_pass(ind: int) -> None:
-        if cfg.pingpong:
-            w(ind, f"T.ptx['bar.arrive'](T.uint32(2 - wg), T.uint32({2 * WG}))")
+            @T.inline
+            def mask(jj, j):
+                # keys past Skv and (causal) right of the diagonal; only the first n_mask tiles
+                if jj < n_mask:
+                    for jn in T.unroll(BN // 8):
+                        for x in T.unroll(4):
+                            col = j * BN + jn * 8 + col0 + x % 2
+                            if causal:
+                                if col >= Skv or col > row0 + (x // 2) * 8 + off:
+                                    s_acc[jn * 4 + x] = T.float32("-inf")
+                            else:
+                                if col >= Skv:
+                                    s_acc[jn * 4 + x] = T.float32("-inf")
 
-    if cfg.pingpong:
-        w(2, "if wg == 1:")  # warpgroup 0 goes first
-        w(3, f"T.ptx['bar.arrive'](T.uint32(1), T.uint32({2 * WG}))")
-    if not cfg.overlap:
-        w(2, "for jj in T.serial(n_end):")
-        w(3, f"s = jj % {NS}")
-        w(3, f"ph = (jj // {NS}) % 2")
-        w(3, "j = n_end - 1 - jj")
-        w(3, "T.cuda.mbarrier_wait(k_full.ptr_to([s]), ph)")
-        turn_wait(3)
-        w(3, "T.ptx.wgmma.fence.sync.aligned()")
-        issue_s(3, "s")
-        turn_pass(3)
-        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
-        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(k_empty.ptr_to([s])))")
-        mask(3)
-        softmax(3, rescale_now=True)
-        to_p(3)
-        w(3, "T.cuda.mbarrier_wait(v_full.ptr_to([s]), ph)")
-        w(3, "T.ptx.wgmma.fence.sync.aligned()")
-        issue_pv(3, "s")
-        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
-        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(v_empty.ptr_to([s])))")
-    else:
-        # FA3 intra-warpgroup overlap: S_jj = Q·K_jjᵀ and O += P_{jj−1}·V_{jj−1} in flight
-        # together; the softmax of S_jj runs while the P·V wgmma still executes
-        w(2, "if n_end > 0:")
-        w(3, "T.cuda.mbarrier_wait(k_full.ptr_to([0]), 0)")
-        turn_wait(3)
-        w(3, "T.ptx.wgmma.fence.sync.aligned()")
-        issue_s(3, "0")
-        turn_pass(3)
-        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
-        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(k_empty.ptr_to([0])))")
-        mask(3, "0", "(n_end - 1)")
-        softmax(3, rescale_now=False)
-        to_p(3)
-        w(2, "for jj in T.serial(1, n_end):")
-        w(3, f"s = jj % {NS}")
-        w(3, f"sp = (jj + {NS - 1}) % {NS}")
-        w(3, "j = n_end - 1 - jj")
-        w(3, f"T.cuda.mbarrier_wait(k_full.ptr_to([s]), (jj // {NS}) % 2)")
-        w(3, f"T.cuda.mbarrier_wait(v_full.ptr_to([sp]), ((jj - 1) // {NS}) % 2)")
-        turn_wait(3)
-        w(3, "T.ptx.wgmma.fence.sync.aligned()")
-        issue_s(3, "s")
-        issue_pv(3, "sp")
-        turn_pass(3)
-        w(3, "T.ptx.wgmma.wait_group.sync.aligned(1)")
-        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(k_empty.ptr_to([s])))")
-        mask(3)
-        softmax(3, rescale_now=False)
-        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
-        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(v_empty.ptr_to([sp])))")
-        rescale(3)
-        to_p(3)
-        w(2, "if n_end > 0:")
-        w(3, f"sl = (n_end - 1) % {NS}")
-        w(3, f"T.cuda.mbarrier_wait(v_full.ptr_to([sl]), ((n_end - 1) // {NS}) % 2)")
-        w(3, "T.ptx.wgmma.fence.sync.aligned()")
-        issue_pv(3, "sl")
-        w(3, "T.ptx.wgmma.wait_group.sync.aligned(0)")
-        w(3, f"T.ptx.mbarrier.arrive.shared.b64({smem}(v_empty.ptr_to([sl])))")
-    if cfg.pingpong:
-        w(2, "if wg == 0:")  # consume warpgroup 1's last hand-over
-        w(3, f"T.ptx['bar.sync'](T.uint32(1), T.uint32({2 * WG}))")
-    # out = O / l   (l summed over the quad)
-    w(2, "for r in T.unroll(2):")
-    w(3, "st[0] = l_i[r]")
-    for lane_mask in (1, 2):
-        w(3, f"st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], "
-             f"{lane_mask}, 32, 32)")
-    w(3, "alpha[r] = T.if_then_else(st[0] > T.float32(0), T.float32(1) / st[0], T.float32(0))")
-    if tma_store:
-        # O tile → this warpgroup's (now idle) Q rows in the same 128B-swizzled layout, then
-        # one TMA store per d-chunk (rows ≥ Sq are clipped by the tensor map)
-        w(2, "row_l = (t // 32) * 16 + (t % 32) // 4")
-        w(2, f"for dn in T.unroll({D // 8}):")
-        w(3, "for r in T.unroll(2):")
-        w(4, f"{cvt}(p_frag[0], o_acc[dn * 4 + r * 2 + 1] * alpha[r], "
-             "o_acc[dn * 4 + r * 2] * alpha[r])")
-        w(4, f"smem32[((dn // 8) * {q_chunk} + wg * {64 * 64} + (row_l + r * 8) * 64 + "
-             "T.bitwise_xor(dn % 8, (row_l + r * 8) % 8) * 8 + col0) // 2] = p_frag[0]")
-        w(2, 'T.ptx["fence.proxy.async.shared::cta"]()')
-        w(2, f"T.ptx['bar.sync'](T.uint32(3 + wg), T.uint32({WG}))")
-        w(2, "if t == 0:")
-        for c in range(DC):
-            w(3, f"{tma_st}(T.address_of(O_map), {c * 64}, h, m0 + wg * 64, b, "
-                 f"{smem}(smem.ptr_to([{c * q_chunk} + wg * {64 * 64}])))")
-        w(3, 'T.ptx["cp.async.bulk.commit_group"]()')
-        w(3, 'T.ptx["cp.async.bulk.wait_group.read"](0)')
-    else:
-        w(2, "for r in T.unroll(2):")
-        w(3, f"if row0 + r * 8 < {Sq}:")
-        w(4, f"for dn in T.unroll({D // 8}):")
-        w(5, "for x in T.unroll(2):")
-        w(6, f'out[b, row0 + r * 8, h, dn * 8 + col0 + x] = T.Cast("{odt}", '
-             "o_acc[dn * 4 + r * 2 + x] * alpha[r])")
-    return "\n".join(lines) + "\n"
+            @T.inline
+            def rescale():
+                for dn in T.unroll(D // 8):
+                    for x in T.unroll(4):
+                        o_acc[dn * 4 + x] = o_acc[dn * 4 + x] * alpha[x // 2]
+
+            @T.inline
+            def softmax(rescale_now):
+                # a thread holds rows row0 and row0 + 8; a row lives in a quad of lanes.
+                # alpha[r] = 2^(m − m'); O is rescaled here or (overlap) once the P·V in flight
+                # retired
+                for r in T.unroll(2):
+                    st[0] = m_i[r]
+                    for jn in T.unroll(BN // 8):
+                        st[0] = T.max(st[0], T.max(s_acc[jn * 4 + r * 2], s_acc[jn * 4 + r * 2 + 1])
+                                      * T.float32(c_log2))
+                    st[0] = T.max(st[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 1, 32, 32))
+                    st[0] = T.max(st[0], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 2, 32, 32))
+                    # m' = −inf: nothing visible yet; subtract 0 so 2^(−inf) = 0, not NaN
+                    st[1] = T.if_then_else(st[0] == T.float32("-inf"), T.float32(0), st[0])
+                    alpha[r] = T.exp2(m_i[r] - st[1])
+                    m_i[r] = st[0]
+                    l_i[r] = l_i[r] * alpha[r]
+                    for jn in T.unroll(BN // 8):
+                        for x in T.unroll(2):
+                            T.ptx["ex2.approx.ftz.f32"](s_acc[jn * 4 + r * 2 + x],
+                                                        s_acc[jn * 4 + r * 2 + x] * T.float32(c_log2)
+                                                        - st[1])
+                            l_i[r] = l_i[r] + s_acc[jn * 4 + r * 2 + x]
+                if rescale_now:
+                    rescale()
+
+            @T.inline
+            def to_p():
+                # P → A fragments: register i packs accumulators 2i (low half) and 2i + 1 (high)
+                for i in T.unroll(BN // 4):
+                    cvt(p_frag[i], s_acc[2 * i + 1], s_acc[2 * i])
+
+            @T.inline
+            def turn_wait():
+                # ping-pong: warpgroup wg issues its GEMMs only after the other one issued theirs
+                if cfg.pingpong:
+                    T.ptx["bar.sync"](T.uint32(1 + wg), T.uint32(two_wg))
+
+            @T.inline
+            def turn_pass():
+                if cfg.pingpong:
+                    T.ptx["bar.arrive"](T.uint32(2 - wg), T.uint32(two_wg))
+
+            if cfg.pingpong:
+                if wg == 1:  # warpgroup 0 goes first
+                    T.ptx["bar.arrive"](T.uint32(1), T.uint32(two_wg))
+            if not cfg.overlap:
+                for jj in T.serial(n_end):
+                    s = jj % NS
+                    ph = (jj // NS) % 2
+                    j = n_end - 1 - jj
+                    T.cuda.mbarrier_wait(k_full.ptr_to([s]), ph)
+                    turn_wait()
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_s(s)
+                    turn_pass()
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
+                    mask(jj, j)
+                    softmax(True)
+                    to_p()
+                    T.cuda.mbarrier_wait(v_full.ptr_to([s]), ph)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_pv(s)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([s])))
+            else:
+                # FA3 intra-warpgroup overlap: S_jj = Q·K_jjᵀ and O += P_{jj−1}·V_{jj−1} in flight
+                # together; the softmax of S_jj runs while the P·V wgmma still executes
+                if n_end > 0:
+                    T.cuda.mbarrier_wait(k_full.ptr_to([0]), 0)
+                    turn_wait()
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_s(0)
+                    turn_pass()
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([0])))
+                    mask(0, n_end - 1)
+                    softmax(False)
+                    to_p()
+                for jj in T.serial(1, n_end):
+                    s = jj % NS
+                    sp = (jj + ns_m1) % NS
+                    j = n_end - 1 - jj
+                    T.cuda.mbarrier_wait(k_full.ptr_to([s]), (jj // NS) % 2)
+                    T.cuda.mbarrier_wait(v_full.ptr_to([sp]), ((jj - 1) // NS) % 2)
+                    turn_wait()
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_s(s)
+                    issue_pv(sp)
+                    turn_pass()
+                    T.ptx.wgmma.wait_group.sync.aligned(1)
+                    T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
+                    mask(jj, j)
+                    softmax(False)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sp])))
+                    rescale()
+                    to_p()
+                if n_end > 0:
+                    sl = (n_end - 1) % NS
+                    T.cuda.mbarrier_wait(v_full.ptr_to([sl]), ((n_end - 1) // NS) % 2)
+                    T.ptx.wgmma.fence.sync.aligned()
+                    issue_pv(sl)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sl])))
+            if cfg.pingpong:
+                if wg == 0:  # consume warpgroup 1's last hand-over
+                    T.ptx["bar.sync"](T.uint32(1), T.uint32(two_wg))
+            # out = O / l   (l summed over the quad)
+            for r in T.unroll(2):
+                st[0] = l_i[r]
+                st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 1, 32, 32)
+                st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 2, 32, 32)
+                alpha[r] = T.if_then_else(st[0] > T.float32(0), T.float32(1) / st[0], T.float32(0))
+            if tma_store:
+                # O tile → this warpgroup's (now idle) Q rows in the same 128B-swizzled layout,
+                # then one TMA store per d-chunk (rows ≥ Sq are clipped by the tensor map)
+                row_l = (t // 32) * 16 + (t % 32) // 4
+                for dn in T.unroll(D // 8):
+                    for r in T.unroll(2):
+                        cvt(p_frag[0], o_acc[dn * 4 + r * 2 + 1] * alpha[r],
+                            o_acc[dn * 4 + r * 2] * alpha[r])
+                        smem32[((dn // 8) * q_chunk + wg * 4096 + (row_l + r * 8) * 64
+                                + T.bitwise_xor(dn % 8, (row_l + r * 8) % 8) * 8 + col0) // 2] = (
+                            p_frag[0])
+                T.ptx["fence.proxy.async.shared::cta"]()
+                T.ptx["bar.sync"](T.uint32(3 + wg), T.uint32(WG))
+                if t == 0:
+                    store_o(O_map, smem, h, m0, wg, b)
+                    T.ptx["cp.async.bulk.commit_group"]()
+                    T.ptx["cp.async.bulk.wait_group.read"](0)
+            else:
+                for r in T.unroll(2):
+                    if row0 + r * 8 < Sq:
+                        for dn in T.unroll(D // 8):
+                            for x in T.unroll(2):
+                                out[b, row0 + r * 8, h, dn * 8 + col0 + x] = T.Cast(
+                                    odt, o_acc[dn * 4 + r * 2 + x] * alpha[r])
+
+    return main
 
 
 def flash_attention_sm90_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
@@ -420,14 +464,12 @@ def flash_attention_sm90_primfunc(spec: AttentionSpec, target: tvm.target.Target
 
     ``name``: keep a global symbol (standalone builds); inside a Relax module the build names it.
     """
-    from tvm.script import tirx as T
-    from tvm.script.parser.core.entry import parse
 
     cfg = config or default_config(spec)
     reason = unsupported(spec, cfg)
     if reason:
         raise ValueError(f"flash attention sm90a: {reason}")
-    func = parse(kernel_text(spec, cfg), extra_vars={"T": T})
+    func = flash_kernel(spec, cfg)
     attrs = {"tirx.is_scheduled": True, "tir.is_scheduled": True, RULE_ATTR: NAME,
              TIRX_ATTR: True,
              "tvmfuse.tile": f"{cfg.block_m}x{cfg.block_n} stages={cfg.stages}",

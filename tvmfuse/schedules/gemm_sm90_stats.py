@@ -6,7 +6,7 @@ NormGemmPrologue (``passes/norm_gemm.py``) turns ``norm(x) · W`` into a statist
 
 and a GEMM whose epilogue applies them, ``rstd ⊙ (x·W' − mean ⊗ colsum) + c``. On sm_90a the GEMM
 is the TIRx wgmma kernel (:mod:`.hopper.kernel`), whose consumers can compute the same statistics
-from the A tiles its main loop already holds in shared memory (``kernel_text(row_stats=...)``).
+from the A tiles its main loop already holds in shared memory (``gemm_kernel(row_stats=...)``).
 ``Sm90GemmRowStats`` does that rewrite: for each statistics call whose every result is read only by
 GEMMs over the same ``x`` that the wgmma kernel takes, each such GEMM becomes a kernel computing
 the statistics itself (without the statistics parameters) and the statistics call is removed: one

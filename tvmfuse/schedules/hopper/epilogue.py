@@ -4,7 +4,7 @@ FuseTIR gives a GEMM with its epilogue as one PrimFunc: a ``matmul`` block
 ``C[i, j] += cast(A[i, k]) * cast(B[k, j])`` (or ``B[j, k]``) followed by spatial blocks over the
 same ``(i, j)`` domain (casts, bias ``b[j]``, activations, residual ``r[i, j]``, row scales
 ``s[i, 0]``). :func:`analyze` inlines those blocks into one expression of the accumulator and the
-parameters, and :func:`expr_text` prints it as TVMScript for the kernel's store. A *pair*
+parameters, and :func:`expr_value` rebuilds it over the kernel's values for its store. A *pair*
 epilogue (``PairGemm``'s gated Linear) reads the GEMM result only at ``C[i, 2j]`` and
 ``C[i, 2j + 1]`` and writes ``out[i, j]`` (N/2 wide): its expression has two accumulators, ``acc``
 (even column) and ``acc_odd``. Anything else
@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import tvm
 import tvm.sym
 from tvm import tirx
+from tvm.script import tirx as T
 
 from ..tir_util import BINARY_OPS as _BINARY
 from ..tir_util import MATH_CALLS as _CALLS
@@ -203,10 +204,6 @@ def _same_int_width(a, b):
     return (a if da == wide else tirx.Cast(wide, a)), (b if db == wide else tirx.Cast(wide, b))
 
 
-_BINARY_TEXT = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.Div: "/", tirx.EQ: "==",
-                tirx.NE: "!=", tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">="}
-_BINARY_CALL = {tirx.Min: "T.min", tirx.Max: "T.max", tirx.FloorDiv: "T.floordiv",
-                tirx.FloorMod: "T.floormod", tirx.And: "T.And", tirx.Or: "T.Or"}
 
 
 def analyze(func: tirx.PrimFunc) -> FusedGemm:
@@ -262,54 +259,66 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
                      _shape(last), expr, acc, dims, [p.name for p in params], acc_odd)
 
 
-def expr_text(e, names: list, buffers: list, row_loads: tuple | None = None) -> str:
-    """TVMScript text of an epilogue expression.
+def expr_value(e, names: list, buffers: list, row_loads: tuple | None = None) -> tirx.PrimExpr:
+    """The epilogue expression rebuilt over the kernel's values.
 
-    ``names`` is ``[(var, text)]`` for acc and dims; ``buffers`` is ``[(buffer, name)]`` of params.
-    ``row_loads = (row dim, [(buffer, text)])``: loads ``buffer[row, 0]`` of these (M, 1) buffers
-    print as ``text`` (row statistics the kernel computes itself); any other load of them fails.
+    ``names`` is ``[(var, value)]`` for acc and dims (the kernel's accumulator load, row and column
+    expressions); ``buffers`` is ``[(buffer, kernel buffer)]`` of params. ``row_loads = (row dim,
+    [(buffer, value)])``: loads ``buffer[row, 0]`` of these (M, 1) buffers become ``value`` (row
+    statistics the kernel computes itself); any other load of them fails. Nodes are made as
+    TVMScript makes them (Python operators, ``T.*`` calls), so constant folding and dtype
+    promotion are those of a kernel written by hand.
     """
-    row_dim, row_texts = row_loads if row_loads is not None else (None, [])
+    row_dim, row_values = row_loads if row_loads is not None else (None, [])
 
-    def t(x) -> str:
+    def t(x):
         if isinstance(x, tirx.Var):
             found = _lookup(names, x)
             return found if found is not None else _fail(f"variable {x.name}")
         if isinstance(x, tirx.IntImm):
-            return f"T.{_dt(x)}({int(x.value)})" if _dt(x) != "bool" else str(bool(x.value))
+            return getattr(T, _dt(x))(int(x.value)) if _dt(x) != "bool" else bool(x.value)
         if isinstance(x, tirx.FloatImm):
             v = float(x.value)
             if v != v or v in (float("inf"), float("-inf")):
                 _fail("non-finite constant")
-            return f"T.{_dt(x)}({v!r})"
+            return getattr(T, _dt(x))(v)
         if isinstance(x, tirx.Cast):
-            return f'T.Cast("{_dt(x)}", {t(x.value)})'
+            return T.Cast(_dt(x), t(x.value))
         if isinstance(x, _Load):
-            text = next((n for b, n in row_texts if b.same_as(x.source)), None)
-            if text is not None:
+            value = next((v for b, v in row_values if b.same_as(x.source)), None)
+            if value is not None:
                 if not is_row_index(x.indices, row_dim):
                     _fail(f"{x.source.name} read other than at [row, 0]")
-                return text
-            name = next((n for b, n in buffers if b.same_as(x.source)), None)
-            if name is None:
+                return value
+            buf = next((nb for b, nb in buffers if b.same_as(x.source)), None)
+            if buf is None:
                 _fail(f"buffer {x.source.name}")
-            return f"{name}[{', '.join(t(i) for i in x.indices)}]"
-        if type(x) in _BINARY_TEXT:
-            return f"({t(x.a)} {_BINARY_TEXT[type(x)]} {t(x.b)})"
-        if type(x) in _BINARY_CALL:
-            return f"{_BINARY_CALL[type(x)]}({t(x.a)}, {t(x.b)})"
+            return buf[tuple(t(i) for i in x.indices)]
+        if type(x) in _BINARY_BUILD:
+            return _BINARY_BUILD[type(x)](t(x.a), t(x.b))
         if isinstance(x, tirx.Select):
-            return f"T.Select({t(x.condition)}, {t(x.true_value)}, {t(x.false_value)})"
+            return T.Select(t(x.condition), t(x.true_value), t(x.false_value))
         if isinstance(x, tirx.Not):
-            return f"T.Not({t(x.a)})"
+            return T.Not(t(x.a))
         if isinstance(x, _Call) and x.op.name == "tirx.call_pure_extern":  # CUDA fast-math calls
-            rest = "".join(f", {t(a)}" for a in x.args[1:])
-            return f'T.call_pure_extern("{_dt(x)}", "{x.args[0].value}"{rest})'
+            return T.call_pure_extern(_dt(x), str(x.args[0].value), *(t(a) for a in x.args[1:]))
         if isinstance(x, _Call):
-            return f"T.{x.op.name.removeprefix('tirx.')}({', '.join(t(a) for a in x.args)})"
+            return getattr(T, x.op.name.removeprefix("tirx."))(*(t(a) for a in x.args))
         return _fail(f"{type(x).__name__}")
 
     return t(e)
+
+
+# how TVMScript builds each binary node: arithmetic by Python operators (constant folding and
+# promotion included), comparisons and logic as the nodes themselves, min / max / floordiv / mod by
+# their T.* functions
+_BINARY_BUILD = {
+    tirx.Add: lambda a, b: a + b, tirx.Sub: lambda a, b: a - b, tirx.Mul: lambda a, b: a * b,
+    tirx.Div: lambda a, b: a / b,
+    tirx.EQ: tirx.EQ, tirx.NE: tirx.NE, tirx.LT: tirx.LT, tirx.LE: tirx.LE, tirx.GT: tirx.GT,
+    tirx.GE: tirx.GE, tirx.Min: T.min, tirx.Max: T.max, tirx.FloorDiv: T.floordiv,
+    tirx.FloorMod: T.floormod, tirx.And: T.And, tirx.Or: T.Or,
+}
 
 
 def is_row_index(indices, row_dim) -> bool:
@@ -320,5 +329,5 @@ def is_row_index(indices, row_dim) -> bool:
     return first.same_as(row_dim)
 
 
-def _fail(what: str) -> str:
-    raise NotHandled(f"cannot print epilogue: {what}")
+def _fail(what: str):
+    raise NotHandled(f"cannot build epilogue: {what}")
