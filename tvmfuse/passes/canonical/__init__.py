@@ -13,6 +13,7 @@ import tvm
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
 from .share_casts import ShareCasts
+from .tuple_output import TupleOutput
 from .upcast_matmul import UpcastMatmul
 
 # In order; a line's comment says why it sits where it does.
@@ -20,7 +21,8 @@ PASSES = [
     ShareCasts,  # one astype per (value, dtype): the passes below compare operands by identity
     HalfMatmulAccumulate,  # every GEMM names its fp32 accumulator before the two below read it
     UpcastMatmul,  # needs out_dtype=float32 (above); folds casts before the GEMM is reshaped
-    FoldMatmulLeadingDims,  # last: folds the final matmul and its cast / bias epilogue
+    FoldMatmulLeadingDims,  # folds the final matmul and its cast / bias epilogue
+    TupleOutput,  # after the fold: a reshape it leaves before the output must stay a view
 ]
 
 
@@ -30,4 +32,4 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 
 __all__ = ["PASSES", "Canonicalize", "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "ShareCasts",
-           "UpcastMatmul"]
+           "TupleOutput", "UpcastMatmul"]
