@@ -80,7 +80,6 @@ class Symbolic:
 
     @R.function
     def main(x: R.Tensor(("n", 8, 64), "float32"), w: R.Tensor((64, 32), "float32")):
-        n = T.int64()
         with R.dataflow():
             y = R.matmul(x, w, out_dtype="float32")
             R.output(y)
