@@ -29,7 +29,7 @@ from .passes import (
     SinkReshape,
 )
 from .passes.attention import FuseAttention
-from .passes.canonical import CanonicalizeBatchedMatmul
+from .passes.canonical import Canonicalize
 from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
@@ -98,11 +98,11 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
-        # torch.export's N-D `@` (broadcast_to + reshape to 3-D + matmul + reshape back) becomes the
-        # N-D matmul, so attention and GEMM patterns see one product.
-        mod = run("canonical_batched_matmul", CanonicalizeBatchedMatmul(), mod)
         # Exporters' no-op casts and x*1 would hide the patterns below and add kernel boundaries.
         mod = run("simplify_noops", SimplifyNoOps(), mod)
+        # One spelling per computation (both frontends) before the first pattern pass; after the
+        # no-op casts are gone, so the cast rewrites see only real conversions.
+        mod = run("canonicalize_spellings", Canonicalize(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
         mod = run("fuse_decomposed_norms", FuseDecomposedNorms(), mod)
         # Attention is matched on R.nn.softmax (made just above), before anything moves Q/K/V's views.

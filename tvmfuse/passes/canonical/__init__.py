@@ -1,5 +1,37 @@
-"""Canonicalisation: exporter spellings → one form, before any pattern pass. One rewrite per file."""
+"""Canonicalisation: exporter spellings → one form, before any pattern pass runs.
+
+torch.export and the ONNX exporters write the same computation differently (a Linear on 3-D
+input, fp16 matmuls, ``.float()`` upcasts, repeated casts). Each rewrite below is a named module
+pass in its own file; :func:`Canonicalize` runs them in the order of :data:`PASSES` (pipeline stage
+``canonicalize_spellings``), so the pattern passes after it match one spelling per computation.
+"""
+
+from __future__ import annotations
+
+import tvm
 
 from .batched_matmul import CanonicalizeBatchedMatmul
+from .fold_leading_dims import FoldMatmulLeadingDims
+from .half_accumulate import HalfMatmulAccumulate
+from .share_casts import ShareCasts
+from .tuple_output import TupleOutput
+from .upcast_matmul import UpcastMatmul
 
-__all__ = ["CanonicalizeBatchedMatmul"]
+# In order; a line's comment says why it sits where it does.
+PASSES = [
+    CanonicalizeBatchedMatmul,  # torch.export's N-D `@` (reshape → 3-D matmul → reshape) is one product
+    ShareCasts,  # one astype per (value, dtype): the passes below compare operands by identity
+    HalfMatmulAccumulate,  # every GEMM names its fp32 accumulator before the two below read it
+    UpcastMatmul,  # needs out_dtype=float32 (above); folds casts before the GEMM is reshaped
+    FoldMatmulLeadingDims,  # folds the final matmul and its cast / bias epilogue
+    TupleOutput,  # after the fold: a reshape it leaves before the output must stay a view
+]
+
+
+def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are CamelCase
+    """The canonicalisation passes of :data:`PASSES` as one ``Sequential``."""
+    return tvm.transform.Sequential([p() for p in PASSES], name="tvmfuse.Canonicalize")
+
+
+__all__ = ["PASSES", "Canonicalize", "CanonicalizeBatchedMatmul", "FoldMatmulLeadingDims",
+           "HalfMatmulAccumulate", "ShareCasts", "TupleOutput", "UpcastMatmul"]
