@@ -203,7 +203,10 @@ def _outputs_of_every_candidate(model, inputs, pattern: str):
     import numpy as np
     import tvm
 
+    from tvmfuse.build.tvm_setup import register_tvm_patches
     from tvmfuse.schedules.gemm_sm90 import HYBRID_PIPELINE
+
+    register_tvm_patches()  # registers HYBRID_PIPELINE
 
     task = _tasks(model, inputs)[pattern]
     dev = tvm.cuda(0)

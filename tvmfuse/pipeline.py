@@ -1,7 +1,9 @@
 """The tvmfuse compilation pipeline: imported Relax → scheduled, lowered IRModule.
 
 One linear function; every stage is named and, with ``TVMFUSE_DUMP_IR=DIR``, the IR after each
-stage is written to ``DIR/NN_name.py``.
+stage is written to ``DIR/NN_name.py``. Both :func:`lower` and :func:`build` run inside the
+caller's :class:`~tvmfuse.options.Options` (``options=``, else the ones in effect) and register
+tvmfuse's TVM patches first (``build/tvm_setup.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import tvm
 from tvm import relax
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
+from .build.tvm_setup import codegen_scope, register_tvm_patches
 from .errors import CompileError, TvmfuseError
+from .options import Options, use_options
 from .passes import (
     FuseDecomposedNorms,
     GatherRowStats,
@@ -62,15 +66,18 @@ class _Stages:
 
 def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
           on_stage: Callable[[str, tvm.IRModule], None] | None = None,
-          tuning_db: str | os.PathLike | None = None) -> tvm.IRModule:
+          tuning_db: str | os.PathLike | None = None,
+          options: Options | None = None) -> tvm.IRModule:
     """Run every tvmfuse stage on ``mod`` for ``spec``; the result goes to ``relax.build``.
 
     ``on_stage(name, mod)`` sees the module after each named stage (the report uses it).
     ``tuning_db``: a ``tvmfuse tune`` database; kernels with a faster tuned record use it.
+    ``options``: the passes' and rules' switches (None: the ones in effect).
     """
     target = spec.tvm_target()
     run = _Stages(on_stage)
-    with target:
+    register_tvm_patches()  # rules below check their schedules with TVM's (patched) passes
+    with target, use_options(options):
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
@@ -157,26 +164,17 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
     return mod
 
 
-def build(mod: tvm.IRModule, spec: TargetSpec):
+def build(mod: tvm.IRModule, spec: TargetSpec, options: Options | None = None):
     """Codegen: ``relax.build`` of a lowered module (CUDA kept as source; export compiles it)."""
-    # Same behaviour with or without a GPU driver: CUDA stays source here; export runs nvcc.
-    previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
-    os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
+    from .schedules.gemm_sm90 import HYBRID_PIPELINE, uses_tirx
+
+    # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
+    tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
     try:
-        from .schedules.gemm_sm90 import HYBRID_PIPELINE, uses_tirx
-
-        # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
-        tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
-        from .schedules.gemm_sm80 import BUILD_CONFIG
-
-        # gemm_sm80's cp.async pipelines need TIR build options (see BUILD_CONFIG).
-        with tvm.transform.PassContext(config=BUILD_CONFIG):
+        # Same behaviour with or without a GPU driver: CUDA stays source here; export runs nvcc.
+        # gemm_sm80's cp.async pipelines need TIR build options (codegen_scope sets BUILD_CONFIG).
+        with codegen_scope(options):
             return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None,
                                tir_pipeline=tir_pipeline)
     except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
         raise CompileError(f"codegen for target {spec.name} failed: {err}") from err
-    finally:  # leave the caller's environment as it was
-        if previous is None:
-            del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
-        else:
-            os.environ["TVM_COMPILE_FORCE_FALLBACK"] = previous

@@ -471,8 +471,10 @@ def build_candidate(mod: tvm.IRModule, target, params: Any = None):
     :func:`lazy_tensor_intrin`); TIRx kernels (sm_90a GEMM) take tvmfuse's hybrid pipeline."""
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
+    from .build.tvm_setup import register_tvm_patches
     from .schedules.gemm_sm90 import HYBRID_PIPELINE, uses_tirx
 
+    register_tvm_patches()  # in a LocalBuilder worker too: nothing is patched on import
     if uses_tirx(mod):
         return tvm.tirx.build(mod, target=target, pipeline=HYBRID_PIPELINE)
     return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)

@@ -35,6 +35,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from .build.tvm_setup import codegen_scope
 from .errors import CompileError
 from .targets import TargetSpec
 
@@ -171,15 +172,8 @@ class TuningDatabase:
 
 def _check_builds(func: tirx.PrimFunc, spec: TargetSpec) -> None:
     """Codegen of one kernel alone (CUDA kept as source, as in ``pipeline.build``)."""
-    previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
-    os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
-    try:
+    with codegen_scope():
         tvm.compile(task_module(func), target=spec.tvm_target())
-    finally:
-        if previous is None:
-            del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
-        else:
-            os.environ["TVM_COMPILE_FORCE_FALLBACK"] = previous
 
 
 def _restore_attrs(tuned: tirx.PrimFunc, original: tirx.PrimFunc) -> tirx.PrimFunc:

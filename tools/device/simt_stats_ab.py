@@ -1,5 +1,5 @@
 """A/B on the GPU: the fp32 MLP block with the LayerNorm statistics in their own kernel (old,
-``gemm_row_stats_simt.ENABLED = False``) against the fc1 GEMM computing them (new).
+``Options(simt_in_loop_stats=False)``) against the fc1 GEMM computing them (new).
 
     y = x + W2 · GELU(W1 · LayerNorm(x) + b1) + b2,  x (1, seq, hidden) fp32, ffn = 4·hidden
 
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import tvmfuse  # noqa: E402
 from models import mlp_block  # noqa: E402
 from tests.conftest import rel_err  # noqa: E402
-from tvmfuse.schedules import gemm_row_stats_simt  # noqa: E402
+from tvmfuse.options import Options  # noqa: E402
 
 
 def main() -> None:
@@ -54,9 +54,9 @@ def main() -> None:
         print(f"mlp fp32 seq {seq} hidden {hidden} ffn {4 * hidden}: torch eager {eager_ms:.3f} ms "
               f"({flops / eager_ms / 1e9:.1f} TFLOP/s)")
         for enabled in (False, True):
-            gemm_row_stats_simt.ENABLED = enabled
             tc = time.time()
-            lib = tvmfuse.compile(module, (x,), target=args.target)
+            lib = tvmfuse.compile(module, (x,), target=args.target,
+                                  options=Options(simt_in_loop_stats=enabled))
             path = lib.export(Path("/tmp") / f"simt_ab_{enabled}.so")
             run = tvmfuse.load(path, device="cuda")
             err = rel_err(run(xg), ref)

@@ -22,7 +22,7 @@ form is used only when T divides the vector count (T = the largest divisor ≤ 2
 whole count when it is ≤ 256); otherwise (e.g. symbolic rows with a row not a multiple of T
 vectors) the scalar form, whose block keeps its own bound check.
 
-:class:`ElementwiseConfig` adds variants (:data:`VARIANTS`, picked by :data:`DEFAULT_VARIANT`):
+:class:`ElementwiseConfig` adds variants (:data:`VARIANTS`, picked by ``Options.elementwise_variant``):
 k vectors a thread (k adjacent vectors, or k rows of the same columns so that per-channel inputs
 are loaded once for k rows), ``__launch_bounds__(T, min blocks)``, and erf by A&S 7.1.26.
 On the H200 the 5-op fp16 chain over 64 Mi elements (3 streams, ``v1``) runs at 3.74–3.77 TB/s
@@ -40,6 +40,7 @@ from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
+from ..options import current_options
 from .hopper.opmath import fast_math16
 
 RULE_ATTR = "tvmfuse.rule"  # PrimFunc attribute naming the tvmfuse rule that scheduled it
@@ -140,7 +141,7 @@ VARIANTS: dict[str, ElementwiseConfig] = {
 # v2_rows 97.6, v4 119.8, v4_rows 108.7, v1_erf 94.7, v2_rows_erf 93.4, v4_rows_erf 93.3
 # (floor 95.6 µs at the 4.21 TB/s copy rate). With 16-bit outputs only (see _schedule_block),
 # A&S erf differs from erff by ≤ 5.8e-7 (measured, fp32), far below an fp16 rounding step.
-DEFAULT_VARIANT = "v2_rows_erf"
+# The default variant is ``Options.elementwise_variant`` ("v2_rows_erf").
 
 
 def _launch_bounds(func: tirx.PrimFunc, min_blocks: int) -> tirx.PrimFunc:
@@ -170,7 +171,11 @@ class Elementwise(GPUScheduleRule):
     """Purely spatial functions: fused loops, 256 threads, 16-byte vector loads and stores."""
 
     def __init__(self, threads: int | None = None, config: ElementwiseConfig | None = None) -> None:
-        config = config or VARIANTS[DEFAULT_VARIANT]
+        if config is None:
+            name = current_options().elementwise_variant
+            if name not in VARIANTS:
+                raise ValueError(f"unknown elementwise variant {name!r}; one of {', '.join(VARIANTS)}")
+            config = VARIANTS[name]
         self.config = config if threads is None else replace(config, threads=threads)
         self.threads = self.config.threads
 

@@ -26,7 +26,8 @@ Marks: the merged PrimFunc gets ``tvmfuse.in_loop_stats = [GEMM PrimFunc, statis
 not fp32 (then the wgmma path's reason is the one that matters).
 
 Runs in ``pipeline.lower`` right after Sm90GemmRowStats (which takes the 16-bit sm_90a GEMMs
-first) on the fused PrimFuncs; CUDA targets only, elsewhere the module is returned unchanged.
+first) on the fused PrimFuncs; CUDA targets only, elsewhere the module is returned unchanged, as it
+is with ``Options(simt_in_loop_stats=False)`` (measurements: every statistics kernel kept).
 16-bit GEMMs are left alone: on sm_80 they are mma.sync kernels (GemmSM80) that a SIMT kernel
 would slow down far more than one statistics launch costs.
 """
@@ -37,6 +38,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
+from ..options import current_options
 from .gemm_sm90_stats import (
     IN_LOOP_ATTR,
     KEPT_ATTR,
@@ -47,7 +49,6 @@ from .gemm_sm90_stats import (
 from .hopper.epilogue import _strip_cast
 
 NAME = "gemm_row_stats_simt"
-ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
 SIMT_ATTR = "tvmfuse.simt_row_stats"  # on a merged PrimFunc: "layer" (mean, rstd) or "rms" (rstd)
 _CALL_TIR = "relax.call_tir"
 _FP32 = "float32"
@@ -178,7 +179,7 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[t
 def SimtGemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Statistics kernels feeding fp32 GEMMs on CUDA → statistics computed in those GEMMs."""
     target = tvm.target.Target.current(allow_none=True)
-    if not ENABLED or target is None or target.kind.name != "cuda":
+    if not current_options().simt_in_loop_stats or target is None or target.kind.name != "cuda":
         return mod
     kept: dict = {}
     plans = [p for f in list(mod.functions.values()) if isinstance(f, relax.Function)

@@ -28,9 +28,9 @@ Schedule, per thread block of ``block_m × block_n`` outputs and ``warps = (bloc
     out[i, j..j+V] = epilogue(C_s[i, j..j+V], bias, residual, …)   one V-wide store per lane
 
 The epilogue runs on the fp32 accumulators, read back from shared memory in 16-byte vectors
-(``V`` = ``EPILOGUE_LANE_ELEMS`` = 4: a quarter-warp's reads cover one 128-byte row piece, no
-bank conflict), computed in scalar registers, stored ``V`` outputs at a time. With
-``EPILOGUE_FROM_REGISTERS`` (off by default; an experiment of session 5, tools/bench/NOTES.md)
+(``V`` = ``Options.sm80_epilogue_lane_elems`` = 4: a quarter-warp's reads cover one 128-byte row
+piece, no bank conflict), computed in scalar registers, stored ``V`` outputs at a time. With
+``Options.sm80_epilogue_from_registers`` (off by default; an experiment of session 5, NOTES.md)
 the epilogue runs on the mma fragments themselves and each lane stores pairs of outputs
 (``half2``), with no shared-memory staging; where that does not schedule (a padded, ragged C)
 the staged epilogue is used.
@@ -73,6 +73,7 @@ from tvm.s_tir.dlight.gpu.matmul import (
 )
 from tvm.target import Target
 
+from ..options import Options, current_options
 from .elementwise import RULE_ATTR, VECTOR_BYTES, _int
 
 NAME = "gemm_sm80"
@@ -132,17 +133,11 @@ SMALL_M_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=128, warp_m=16, warp
                             raster=1)
 
 _IN_DTYPES = ("float16", "bfloat16")
-# fp32 accumulator rows in shared memory padded by this many floats: a warp's fragment store
-# (lanes 4 to a row, rows 8 apart) then puts each half-warp's 64-bit stores in 32 distinct banks;
-# unpadded (128-float rows) every row lands on the same 8 banks, a 4-way conflict.
-C_ROW_PAD = 8
-# Output elements per lane and vector in the epilogue; None / 0: 16 bytes of the output dtype (8
-# halves: each lane reads 32 fp32 bytes, so a quarter-warp's 16-byte reads hit each bank twice).
-# 4: one 16-byte read per lane and vector, 8-byte fp16 stores (H200 4096³: 0.3094 vs 0.3120 ms).
-EPILOGUE_LANE_ELEMS: int | None = 4
-# The epilogue computed on the mma fragments in registers and stored from there (each lane
-# writes pairs of adjacent outputs), with no shared-memory staging.
-EPILOGUE_FROM_REGISTERS = False
+# The epilogue's A/B switches (fp32 accumulator row padding ``sm80_c_row_pad``: a warp's fragment
+# store then puts each half-warp's 64-bit stores in 32 distinct banks, unpadded 128-float rows land
+# on the same 8 banks; ``sm80_epilogue_lane_elems`` = 4: one 16-byte read per lane and vector,
+# 8-byte fp16 stores, H200 4096³ 0.3094 vs 0.3120 ms for 16 bytes of the output dtype;
+# ``sm80_epilogue_from_registers``) are fields of :class:`tvmfuse.options.Options`.
 
 
 def _fit_stages(cfg: GemmConfig, k: int) -> GemmConfig:
@@ -202,14 +197,15 @@ def _intrin(name: str, dtype: str) -> str:
     return new
 
 
-def _lower_all_warp_memory() -> None:
+def patch_lower_warp_memory() -> None:
     """Make ``tirx.transform.LowerWarpMemory`` lower every warp buffer, not just the first.
 
     TVM 0.27's pass rewrites only the first ``warp``-scope allocation of a statement sequence
     (``WarpMemoryRewriter::VisitStmt_(SeqStmtNode)`` breaks after it), so the A and B fragment
     buffers of this schedule, allocated side by side, stayed whole-warp arrays in every thread.
     Repeating the pass until nothing changes lowers them all; the default TIR pipeline looks
-    the pass up by attribute at build time, so wrapping it here takes effect there.
+    the pass up by attribute at build time, so wrapping it here takes effect there. Idempotent;
+    called by :func:`tvmfuse.build.tvm_setup.register_tvm_patches`, never on import.
     """
     transform = tirx.transform
     original = getattr(transform.LowerWarpMemory, "_tvmfuse_original", transform.LowerWarpMemory)
@@ -257,8 +253,6 @@ def _fold_fragment_offsets(mod: tvm.IRModule) -> tvm.IRModule:
         funcs[gvar] = func
     return tirx.transform.StmtSimplify()(tvm.IRModule(funcs, attrs=mod.attrs))
 
-
-_lower_all_warp_memory()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -392,10 +386,11 @@ def one_barrier_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return mod
 
 
-def _thread_sync_then_one_barrier() -> None:
+def patch_thread_sync() -> None:
     """Run :data:`one_barrier_pass` right after ``ThreadSync("warp")``, the last of the three
     ThreadSync passes of the default s_tir pipeline (which looks the pass up at build time, so
-    wrapping the attribute here takes effect there; functions without the mark are untouched)."""
+    wrapping the attribute here takes effect there; functions without the mark are untouched).
+    Idempotent; called by :func:`tvmfuse.build.tvm_setup.register_tvm_patches`, never on import."""
     transform = s_tir.transform
     original = getattr(transform.ThreadSync, "_tvmfuse_original", transform.ThreadSync)
 
@@ -408,8 +403,6 @@ def _thread_sync_then_one_barrier() -> None:
     thread_sync._tvmfuse_original = original  # type: ignore[attr-defined]
     transform.ThreadSync = thread_sync
 
-
-_thread_sync_then_one_barrier()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -550,14 +543,15 @@ class GemmSM80(GPUScheduleRule):
         try:
             gemm = _analyse(sch, block)
             cfg = self.pick_config(gemm)
+            opts = current_options()
             try:
-                self._schedule(sch, gemm, cfg, EPILOGUE_FROM_REGISTERS)
-            except Exception:  # noqa: BLE001 - e.g. a padded (ragged) C: stage it in shared
-                if not EPILOGUE_FROM_REGISTERS:
+                self._schedule(sch, gemm, cfg, opts, opts.sm80_epilogue_from_registers)
+            except s_tir.ScheduleError:  # e.g. a padded (ragged) C: stage it in shared
+                if not opts.sm80_epilogue_from_registers:
                     raise
                 sch = s_tir.Schedule(func)
                 gemm = _analyse(sch, _find_gemm(sch))
-                self._schedule(sch, gemm, cfg, False)
+                self._schedule(sch, gemm, cfg, opts, False)
         except _NotThisRule as why:
             return _fallback(func, target, tunable, str(why))
         except Exception as err:  # noqa: BLE001 - a primitive refusing: fall back, say why
@@ -569,7 +563,7 @@ class GemmSM80(GPUScheduleRule):
 
     # -- the schedule -------------------------------------------------------------------------
 
-    def _schedule(self, sch: s_tir.Schedule, gemm: _Gemm, cfg: GemmConfig,
+    def _schedule(self, sch: s_tir.Schedule, gemm: _Gemm, cfg: GemmConfig, opts: Options,
                   direct: bool = False) -> None:
         """Schedule ``gemm`` with tile ``cfg``; ``direct``: the epilogue from registers."""
         block = gemm.block
@@ -703,9 +697,9 @@ class GemmSM80(GPUScheduleRule):
             c_store_loop = sch.get_loops(c_frag)[-3]
             sch.tensorize(sch.get_loops(c_frag)[-2],
                           intrins.MMA_store_16x16_f32_shared_dyn_INTRIN_SIMPLE)
-            if C_ROW_PAD:  # on the block tensorize made: blockize drops the old one's annotation
+            if opts.sm80_c_row_pad:  # on the block tensorize made: blockize drops its annotation
                 c_store = sch.get_child_blocks(c_store_loop)[0]
-                sch.storage_align(c_store, 0, axis=-2, factor=32, offset=C_ROW_PAD)
+                sch.storage_align(c_store, 0, axis=-2, factor=32, offset=opts.sm80_c_row_pad)
 
         # 7. Software pipelines. k1 = [A frag, B frag, mma]: fragments one k-step ahead. It is
         # expanded first, so k0 = [A copy, B copy, k1 prologue, k1 body, k1 epilogue]: copies run
@@ -722,14 +716,16 @@ class GemmSM80(GPUScheduleRule):
         # runs as [rows, 32 lanes, V] with 16-byte vector loads of C and stores of the output.
         if not direct:
             auto_inline_consumer_chain(sch, c_shared)
-            self._epilogue(sch, c_shared)
+            self._epilogue(sch, c_shared, opts.sm80_epilogue_lane_elems)
 
     @staticmethod
-    def _epilogue(sch: s_tir.Schedule, store: s_tir.schedule.SBlockRV) -> None:
+    def _epilogue(sch: s_tir.Schedule, store: s_tir.schedule.SBlockRV,
+                  lane_elems: int | None) -> None:
         """The warp's ``rows × cols`` output tile: each lane owns ``V``-wide row pieces
-        (16 bytes of the output dtype), lanes side by side along a row, then down the rows."""
+        (``lane_elems``, else 16 bytes of the output dtype), lanes side by side along a row, then
+        down the rows."""
         out = sch.get(store).writes[0].source
-        vec = EPILOGUE_LANE_ELEMS or VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
+        vec = lane_elems or VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
         r, c = sch.get_loops(store)[-2:]
         rows, cols = _int(sch.get(r).extent), _int(sch.get(c).extent)
         while vec > 1 and cols % vec:

@@ -12,9 +12,10 @@ accumulators in registers, keeping the function's signature, and tags it
 A GEMM-like function the kernel cannot take (batched B, prologue on A, K not a multiple of 8, …)
 keeps its s_tir body for the sm80 / dlight rules and gets ``tvmfuse.fallback = <reason>``.
 
-Build: one TIR pipeline runs per ``relax.build``; :data:`HYBRID_PIPELINE` (registered on import)
-sends ``tvmfuse.tirx`` functions through ``tirx`` and everything else through ``s_tir`` (both
-share the same host/device finalisation passes).
+Build: one TIR pipeline runs per ``relax.build``; :data:`HYBRID_PIPELINE` (registered by
+:func:`register_hybrid_pipeline`, which ``build.tvm_setup.register_tvm_patches`` calls) sends
+``tvmfuse.tirx`` functions through ``tirx`` and everything else through ``s_tir`` (both share the
+same host/device finalisation passes).
 """
 
 from __future__ import annotations
@@ -297,4 +298,6 @@ def hybrid_pipeline():
     return _pipeline, finalize_host, finalize_device
 
 
-tirx.register_tir_pipeline(HYBRID_PIPELINE, hybrid_pipeline)
+def register_hybrid_pipeline() -> None:
+    """Register :data:`HYBRID_PIPELINE` with TVM (re-registering replaces the factory)."""
+    tirx.register_tir_pipeline(HYBRID_PIPELINE, hybrid_pipeline)

@@ -20,7 +20,9 @@ so those keep the kernel. Where it does not apply the statistics kernel stays, a
 
 Runs in ``pipeline.lower`` right before :func:`.gemm_sm90.Sm90Gemm` (on the fused PrimFuncs, after
 ``reshape_to_view``); the kernels it makes are tagged scheduled, so Sm90Gemm and dlight skip them.
-Only with an sm_90a target; elsewhere the module is returned unchanged.
+Only with an sm_90a target; elsewhere the module is returned unchanged, as it is with
+``Options(sm90_in_loop_stats=False)`` (measurements: every statistics kernel kept);
+``Options(sm90_in_loop_stats_always=True)`` moves the statistics whatever the cost estimate says.
 """
 
 from __future__ import annotations
@@ -32,13 +34,12 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..options import current_options
 from .gemm_sm90 import InLoopStats, _is_sm90a, build_kernel
 from .hopper.epilogue import NotHandled, analyze, top_blocks
 from .hopper.kernel import RowStats
 
 NAME = "gemm_sm90_row_stats"
-ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
-FORCE = False  # measurements / tests: move the statistics whatever the cost estimate says
 # Measured on the H200 (.devq stats1, 2026-11-30, fp16): the in-loop statistics (an extra shared-
 # memory read of each A stage) slow a compute-bound main loop by 9-12 % (LN+Linear 8192x4096->4096:
 # GEMM 485.9 vs 444.8 us; MLP fc1 2048x4096->16384: 563.0 vs 503.1 us), at 618 TFLOP/s without them;
@@ -190,7 +191,7 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
         if len(found) != 1:
             return "a statistic is passed to the GEMM more than once"
         pos.append(found[0])
-    if not FORCE and (why := _costlier(g)):
+    if not current_options().sm90_in_loop_stats_always and (why := _costlier(g)):
         return why
     in_loop = InLoopStats(spec, pos[0] if spec.centered else None, pos[-1])
     try:
@@ -220,7 +221,7 @@ def _costlier(g) -> str | None:
 @tvm.transform.module_pass(opt_level=0, name="Sm90GemmRowStats")
 def Sm90GemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Statistics kernels feeding sm_90a wgmma GEMMs → statistics computed in those GEMMs."""
-    if not ENABLED or not _is_sm90a(tvm.target.Target.current(allow_none=True)):
+    if not current_options().sm90_in_loop_stats or not _is_sm90a(tvm.target.Target.current(allow_none=True)):
         return mod
     kept: dict = {}
     plans = [p for gv, f in mod.functions_items() if isinstance(f, relax.Function)
