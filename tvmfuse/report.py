@@ -15,6 +15,7 @@ from typing import Any
 import tvm
 from tvm import relax, tirx
 
+from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
 from .targets import TargetSpec
 
 VIEW_OPS = {"reshape", "expand_dims", "squeeze", "flatten"}
@@ -23,9 +24,6 @@ REDUCTION_OPS = {"softmax", "layer_norm", "rms_norm", "group_norm", "mean", "sum
 LAYOUT_OPS = {"transpose", "permute_dims", "strided_slice", "concatenate", "take", "broadcast_to",
               "split", "reshape"}
 GEMM_OPS = {"matmul", "dense", "conv2d", "conv1d", "batch_matmul", "attention"}
-# Ceilings measured on the H200 (DESIGN.md): copy bandwidth and cuBLAS fp16 at 4096³.
-H200_BANDWIDTH = 4.21e12
-H200_FP16_FLOPS = 775e12
 # AnnotateTIROpPattern kinds
 _K_REDUCE, _K_GEMM = 3, 4
 
@@ -341,9 +339,15 @@ def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         "flops": sum(k.flops for k in fused),
         "kernels": [k.to_json() for k in fused],
         "not_fused": _edges(capture.mods, fused) + _attention_left(capture.mods.get("fuse_attention")),
-        "ceilings": {"bandwidth_Bps": H200_BANDWIDTH, "fp16_flops": H200_FP16_FLOPS,
-                     "source": "measured on the H200 (DESIGN.md)"},
+        "ceilings": _ceilings(spec),
     }
+
+
+def _ceilings(spec: TargetSpec) -> dict[str, Any]:
+    """Roofline ceilings of the target's device (``device_props``; cpu: the default GPU's)."""
+    device = device_properties(spec) if spec.is_cuda else DEVICES[DEFAULT_DEVICE]
+    return {"device": device.name, "bandwidth_Bps": device.bandwidth,
+            "fp16_flops": device.fp16_flops, "source": device.source}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -352,17 +356,19 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"target {report['target']}: {report['fused_kernel_count']} kernels "
              f"(unfused graph: {report['unfused_kernel_count']}, stock TVM pipeline: "
              f"{stock if stock is not None else 'n/a'})", ""]
+    bw, peak = report["ceilings"]["bandwidth_Bps"], report["ceilings"]["fp16_flops"]
     lines.append(f"{'#':>3} {'pattern':<14} {'MB':>9} {'GFLOP':>9} {'floor us':>9}  ops")
     for i, k in enumerate(report["kernels"]):
-        floor = max(k["bytes"] / H200_BANDWIDTH, k["flops"] / H200_FP16_FLOPS) * 1e6
+        floor = max(k["bytes"] / bw, k["flops"] / peak) * 1e6
         ops = ",".join(k["ops"])
         tuned = "  [tuned]" if k.get("tuning") == "tuned" else ""
         lines.append(f"{i:>3} {k['pattern']:<14} {k['bytes'] / 1e6:>9.3f} {k['flops'] / 1e9:>9.3f} "
                      f"{floor:>9.2f}  {ops[:70]}{tuned}")
     uf, f = report["hbm_bytes_unfused"], report["hbm_bytes_fused"]
     lines += ["", f"HBM bytes unfused {uf / 1e6:.3f} MB → fused {f / 1e6:.3f} MB "
-                  f"({uf / max(f, 1):.2f}x less); memory floor {f / H200_BANDWIDTH * 1e6:.1f} us "
-                  f"at 4.21 TB/s (unfused {uf / H200_BANDWIDTH * 1e6:.1f} us)"]
+                  f"({uf / max(f, 1):.2f}x less); memory floor {f / bw * 1e6:.1f} us "
+                  f"at {bw / 1e12:.2f} TB/s, {report['ceilings']['device']} "
+                  f"(unfused {uf / bw * 1e6:.1f} us)"]
     if report["not_fused"]:
         lines += ["", "kept apart:"]
         for nf in report["not_fused"]:
@@ -377,11 +383,12 @@ def plot_roofline(report: dict[str, Any], path: str, times_ms: dict[str, float] 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bw, peak = H200_BANDWIDTH, H200_FP16_FLOPS
+    ceilings = report["ceilings"]
+    bw, peak = ceilings["bandwidth_Bps"], ceilings["fp16_flops"]
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
     xs = [10 ** (e / 10) for e in range(-50, 41)]
     ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], color="black", lw=2,
-            label="H200 roof: 4.21 TB/s copy, 775 TFLOP/s fp16")
+            label=f"{ceilings['device']} roof: {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s fp16")
     colors = {"elementwise": "tab:blue", "norm": "tab:green", "gemm_epilogue": "tab:red",
               "norm_gemm": "tab:purple", "attention": "tab:orange", "other": "tab:gray"}
     seen = set()

@@ -50,6 +50,7 @@ from tvm.s_tir.dlight.gpu.matmul import (
 )
 from tvm.target import Target
 
+from ..device_props import device_properties
 from .elementwise import RULE_ATTR, VECTOR_BYTES, _int
 from .gemm_row_stats_simt import SIMT_ATTR
 
@@ -84,15 +85,15 @@ class SimtConfig:
 LARGE_CONFIG = SimtConfig()  # 256 threads of 8 × 8 outputs
 MEDIUM_CONFIG = SimtConfig(block_m=64, block_n=64, thread_m=4, thread_n=4)  # 256 threads of 4 × 4
 SMALL_M_CONFIG = SimtConfig(block_m=16, block_n=64, thread_m=1, thread_n=4)  # decode rows
-LARGE_MIN_BLOCKS = 132  # LARGE_CONFIG when its grid fills the H200's SMs once
 
 
-def pick_config(m: int, n: int) -> SimtConfig:
-    """The tile for an ``m × n`` output: decode rows (m ≤ 16) get 16-row tiles, large outputs
-    128 × 128, the rest 64 × 64 (more blocks where 128 × 128 would leave SMs idle)."""
+def pick_config(m: int, n: int, sms: int) -> SimtConfig:
+    """The tile for an ``m × n`` output on ``sms`` SMs: decode rows (m ≤ 16) get 16-row tiles,
+    128 × 128 when that grid fills the SMs once, else 64 × 64 (more blocks where 128 × 128 would
+    leave SMs idle)."""
     if m <= SMALL_M_CONFIG.block_m:
         return SMALL_M_CONFIG
-    if -(-m // 128) * -(-n // 128) >= LARGE_MIN_BLOCKS:
+    if -(-m // 128) * -(-n // 128) >= sms:
         return LARGE_CONFIG
     return MEDIUM_CONFIG
 
@@ -110,7 +111,7 @@ class GemmSimtRowStats(GPUScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         try:
-            tag = _schedule(sch, self.config)
+            tag = _schedule(sch, self.config, device_properties(target).sms)
         except Exception:  # noqa: BLE001 - a primitive refusing: dlight's rules take it
             return None
         return s_tir.Schedule(sch.mod["main"].with_attrs({RULE_ATTR: NAME, TILE_ATTR: tag}))
@@ -157,11 +158,11 @@ def _canonical(sch: s_tir.Schedule, block) -> tuple[int, int]:
     return extents[1], extents[2]
 
 
-def _schedule(sch: s_tir.Schedule, config: SimtConfig | None) -> str:
+def _schedule(sch: s_tir.Schedule, config: SimtConfig | None, sms: int) -> str:
     stats, block = _split_blocks(sch)
     # 1. Canonical layout, padded to the tile (zero rows / columns, predicated stores).
     m, n = _canonical(sch, block)
-    cfg = config or pick_config(m, n)
+    cfg = config or pick_config(m, n, sms)
     sch.pad_einsum(block, [1, cfg.block_m, cfg.block_n, cfg.block_k])
     # The epilogue becomes one block reading the padded C. It cannot be inlined into the
     # matmul's store (reverse_compute_inline refuses a consumer that also reads the statistics,

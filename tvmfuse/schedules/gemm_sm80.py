@@ -42,10 +42,12 @@ barrier guards both the refill and the next tile's reads, and each tile's loads 
 of compute to land instead of one.
 
 Tile choices are plain parameters (:class:`GemmConfig`) so that tuning can vary them. By default
-(:meth:`GemmSM80.pick_config`) a GEMM whose grid of 256×128 tiles has at least
-``LARGE_MIN_BLOCKS`` blocks takes :data:`LARGE_CONFIG` (256×128×64, 8 warps of 64×64, 4 stages,
-one barrier per K tile: the fastest tile measured on the H200, see tools/bench/NOTES.md), a
-smaller one :data:`DEFAULT_CONFIG` (128×128×64, 4 warps, 2 blocks per SM). M ≤ ``SMALL_M`` (decode) uses
+(:meth:`GemmSM80.pick_config`) a GEMM whose grid of 256×128 tiles has at least one block per
+SM of the target (:mod:`tvmfuse.device_props`: 132 on the H200, 108 on an A100) takes
+:data:`LARGE_CONFIG` (256×128×64, 8 warps of 64×64, 4 stages, one barrier per K tile: the fastest
+tile measured on the H200, see tools/bench/NOTES.md; 3 stages where shared memory per block is
+163 KB as on an A100), a smaller one :data:`DEFAULT_CONFIG` (128×128×64, 4 warps, 2 blocks per
+SM). M ≤ ``SMALL_M`` (decode) uses
 :data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128:
 measured at cuBLAS speed for M = 8 / 16 (tools/bench/NOTES.md). M = 1 has no M axis, so it is
 no GEMM to this rule (``None``): dlight's GEMV rule takes it.
@@ -73,6 +75,7 @@ from tvm.s_tir.dlight.gpu.matmul import (
 )
 from tvm.target import Target
 
+from ..device_props import DeviceProperties, device_properties
 from ..options import Options, current_options
 from .elementwise import RULE_ATTR, VECTOR_BYTES, _int
 
@@ -109,6 +112,12 @@ class GemmConfig:
     def warps(self) -> int:
         return (self.block_m // self.warp_m) * (self.block_n // self.warp_n)
 
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the A and B stage ring (rows padded by 8 halves); the fp32
+        C staging reuses it after the main loop."""
+        return self.stages * (self.block_m + self.block_n) * (self.block_k + 8) * 2
+
     def check(self) -> None:
         """Raise ValueError for a tile the schedule cannot build."""
         for name in ("warp_m", "warp_n", "block_k"):
@@ -126,8 +135,9 @@ DEFAULT_CONFIG = GemmConfig(one_barrier=True)
 # 8 warps of 64×64 in a 256×128 tile (1 block/SM, 221 KB shared with 4 stages): with one barrier
 # per K tile 0.320 ms at 4096³ fp16 on the H200 against 0.383 for DEFAULT_CONFIG (3 stages,
 # session 4); 4 stages 0.3077 vs 0.3120 ms for 3 with padded C rows (sm80_6, tools/bench/NOTES.md).
+# Taken when its grid has at least one block per SM of the target (device_props: 132 on the H200,
+# 108 on an A100), with stages cut to what shared memory per block holds (3 on an A100: 163 KB).
 LARGE_CONFIG = GemmConfig(block_m=256, stages=4, one_barrier=True)
-LARGE_MIN_BLOCKS = 132  # LARGE_CONFIG when its grid covers this many blocks (the H200's SMs)
 # Decode (M ≤ SMALL_M): the weight stream dominates; narrow N tiles give more blocks to stream it.
 SMALL_M_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=128, warp_m=16, warp_n=16, stages=4,
                             raster=1)
@@ -148,6 +158,13 @@ def _fit_stages(cfg: GemmConfig, k: int) -> GemmConfig:
     if k_tiles >= cfg.stages - 1:
         return cfg
     return replace(cfg, stages=max(2, k_tiles + 1))
+
+
+def _fit_smem(cfg: GemmConfig, smem_per_block: int) -> GemmConfig:
+    """``cfg`` with stages cut (not below 2) until its ring fits ``smem_per_block`` bytes."""
+    while cfg.smem_bytes > smem_per_block and cfg.stages > 2:
+        cfg = replace(cfg, stages=cfg.stages - 1)
+    return cfg
 
 # TIR build options a module with these kernels must be built with (``pipeline.build`` does):
 # cp.async is emitted only with use_async_copy; CSE hoists ``threadIdx.x * 8`` out of the
@@ -517,10 +534,11 @@ class GemmSM80(GPUScheduleRule):
             if cfg is not None:
                 cfg.check()
 
-    def pick_config(self, gemm: _Gemm) -> GemmConfig:
-        """The tile for ``gemm``: the decode tile for M ≤ SMALL_M, else the configured one, else
-        LARGE_CONFIG when its grid has at least LARGE_MIN_BLOCKS blocks, else DEFAULT_CONFIG;
-        stages cut to what K fills."""
+    def pick_config(self, gemm: _Gemm, device: DeviceProperties | None = None) -> GemmConfig:
+        """The tile for ``gemm`` on ``device`` (None: the current target's): the decode tile for
+        M ≤ SMALL_M, else the configured one, else LARGE_CONFIG when its grid has a block for
+        every SM, else DEFAULT_CONFIG; stages cut to what K fills and shared memory holds."""
+        device = device or device_properties()
         if gemm.m <= SMALL_M:
             cfg = self.small_m_config
         elif self.config is not None:
@@ -528,8 +546,8 @@ class GemmSM80(GPUScheduleRule):
         else:
             big = LARGE_CONFIG
             blocks = gemm.batch * -(-gemm.m // big.block_m) * -(-gemm.n // big.block_n)
-            cfg = big if blocks >= LARGE_MIN_BLOCKS else DEFAULT_CONFIG
-        return _fit_stages(cfg, gemm.k)
+            cfg = big if blocks >= device.sms else DEFAULT_CONFIG
+        return _fit_smem(_fit_stages(cfg, gemm.k), device.smem_per_block)
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
@@ -542,7 +560,7 @@ class GemmSM80(GPUScheduleRule):
             return None  # no GEMM: not this rule's
         try:
             gemm = _analyse(sch, block)
-            cfg = self.pick_config(gemm)
+            cfg = self.pick_config(gemm, device_properties(target))
             opts = current_options()
             try:
                 self._schedule(sch, gemm, cfg, opts, opts.sm80_epilogue_from_registers)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import tvm
 from tvm import tirx
 
+from ..device_props import device_properties
 from .elementwise import RULE_ATTR
 from .hopper.epilogue import NotHandled, analyze, expr_text, top_blocks
 from .hopper.kernel import ROW_MEAN, ROW_RSTD, GemmConfig, GemmProblem, RowStats, check, kernel_text
@@ -65,17 +66,19 @@ def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
     return False
 
 
-def select_config(m: int, n: int) -> GemmConfig:
-    """Tile for an (M, N) output: 128×256 for large outputs, 128×128 when N is small.
+def select_config(m: int, n: int, sms: int | None = None) -> GemmConfig:
+    """Tile for an (M, N) output: 128×256 for large outputs, 128×128 when N is small; the
+    persistent grid has one CTA per SM (``sms``, None: the current target's, :mod:`.device_props`).
 
     With at least two row tiles, CTA pairs share their B tile (cluster of 2, TMA multicast) and
     one lane per warp frees a stage: 4096³ fp16 0.1979 → 0.1958 ms, 8192×8192×4096 0.814 → 0.796
     ms on the H200 (kernel alone, one run; tools/bench/NOTES.md "Session 5").
     """
     pair = {"cluster_m": 2, "warp_release": True} if m > 128 else {}
+    sms = sms or device_properties().sms
     if n <= 128:
-        return GemmConfig(bn=128, stages=6, **pair)
-    return GemmConfig(**pair)
+        return GemmConfig(bn=128, stages=6, num_sms=sms, **pair)
+    return GemmConfig(num_sms=sms, **pair)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..device_props import device_properties
 from ..options import current_options
 from .gemm_sm90 import InLoopStats, _is_sm90a, build_kernel
 from .hopper.epilogue import NotHandled, analyze, top_blocks
@@ -45,10 +46,12 @@ NAME = "gemm_sm90_row_stats"
 # GEMM 485.9 vs 444.8 us; MLP fc1 2048x4096->16384: 563.0 vs 503.1 us), at 618 TFLOP/s without them;
 # the statistics kernel reads x at 3.78 TB/s and takes at least 1.14 us (tools/bench/results
 # *-row-stats.json). In-loop pays only where 12 % of the GEMM is less than the statistics kernel:
-# small GEMMs and launch-bound shapes, not large-N projections.
+# small GEMMs and launch-bound shapes, not large-N projections. The rates are kept as fractions of
+# the device's peaks (device_props; H200: 775 TFLOP/s fp16, 4.21 TB/s copy) so that the estimate
+# follows the target.
 IN_LOOP_OVERHEAD = 0.12
-GEMM_FLOPS = 618e12
-STATS_BANDWIDTH = 3.78e12
+GEMM_EFFICIENCY = 618 / 775  # the wgmma GEMM's rate / the device's fp16 peak
+STATS_EFFICIENCY = 3.78 / 4.21  # the statistics kernel's read rate / the device's copy bandwidth
 STATS_MIN_S = 1.14e-6
 KEPT_ATTR = "tvmfuse.stats_kept"  # on a statistics PrimFunc that still runs: why
 # on a GEMM kernel computing statistics: [the GEMM PrimFunc it replaces, the statistics PrimFunc]
@@ -206,12 +209,14 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
 def _costlier(g) -> str | None:
     """Why computing the statistics in this GEMM is estimated slower than the statistics kernel.
 
-    in-loop ≈ IN_LOOP_OVERHEAD · 2·M'·N·K / GEMM_FLOPS (M' = M rounded up to the 128-row tile);
-    kernel ≈ max(M·K·bytes / STATS_BANDWIDTH, STATS_MIN_S).
+    in-loop ≈ IN_LOOP_OVERHEAD · 2·M'·N·K / (GEMM_EFFICIENCY · peak FLOP/s) (M' = M rounded up
+    to the 128-row tile); kernel ≈ max(M·K·bytes / (STATS_EFFICIENCY · bandwidth), STATS_MIN_S),
+    with the peaks of the current target's device (:func:`tvmfuse.device_props.device_properties`).
     """
+    device = device_properties()
     m_pad = -(-g.m // 128) * 128
-    in_loop = IN_LOOP_OVERHEAD * 2.0 * m_pad * g.n * g.k / GEMM_FLOPS
-    kernel = max(g.m * g.k * 2 / STATS_BANDWIDTH, STATS_MIN_S)
+    in_loop = IN_LOOP_OVERHEAD * 2.0 * m_pad * g.n * g.k / (GEMM_EFFICIENCY * device.fp16_flops)
+    kernel = max(g.m * g.k * 2 / (STATS_EFFICIENCY * device.bandwidth), STATS_MIN_S)
     if in_loop <= kernel:
         return None
     return (f"computing them in the {g.m}x{g.n}x{g.k} GEMM's main loop is estimated at "
