@@ -16,6 +16,7 @@ import tvm
 from tvm import relax, tirx
 
 from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
+from .schedules.gemm_sm80 import FALLBACK_ATTR
 from .targets import TargetSpec
 
 VIEW_OPS = {"reshape", "expand_dims", "squeeze", "flatten"}
@@ -39,10 +40,11 @@ class KernelInfo:
     bytes: int
     measured_ms: float | None = field(default=None)
     tuning: str | None = field(default=None)  # with a tuning database: "tuned" or "default: why"
+    fallback: str | None = field(default=None)  # why a rule / generator left it (tvmfuse.fallback)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("measured_ms", "tuning"):
+        for key in ("measured_ms", "tuning", "fallback"):
             if d[key] is None:
                 del d[key]
         return d
@@ -202,7 +204,9 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
         kernels.append(KernelInfo(name, _classify(ops, kinds), ops, _flops(unscheduled),
                                   _primfunc_bytes(final[name]),
                                   tuning=str(attrs["tvmfuse.tuning"]) if attrs and
-                                  "tvmfuse.tuning" in attrs else None))
+                                  "tvmfuse.tuning" in attrs else None,
+                                  fallback=str(attrs[FALLBACK_ATTR]) if attrs and
+                                  FALLBACK_ATTR in attrs else None))
     return kernels
 
 
@@ -369,6 +373,10 @@ def format_table(report: dict[str, Any]) -> str:
                   f"({uf / max(f, 1):.2f}x less); memory floor {f / bw * 1e6:.1f} us "
                   f"at {bw / 1e12:.2f} TB/s, {report['ceilings']['device']} "
                   f"(unfused {uf / bw * 1e6:.1f} us)"]
+    fallbacks = [(i, k) for i, k in enumerate(report["kernels"]) if k.get("fallback")]
+    if fallbacks:
+        lines += ["", "fallbacks (a rule or kernel generator left the kernel; why):"]
+        lines += [f"  #{i} {k['name']}: {k['fallback']}" for i, k in fallbacks]
     if report["not_fused"]:
         lines += ["", "kept apart:"]
         for nf in report["not_fused"]:

@@ -455,14 +455,13 @@ def default_schedule(mod: tvm.IRModule, spec: TargetSpec) -> tvm.IRModule:
     then tvmfuse's GPU rules (the stages after ``apply_tuning_db`` in ``pipeline.lower``)."""
     if not spec.is_cuda:
         return mod
-    from tvm.s_tir import dlight as dl
-
     from .schedules import gpu_rules
+    from .schedules.fallback import ApplyRules
     from .schedules.gemm_sm90 import Sm90Gemm
 
-    fresh = tvm.IRModule({"main": mod["main"]})  # both passes assign into the module they get
+    fresh = tvm.IRModule({"main": mod["main"]})
     with spec.tvm_target():
-        out = dl.ApplyDefaultSchedule(*gpu_rules())(Sm90Gemm(fresh))
+        out = ApplyRules(*gpu_rules())(Sm90Gemm(fresh))
     return tvm.IRModule({"main": out["main"].with_attr("global_symbol", "main")})  # Sm90Gemm drops it
 
 
@@ -519,13 +518,12 @@ def _design_space(task: Task, spec: TargetSpec, target):
     if not spec.is_cuda:
         return ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm",
                                                  mutator_probs="llvm")
-    from tvm.s_tir.dlight.base.transform import _apply_rules
-
     from .schedules import gpu_rules
+    from .schedules.fallback import apply_rules
 
     def rule_space(sch):
         """tvmfuse's first applicable rule; a rule that samples tile sizes gives a real space."""
-        space = _apply_rules(sch.mod["main"], target, gpu_rules(), tunable=True)
+        space, _ = apply_rules(sch.mod["main"], target, gpu_rules(), tunable=True)
         return list(space) if space else [sch]
 
     half = any(str(p.dtype) in ("float16", "bfloat16") for p in task.mod["main"].params

@@ -148,6 +148,7 @@ def merge(stats: tirx.PrimFunc, stats_call: relax.Call, gemm: tirx.PrimFunc, gem
 def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[tuple]:
     """(GEMM call, merged PrimFunc, new args) for every statistics call all its GEMMs can absorb
     (each merged PrimFunc is scheduled once here: one the rule refuses keeps the statistics)."""
+    from .fallback import try_rule
     from .gemm_simt_stats import GemmSimtRowStats
 
     plans = []
@@ -166,8 +167,10 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[t
             merged, args = merge(stats_fn, call, mod[gemm_gv], user, outputs)
             merged = merged.with_attrs({IN_LOOP_ATTR: [gemm_gv.name_hint, call.args[0].name_hint],
                                         SIMT_ATTR: "layer" if spec.centered else "rms"})
-            if GemmSimtRowStats().apply(merged, target, False) is None:
-                kept[call.args[0]] = (f"the SIMT schedule does not take {gemm_gv.name_hint}", True)
+            space, raised = try_rule(GemmSimtRowStats(), merged, target, False)
+            if space is None:
+                why = f"the SIMT schedule does not take {gemm_gv.name_hint}"
+                kept[call.args[0]] = (f"{why} ({raised})" if raised else why, True)
                 break
             mine.append((user, merged, args))
         else:

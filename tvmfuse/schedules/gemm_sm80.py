@@ -460,7 +460,7 @@ def _has_root(sch: s_tir.Schedule) -> bool:
     try:
         sch.get_sblock("root")
         return True
-    except Exception:  # noqa: BLE001 - no block named root
+    except s_tir.ScheduleError:  # no block named root
         return False
 
 
@@ -469,7 +469,7 @@ def _analyse(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> _Gemm:
     for producer in sch.get_producers(block):
         try:
             sch.compute_inline(producer)
-        except Exception as err:  # noqa: BLE001
+        except s_tir.ScheduleError as err:
             raise _NotThisRule(f"operand producer {sch.get(producer).name_hint} not inlinable") \
                 from err
     stmt = sch.get(block)
@@ -572,7 +572,8 @@ class GemmSM80(GPUScheduleRule):
                 self._schedule(sch, gemm, cfg, opts, False)
         except _NotThisRule as why:
             return _fallback(func, target, tunable, str(why))
-        except Exception as err:  # noqa: BLE001 - a primitive refusing: fall back, say why
+        except s_tir.ScheduleError as err:  # a primitive refusing: fall back, say why (any other
+            # exception is a bug: it goes to the fallback point, schedules/fallback.py)
             return _fallback(func, target, tunable, f"schedule failed: {_first_line(err)}")
         func = sch.mod["main"].with_attr(RULE_ATTR, NAME).with_attr(TILE_ATTR, cfg.tag)
         if cfg.one_barrier and cfg.stages >= 3:
