@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import tvm
 from tvm import tirx
+from tvm.s_tir import ScheduleError
 
 from ..device_props import device_properties
 from .elementwise import RULE_ATTR
@@ -51,7 +52,7 @@ def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
 
     try:
         _, blocks = top_blocks(func)
-    except Exception:  # not block-structured: not ours
+    except ScheduleError:  # no root block (not block-structured): not ours
         return False
     for block, _ in blocks:
         body = block.body
@@ -179,7 +180,7 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
         return False
     try:
         _, blocks = top_blocks(func)
-    except Exception:  # not block-structured
+    except ScheduleError:  # no root block (not block-structured)
         return False
     if len(blocks) != 1:
         return False

@@ -33,6 +33,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.s_tir import ScheduleError
 
 from ..device_props import device_properties
 from ..options import current_options
@@ -74,7 +75,7 @@ def _eps_of(func: tirx.PrimFunc) -> float | None:
     """The constant ``eps`` of the last block's value ``rsqrt(… + eps)``."""
     try:
         _, blocks = top_blocks(func)
-    except Exception:  # noqa: BLE001 - not block-structured: not a statistics function
+    except ScheduleError:  # no root block (not block-structured): not a statistics function
         return None
     value = getattr(blocks[-1][0].body, "value", None) if blocks else None
     if isinstance(value, tvm.ir.Call) and value.op.name == "tirx.rsqrt" \
