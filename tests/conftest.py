@@ -10,6 +10,9 @@ import pytest
 import tvm
 import tvm_ffi
 
+# An exception inside a schedule rule is a bug: fail the test instead of recording a fallback.
+os.environ.setdefault("TVMFUSE_STRICT", "1")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # makes `models` importable wherever pytest starts

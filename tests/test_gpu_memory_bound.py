@@ -15,6 +15,7 @@ from torch import nn
 
 import tvmfuse
 from tests.conftest import rel_err
+from tvmfuse.options import Options
 
 pytestmark = pytest.mark.gpu
 
@@ -155,16 +156,14 @@ class BenchChain(nn.Module):
 @pytest.mark.parametrize("shape", [(64, 4096), (6, 4100), (3, 5, 40)])
 @pytest.mark.parametrize("variant", ["v1", "v1_occ8", "v2", "v2_rows", "v4_rows", "v1_erf",
                                      "v4_rows_erf"])
-def test_elementwise_variants(variant, shape, tmp_path, monkeypatch):
+def test_elementwise_variants(variant, shape, tmp_path):
     """Every elementwise schedule variant matches torch on the bench chain in fp16 (rows that the
     k-row variants take whole, rows of 4100 where they fall back, 75 vectors in one block)."""
-    from tvmfuse.schedules import elementwise as ew_rule
-
-    monkeypatch.setattr(ew_rule, "DEFAULT_VARIANT", variant)
     gen = torch.Generator().manual_seed(3)
     n = shape[-1]
     example = tuple(torch.randn(*s, generator=gen).half() for s in [shape, (n,), (n,), (n,), shape])
-    model = tvmfuse.load(tvmfuse.compile(BenchChain(), example, target="sm90")
+    model = tvmfuse.load(tvmfuse.compile(BenchChain(), example, target="sm90",
+                                         options=Options(elementwise_variant=variant))
                          .export(tmp_path / f"{variant}.so"), device="cuda")
     inputs = [e.cuda() for e in example]
     with torch.no_grad():

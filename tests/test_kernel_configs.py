@@ -212,6 +212,9 @@ def _outputs_of_every_candidate(model, inputs, pattern: str):
     import tvm
 
     from tvmfuse.schedules.gemm_sm90 import HYBRID_PIPELINE
+    from tvmfuse.tvm_setup import register_tvm_patches
+
+    register_tvm_patches()  # registers HYBRID_PIPELINE
 
     task = _tasks(model, inputs)[pattern]
     dev = tvm.cuda(0)

@@ -18,7 +18,6 @@ reference on random inputs over a shape grid (4096³, ragged 2047 × 4096 × 409
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
@@ -32,9 +31,11 @@ from tvmfuse import pipeline
 from tvmfuse.build.export import export_library
 from tvmfuse.build.inspect import cuda_images, cuda_source, fatbin_sass, pipelined_loop
 from tvmfuse.build.nvcc import compile_fatbin
-from tvmfuse.schedules import RULE_ATTR, GemmSM80, gemm_sm80
-from tvmfuse.schedules.gemm_sm80 import BUILD_CONFIG, FALLBACK_ATTR, GemmConfig
+from tvmfuse.options import Options, use_options
+from tvmfuse.schedules import RULE_ATTR, GemmSM80
+from tvmfuse.schedules.gemm_sm80 import FALLBACK_ATTR, GemmConfig
 from tvmfuse.targets import get_target
+from tvmfuse.tvm_setup import codegen_scope
 
 SM80 = get_target("sm80")
 SM90 = get_target("sm90")
@@ -173,8 +174,7 @@ def test_rule_layouts(kn, dtype):
 
 def _cuda_source(mod: tvm.IRModule, target) -> str:
     """The CUDA source ``tvm.compile`` generates for ``mod`` (kept as source, nvcc not run)."""
-    os.environ.setdefault("TVM_COMPILE_FORCE_FALLBACK", "1")  # keep CUDA source, as export does
-    with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
+    with codegen_scope():  # patches registered, CUDA kept as source, BUILD_CONFIG (as export does)
         source = cuda_source(tvm.compile(mod, target=target))
     assert source is not None, "no CUDA module"
     return source
@@ -228,7 +228,7 @@ def test_accumulator_rows_padded_in_shared():
     cfg = GemmConfig(one_barrier=True)  # block_n 128
     sch = GemmSM80(config=cfg).apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
     source = _cuda_source(sch.mod, SM80.tvm_target())
-    stride = cfg.block_n + gemm_sm80.C_ROW_PAD
+    stride = cfg.block_n + Options().sm80_c_row_pad
     stores = [ln for ln in source.splitlines() if "((float*)buf_dyn_shmem_ptr)[" in ln and "] =" in ln]
     assert stores and all(f"* {stride})" in ln for ln in stores), stores[:2]
     reads = [ln for ln in source.splitlines() if "*(float4*)(((float*)buf_dyn_shmem_ptr)" in ln]
@@ -236,15 +236,15 @@ def test_accumulator_rows_padded_in_shared():
 
 
 def test_epilogue_from_registers(monkeypatch):
-    """``EPILOGUE_FROM_REGISTERS``: bias + ReLU on the fragments, ``half2`` stores straight to
+    """``Options.sm80_epilogue_from_registers``: bias + ReLU on the fragments, ``half2`` stores straight to
     the output, no fp32 staging in shared memory; a ragged M (padded C) keeps the staged
     epilogue and the rule (not dlight's fallback)."""
-    monkeypatch.setattr(gemm_sm80, "EPILOGUE_FROM_REGISTERS", True)
-    sch = GemmSM80().apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
+    with use_options(Options(sm80_epilogue_from_registers=True)):
+        sch = GemmSM80().apply(te_linear(256, 256, 512), SM80.tvm_target(), False)
+        ragged = GemmSM80().apply(te_linear(200, 256, 512), SM80.tvm_target(), False)
     source = _cuda_source(sch.mod, SM80.tvm_target())
     assert "(float*)buf_dyn_shmem_ptr" not in source
     assert "*(half2*)(relu_ptr" in source
-    ragged = GemmSM80().apply(te_linear(200, 256, 512), SM80.tvm_target(), False)
     attrs = ragged.mod["main"].attrs
     assert attrs.get(RULE_ATTR) == "gemm_sm80", attrs.get(FALLBACK_ATTR)
 
@@ -290,7 +290,7 @@ def test_config_checks():
 def _check_sass(sass: str, log: str, kernel: str) -> None:
     for op in ("LDGSTS", "LDSM", "HMMA"):
         assert op in sass, f"no {op} in the SASS"
-    lanes = gemm_sm80.EPILOGUE_LANE_ELEMS  # fp16 outputs per lane and store: 4 → 8 bytes
+    lanes = Options().sm80_epilogue_lane_elems  # fp16 outputs per lane and store: 4 → 8 bytes
     store = "STG.E.64" if lanes == 4 else "STG.E.128"
     assert store in sass, f"the epilogue's output is not stored with {store} vectors"
     report = log[log.index(f"Function properties for {kernel}"):]

@@ -18,6 +18,7 @@ from models.decoder_layer import RMSNorm
 from tests.cuda_tools import check_vs_float64, needs_nvcc
 from tests.test_schedule_gemm_sm90 import _ptxas_kernels
 from tvmfuse.frontend import import_model
+from tvmfuse.options import Options, use_options
 from tvmfuse.pipeline import lower
 from tvmfuse.report import analyze, stock_kernel_count
 from tvmfuse.schedules.gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR, row_stats_of
@@ -81,15 +82,14 @@ def test_sm90_gemm_computes_the_statistics(norm, dtype):
 def test_cost_estimate_decides(m, in_loop, monkeypatch):
     """A decode-sized GEMM computes its statistics; an 8192x4096->4096 projection keeps the
     statistics kernel (measured: 12 % of its main loop > the 20 us kernel), with the estimate as
-    the reason; FORCE moves them anyway."""
-    from tvmfuse.schedules import gemm_sm90_stats
-
+    the reason; ``sm90_in_loop_stats_always`` moves them anyway."""
     funcs = _lowered(*_model("layer", m, 4096, 4096, torch.float16))
     assert ("layer_norm_stats" not in funcs) == in_loop, sorted(funcs)
     if not in_loop:
         assert "estimated" in str(funcs["layer_norm_stats"].attrs[KEPT_ATTR])
-        monkeypatch.setattr(gemm_sm90_stats, "FORCE", True)
-        assert "layer_norm_stats" not in _lowered(*_model("layer", m, 4096, 4096, torch.float16))
+        with use_options(Options(sm90_in_loop_stats_always=True)):
+            forced = _lowered(*_model("layer", m, 4096, 4096, torch.float16))
+        assert "layer_norm_stats" not in forced
 
 
 @pytest.mark.parametrize("target, dtype, why", [
@@ -210,11 +210,9 @@ def _check(module, inputs, tmp_path, tol):
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)],
                          ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m, k, n", GPU_CASES, ids=["8192", "2047", "16"])
-def test_gpu_norm_linear(norm, dtype, tol, m, k, n, tmp_path, monkeypatch):
-    from tvmfuse.schedules import gemm_sm90_stats
-
-    monkeypatch.setattr(gemm_sm90_stats, "FORCE", True)  # the in-loop kernel at every size
-    _check(*_model(norm, m, k, n, dtype), tmp_path, tol)
+def test_gpu_norm_linear(norm, dtype, tol, m, k, n, tmp_path):
+    with use_options(Options(sm90_in_loop_stats_always=True)):  # the in-loop kernel at every size
+        _check(*_model(norm, m, k, n, dtype), tmp_path, tol)
 
 
 @pytest.mark.gpu

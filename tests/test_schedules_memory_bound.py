@@ -27,6 +27,7 @@ from tvmfuse import pipeline
 from tvmfuse.build.inspect import cuda_source as find_cuda_source
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
+from tvmfuse.options import Options, use_options
 from tvmfuse.schedules import RULE_ATTR, Elementwise, RowNorm, gpu_rules
 from tvmfuse.schedules import elementwise as ew_rule
 from tvmfuse.schedules.row_norm import choose_threads
@@ -475,6 +476,8 @@ def test_fast_erf_formula_accuracy():
 
 
 def test_default_variant_is_named():
-    assert ew_rule.DEFAULT_VARIANT in ew_rule.VARIANTS
-    assert Elementwise().config == ew_rule.VARIANTS[ew_rule.DEFAULT_VARIANT]
+    assert Options().elementwise_variant in ew_rule.VARIANTS
+    assert Elementwise().config == ew_rule.VARIANTS[Options().elementwise_variant]
+    with use_options(Options(elementwise_variant="v1")):
+        assert Elementwise().config == ew_rule.VARIANTS["v1"]
     assert Elementwise(threads=128).config.threads == 128

@@ -12,6 +12,7 @@ from typing import Any
 from .build import export_library
 from .errors import InputSpecError
 from .frontend import ImportedModel, TensorSpec, import_model, input_overrides
+from .options import Options
 from .pipeline import build, lower
 from .runtime import load
 from .targets import TargetSpec, get_target
@@ -81,6 +82,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     dtype: str | None = None,
     inputs: dict[str, Any] | list[str] | None = None,
     tuning_db: str | os.PathLike | None = None,
+    options: Options | None = None,
 ) -> Library:
     """Compile ``model`` (ONNX path/proto, .pt2 path, ``pkg.mod:factory`` or nn.Module).
 
@@ -88,15 +90,17 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     model to mixed precision (fp32 accumulation). ``inputs`` fixes dynamic dims:
     ``{"x": (2, 64)}`` or ``["x:2x64"]``. ``tuning_db``: a ``tvmfuse tune`` database; a kernel
     uses its tuned schedule only where that measured faster than the default rule.
+    ``options``: the kernels' switches and the device (:class:`tvmfuse.options.Options`).
     """
     spec = get_target(target)
     if dtype not in (None, "float32", "float16", "bfloat16"):
         raise InputSpecError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
     overrides = input_overrides(inputs)
     imported = import_model(model, example_inputs, overrides)
-    lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None, tuning_db=tuning_db)
+    lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None, tuning_db=tuning_db,
+                    options=options)
     outputs = _output_specs(imported.mod, imported.output_names)
-    executable = build(lowered, spec)
+    executable = build(lowered, spec, options)
     tuning = None
     if tuning_db is not None:
         tuning = tuning_summary(tuning_db, lowered)

@@ -72,7 +72,8 @@ def gemm_candidates(m: int, n: int) -> list[dict[str, Any]]:
     out = [default]
     for bm, bn, stages in ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 4)):
         for group_m in (8, 16, 4):
-            cfg = GemmConfig(bm=bm, bn=bn, stages=stages, group_m=group_m)
+            cfg = GemmConfig(bm=bm, bn=bn, stages=stages, group_m=group_m,
+                             num_sms=default.num_sms)
             if cfg not in out:
                 out.append(cfg)
     return [_fields(c) for c in out]

@@ -1,7 +1,9 @@
 """The tvmfuse compilation pipeline: imported Relax → scheduled, lowered IRModule.
 
 One linear function; every stage is named and, with ``TVMFUSE_DUMP_IR=DIR``, the IR after each
-stage is written to ``DIR/NN_name.py``.
+stage is written to ``DIR/NN_name.py``. Both :func:`lower` and :func:`build` run inside the
+caller's :class:`~tvmfuse.options.Options` (``options=``, else the ones in effect) and register
+tvmfuse's TVM patches first (``build/tvm_setup.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from pathlib import Path
 import tvm
 from tvm import relax
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
-from tvm.s_tir import dlight as dl
 
 from .errors import CompileError, TvmfuseError
 from .locate import locate
+from .options import Options, use_options
 from .passes import (
     FuseDecomposedNorms,
     GatherRowStats,
@@ -34,12 +36,13 @@ from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
 from .schedules import gpu_rules
+from .schedules.fallback import ApplyRules
 from .schedules.gemm_row_stats_simt import SimtGemmRowStats
-from .schedules.gemm_sm80 import BUILD_CONFIG
 from .schedules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .schedules.gemm_sm90_stats import Sm90GemmRowStats
 from .targets import TargetSpec
 from .tuning_db import ApplyTuningDatabase
+from .tvm_setup import codegen_scope, register_tvm_patches
 
 
 class _Stages:
@@ -86,15 +89,18 @@ def _stage_error(name: str, pass_: tvm.transform.Pass, mod: tvm.IRModule, err: E
 
 def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
           on_stage: Callable[[str, tvm.IRModule], None] | None = None,
-          tuning_db: str | os.PathLike | None = None) -> tvm.IRModule:
+          tuning_db: str | os.PathLike | None = None,
+          options: Options | None = None) -> tvm.IRModule:
     """Run every tvmfuse stage on ``mod`` for ``spec``; the result goes to ``relax.build``.
 
     ``on_stage(name, mod)`` sees the module after each named stage (the report uses it).
     ``tuning_db``: a ``tvmfuse tune`` database; kernels with a faster tuned record use it.
+    ``options``: the passes' and rules' switches (None: the ones in effect).
     """
     target = spec.tvm_target()
     run = _Stages(on_stage)
-    with target:
+    register_tvm_patches()  # rules below check their schedules with TVM's (patched) passes
+    with target, use_options(options):
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
@@ -151,7 +157,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             mod = run("gemm_row_stats_simt", SimtGemmRowStats, mod)
             # sm_90a only: fused GEMMs become TIRx wgmma kernels, tagged so dlight skips them.
             mod = run("gemm_sm90", Sm90Gemm, mod)
-            mod = run("schedule", dl.ApplyDefaultSchedule(*gpu_rules()), mod)
+            # An exception in a rule propagates (TVMFUSE_STRICT) or is recorded (schedules/fallback.py).
+            mod = run("schedule", ApplyRules(*gpu_rules()), mod)
         # One-output models return the tensor, not a 1-tuple: less host work on every call
         # (after the views are made: a reshape feeding the unwrapped output stays a view).
         mod = run("unwrap_single_output", UnwrapSingleOutput(), mod)
@@ -176,22 +183,15 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
     return mod
 
 
-def build(mod: tvm.IRModule, spec: TargetSpec):
+def build(mod: tvm.IRModule, spec: TargetSpec, options: Options | None = None):
     """Codegen: ``relax.build`` of a lowered module (CUDA kept as source; export compiles it)."""
-    # Same behaviour with or without a GPU driver: CUDA stays source here; export runs nvcc.
-    previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
-    os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
+    # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
+    tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
     try:
-        # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
-        tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
-        # gemm_sm80's cp.async pipelines need TIR build options (see BUILD_CONFIG).
-        with tvm.transform.PassContext(config=BUILD_CONFIG):
+        # Same behaviour with or without a GPU driver: CUDA stays source here; export runs nvcc.
+        # gemm_sm80's cp.async pipelines need TIR build options (codegen_scope sets BUILD_CONFIG).
+        with codegen_scope(options):
             return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None,
                                tir_pipeline=tir_pipeline)
     except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
         raise CompileError(f"codegen for target {spec.name} failed: {err}") from err
-    finally:  # leave the caller's environment as it was
-        if previous is None:
-            del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
-        else:
-            os.environ["TVM_COMPILE_FORCE_FALLBACK"] = previous

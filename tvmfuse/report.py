@@ -18,7 +18,8 @@ from tvm.relax.backend import cpu_generic as stock_cpu
 from tvm.relax.backend import cuda as stock_cuda
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from .attrs import IN_LOOP_ATTR, KEPT_ATTR, TUNING_ATTR
+from .attrs import FALLBACK_ATTR, IN_LOOP_ATTR, KEPT_ATTR, TUNING_ATTR
+from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
 from .passes import MixedPrecision
 from .passes.attention import attention_decisions
 from .passes.legalize_fixes import legalize_overrides
@@ -31,9 +32,6 @@ REDUCTION_OPS = {"softmax", "layer_norm", "rms_norm", "group_norm", "mean", "sum
 LAYOUT_OPS = {"transpose", "permute_dims", "strided_slice", "concatenate", "take", "broadcast_to",
               "split", "reshape"}
 GEMM_OPS = {"matmul", "dense", "conv2d", "conv1d", "batch_matmul", "attention"}
-# Ceilings measured on the H200 (DESIGN.md): copy bandwidth and cuBLAS fp16 at 4096³.
-H200_BANDWIDTH = 4.21e12
-H200_FP16_FLOPS = 775e12
 # AnnotateTIROpPattern kinds
 _K_REDUCE, _K_GEMM = 3, 4
 
@@ -49,10 +47,11 @@ class KernelInfo:
     bytes: int
     measured_ms: float | None = field(default=None)
     tuning: str | None = field(default=None)  # with a tuning database: "tuned" or "default: why"
+    fallback: str | None = field(default=None)  # why a rule / generator left it (tvmfuse.fallback)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("measured_ms", "tuning"):
+        for key in ("measured_ms", "tuning", "fallback"):
             if d[key] is None:
                 del d[key]
         return d
@@ -209,7 +208,9 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
         kernels.append(KernelInfo(name, classify(ops, kinds), ops, kernel_flops(unscheduled),
                                   primfunc_bytes(final[name]),
                                   tuning=str(attrs[TUNING_ATTR]) if attrs and
-                                  TUNING_ATTR in attrs else None))
+                                  TUNING_ATTR in attrs else None,
+                                  fallback=str(attrs[FALLBACK_ATTR]) if attrs and
+                                  FALLBACK_ATTR in attrs else None))
     return kernels
 
 
@@ -340,9 +341,15 @@ def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         "flops": sum(k.flops for k in fused),
         "kernels": [k.to_json() for k in fused],
         "not_fused": _edges(capture.mods, fused) + _attention_left(capture.mods.get("fuse_attention")),
-        "ceilings": {"bandwidth_Bps": H200_BANDWIDTH, "fp16_flops": H200_FP16_FLOPS,
-                     "source": "measured on the H200 (DESIGN.md)"},
+        "ceilings": _ceilings(spec),
     }
+
+
+def _ceilings(spec: TargetSpec) -> dict[str, Any]:
+    """Roofline ceilings of the target's device (``device_props``; cpu: the default GPU's)."""
+    device = device_properties(spec) if spec.is_cuda else DEVICES[DEFAULT_DEVICE]
+    return {"device": device.name, "bandwidth_Bps": device.bandwidth,
+            "fp16_flops": device.fp16_flops, "source": device.source}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -351,17 +358,23 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [f"target {report['target']}: {report['fused_kernel_count']} kernels "
              f"(unfused graph: {report['unfused_kernel_count']}, stock TVM pipeline: "
              f"{stock if stock is not None else 'n/a'})", ""]
+    bw, peak = report["ceilings"]["bandwidth_Bps"], report["ceilings"]["fp16_flops"]
     lines.append(f"{'#':>3} {'pattern':<14} {'MB':>9} {'GFLOP':>9} {'floor us':>9}  ops")
     for i, k in enumerate(report["kernels"]):
-        floor = max(k["bytes"] / H200_BANDWIDTH, k["flops"] / H200_FP16_FLOPS) * 1e6
+        floor = max(k["bytes"] / bw, k["flops"] / peak) * 1e6
         ops = ",".join(k["ops"])
         tuned = "  [tuned]" if k.get("tuning") == "tuned" else ""
         lines.append(f"{i:>3} {k['pattern']:<14} {k['bytes'] / 1e6:>9.3f} {k['flops'] / 1e9:>9.3f} "
                      f"{floor:>9.2f}  {ops[:70]}{tuned}")
     uf, f = report["hbm_bytes_unfused"], report["hbm_bytes_fused"]
     lines += ["", f"HBM bytes unfused {uf / 1e6:.3f} MB → fused {f / 1e6:.3f} MB "
-                  f"({uf / max(f, 1):.2f}x less); memory floor {f / H200_BANDWIDTH * 1e6:.1f} us "
-                  f"at 4.21 TB/s (unfused {uf / H200_BANDWIDTH * 1e6:.1f} us)"]
+                  f"({uf / max(f, 1):.2f}x less); memory floor {f / bw * 1e6:.1f} us "
+                  f"at {bw / 1e12:.2f} TB/s, {report['ceilings']['device']} "
+                  f"(unfused {uf / bw * 1e6:.1f} us)"]
+    fallbacks = [(i, k) for i, k in enumerate(report["kernels"]) if k.get("fallback")]
+    if fallbacks:
+        lines += ["", "fallbacks (a rule or kernel generator left the kernel; why):"]
+        lines += [f"  #{i} {k['name']}: {k['fallback']}" for i, k in fallbacks]
     if report["not_fused"]:
         lines += ["", "kept apart:"]
         for nf in report["not_fused"]:
@@ -376,11 +389,12 @@ def plot_roofline(report: dict[str, Any], path: str, times_ms: dict[str, float] 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bw, peak = H200_BANDWIDTH, H200_FP16_FLOPS
+    ceilings = report["ceilings"]
+    bw, peak = ceilings["bandwidth_Bps"], ceilings["fp16_flops"]
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
     xs = [10 ** (e / 10) for e in range(-50, 41)]
     ax.plot(xs, [min(peak, x * bw) / 1e12 for x in xs], color="black", lw=2,
-            label="H200 roof: 4.21 TB/s copy, 775 TFLOP/s fp16")
+            label=f"{ceilings['device']} roof: {bw / 1e12:.2f} TB/s, {peak / 1e12:.0f} TFLOP/s fp16")
     colors = {"elementwise": "tab:blue", "norm": "tab:green", "gemm_epilogue": "tab:red",
               "norm_gemm": "tab:purple", "attention": "tab:orange", "other": "tab:gray"}
     seen = set()

@@ -46,9 +46,7 @@ from typing import Any
 import tvm
 from tvm import relax, s_tir, tirx
 from tvm.ir.utils import derived_object
-from tvm.s_tir import dlight as dl
 from tvm.s_tir import meta_schedule as ms
-from tvm.s_tir.dlight.base.transform import _apply_rules
 from tvm.s_tir.meta_schedule.builder.local_builder import default_export
 from tvm.s_tir.meta_schedule.runner.local_runner import (
     LocalRunnerFuture,
@@ -65,9 +63,11 @@ from .kernel_configs import attention_flops, space_for
 from .pipeline import lower
 from .report import classify, fused_groups, kernel_flops, op_name, primfunc_bytes
 from .schedules import gpu_rules
+from .schedules.fallback import ApplyRules, apply_rules
 from .schedules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .targets import TargetSpec, get_target
 from .tuning_db import TuningDatabase, task_key_of, task_module
+from .tvm_setup import register_tvm_patches
 from .version import __version__
 
 TUNED_PATTERNS = ("gemm_epilogue", "norm_gemm", "attention")
@@ -455,15 +455,16 @@ def default_schedule(mod: tvm.IRModule, spec: TargetSpec) -> tvm.IRModule:
     then tvmfuse's GPU rules (the stages after ``apply_tuning_db`` in ``pipeline.lower``)."""
     if not spec.is_cuda:
         return mod
-    fresh = tvm.IRModule({"main": mod["main"]})  # both passes assign into the module they get
+    fresh = tvm.IRModule({"main": mod["main"]})
     with spec.tvm_target():
-        out = dl.ApplyDefaultSchedule(*gpu_rules())(Sm90Gemm(fresh))
+        out = ApplyRules(*gpu_rules())(Sm90Gemm(fresh))
     return tvm.IRModule({"main": out["main"].with_attr("global_symbol", "main")})  # Sm90Gemm drops it
 
 
 def build_candidate(mod: tvm.IRModule, target, params: Any = None):
     """MetaSchedule's default build without its ``import tvm.s_tir.tensor_intrin`` (see
     :func:`lazy_tensor_intrin`); TIRx kernels (sm_90a GEMM) take tvmfuse's hybrid pipeline."""
+    register_tvm_patches()  # in a LocalBuilder worker too: nothing is patched on import
     if uses_tirx(mod):
         return tvm.tirx.build(mod, target=target, pipeline=HYBRID_PIPELINE)
     return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
@@ -503,7 +504,7 @@ def _design_space(task: Task, spec: TargetSpec, target):
 
     def rule_space(sch):
         """tvmfuse's first applicable rule; a rule that samples tile sizes gives a real space."""
-        space = _apply_rules(sch.mod["main"], target, gpu_rules(), tunable=True)
+        space, _ = apply_rules(sch.mod["main"], target, gpu_rules(), tunable=True)
         return list(space) if space else [sch]
 
     half = any(str(p.dtype) in ("float16", "bfloat16") for p in task.mod["main"].params

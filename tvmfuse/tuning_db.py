@@ -47,6 +47,7 @@ from .schedules.gemm_sm90 import gemm_problem
 from .schedules.hopper.epilogue import NotHandled
 from .schedules.hopper.kernel import GemmConfig, check
 from .targets import TargetSpec
+from .tvm_setup import codegen_scope
 
 FORMAT = "tvmfuse-tuning/1"
 TASKS_FILE = "tvmfuse_tasks.json"
@@ -207,15 +208,8 @@ class TuningDatabase:
 
 def _check_builds(func: tirx.PrimFunc, spec: TargetSpec) -> None:
     """Codegen of one kernel alone (CUDA kept as source, as in ``pipeline.build``)."""
-    previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
-    os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
-    try:
+    with codegen_scope():
         tvm.compile(task_module(func), target=spec.tvm_target())
-    finally:
-        if previous is None:
-            del os.environ["TVM_COMPILE_FORCE_FALLBACK"]
-        else:
-            os.environ["TVM_COMPILE_FORCE_FALLBACK"] = previous
 
 
 def _restore_attrs(tuned: tirx.PrimFunc, original: tirx.PrimFunc) -> tirx.PrimFunc:

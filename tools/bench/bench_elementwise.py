@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tvmfuse.options import Options, use_options
 from tvmfuse.schedules import elementwise as ew_rule
 
 SIZES = {"cuda": (16384, 4096), "cpu": (64, 128)}  # (M, N)
@@ -88,8 +89,8 @@ def compare_variants(args: argparse.Namespace, names: list[str], rounds: int = 2
     fns, outs = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            ew_rule.DEFAULT_VARIANT = name
-            fns[name], _ = common.compile_and_load(wl.module, wl.inputs, args.target, tmp, name)
+            with use_options(Options(elementwise_variant=name)):
+                fns[name], _ = common.compile_and_load(wl.module, wl.inputs, args.target, tmp, name)
             outs[name] = fns[name](*inputs)
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for _ in range(rounds):
@@ -125,10 +126,11 @@ def _variant_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     chosen = _variant_args()
-    if chosen.variant:
-        ew_rule.DEFAULT_VARIANT = chosen.variant
     if chosen.variants:
         opts = common.resolve(common.parser(__doc__).parse_args())
         compare_variants(opts, chosen.variants.split(","))
         raise SystemExit(0)
-    raise SystemExit(common.main(run, __doc__))
+    variant = Options(elementwise_variant=chosen.variant) if chosen.variant else None
+    with use_options(variant):
+        code = common.main(run, __doc__)
+    raise SystemExit(code)

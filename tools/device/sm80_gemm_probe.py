@@ -38,13 +38,14 @@ import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback
 from tvm import te, tirx  # noqa: E402
 
 from tvmfuse.build.inspect import cuda_source, pipelined_loop  # noqa: E402
-from tvmfuse.schedules import gemm_sm80  # noqa: E402
+from tvmfuse.options import Options, use_options  # noqa: E402
 from tvmfuse.schedules.gemm_sm80 import (  # noqa: E402
     BUILD_CONFIG,
     TILE_ATTR,
     GemmConfig,
     GemmSM80,
 )
+from tvmfuse.tvm_setup import register_tvm_patches  # noqa: E402
 
 # The sm80 schedule, built for the H200 (sm_90 SASS of the same code, as target "sm80" ships).
 TARGET = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
@@ -82,12 +83,13 @@ def parse_config(text: str) -> GemmConfig:
                       one_barrier=got.group(8) is not None)
 
 
-# +padN, +laneN, +regsN → gemm_sm80.X = N
-KNOBS = {"pad": "C_ROW_PAD", "lane": "EPILOGUE_LANE_ELEMS", "regs": "EPILOGUE_FROM_REGISTERS"}
+# +padN, +laneN, +regsN → Options(X=N)
+KNOBS = {"pad": "sm80_c_row_pad", "lane": "sm80_epilogue_lane_elems",
+         "regs": "sm80_epilogue_from_registers"}
 
 
 def parse_variant(text: str) -> tuple[GemmConfig | None, dict[str, int]]:
-    """``TILE[+knob…]`` → (GemmConfig or None for ``default``, {gemm_sm80 constant: value})."""
+    """``TILE[+knob…]`` → (GemmConfig or None for ``default``, {Options field: value})."""
     tile, *knobs = text.split("+")
     values = {}
     for knob in knobs:
@@ -139,21 +141,16 @@ _REFERENCE_MS: dict[tuple, tuple[float, ...]] = {}  # (m, n, k, dtype, batch) �
 
 def case(m, n, k, dtype="float16", kn=False, batch=0, cfg: GemmConfig | None = None,
          time_it=True, knobs: dict[str, int] | None = None) -> None:
-    """One shape; ``cfg`` None: the tile the rule picks; ``knobs`` set gemm_sm80 constants for
-    this build only."""
+    """One shape; ``cfg`` None: the tile the rule picks; ``knobs`` set :class:`Options` fields
+    for this build only."""
     t0 = time.time()
     func = linear_relu(m, n, k, dtype, kn, batch)
-    saved = {name: getattr(gemm_sm80, name) for name in knobs or {}}
-    try:
-        for name, value in (knobs or {}).items():
-            setattr(gemm_sm80, name, value)
+    with use_options(Options(**(knobs or {}))):
         sch = GemmSM80(config=cfg).apply(func, TARGET, False)
-    finally:
-        for name, value in saved.items():
-            setattr(gemm_sm80, name, value)
     attrs = sch.mod["main"].attrs
     tag = str(attrs.get(TILE_ATTR, "-")) + "".join(f"+{k}={v}" for k, v in (knobs or {}).items())
     rule = attrs.get("tvmfuse.rule") or f"fallback({attrs.get('tvmfuse.fallback')})"
+    register_tvm_patches()
     with tvm.transform.PassContext(opt_level=3, config=BUILD_CONFIG):
         lib = tvm.compile(sch.mod, target=TARGET)
     build_s = time.time() - t0

@@ -22,7 +22,7 @@ form is used only when T divides the vector count (T = the largest divisor ≤ 2
 whole count when it is ≤ 256); otherwise (e.g. symbolic rows with a row not a multiple of T
 vectors) the scalar form, whose block keeps its own bound check.
 
-:class:`ElementwiseConfig` adds variants (:data:`VARIANTS`, picked by :data:`DEFAULT_VARIANT`):
+:class:`ElementwiseConfig` adds variants (:data:`VARIANTS`, picked by ``Options.elementwise_variant``):
 k vectors a thread (k adjacent vectors, or k rows of the same columns so that per-channel inputs
 are loaded once for k rows), ``__launch_bounds__(T, min blocks)``, and erf by A&S 7.1.26.
 On the H200 the 5-op fp16 chain over 64 Mi elements (3 streams, ``v1``) runs at 3.74–3.77 TB/s
@@ -41,6 +41,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from ..attrs import RULE_ATTR
+from ..options import current_options
 from .hopper.opmath import fast_math16
 from .tir_util import const_int as _int
 from .tir_util import dtype_bytes as _bytes
@@ -130,7 +131,7 @@ VARIANTS: dict[str, ElementwiseConfig] = {
 # v2_rows 97.6, v4 119.8, v4_rows 108.7, v1_erf 94.7, v2_rows_erf 93.4, v4_rows_erf 93.3
 # (floor 95.6 µs at the 4.21 TB/s copy rate). With 16-bit outputs only (see _schedule_block),
 # A&S erf differs from erff by ≤ 5.8e-7 (measured, fp32), far below an fp16 rounding step.
-DEFAULT_VARIANT = "v2_rows_erf"
+# The default variant is ``Options.elementwise_variant`` ("v2_rows_erf").
 
 
 def _launch_bounds(func: tirx.PrimFunc, min_blocks: int) -> tirx.PrimFunc:
@@ -160,7 +161,11 @@ class Elementwise(GPUScheduleRule):
     """Purely spatial functions: fused loops, 256 threads, 16-byte vector loads and stores."""
 
     def __init__(self, threads: int | None = None, config: ElementwiseConfig | None = None) -> None:
-        config = config or VARIANTS[DEFAULT_VARIANT]
+        if config is None:
+            name = current_options().elementwise_variant
+            if name not in VARIANTS:
+                raise ValueError(f"unknown elementwise variant {name!r}; one of {', '.join(VARIANTS)}")
+            config = VARIANTS[name]
         self.config = config if threads is None else replace(config, threads=threads)
         self.threads = self.config.threads
 
@@ -169,7 +174,8 @@ class Elementwise(GPUScheduleRule):
             return None
         try:
             return self._schedule(func)
-        except Exception:  # noqa: BLE001 - a primitive refusing means "not this rule's shape"
+        except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
+            # exception is a bug and goes to the fallback point (schedules/fallback.py)
             return None
 
     def _schedule(self, func: tirx.PrimFunc) -> s_tir.Schedule | None:

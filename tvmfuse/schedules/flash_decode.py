@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import tvm
 from tvm.script import tirx as T
 
+from ..device_props import device_properties
 from .attention_cpu import bias_strides
 from .attention_spec import AttentionSpec
 
@@ -42,10 +43,10 @@ class DecodeConfig:
 
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
-                 keys_per_iter: int) -> int:
+                 keys_per_iter: int, sms: int) -> int:
     if cfg.splits:
         return max(1, min(cfg.splits, (kv_eff + keys_per_iter - 1) // keys_per_iter))
-    want = (132 * 8 + blocks_per_split - 1) // blocks_per_split  # ~8 waves on 132 SMs
+    want = (sms * 8 + blocks_per_split - 1) // blocks_per_split  # ~8 waves on the SMs
     return max(1, min(want, (kv_eff + keys_per_iter - 1) // keys_per_iter))
 
 
@@ -72,7 +73,7 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
     # Sq == 1: TopLeft sees key 0 only; BottomRight (j ≤ Skv − 1) and none see all keys
     kv_eff = 1 if spec.causal == "TopLeft" else Skv
     per_iter = NG * U
-    n_split = _split_count(spec, cfg, B * Hkv * HC, kv_eff, per_iter)
+    n_split = _split_count(spec, cfg, B * Hkv * HC, kv_eff, per_iter, device_properties(target).sms)
     L = (kv_eff + n_split - 1) // n_split
     L = (L + per_iter - 1) // per_iter * per_iter
     n_split = (kv_eff + L - 1) // L

@@ -26,7 +26,8 @@ Marks: the merged PrimFunc gets ``tvmfuse.in_loop_stats = [GEMM PrimFunc, statis
 not fp32 (then the wgmma path's reason is the one that matters).
 
 Runs in ``pipeline.lower`` right after Sm90GemmRowStats (which takes the 16-bit sm_90a GEMMs
-first) on the fused PrimFuncs; CUDA targets only, elsewhere the module is returned unchanged.
+first) on the fused PrimFuncs; CUDA targets only, elsewhere the module is returned unchanged, as it
+is with ``Options(simt_in_loop_stats=False)`` (measurements: every statistics kernel kept).
 16-bit GEMMs are left alone: on sm_80 they are mma.sync kernels (GemmSM80) that a SIMT kernel
 would slow down far more than one statistics launch costs.
 """
@@ -38,12 +39,13 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 
 from ..attrs import IN_LOOP_ATTR, KEPT_ATTR, SIMT_ATTR
+from ..options import current_options
+from .fallback import try_rule
 from .gemm_simt_stats import GemmSimtRowStats
 from .gemm_sm90_stats import TUPLE_USED, stats_calls, swap_gemm_calls
 from .tir_util import strip_cast
 
 NAME = "gemm_row_stats_simt"
-ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
 _CALL_TIR = "relax.call_tir"
 _FP32 = "float32"
 _NOT_FP32 = "a tensor-core kernel; only fp32 SIMT GEMMs take the statistics"
@@ -158,8 +160,10 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[t
             merged, args = merge(stats_fn, call, mod[gemm_gv], user, outputs)
             merged = merged.with_attrs({IN_LOOP_ATTR: [gemm_gv.name_hint, call.args[0].name_hint],
                                         SIMT_ATTR: "layer" if spec.centered else "rms"})
-            if GemmSimtRowStats().apply(merged, target, False) is None:
-                kept[call.args[0]] = (f"the SIMT schedule does not take {gemm_gv.name_hint}", True)
+            space, raised = try_rule(GemmSimtRowStats(), merged, target, False)
+            if space is None:
+                why = f"the SIMT schedule does not take {gemm_gv.name_hint}"
+                kept[call.args[0]] = (f"{why} ({raised})" if raised else why, True)
                 break
             mine.append((user, merged, args))
         else:
@@ -171,7 +175,7 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[t
 def SimtGemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Statistics kernels feeding fp32 GEMMs on CUDA → statistics computed in those GEMMs."""
     target = tvm.target.Target.current(allow_none=True)
-    if not ENABLED or target is None or target.kind.name != "cuda":
+    if not current_options().simt_in_loop_stats or target is None or target.kind.name != "cuda":
         return mod
     kept: dict = {}
     plans = [p for f in list(mod.functions.values()) if isinstance(f, relax.Function)

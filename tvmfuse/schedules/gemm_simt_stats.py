@@ -51,6 +51,7 @@ from tvm.s_tir.dlight.gpu.matmul import (
 from tvm.target import Target
 
 from ..attrs import RULE_ATTR, SIMT_ATTR, TILE_ATTR
+from ..device_props import device_properties
 from .elementwise import VECTOR_BYTES
 from .tir_util import const_int
 
@@ -84,15 +85,15 @@ class SimtConfig:
 LARGE_CONFIG = SimtConfig()  # 256 threads of 8 × 8 outputs
 MEDIUM_CONFIG = SimtConfig(block_m=64, block_n=64, thread_m=4, thread_n=4)  # 256 threads of 4 × 4
 SMALL_M_CONFIG = SimtConfig(block_m=16, block_n=64, thread_m=1, thread_n=4)  # decode rows
-LARGE_MIN_BLOCKS = 132  # LARGE_CONFIG when its grid fills the H200's SMs once
 
 
-def pick_config(m: int, n: int) -> SimtConfig:
-    """The tile for an ``m × n`` output: decode rows (m ≤ 16) get 16-row tiles, large outputs
-    128 × 128, the rest 64 × 64 (more blocks where 128 × 128 would leave SMs idle)."""
+def pick_config(m: int, n: int, sms: int) -> SimtConfig:
+    """The tile for an ``m × n`` output on ``sms`` SMs: decode rows (m ≤ 16) get 16-row tiles,
+    128 × 128 when that grid fills the SMs once, else 64 × 64 (more blocks where 128 × 128 would
+    leave SMs idle)."""
     if m <= SMALL_M_CONFIG.block_m:
         return SMALL_M_CONFIG
-    if -(-m // 128) * -(-n // 128) >= LARGE_MIN_BLOCKS:
+    if -(-m // 128) * -(-n // 128) >= sms:
         return LARGE_CONFIG
     return MEDIUM_CONFIG
 
@@ -110,15 +111,18 @@ class GemmSimtRowStats(GPUScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         try:
-            tag = _schedule(sch, self.config)
-        except Exception:  # noqa: BLE001 - a primitive refusing: dlight's rules take it
+            tag = _schedule(sch, self.config, device_properties(target).sms)
+            if tag is None:
+                return None
+        except s_tir.ScheduleError:  # a primitive refusing: dlight's rules take it; any other
+            # exception is a bug and goes to the fallback point (schedules/fallback.py)
             return None
         return s_tir.Schedule(sch.mod["main"].with_attrs({RULE_ATTR: NAME, TILE_ATTR: tag}))
 
 
 def _split_blocks(sch: s_tir.Schedule):
     """(statistics blocks in order, the matmul block): the blocks before the matmul write
-    (M, 1) row scalars."""
+    (M, 1) row scalars; None when the function is not of that form."""
     stats, matmul = [], None
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         stmt = sch.get(block)
@@ -128,23 +132,23 @@ def _split_blocks(sch: s_tir.Schedule):
             break
         out = stmt.writes[0].source
         if len(out.shape) != 2 or const_int(out.shape[1]) != 1:
-            raise ValueError(f"block {stmt.name_hint} before the matmul is no row statistic")
+            return None  # a block before the matmul that is no row statistic
         stats.append(block)
     if matmul is None or not stats:
-        raise ValueError("no statistics blocks before a matmul block")
+        return None  # no statistics blocks before a matmul block
     return stats, matmul
 
 
 def _canonical(sch: s_tir.Schedule, block) -> tuple[int, int]:
     """Reindex the matmul to ``C[1, I, J] += A[1, I, K] · B[1, K, J]`` (B as (K, N) in shared
-    memory whatever its layout); returns (M, N)."""
+    memory whatever its layout); returns (M, N), None for a batched or symbolic matmul."""
     s_, i_, j_, k_ = IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K
     reindex_a = sch.reindex(block, ("read", 0))
     reindex_b = sch.reindex(block, ("read", 1))
     reindex_c = sch.reindex(block, ("write", 0))
     traits = detect_iter_traits(sch.get(block))
     if traits is None:
-        raise ValueError("not a matmul")
+        return None
     traits_a, traits_b, traits_c, traits_blk = traits
     fusion = make_iter_fusion_index_map
     sch.transform_layout(reindex_a, ("write", 0), fusion(traits_a, [s_, i_, k_]))
@@ -153,15 +157,22 @@ def _canonical(sch: s_tir.Schedule, block) -> tuple[int, int]:
     sch.transform_block_layout(block, fusion(traits_blk, [s_, i_, j_, k_]))
     extents = [const_int(iv.dom.extent) for iv in sch.get(block).iter_vars]
     if None in extents or extents[0] != 1:
-        raise ValueError("batched or symbolic matmul")
+        return None
     return extents[1], extents[2]
 
 
-def _schedule(sch: s_tir.Schedule, config: SimtConfig | None) -> str:
-    stats, block = _split_blocks(sch)
+def _schedule(sch: s_tir.Schedule, config: SimtConfig | None, sms: int) -> str | None:
+    """Schedule the merged function; its tile's tag, or None when it is not of the form."""
+    split = _split_blocks(sch)
+    if split is None:
+        return None
+    stats, block = split
     # 1. Canonical layout, padded to the tile (zero rows / columns, predicated stores).
-    m, n = _canonical(sch, block)
-    cfg = config or pick_config(m, n)
+    sizes = _canonical(sch, block)
+    if sizes is None:
+        return None
+    m, n = sizes
+    cfg = config or pick_config(m, n, sms)
     sch.pad_einsum(block, [1, cfg.block_m, cfg.block_n, cfg.block_k])
     # The epilogue becomes one block reading the padded C. It cannot be inlined into the
     # matmul's store (reverse_compute_inline refuses a consumer that also reads the statistics,
@@ -190,7 +201,7 @@ def _schedule(sch: s_tir.Schedule, config: SimtConfig | None) -> str:
     sch.unroll(tn_o)
     try:
         sch.vectorize(tn_i)
-    except Exception:  # noqa: BLE001 - predicated columns (N not a multiple of the tile)
+    except s_tir.ScheduleError:  # predicated columns (N not a multiple of the tile)
         sch.unroll(tn_i)
     sch.compute_at(block, tx, preserve_unit_loops=True)
     sch.set_scope(block, 0, "local")

@@ -28,9 +28,9 @@ Schedule, per thread block of ``block_m × block_n`` outputs and ``warps = (bloc
     out[i, j..j+V] = epilogue(C_s[i, j..j+V], bias, residual, …)   one V-wide store per lane
 
 The epilogue runs on the fp32 accumulators, read back from shared memory in 16-byte vectors
-(``V`` = ``EPILOGUE_LANE_ELEMS`` = 4: a quarter-warp's reads cover one 128-byte row piece, no
-bank conflict), computed in scalar registers, stored ``V`` outputs at a time. With
-``EPILOGUE_FROM_REGISTERS`` (off by default; an experiment of session 5, tools/bench/NOTES.md)
+(``V`` = ``Options.sm80_epilogue_lane_elems`` = 4: a quarter-warp's reads cover one 128-byte row
+piece, no bank conflict), computed in scalar registers, stored ``V`` outputs at a time. With
+``Options.sm80_epilogue_from_registers`` (off by default; an experiment of session 5, NOTES.md)
 the epilogue runs on the mma fragments themselves and each lane stores pairs of outputs
 (``half2``), with no shared-memory staging; where that does not schedule (a padded, ragged C)
 the staged epilogue is used.
@@ -42,10 +42,12 @@ barrier guards both the refill and the next tile's reads, and each tile's loads 
 of compute to land instead of one.
 
 Tile choices are plain parameters (:class:`GemmConfig`) so that tuning can vary them. By default
-(:meth:`GemmSM80.pick_config`) a GEMM whose grid of 256×128 tiles has at least
-``LARGE_MIN_BLOCKS`` blocks takes :data:`LARGE_CONFIG` (256×128×64, 8 warps of 64×64, 4 stages,
-one barrier per K tile: the fastest tile measured on the H200, see tools/bench/NOTES.md), a
-smaller one :data:`DEFAULT_CONFIG` (128×128×64, 4 warps, 2 blocks per SM). M ≤ ``SMALL_M`` (decode) uses
+(:meth:`GemmSM80.pick_config`) a GEMM whose grid of 256×128 tiles has at least one block per
+SM of the target (:mod:`tvmfuse.device_props`: 132 on the H200, 108 on an A100) takes
+:data:`LARGE_CONFIG` (256×128×64, 8 warps of 64×64, 4 stages, one barrier per K tile: the fastest
+tile measured on the H200, see tools/bench/NOTES.md; 3 stages where shared memory per block is
+163 KB as on an A100), a smaller one :data:`DEFAULT_CONFIG` (128×128×64, 4 warps, 2 blocks per
+SM). M ≤ ``SMALL_M`` (decode) uses
 :data:`SMALL_M_CONFIG` (a 16 × 32 tile of 2 warps, K steps of 128) instead of padding M to 128:
 measured at cuBLAS speed for M = 8 / 16 (tools/bench/NOTES.md). M = 1 has no M axis, so it is
 no GEMM to this rule (``None``): dlight's GEMV rule takes it.
@@ -75,6 +77,8 @@ from tvm.s_tir.dlight.gpu.matmul import (
 from tvm.target import Target
 
 from ..attrs import FALLBACK_ATTR, RULE_ATTR, TILE_ATTR
+from ..device_props import DeviceProperties, device_properties
+from ..options import Options, current_options
 from .elementwise import VECTOR_BYTES
 from .tir_util import const_int
 
@@ -109,6 +113,12 @@ class GemmConfig:
     def warps(self) -> int:
         return (self.block_m // self.warp_m) * (self.block_n // self.warp_n)
 
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of the A and B stage ring (rows padded by 8 halves); the fp32
+        C staging reuses it after the main loop."""
+        return self.stages * (self.block_m + self.block_n) * (self.block_k + 8) * 2
+
     def check(self) -> None:
         """Raise ValueError for a tile the schedule cannot build."""
         for name in ("warp_m", "warp_n", "block_k"):
@@ -126,24 +136,19 @@ DEFAULT_CONFIG = GemmConfig(one_barrier=True)
 # 8 warps of 64×64 in a 256×128 tile (1 block/SM, 221 KB shared with 4 stages): with one barrier
 # per K tile 0.320 ms at 4096³ fp16 on the H200 against 0.383 for DEFAULT_CONFIG (3 stages,
 # session 4); 4 stages 0.3077 vs 0.3120 ms for 3 with padded C rows (sm80_6, tools/bench/NOTES.md).
+# Taken when its grid has at least one block per SM of the target (device_props: 132 on the H200,
+# 108 on an A100), with stages cut to what shared memory per block holds (3 on an A100: 163 KB).
 LARGE_CONFIG = GemmConfig(block_m=256, stages=4, one_barrier=True)
-LARGE_MIN_BLOCKS = 132  # LARGE_CONFIG when its grid covers this many blocks (the H200's SMs)
 # Decode (M ≤ SMALL_M): the weight stream dominates; narrow N tiles give more blocks to stream it.
 SMALL_M_CONFIG = GemmConfig(block_m=16, block_n=32, block_k=128, warp_m=16, warp_n=16, stages=4,
                             raster=1)
 
 _IN_DTYPES = ("float16", "bfloat16")
-# fp32 accumulator rows in shared memory padded by this many floats: a warp's fragment store
-# (lanes 4 to a row, rows 8 apart) then puts each half-warp's 64-bit stores in 32 distinct banks;
-# unpadded (128-float rows) every row lands on the same 8 banks, a 4-way conflict.
-C_ROW_PAD = 8
-# Output elements per lane and vector in the epilogue; None / 0: 16 bytes of the output dtype (8
-# halves: each lane reads 32 fp32 bytes, so a quarter-warp's 16-byte reads hit each bank twice).
-# 4: one 16-byte read per lane and vector, 8-byte fp16 stores (H200 4096³: 0.3094 vs 0.3120 ms).
-EPILOGUE_LANE_ELEMS: int | None = 4
-# The epilogue computed on the mma fragments in registers and stored from there (each lane
-# writes pairs of adjacent outputs), with no shared-memory staging.
-EPILOGUE_FROM_REGISTERS = False
+# The epilogue's A/B switches (fp32 accumulator row padding ``sm80_c_row_pad``: a warp's fragment
+# store then puts each half-warp's 64-bit stores in 32 distinct banks, unpadded 128-float rows land
+# on the same 8 banks; ``sm80_epilogue_lane_elems`` = 4: one 16-byte read per lane and vector,
+# 8-byte fp16 stores, H200 4096³ 0.3094 vs 0.3120 ms for 16 bytes of the output dtype;
+# ``sm80_epilogue_from_registers``) are fields of :class:`tvmfuse.options.Options`.
 
 
 def _fit_stages(cfg: GemmConfig, k: int) -> GemmConfig:
@@ -154,6 +159,13 @@ def _fit_stages(cfg: GemmConfig, k: int) -> GemmConfig:
     if k_tiles >= cfg.stages - 1:
         return cfg
     return replace(cfg, stages=max(2, k_tiles + 1))
+
+
+def _fit_smem(cfg: GemmConfig, smem_per_block: int) -> GemmConfig:
+    """``cfg`` with stages cut (not below 2) until its ring fits ``smem_per_block`` bytes."""
+    while cfg.smem_bytes > smem_per_block and cfg.stages > 2:
+        cfg = replace(cfg, stages=cfg.stages - 1)
+    return cfg
 
 # TIR build options a module with these kernels must be built with (``pipeline.build`` does):
 # cp.async is emitted only with use_async_copy; CSE hoists ``threadIdx.x * 8`` out of the
@@ -203,14 +215,15 @@ def _intrin(name: str, dtype: str) -> str:
     return new
 
 
-def _lower_all_warp_memory() -> None:
+def patch_lower_warp_memory() -> None:
     """Make ``tirx.transform.LowerWarpMemory`` lower every warp buffer, not just the first.
 
     TVM 0.27's pass rewrites only the first ``warp``-scope allocation of a statement sequence
     (``WarpMemoryRewriter::VisitStmt_(SeqStmtNode)`` breaks after it), so the A and B fragment
     buffers of this schedule, allocated side by side, stayed whole-warp arrays in every thread.
     Repeating the pass until nothing changes lowers them all; the default TIR pipeline looks
-    the pass up by attribute at build time, so wrapping it here takes effect there.
+    the pass up by attribute at build time, so wrapping it here takes effect there. Idempotent;
+    called by :func:`tvmfuse.tvm_setup.register_tvm_patches`, never on import.
     """
     transform = tirx.transform
     original = getattr(transform.LowerWarpMemory, "_tvmfuse_original", transform.LowerWarpMemory)
@@ -258,8 +271,6 @@ def _fold_fragment_offsets(mod: tvm.IRModule) -> tvm.IRModule:
         funcs[gvar] = func
     return tirx.transform.StmtSimplify()(tvm.IRModule(funcs, attrs=mod.attrs))
 
-
-_lower_all_warp_memory()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,10 +404,11 @@ def one_barrier_pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return mod
 
 
-def _thread_sync_then_one_barrier() -> None:
+def patch_thread_sync() -> None:
     """Run :data:`one_barrier_pass` right after ``ThreadSync("warp")``, the last of the three
     ThreadSync passes of the default s_tir pipeline (which looks the pass up at build time, so
-    wrapping the attribute here takes effect there; functions without the mark are untouched)."""
+    wrapping the attribute here takes effect there; functions without the mark are untouched).
+    Idempotent; called by :func:`tvmfuse.tvm_setup.register_tvm_patches`, never on import."""
     transform = s_tir.transform
     original = getattr(transform.ThreadSync, "_tvmfuse_original", transform.ThreadSync)
 
@@ -409,8 +421,6 @@ def _thread_sync_then_one_barrier() -> None:
     thread_sync._tvmfuse_original = original  # type: ignore[attr-defined]
     transform.ThreadSync = thread_sync
 
-
-_thread_sync_then_one_barrier()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +461,7 @@ def _has_root(sch: s_tir.Schedule) -> bool:
     try:
         sch.get_sblock("root")
         return True
-    except Exception:  # noqa: BLE001 - no block named root
+    except s_tir.ScheduleError:  # no block named root
         return False
 
 
@@ -460,7 +470,7 @@ def _analyse(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> _Gemm:
     for producer in sch.get_producers(block):
         try:
             sch.compute_inline(producer)
-        except Exception as err:  # noqa: BLE001
+        except s_tir.ScheduleError as err:
             raise _NotThisRule(f"operand producer {sch.get(producer).name_hint} not inlinable") \
                 from err
     stmt = sch.get(block)
@@ -525,10 +535,11 @@ class GemmSM80(GPUScheduleRule):
             if cfg is not None:
                 cfg.check()
 
-    def pick_config(self, gemm: _Gemm) -> GemmConfig:
-        """The tile for ``gemm``: the decode tile for M ≤ SMALL_M, else the configured one, else
-        LARGE_CONFIG when its grid has at least LARGE_MIN_BLOCKS blocks, else DEFAULT_CONFIG;
-        stages cut to what K fills."""
+    def pick_config(self, gemm: _Gemm, device: DeviceProperties | None = None) -> GemmConfig:
+        """The tile for ``gemm`` on ``device`` (None: the current target's): the decode tile for
+        M ≤ SMALL_M, else the configured one, else LARGE_CONFIG when its grid has a block for
+        every SM, else DEFAULT_CONFIG; stages cut to what K fills and shared memory holds."""
+        device = device or device_properties()
         if gemm.m <= SMALL_M:
             cfg = self.small_m_config
         elif self.config is not None:
@@ -536,8 +547,8 @@ class GemmSM80(GPUScheduleRule):
         else:
             big = LARGE_CONFIG
             blocks = gemm.batch * -(-gemm.m // big.block_m) * -(-gemm.n // big.block_n)
-            cfg = big if blocks >= LARGE_MIN_BLOCKS else DEFAULT_CONFIG
-        return _fit_stages(cfg, gemm.k)
+            cfg = big if blocks >= device.sms else DEFAULT_CONFIG
+        return _fit_smem(_fit_stages(cfg, gemm.k), device.smem_per_block)
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
@@ -550,18 +561,20 @@ class GemmSM80(GPUScheduleRule):
             return None  # no GEMM: not this rule's
         try:
             gemm = _analyse(sch, block)
-            cfg = self.pick_config(gemm)
+            cfg = self.pick_config(gemm, device_properties(target))
+            opts = current_options()
             try:
-                self._schedule(sch, gemm, cfg, EPILOGUE_FROM_REGISTERS)
-            except Exception:  # noqa: BLE001 - e.g. a padded (ragged) C: stage it in shared
-                if not EPILOGUE_FROM_REGISTERS:
+                self._schedule(sch, gemm, cfg, opts, opts.sm80_epilogue_from_registers)
+            except s_tir.ScheduleError:  # e.g. a padded (ragged) C: stage it in shared
+                if not opts.sm80_epilogue_from_registers:
                     raise
                 sch = s_tir.Schedule(func)
                 gemm = _analyse(sch, _find_gemm(sch))
-                self._schedule(sch, gemm, cfg, False)
+                self._schedule(sch, gemm, cfg, opts, False)
         except _NotThisRule as why:
             return _fallback(func, target, tunable, str(why))
-        except Exception as err:  # noqa: BLE001 - a primitive refusing: fall back, say why
+        except s_tir.ScheduleError as err:  # a primitive refusing: fall back, say why (any other
+            # exception is a bug: it goes to the fallback point, schedules/fallback.py)
             return _fallback(func, target, tunable, f"schedule failed: {_first_line(err)}")
         func = sch.mod["main"].with_attr(RULE_ATTR, NAME).with_attr(TILE_ATTR, cfg.tag)
         if cfg.one_barrier and cfg.stages >= 3:
@@ -570,7 +583,7 @@ class GemmSM80(GPUScheduleRule):
 
     # -- the schedule -------------------------------------------------------------------------
 
-    def _schedule(self, sch: s_tir.Schedule, gemm: _Gemm, cfg: GemmConfig,
+    def _schedule(self, sch: s_tir.Schedule, gemm: _Gemm, cfg: GemmConfig, opts: Options,
                   direct: bool = False) -> None:
         """Schedule ``gemm`` with tile ``cfg``; ``direct``: the epilogue from registers."""
         block = gemm.block
@@ -704,9 +717,9 @@ class GemmSM80(GPUScheduleRule):
             c_store_loop = sch.get_loops(c_frag)[-3]
             sch.tensorize(sch.get_loops(c_frag)[-2],
                           intrins.MMA_store_16x16_f32_shared_dyn_INTRIN_SIMPLE)
-            if C_ROW_PAD:  # on the block tensorize made: blockize drops the old one's annotation
+            if opts.sm80_c_row_pad:  # on the block tensorize made: blockize drops its annotation
                 c_store = sch.get_child_blocks(c_store_loop)[0]
-                sch.storage_align(c_store, 0, axis=-2, factor=32, offset=C_ROW_PAD)
+                sch.storage_align(c_store, 0, axis=-2, factor=32, offset=opts.sm80_c_row_pad)
 
         # 7. Software pipelines. k1 = [A frag, B frag, mma]: fragments one k-step ahead. It is
         # expanded first, so k0 = [A copy, B copy, k1 prologue, k1 body, k1 epilogue]: copies run
@@ -723,14 +736,16 @@ class GemmSM80(GPUScheduleRule):
         # runs as [rows, 32 lanes, V] with 16-byte vector loads of C and stores of the output.
         if not direct:
             auto_inline_consumer_chain(sch, c_shared)
-            self._epilogue(sch, c_shared)
+            self._epilogue(sch, c_shared, opts.sm80_epilogue_lane_elems)
 
     @staticmethod
-    def _epilogue(sch: s_tir.Schedule, store: s_tir.schedule.SBlockRV) -> None:
+    def _epilogue(sch: s_tir.Schedule, store: s_tir.schedule.SBlockRV,
+                  lane_elems: int | None) -> None:
         """The warp's ``rows × cols`` output tile: each lane owns ``V``-wide row pieces
-        (16 bytes of the output dtype), lanes side by side along a row, then down the rows."""
+        (``lane_elems``, else 16 bytes of the output dtype), lanes side by side along a row, then
+        down the rows."""
         out = sch.get(store).writes[0].source
-        vec = EPILOGUE_LANE_ELEMS or VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
+        vec = lane_elems or VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
         r, c = sch.get_loops(store)[-2:]
         rows, cols = const_int(sch.get(r).extent), const_int(sch.get(c).extent)
         while vec > 1 and cols % vec:

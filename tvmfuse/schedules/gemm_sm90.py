@@ -12,9 +12,10 @@ accumulators in registers, keeping the function's signature, and tags it
 A GEMM-like function the kernel cannot take (batched B, prologue on A, K not a multiple of 8, …)
 keeps its s_tir body for the sm80 / dlight rules and gets ``tvmfuse.fallback = <reason>``.
 
-Build: one TIR pipeline runs per ``relax.build``; :data:`HYBRID_PIPELINE` (registered on import)
-sends ``tvmfuse.tirx`` functions through ``tirx`` and everything else through ``s_tir`` (both
-share the same host/device finalisation passes).
+Build: one TIR pipeline runs per ``relax.build``; :data:`HYBRID_PIPELINE` (registered by
+:func:`register_hybrid_pipeline`, which ``build.tvm_setup.register_tvm_patches`` calls) sends
+``tvmfuse.tirx`` functions through ``tirx`` and everything else through ``s_tir`` (both share the
+same host/device finalisation passes).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.s_tir import ScheduleError
 
 from ..attrs import CONFIG_ATTR, FALLBACK_ATTR, KERNEL_TILE_ATTR, RULE_ATTR, TIRX_ATTR, TUNING_ATTR
+from ..device_props import device_properties
 from .hopper.epilogue import NotHandled, analyze, expr_value, top_blocks
 from .hopper.kernel import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
 from .hopper.opmath import fast_math16, opmath
@@ -45,7 +48,7 @@ def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
     """A top-level reduction block ``C = C + x[..] * y[..]`` over two different ≥2-D buffers."""
     try:
         _, blocks = top_blocks(func)
-    except Exception:  # not block-structured: not ours
+    except ScheduleError:  # no root block (not block-structured): not ours
         return False
     for block, _ in blocks:
         body = block.body
@@ -60,17 +63,19 @@ def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
     return False
 
 
-def select_config(m: int, n: int) -> GemmConfig:
-    """Tile for an (M, N) output: 128×256 for large outputs, 128×128 when N is small.
+def select_config(m: int, n: int, sms: int | None = None) -> GemmConfig:
+    """Tile for an (M, N) output: 128×256 for large outputs, 128×128 when N is small; the
+    persistent grid has one CTA per SM (``sms``, None: the current target's, :mod:`.device_props`).
 
     With at least two row tiles, CTA pairs share their B tile (cluster of 2, TMA multicast) and
     one lane per warp frees a stage: 4096³ fp16 0.1979 → 0.1958 ms, 8192×8192×4096 0.814 → 0.796
     ms on the H200 (kernel alone, one run; tools/bench/NOTES.md "Session 5").
     """
     pair = {"cluster_m": 2, "warp_release": True} if m > 128 else {}
+    sms = sms or device_properties().sms
     if n <= 128:
-        return GemmConfig(bn=128, stages=6, **pair)
-    return GemmConfig(**pair)
+        return GemmConfig(bn=128, stages=6, num_sms=sms, **pair)
+    return GemmConfig(num_sms=sms, **pair)
 
 
 def gemm_problem(func: tirx.PrimFunc) -> GemmProblem:
@@ -177,7 +182,7 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
         return False
     try:
         _, blocks = top_blocks(func)
-    except Exception:  # not block-structured
+    except ScheduleError:  # no root block (not block-structured)
         return False
     if len(blocks) != 1:
         return False
@@ -296,4 +301,6 @@ def hybrid_pipeline():
     return _pipeline, finalize_host, finalize_device
 
 
-tirx.register_tir_pipeline(HYBRID_PIPELINE, hybrid_pipeline)
+def register_hybrid_pipeline() -> None:
+    """Register :data:`HYBRID_PIPELINE` with TVM (re-registering replaces the factory)."""
+    tirx.register_tir_pipeline(HYBRID_PIPELINE, hybrid_pipeline)

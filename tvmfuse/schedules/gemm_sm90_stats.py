@@ -20,7 +20,9 @@ so those keep the kernel. Where it does not apply the statistics kernel stays, a
 
 Runs in ``pipeline.lower`` right before :func:`.gemm_sm90.Sm90Gemm` (on the fused PrimFuncs, after
 ``reshape_to_view``); the kernels it makes are tagged scheduled, so Sm90Gemm and dlight skip them.
-Only with an sm_90a target; elsewhere the module is returned unchanged.
+Only with an sm_90a target; elsewhere the module is returned unchanged, as it is with
+``Options(sm90_in_loop_stats=False)`` (measurements: every statistics kernel kept);
+``Options(sm90_in_loop_stats_always=True)`` moves the statistics whatever the cost estimate says.
 """
 
 from __future__ import annotations
@@ -31,25 +33,28 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.s_tir import ScheduleError
 
 from ..attrs import IN_LOOP_ATTR, KEPT_ATTR
+from ..device_props import device_properties
+from ..options import current_options
 from ..passes.norm_gemm import row_stats_te
 from .gemm_sm90 import InLoopStats, build_kernel, is_sm90a
 from .hopper.epilogue import NotHandled, analyze, top_blocks
 from .hopper.kernel import RowStats
 
 NAME = "gemm_sm90_row_stats"
-ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
-FORCE = False  # measurements / tests: move the statistics whatever the cost estimate says
 # Measured on the H200 (.devq stats1, 2026-11-30, fp16): the in-loop statistics (an extra shared-
 # memory read of each A stage) slow a compute-bound main loop by 9-12 % (LN+Linear 8192x4096->4096:
 # GEMM 485.9 vs 444.8 us; MLP fc1 2048x4096->16384: 563.0 vs 503.1 us), at 618 TFLOP/s without them;
 # the statistics kernel reads x at 3.78 TB/s and takes at least 1.14 us (tools/bench/results
 # *-row-stats.json). In-loop pays only where 12 % of the GEMM is less than the statistics kernel:
-# small GEMMs and launch-bound shapes, not large-N projections.
+# small GEMMs and launch-bound shapes, not large-N projections. The rates are kept as fractions of
+# the device's peaks (device_props; H200: 775 TFLOP/s fp16, 4.21 TB/s copy) so that the estimate
+# follows the target.
 IN_LOOP_OVERHEAD = 0.12
-GEMM_FLOPS = 618e12
-STATS_BANDWIDTH = 3.78e12
+GEMM_EFFICIENCY = 618 / 775  # the wgmma GEMM's rate / the device's fp16 peak
+STATS_EFFICIENCY = 3.78 / 4.21  # the statistics kernel's read rate / the device's copy bandwidth
 STATS_MIN_S = 1.14e-6
 _CALL_TIR = "relax.call_tir"
 
@@ -67,7 +72,7 @@ def _eps_of(func: tirx.PrimFunc) -> float | None:
     """The constant ``eps`` of the last block's value ``rsqrt(… + eps)``."""
     try:
         _, blocks = top_blocks(func)
-    except Exception:  # noqa: BLE001 - not block-structured: not a statistics function
+    except ScheduleError:  # no root block (not block-structured): not a statistics function
         return None
     value = getattr(blocks[-1][0].body, "value", None) if blocks else None
     if isinstance(value, tvm.ir.Call) and value.op.name == "tirx.rsqrt" \
@@ -187,7 +192,7 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
         if len(found) != 1:
             return "a statistic is passed to the GEMM more than once"
         pos.append(found[0])
-    if not FORCE and (why := _costlier(g)):
+    if not current_options().sm90_in_loop_stats_always and (why := _costlier(g)):
         return why
     in_loop = InLoopStats(spec, pos[0] if spec.centered else None, pos[-1])
     try:
@@ -202,12 +207,14 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
 def _costlier(g) -> str | None:
     """Why computing the statistics in this GEMM is estimated slower than the statistics kernel.
 
-    in-loop ≈ IN_LOOP_OVERHEAD · 2·M'·N·K / GEMM_FLOPS (M' = M rounded up to the 128-row tile);
-    kernel ≈ max(M·K·bytes / STATS_BANDWIDTH, STATS_MIN_S).
+    in-loop ≈ IN_LOOP_OVERHEAD · 2·M'·N·K / (GEMM_EFFICIENCY · peak FLOP/s) (M' = M rounded up
+    to the 128-row tile); kernel ≈ max(M·K·bytes / (STATS_EFFICIENCY · bandwidth), STATS_MIN_S),
+    with the peaks of the current target's device (:func:`tvmfuse.device_props.device_properties`).
     """
+    device = device_properties()
     m_pad = -(-g.m // 128) * 128
-    in_loop = IN_LOOP_OVERHEAD * 2.0 * m_pad * g.n * g.k / GEMM_FLOPS
-    kernel = max(g.m * g.k * 2 / STATS_BANDWIDTH, STATS_MIN_S)
+    in_loop = IN_LOOP_OVERHEAD * 2.0 * m_pad * g.n * g.k / (GEMM_EFFICIENCY * device.fp16_flops)
+    kernel = max(g.m * g.k * 2 / (STATS_EFFICIENCY * device.bandwidth), STATS_MIN_S)
     if in_loop <= kernel:
         return None
     return (f"computing them in the {g.m}x{g.n}x{g.k} GEMM's main loop is estimated at "
@@ -217,7 +224,7 @@ def _costlier(g) -> str | None:
 @tvm.transform.module_pass(opt_level=0, name="Sm90GemmRowStats")
 def Sm90GemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Statistics kernels feeding sm_90a wgmma GEMMs → statistics computed in those GEMMs."""
-    if not ENABLED or not is_sm90a(tvm.target.Target.current(allow_none=True)):
+    if not current_options().sm90_in_loop_stats or not is_sm90a(tvm.target.Target.current(allow_none=True)):
         return mod
     kept: dict = {}
     plans = [p for gv, f in mod.functions_items() if isinstance(f, relax.Function)

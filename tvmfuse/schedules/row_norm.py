@@ -190,7 +190,7 @@ def _inline(sch: s_tir.Schedule, shape: _Shape, params: set) -> bool:
                 continue
             try:
                 sch.compute_inline(block)
-            except Exception:  # noqa: BLE001 - TVM raises ScheduleError subclasses
+            except s_tir.ScheduleError:
                 return False
             changed = True
             break
@@ -344,7 +344,8 @@ class RowNorm(GPUScheduleRule):
         try:
             shape = _analyse(s_tir.Schedule(func))
             return None if shape is None else self._schedule(func, shape)
-        except Exception:  # noqa: BLE001 - a primitive refusing means "not this rule's shape"
+        except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
+            # exception is a bug and goes to the fallback point (schedules/fallback.py)
             return None
 
     def _schedule(self, func: tirx.PrimFunc, shape: _Shape) -> s_tir.Schedule | None:

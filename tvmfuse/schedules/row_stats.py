@@ -75,7 +75,8 @@ class RowStats(GPUScheduleRule):
             return None
         try:
             return self._schedule(func)
-        except Exception:  # noqa: BLE001 - a primitive refusing means "not this rule's shape"
+        except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
+            # exception is a bug and goes to the fallback point (schedules/fallback.py)
             return None
 
     def _schedule(self, func: tirx.PrimFunc) -> s_tir.Schedule | None:

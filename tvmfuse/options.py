@@ -1,0 +1,84 @@
+"""Compile options as one value: the kernels' A/B switches, the device, strict mode.
+
+    opts = Options(sm80_epilogue_from_registers=True)
+    lib = tvmfuse.compile(model, target="sm80", options=opts)
+    with use_options(opts):            # the same for code that calls pipeline stages itself
+        mod = pipeline.lower(mod, spec)
+
+Passes and schedule rules read the options in effect with :func:`current_options`; no module global
+is written to change a build (measurement scripts in ``tools/`` pass an :class:`Options`).
+
+Where the options live. TVM's ``PassContext`` would be the natural carrier, but 0.27 registers
+config keys only from C++ (``PassContext::RegisterConfigOption``: no FFI function exposes it, and
+``transform.ListConfigs`` only reads the registry), so
+``PassContext(config={"tvmfuse.options": ...})`` raises "Invalid config option". The options travel
+in a :class:`contextvars.ContextVar` instead, entered by ``pipeline.lower`` / ``pipeline.build``
+alongside their target and PassContext (:func:`use_options`): scoped like a PassContext (restored
+on exit, nested scopes stack), private to each thread and asyncio task (two compiles in two threads
+each see their own options), and visible to every pass and rule TVM calls back into Python, as
+those run in the calling thread.
+
+``strict`` defaults to ``TVMFUSE_STRICT=1`` (set by the test suite and CI): an exception inside a
+schedule rule or kernel generator then propagates instead of becoming a recorded fallback
+(``schedules/fallback.py``).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _strict_from_env() -> bool:
+    return os.environ.get("TVMFUSE_STRICT", "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every switch a build can be varied by; the defaults are what ``tvmfuse compile`` ships."""
+
+    # gemm_sm90_stats: a norm's row statistics move into the sm_90a wgmma GEMMs that read them
+    sm90_in_loop_stats: bool = True
+    # ... wherever the kernel takes them, not only where the cost estimate says it pays
+    sm90_in_loop_stats_always: bool = False
+    # gemm_row_stats_simt: the statistics move into the fp32 SIMT GEMMs that read them
+    simt_in_loop_stats: bool = True
+    # gemm_sm80: the epilogue on the mma fragments, stored from registers (no shared staging)
+    sm80_epilogue_from_registers: bool = False
+    # gemm_sm80: fp32 accumulator rows in shared memory padded by this many floats (0: none)
+    sm80_c_row_pad: int = 8
+    # gemm_sm80: output elements per lane and store of the epilogue (None: 16 bytes of the dtype)
+    sm80_epilogue_lane_elems: int | None = 4
+    # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
+    elementwise_variant: str = "v2_rows_erf"
+    # device properties for tile and cost decisions: a name of device_props.DEVICES or a
+    # DeviceProperties; None: TVMFUSE_DEVICE, else the GPU present, else the target's table entry
+    device: Any = None
+    # exceptions in rules / generators propagate (True) or become recorded fallbacks (False)
+    strict: bool = field(default_factory=_strict_from_env)
+
+
+_CURRENT: contextvars.ContextVar[Options | None] = contextvars.ContextVar(
+    "tvmfuse_options", default=None)
+
+
+def current_options() -> Options:
+    """The options of the innermost :func:`use_options` scope, else the defaults."""
+    return _CURRENT.get() or Options()
+
+
+@contextmanager
+def use_options(options: Options | None) -> Iterator[Options]:
+    """Make ``options`` current inside the ``with`` block (None: keep the ones in effect)."""
+    if options is None:
+        yield current_options()
+        return
+    token = _CURRENT.set(options)
+    try:
+        yield options
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,80 @@
+"""What TVM needs set up before tvmfuse's kernels are built, done explicitly and once.
+
+* :func:`register_tvm_patches` — idempotent, thread-safe: the sm_80 GEMM's two TIR pipeline
+  fixes (``LowerWarpMemory`` lowering every warp buffer, one barrier per K tile after
+  ``ThreadSync``; ``schedules/gemm_sm80.py``) and the hybrid s_tir / tirx TIR pipeline of the
+  sm_90a kernels (``schedules/gemm_sm90.py``). Importing a kernel module patches nothing; the
+  pipeline (``pipeline.lower`` and ``pipeline.build``), ``tvmfuse tune``'s builders and scripts
+  that build kernels themselves call this.
+* :func:`cuda_source_only` — ``TVM_COMPILE_FORCE_FALLBACK=1`` for the duration of a build, so that
+  CUDA code stays source (export runs nvcc) whether or not a GPU driver is present. TVM's C++
+  codegen reads the variable from the process environment, so it cannot be scoped to one thread:
+  a lock and a count of builds in flight set it when the first build enters and restore the
+  caller's value when the last one leaves, so concurrent builds never see it unset.
+* :func:`codegen_scope` — both of the above plus the TIR build options of the sm_80 GEMM
+  (``BUILD_CONFIG``) and the caller's :class:`~tvmfuse.options.Options`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import tvm
+
+from .options import Options, use_options
+from .schedules.gemm_sm80 import BUILD_CONFIG, patch_lower_warp_memory, patch_thread_sync
+from .schedules.gemm_sm90 import register_hybrid_pipeline
+
+_FALLBACK_ENV = "TVM_COMPILE_FORCE_FALLBACK"
+_lock = threading.Lock()
+_registered = False
+_builds = 0  # builds inside cuda_source_only, all threads
+_saved: str | None = None  # the caller's value of the variable before the first of them
+
+
+def register_tvm_patches() -> None:
+    """Install tvmfuse's TVM pipeline patches and its hybrid TIR pipeline (once per process)."""
+    global _registered
+    if _registered:
+        return
+    with _lock:
+        if _registered:
+            return
+
+        patch_lower_warp_memory()
+        patch_thread_sync()
+        register_hybrid_pipeline()
+        _registered = True
+
+
+@contextmanager
+def cuda_source_only() -> Iterator[None]:
+    """``TVM_COMPILE_FORCE_FALLBACK=1`` while any thread is inside (see the module docstring)."""
+    global _builds, _saved
+    with _lock:
+        if _builds == 0:
+            _saved = os.environ.get(_FALLBACK_ENV)
+            os.environ[_FALLBACK_ENV] = "1"
+        _builds += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _builds -= 1
+            if _builds == 0:  # leave the caller's environment as it was
+                if _saved is None:
+                    os.environ.pop(_FALLBACK_ENV, None)
+                else:
+                    os.environ[_FALLBACK_ENV] = _saved
+
+
+@contextmanager
+def codegen_scope(options: Options | None = None) -> Iterator[None]:
+    """Patches registered, CUDA kept as source, the sm_80 GEMM's TIR build options, ``options``."""
+
+    register_tvm_patches()
+    with use_options(options), cuda_source_only(), tvm.transform.PassContext(config=BUILD_CONFIG):
+        yield
