@@ -15,9 +15,9 @@ import pytest
 import tvm
 
 from tests.cuda_tools import needs_nvcc
-from tvmfuse.schedules.attention import attention_primfunc
-from tvmfuse.schedules.attention_cpu import attention_cpu_primfunc
-from tvmfuse.schedules.attention_spec import AttentionSpec
+from tvmfuse.kernels.attention.cpu import attention_cpu_primfunc
+from tvmfuse.kernels.attention.spec import AttentionSpec
+from tvmfuse.rules.attention import attention_primfunc
 
 
 def reference(q, k, v, bias, spec: AttentionSpec) -> np.ndarray:
@@ -200,7 +200,7 @@ FLASH_BUILDS = {
 @needs_nvcc
 @pytest.mark.parametrize("name", list(FLASH_BUILDS))
 def test_flash_attention_builds_with_tensor_cores(name, tmp_path):
-    from tvmfuse.schedules.flash_attention import flash_attention_primfunc
+    from tvmfuse.kernels.attention.flash_sm80 import flash_attention_primfunc
 
     spec, target = FLASH_BUILDS[name]
     func = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
@@ -229,7 +229,7 @@ def test_flash_decode_builds(tmp_path):
 
 
 def test_flash_rejects_unsupported():
-    from tvmfuse.schedules.flash_attention import FlashConfig, flash_attention_primfunc
+    from tvmfuse.kernels.attention.flash_sm80 import FlashConfig, flash_attention_primfunc
 
     with pytest.raises(ValueError, match="head_dim 96"):
         flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 96, "float16"))

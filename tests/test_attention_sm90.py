@@ -18,13 +18,13 @@ import tvm
 
 from tests.cuda_tools import needs_nvcc
 from tests.test_attention_kernels import _spec, random_inputs, reference
-from tvmfuse.schedules.attention import attention_primfunc
-from tvmfuse.schedules.flash_attention_sm90 import (
+from tvmfuse.kernels.attention.flash_sm90 import (
     NAME,
     Sm90FlashConfig,
     flash_attention_sm90_primfunc,
     unsupported,
 )
+from tvmfuse.rules.attention import attention_primfunc
 from tvmfuse.targets import get_target
 
 SM90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host={"kind": "llvm"})

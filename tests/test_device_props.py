@@ -13,10 +13,10 @@ from tvmfuse.device_props import DEVICES, DeviceProperties, device_properties
 from tvmfuse.errors import TvmfuseError
 from tvmfuse.frontend import import_model
 from tvmfuse.options import Options, use_options
-from tvmfuse.schedules import GemmSM80
-from tvmfuse.schedules.gemm_simt_stats import LARGE_CONFIG, MEDIUM_CONFIG, pick_config
-from tvmfuse.schedules.gemm_sm80 import TILE_ATTR
-from tvmfuse.schedules.gemm_sm90 import select_config
+from tvmfuse.rules import GemmSM80
+from tvmfuse.rules.gemm_simt_stats import LARGE_CONFIG, MEDIUM_CONFIG, pick_config
+from tvmfuse.rules.gemm_sm80 import TILE_ATTR
+from tvmfuse.rules.gemm_sm90 import select_config
 from tvmfuse.targets import get_target
 
 SM80, SM90 = get_target("sm80"), get_target("sm90")

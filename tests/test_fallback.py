@@ -1,4 +1,4 @@
-"""The schedule rules' one fallback point (tvmfuse/schedules/fallback.py): an exception inside a
+"""The schedule rules' one fallback point (tvmfuse/rules/fallback.py): an exception inside a
 rule propagates under TVMFUSE_STRICT; otherwise the kernel is scheduled by the next rule and the
 reason, with the exception's text, is recorded and shown by ``tvmfuse report``."""
 
@@ -16,9 +16,9 @@ from tvmfuse.errors import CompileError
 from tvmfuse.frontend import import_model
 from tvmfuse.options import Options, use_options
 from tvmfuse.report import analyze, format_table
-from tvmfuse.schedules import gpu_rules
-from tvmfuse.schedules.fallback import ApplyRules
-from tvmfuse.schedules.gemm_sm80 import FALLBACK_ATTR
+from tvmfuse.rules import gpu_rules
+from tvmfuse.rules.fallback import ApplyRules
+from tvmfuse.rules.gemm_sm80 import FALLBACK_ATTR
 from tvmfuse.targets import get_target
 
 SM90 = get_target("sm90")

@@ -65,8 +65,8 @@ def tasks() -> dict:
 
 def test_spaces_found_and_candidates_valid(tasks):
     from tvmfuse.kernel_configs import attention_flops
-    from tvmfuse.schedules.gemm_sm90 import select_config
-    from tvmfuse.schedules.hopper.kernel import GemmConfig
+    from tvmfuse.kernels.gemm.sm90 import GemmConfig
+    from tvmfuse.rules.gemm_sm90 import select_config
 
     gemm, attn = tasks["gemm_epilogue"], tasks["attention"]
     assert gemm.space.kind == "gemm_sm90" and attn.space.kind == "attention_sm90"
@@ -211,7 +211,7 @@ def _outputs_of_every_candidate(model, inputs, pattern: str):
     import numpy as np
     import tvm
 
-    from tvmfuse.schedules.gemm_sm90 import HYBRID_PIPELINE
+    from tvmfuse.rules.gemm_sm90 import HYBRID_PIPELINE
     from tvmfuse.tvm_setup import register_tvm_patches
 
     register_tvm_patches()  # registers HYBRID_PIPELINE

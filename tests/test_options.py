@@ -70,7 +70,7 @@ def test_patches_are_explicit_and_idempotent():
     code = """
 from tvm import s_tir, tirx
 warp, sync = tirx.transform.LowerWarpMemory, s_tir.transform.ThreadSync
-import tvmfuse.pipeline, tvmfuse.schedules.gemm_sm80, tvmfuse.schedules.gemm_sm90
+import tvmfuse.pipeline, tvmfuse.rules.gemm_sm80, tvmfuse.rules.gemm_sm90
 from tvm.tirx.compilation_pipeline import PIPELINE_MAP
 assert tirx.transform.LowerWarpMemory is warp and s_tir.transform.ThreadSync is sync
 assert "tvmfuse_hybrid" not in PIPELINE_MAP

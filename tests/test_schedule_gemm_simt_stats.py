@@ -22,9 +22,9 @@ from tests.cuda_tools import check_vs_float64, needs_nvcc
 from tvmfuse.frontend import import_model
 from tvmfuse.pipeline import lower
 from tvmfuse.report import analyze, stock_kernel_count
-from tvmfuse.schedules.elementwise import RULE_ATTR
-from tvmfuse.schedules.gemm_row_stats_simt import SIMT_ATTR, SimtGemmRowStats
-from tvmfuse.schedules.gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR
+from tvmfuse.rules.elementwise import RULE_ATTR
+from tvmfuse.rules.gemm_row_stats_simt import SIMT_ATTR, SimtGemmRowStats
+from tvmfuse.rules.gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR
 from tvmfuse.targets import get_target
 
 
@@ -110,7 +110,7 @@ def test_16_bit_gemms_keep_their_path(target):
 def test_statistics_stay_when_the_rule_refuses(monkeypatch):
     """A merged function the SIMT rule cannot schedule is not made: the statistics kernel stays,
     with the reason."""
-    from tvmfuse.schedules.gemm_simt_stats import GemmSimtRowStats
+    from tvmfuse.rules.gemm_simt_stats import GemmSimtRowStats
 
     monkeypatch.setattr(GemmSimtRowStats, "apply", lambda self, func, target, tunable: None)
     seen = _stages(*_model("rms", 37, 256, 192), "sm90")

@@ -1,4 +1,4 @@
-"""The sm80 tensor-core GEMM rule (``tvmfuse/schedules/gemm_sm80.py``).
+"""The sm80 tensor-core GEMM rule (``tvmfuse/rules/gemm_sm80.py``).
 
 CPU checks:
 
@@ -32,8 +32,8 @@ from tvmfuse.build.export import export_library
 from tvmfuse.build.inspect import cuda_images, cuda_source, fatbin_sass, pipelined_loop
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.options import Options, use_options
-from tvmfuse.schedules import RULE_ATTR, GemmSM80
-from tvmfuse.schedules.gemm_sm80 import FALLBACK_ATTR, GemmConfig
+from tvmfuse.rules import RULE_ATTR, GemmSM80
+from tvmfuse.rules.gemm_sm80 import FALLBACK_ATTR, GemmConfig
 from tvmfuse.targets import get_target
 from tvmfuse.tvm_setup import codegen_scope
 
@@ -307,7 +307,7 @@ def _check_sass(sass: str, log: str, kernel: str) -> None:
     (16, 4096, 1, "small"),
 ])
 def test_pick_config(m, n, batch, want):
-    from tvmfuse.schedules.gemm_sm80 import (
+    from tvmfuse.rules.gemm_sm80 import (
         DEFAULT_CONFIG,
         LARGE_CONFIG,
         SMALL_M_CONFIG,
@@ -324,7 +324,7 @@ def test_pick_config(m, n, batch, want):
 def test_stages_fit_short_k():
     """Fewer K tiles than the pipeline's prologue needs: the stages shrink (K = 64 built with 3
     stages left ``cp.async.wait_group`` with a non-constant count and CUDA codegen failed)."""
-    from tvmfuse.schedules.gemm_sm80 import DEFAULT_CONFIG, SMALL_M_CONFIG, _fit_stages
+    from tvmfuse.rules.gemm_sm80 import DEFAULT_CONFIG, SMALL_M_CONFIG, _fit_stages
 
     assert _fit_stages(DEFAULT_CONFIG, 4096) == DEFAULT_CONFIG
     assert _fit_stages(DEFAULT_CONFIG, 128).stages == 3  # two tiles fill a 3-stage prologue
@@ -361,7 +361,7 @@ def test_export_sm80_sass(dtype, tmp_path):
 def test_sm90a_sass(large, tmp_path):
     """The same schedule built for sm_90a (what target sm90 runs when the wgmma rule passes),
     with the 4-warp tile and the 8-warp 256 × 128 one (no spills at 8 warps either)."""
-    from tvmfuse.schedules.gemm_sm80 import LARGE_CONFIG, TILE_ATTR
+    from tvmfuse.rules.gemm_sm80 import LARGE_CONFIG, TILE_ATTR
 
     func = te_linear(512, 512, 256, kn=False)
     target = SM90.tvm_target()

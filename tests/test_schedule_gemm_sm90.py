@@ -18,8 +18,8 @@ import tvmfuse
 from tests.conftest import rel_err
 from tvmfuse.build.inspect import cuda_images, fatbin_sass, find_cuobjdump
 from tvmfuse.build.nvcc import compile_fatbin
-from tvmfuse.schedules.gemm_sm90 import FALLBACK_ATTR, NAME, TIRX_ATTR
-from tvmfuse.schedules.hopper.kernel import GemmConfig, GemmProblem, standalone
+from tvmfuse.kernels.gemm.sm90 import GemmConfig, GemmProblem, standalone
+from tvmfuse.rules.gemm_sm90 import FALLBACK_ATTR, NAME, TIRX_ATTR
 from tvmfuse.targets import get_target
 
 needs_cuobjdump = pytest.mark.skipif(find_cuobjdump() is None, reason="cuobjdump not found")
@@ -199,7 +199,7 @@ def test_tuning_label_survives_the_kernel_swap():
 
     from tvmfuse.frontend import import_model
     from tvmfuse.pipeline import lower
-    from tvmfuse.schedules.gemm_sm90 import Sm90Gemm
+    from tvmfuse.rules.gemm_sm90 import Sm90Gemm
 
     seen = {}
     lower(import_model(LinearAct("relu"), _inputs(256, 512, 384, torch.float16)).mod,

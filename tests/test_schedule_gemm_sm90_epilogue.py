@@ -16,9 +16,9 @@ from tvm import tirx
 import tvmfuse
 from tests.test_schedule_gemm_sm90 import LinearAct, SwiGLU, _inputs, _lowered_funcs, needs_cuobjdump
 from tvmfuse.build.inspect import cuda_images, fatbin_sass
-from tvmfuse.schedules.gemm_sm90 import NAME, build_kernel
-from tvmfuse.schedules.hopper.epilogue import analyze, expr_value
-from tvmfuse.schedules.hopper.opmath import opmath, to_fp32
+from tvmfuse.kernels.gemm.epilogue import analyze, expr_value
+from tvmfuse.kernels.gemm.opmath import opmath, to_fp32
+from tvmfuse.rules.gemm_sm90 import NAME, build_kernel
 
 
 def _dtypes(e) -> list[str]:
@@ -165,7 +165,7 @@ def test_fast_erf_constants_within_bound():
     """The A&S 7.1.26 constants fast_math16 uses give |erf error| ≤ 1.5e-7 (float64 evaluation)."""
     from math import erf
 
-    from tvmfuse.schedules.hopper.opmath import _AS_A, _AS_P
+    from tvmfuse.kernels.gemm.opmath import _AS_A, _AS_P
 
     x = np.linspace(-6, 6, 20001)
     t = 1 / (1 + _AS_P * np.abs(x))
@@ -179,8 +179,8 @@ def test_fast_math16_replaces_erf(tmp_path):
     """With ``GemmConfig.fast_math16`` (the default) the 16-bit GELU epilogue calls __expf /
     __fdividef instead of erf; the library builds with nvcc to HGMMA + MUFU.EX2. Switched off, erf
     comes back."""
-    from tvmfuse.schedules.hopper.kernel import GemmConfig
-    from tvmfuse.schedules.hopper.opmath import fast_math16
+    from tvmfuse.kernels.gemm.opmath import fast_math16
+    from tvmfuse.kernels.gemm.sm90 import GemmConfig
 
     g = analyze(_gelu_case())
     e = fast_math16(opmath(g.expr, g.out_dtype))

@@ -16,8 +16,8 @@ from tests.conftest import rel_err
 from tests.test_pass_pair_gemm import ConstSwiGLU, NormSwiGLU
 from tests.test_schedule_gemm_sm90 import _lowered_funcs, _ptxas_kernels, needs_cuobjdump
 from tvmfuse.build.inspect import cuda_images, fatbin_sass
-from tvmfuse.schedules.gemm_sm90 import NAME
-from tvmfuse.schedules.hopper.epilogue import analyze
+from tvmfuse.kernels.gemm.epilogue import analyze
+from tvmfuse.rules.gemm_sm90 import NAME
 
 
 def _x(m: int, k: int, dtype) -> torch.Tensor:

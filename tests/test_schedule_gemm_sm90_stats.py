@@ -18,11 +18,11 @@ from models.decoder_layer import RMSNorm
 from tests.cuda_tools import check_vs_float64, needs_nvcc
 from tests.test_schedule_gemm_sm90 import _ptxas_kernels
 from tvmfuse.frontend import import_model
+from tvmfuse.kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, standalone
 from tvmfuse.options import Options, use_options
 from tvmfuse.pipeline import lower
 from tvmfuse.report import analyze, stock_kernel_count
-from tvmfuse.schedules.gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR, row_stats_of
-from tvmfuse.schedules.hopper.kernel import GemmConfig, GemmProblem, RowStats, check, standalone
+from tvmfuse.rules.gemm_sm90_stats import IN_LOOP_ATTR, KEPT_ATTR, row_stats_of
 from tvmfuse.targets import get_target
 
 
@@ -126,7 +126,7 @@ def test_two_chain_tiles_refuse_in_loop_statistics():
 def test_recognises_only_the_statistics_functions():
     from tvm import relax
 
-    from tvmfuse.schedules.gemm_sm90_stats import _stats_function
+    from tvmfuse.rules.gemm_sm90_stats import _stats_function
 
     ty = relax.TensorType((64, 256), "float16")
     assert row_stats_of(_stats_function(ty, 1e-5, True)) == RowStats(True, 1e-5)

@@ -1,4 +1,4 @@
-"""The row-statistics schedule rule (``tvmfuse/schedules/row_stats.py``).
+"""The row-statistics schedule rule (``tvmfuse/rules/row_stats.py``).
 
 NormGemmPrologue's ``layer_norm_stats`` (mean, rstd) and ``rms_norm_stats`` (rstd) kernels:
 
@@ -26,7 +26,7 @@ from tvmfuse import pipeline
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.passes.norm_gemm import row_stats_te
-from tvmfuse.schedules import RULE_ATTR, RowStats, gpu_rules
+from tvmfuse.rules import RULE_ATTR, RowStats, gpu_rules
 from tvmfuse.targets import get_target
 
 SM90 = get_target("sm90")

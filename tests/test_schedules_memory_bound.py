@@ -1,4 +1,4 @@
-"""CPU checks of the memory-bound schedule rules (``tvmfuse/schedules/row_norm.py``, ``elementwise.py``).
+"""CPU checks of the memory-bound schedule rules (``tvmfuse/rules/row_norm.py``, ``elementwise.py``).
 
 Per graph (LayerNorm, RMSNorm, softmax with and without scale + mask, an add → mul → gelu → cast
 chain, and an HF-style RMSNorm spelled out with ``mean(keepdim=True)``):
@@ -28,9 +28,9 @@ from tvmfuse.build.inspect import cuda_source as find_cuda_source
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.options import Options, use_options
-from tvmfuse.schedules import RULE_ATTR, Elementwise, RowNorm, gpu_rules
-from tvmfuse.schedules import elementwise as ew_rule
-from tvmfuse.schedules.row_norm import choose_threads
+from tvmfuse.rules import RULE_ATTR, Elementwise, RowNorm, gpu_rules
+from tvmfuse.rules import elementwise as ew_rule
+from tvmfuse.rules.row_norm import choose_threads
 from tvmfuse.targets import get_target
 
 SM90 = get_target("sm90")
@@ -461,7 +461,7 @@ def test_fast_erf_formula_accuracy():
     (the device's ``__expf`` / ``__fdividef`` are checked against torch by the GPU run)."""
     from math import erf
 
-    from tvmfuse.schedules.hopper.opmath import _AS_A, _AS_P
+    from tvmfuse.kernels.gemm.opmath import _AS_A, _AS_P
 
     x = np.linspace(-6, 6, 200001, dtype=np.float32)
     f = np.float32

@@ -33,15 +33,15 @@ import tvm
 from tvm import tirx
 
 from .attrs import SPEC_ATTR
-from .schedules.attention_spec import spec_from_json
-from .schedules.flash_attention_sm90 import (
+from .kernels.attention.flash_sm90 import (
     Sm90FlashConfig,
     flash_attention_sm90_primfunc,
     unsupported,
 )
-from .schedules.gemm_sm90 import build_kernel, gemm_problem, select_config
-from .schedules.hopper.epilogue import NotHandled
-from .schedules.hopper.kernel import GemmConfig, check
+from .kernels.attention.spec import spec_from_json
+from .kernels.gemm.epilogue import NotHandled
+from .kernels.gemm.sm90 import GemmConfig, check
+from .rules.gemm_sm90 import build_kernel, gemm_problem, select_config
 from .tuning_db import attention_key, task_module
 
 

@@ -35,11 +35,11 @@ from .passes.canonical import Canonicalize
 from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
-from .schedules import gpu_rules
-from .schedules.fallback import ApplyRules
-from .schedules.gemm_row_stats_simt import SimtGemmRowStats
-from .schedules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
-from .schedules.gemm_sm90_stats import Sm90GemmRowStats
+from .rules import gpu_rules
+from .rules.fallback import ApplyRules
+from .rules.gemm_row_stats_simt import SimtGemmRowStats
+from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
+from .rules.gemm_sm90_stats import Sm90GemmRowStats
 from .targets import TargetSpec
 from .tuning_db import ApplyTuningDatabase
 from .tvm_setup import codegen_scope, register_tvm_patches

@@ -62,9 +62,9 @@ from .frontend import import_model, input_overrides
 from .kernel_configs import attention_flops, space_for
 from .pipeline import lower
 from .report import classify, fused_groups, kernel_flops, op_name, primfunc_bytes
-from .schedules import gpu_rules
-from .schedules.fallback import ApplyRules, apply_rules
-from .schedules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
+from .rules import gpu_rules
+from .rules.fallback import ApplyRules, apply_rules
+from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .targets import TargetSpec, get_target
 from .tuning_db import TuningDatabase, task_key_of, task_module
 from .tvm_setup import register_tvm_patches

@@ -41,11 +41,11 @@ from tvm.s_tir import meta_schedule as ms
 
 from .attrs import CONFIG_ATTR, KERNEL_TILE_ATTR, SPEC_ATTR, TUNING_ATTR
 from .errors import CompileError
-from .schedules.attention_spec import spec_from_json
-from .schedules.flash_attention_sm90 import Sm90FlashConfig, flash_attention_sm90_primfunc
-from .schedules.gemm_sm90 import gemm_problem
-from .schedules.hopper.epilogue import NotHandled
-from .schedules.hopper.kernel import GemmConfig, check
+from .kernels.attention.flash_sm90 import Sm90FlashConfig, flash_attention_sm90_primfunc
+from .kernels.attention.spec import spec_from_json
+from .kernels.gemm.epilogue import NotHandled
+from .kernels.gemm.sm90 import GemmConfig, check
+from .rules.gemm_sm90 import gemm_problem
 from .targets import TargetSpec
 from .tvm_setup import codegen_scope
 

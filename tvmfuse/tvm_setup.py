@@ -25,8 +25,8 @@ from contextlib import contextmanager
 import tvm
 
 from .options import Options, use_options
-from .schedules.gemm_sm80 import BUILD_CONFIG, patch_lower_warp_memory, patch_thread_sync
-from .schedules.gemm_sm90 import register_hybrid_pipeline
+from .rules.gemm_sm80 import BUILD_CONFIG, patch_lower_warp_memory, patch_thread_sync
+from .rules.gemm_sm90 import register_hybrid_pipeline
 
 _FALLBACK_ENV = "TVM_COMPILE_FORCE_FALLBACK"
 _lock = threading.Lock()

@@ -10,7 +10,7 @@ FLOPs = 4·B·Hq·Sq·Skv·D, halved when causal. Decode also reports TB/s over 
 ``--mode pipeline`` (default): ``tvmfuse.compile`` of the SDPA module — torch.export decomposes
 SDPA into matmuls, masks and softmax, and FuseAttention must find it again for the flash kernel
 to be used; the row times the loaded library per call.
-``--mode kernel``: the PrimFunc of ``tvmfuse.schedules.attention.attention_primfunc`` is built
+``--mode kernel``: the PrimFunc of ``tvmfuse.rules.attention.attention_primfunc`` is built
 with ``tvm.compile`` (builds run in parallel processes) and timed directly (s_tir kernels only:
 the sm90a TIRx kernel needs tvmfuse's hybrid TIR pipeline); every row's notes say so.
 Baselines: sdpa_ms = ``F.scaled_dot_product_attention`` (flash backend on CUDA) on the same BSNH
@@ -87,8 +87,8 @@ def _build(spec_kw: dict[str, Any], target_name: str, path: str) -> str:
     try:
         import tvm
 
-        from tvmfuse.schedules.attention import attention_primfunc
-        from tvmfuse.schedules.attention_spec import AttentionSpec
+        from tvmfuse.kernels.attention.spec import AttentionSpec
+        from tvmfuse.rules.attention import attention_primfunc
         from tvmfuse.targets import get_target
 
         target = get_target(target_name).tvm_target()

@@ -6,7 +6,7 @@ Bytes = (3·M·N + 3·N) · itemsize (read x and d, write y, read a, b and c onc
 bytes / 4.21e12 B/s (achievable H200 HBM bandwidth), reported as ``floor_ms``.
 Baselines: torch eager (one kernel per op) and torch.compile (one fused kernel).
 
-``--variant NAME`` builds with one of ``tvmfuse.schedules.elementwise.VARIANTS`` (default: the
+``--variant NAME`` builds with one of ``tvmfuse.rules.elementwise.VARIANTS`` (default: the
 rule's default). ``--variants A,B,...`` (cuda) instead prints, per variant, the kernel time
 (torch.profiler device time of one call, mean over ``--iters`` calls; and CUDA events around
 ``--iters`` back-to-back calls ÷ iters), TB/s and % of the floor, rel err vs fp32 torch and the
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tvmfuse.options import Options, use_options
-from tvmfuse.schedules import elementwise as ew_rule
+from tvmfuse.rules import elementwise as ew_rule
 
 SIZES = {"cuda": (16384, 4096), "cpu": (64, 128)}  # (M, N)
 

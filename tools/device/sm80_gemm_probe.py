@@ -1,4 +1,4 @@
-"""Device probe for the sm80 tensor-core GEMM rule (``tvmfuse/schedules/gemm_sm80.py``).
+"""Device probe for the sm80 tensor-core GEMM rule (``tvmfuse/rules/gemm_sm80.py``).
 
 Run on the GPU machine from the repository root:
 ``python tools/device/sm80_gemm_probe.py [--quick] [--configs 128x128x32w64x64s4b1,...]
@@ -39,7 +39,7 @@ from tvm import te, tirx  # noqa: E402
 
 from tvmfuse.build.inspect import cuda_source, pipelined_loop  # noqa: E402
 from tvmfuse.options import Options, use_options  # noqa: E402
-from tvmfuse.schedules.gemm_sm80 import (  # noqa: E402
+from tvmfuse.rules.gemm_sm80 import (  # noqa: E402
     BUILD_CONFIG,
     TILE_ATTR,
     GemmConfig,

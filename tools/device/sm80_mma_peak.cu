@@ -4,7 +4,7 @@
 //                                 tools/device/sm80_mma_peak.cu && /tmp/mma_peak
 //
 // Each warp owns a 64×64 fp32 accumulator tile (32 m16n8 tiles, 128 registers a thread) like the
-// schedule in tvmfuse/schedules/gemm_sm80.py, blocks of 4 warps, 2 blocks per SM, no global
+// schedule in tvmfuse/rules/gemm_sm80.py, blocks of 4 warps, 2 blocks per SM, no global
 // memory in the loop. Two kernels:
 //   hmma: per k16 step 32 × mma.sync.m16n8k16 (f32 += f16·f16) on register fragments: the
 //         mma.sync issue ceiling.

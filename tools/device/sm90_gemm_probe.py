@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import tvm  # noqa: E402
 import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback)
 
-from tvmfuse.schedules.hopper.kernel import (  # noqa: E402
+from tvmfuse.kernels.gemm.sm90 import (  # noqa: E402
     GemmConfig,
     GemmProblem,
     standalone,

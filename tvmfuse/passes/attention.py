@@ -38,7 +38,7 @@ Masks are accepted only when the equivalence is proved:
 * torch's ``_safe_softmax`` guard ``where(all(S == -inf, -1), 0, softmax(S))`` (torch.export of
   ``F.scaled_dot_product_attention``) is dropped: with no -inf data-dependent mask no row is fully
   masked (the guard never fires); otherwise a row whose scores are all -inf yields 0 in every
-  attention kernel (contract in ``tvmfuse.schedules.attention``), which is what the guard computes.
+  attention kernel (contract in ``tvmfuse.rules.attention``), which is what the guard computes.
 
 Anything else stays as it was; every candidate's outcome is recorded in the module attribute
 :data:`DECISIONS_ATTR` (``tvmfuse report`` lists the ones left alone). Existing ``R.nn.attention``

@@ -28,8 +28,8 @@ from tvm import relax
 from tvm.relax.transform.legalize_ops import nn as stock
 
 from ..errors import CompileError
-from ..schedules.attention import attention_primfunc
-from ..schedules.attention_spec import AttentionSpec
+from ..kernels.attention.spec import AttentionSpec
+from ..rules.attention import attention_primfunc
 from ._util import static_shape
 
 _OPS = ("relax.nn.attention", "relax.nn.attention_bias")

@@ -33,9 +33,9 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
-from .attention_cpu import causal_offset
-from .attention_spec import AttentionSpec, spec_json
+from ...attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
+from .cpu import causal_offset
+from .spec import AttentionSpec, spec_json
 
 _LOG2E = math.log2(math.e)
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}

@@ -39,6 +39,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from ..attrs import RULE_ATTR
+from ..kernels.tir_util import dtype_bytes
 from .elementwise import VECTOR_BYTES, vector_copy
 from .row_norm import (
     MAX_TILE_BYTES,
@@ -54,7 +55,6 @@ from .row_norm import (
     cache_tiles,
     choose_threads,
 )
-from .tir_util import dtype_bytes
 
 NAME = "row_stats"
 MAX_OUTPUTS = 2

@@ -50,8 +50,8 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from ..attrs import RULE_ATTR
+from ..kernels.tir_util import const_int, dtype_bytes
 from .elementwise import VECTOR_BYTES, vector_copy
-from .tir_util import const_int, dtype_bytes
 
 NAME = "row_norm"
 MAX_THREADS = 1024

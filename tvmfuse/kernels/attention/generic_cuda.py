@@ -17,9 +17,9 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from ..attrs import FALLBACK_ATTR
-from .attention_cpu import primfunc_around, row_macro
-from .attention_spec import AttentionSpec
+from ...attrs import FALLBACK_ATTR
+from .cpu import primfunc_around, row_macro
+from .spec import AttentionSpec
 
 THREADS = 64
 

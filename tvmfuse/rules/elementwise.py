@@ -41,10 +41,10 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from ..attrs import RULE_ATTR
+from ..kernels.gemm.opmath import fast_math16
+from ..kernels.tir_util import const_int as _int
+from ..kernels.tir_util import dtype_bytes as _bytes
 from ..options import current_options
-from .hopper.opmath import fast_math16
-from .tir_util import const_int as _int
-from .tir_util import dtype_bytes as _bytes
 
 NAME = "elementwise"
 VECTOR_BYTES = 16

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import tvm
 from tvm.script import tirx as T
 
-from ..device_props import device_properties
-from .attention_cpu import bias_strides
-from .attention_spec import AttentionSpec
+from ...device_props import device_properties
+from .cpu import bias_strides
+from .spec import AttentionSpec
 
 _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")

@@ -78,9 +78,9 @@ from tvm.target import Target
 
 from ..attrs import FALLBACK_ATTR, RULE_ATTR, TILE_ATTR
 from ..device_props import DeviceProperties, device_properties
+from ..kernels.tir_util import const_int
 from ..options import Options, current_options
 from .elementwise import VECTOR_BYTES
-from .tir_util import const_int
 
 NAME = "gemm_sm80"
 WARP = 32

@@ -52,8 +52,8 @@ from tvm.target import Target
 
 from ..attrs import RULE_ATTR, SIMT_ATTR, TILE_ATTR
 from ..device_props import device_properties
+from ..kernels.tir_util import const_int
 from .elementwise import VECTOR_BYTES
-from .tir_util import const_int
 
 NAME = "gemm_simt_stats"
 

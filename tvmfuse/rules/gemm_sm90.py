@@ -30,10 +30,10 @@ from tvm.s_tir import ScheduleError
 
 from ..attrs import CONFIG_ATTR, FALLBACK_ATTR, KERNEL_TILE_ATTR, RULE_ATTR, TIRX_ATTR, TUNING_ATTR
 from ..device_props import device_properties
-from .hopper.epilogue import NotHandled, analyze, expr_value, top_blocks
-from .hopper.kernel import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
-from .hopper.opmath import fast_math16, opmath
-from .tir_util import Load, strip_cast
+from ..kernels.gemm.epilogue import NotHandled, analyze, expr_value, top_blocks
+from ..kernels.gemm.opmath import fast_math16, opmath
+from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
+from ..kernels.tir_util import Load, strip_cast
 
 NAME = "gemm_sm90"
 HYBRID_PIPELINE = "tvmfuse_hybrid"

@@ -37,11 +37,11 @@ from tvm.s_tir import ScheduleError
 
 from ..attrs import IN_LOOP_ATTR, KEPT_ATTR
 from ..device_props import device_properties
+from ..kernels.gemm.epilogue import NotHandled, analyze, top_blocks
+from ..kernels.gemm.sm90 import RowStats
 from ..options import current_options
 from ..passes.norm_gemm import row_stats_te
 from .gemm_sm90 import InLoopStats, build_kernel, is_sm90a
-from .hopper.epilogue import NotHandled, analyze, top_blocks
-from .hopper.kernel import RowStats
 
 NAME = "gemm_sm90_row_stats"
 # Measured on the H200 (.devq stats1, 2026-11-30, fp16): the in-loop statistics (an extra shared-

@@ -12,14 +12,14 @@ from __future__ import annotations
 import tvm
 
 from ..attrs import FALLBACK_ATTR
-from .attention_cpu import attention_cpu_primfunc
-from .attention_generic_cuda import attention_generic_cuda_primfunc
-from .attention_spec import CAUSAL_KINDS, AttentionSpec
-from .flash_attention import flash_attention_primfunc
-from .flash_attention import unsupported as flash_unsupported
-from .flash_attention_sm90 import flash_attention_sm90_primfunc
-from .flash_attention_sm90 import unsupported as sm90_unsupported
-from .flash_decode import flash_decode_primfunc
+from ..kernels.attention.cpu import attention_cpu_primfunc
+from ..kernels.attention.flash_decode import flash_decode_primfunc
+from ..kernels.attention.flash_sm80 import flash_attention_primfunc
+from ..kernels.attention.flash_sm80 import unsupported as flash_unsupported
+from ..kernels.attention.flash_sm90 import flash_attention_sm90_primfunc
+from ..kernels.attention.flash_sm90 import unsupported as sm90_unsupported
+from ..kernels.attention.generic_cuda import attention_generic_cuda_primfunc
+from ..kernels.attention.spec import CAUSAL_KINDS, AttentionSpec
 
 __all__ = ["CAUSAL_KINDS", "AttentionSpec", "attention_primfunc"]
 

@@ -39,11 +39,11 @@ import tvm_ffi
 from tvm import relax, s_tir, tirx
 
 from ..attrs import IN_LOOP_ATTR, KEPT_ATTR, SIMT_ATTR
+from ..kernels.tir_util import strip_cast
 from ..options import current_options
 from .fallback import try_rule
 from .gemm_simt_stats import GemmSimtRowStats
 from .gemm_sm90_stats import TUPLE_USED, stats_calls, swap_gemm_calls
-from .tir_util import strip_cast
 
 NAME = "gemm_row_stats_simt"
 _CALL_TIR = "relax.call_tir"
