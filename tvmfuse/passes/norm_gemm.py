@@ -10,6 +10,9 @@ Only constant weights are folded (W' and colsum are computed at compile time); a
 left alone. On CUDA the statistics kernel is scheduled by ``schedules/row_stats.py`` (x read once
 into registers, both reductions from there); on sm_90a, where the GEMM is the wgmma kernel,
 ``schedules/gemm_sm90_stats.py`` removes it and the GEMM computes the statistics in its main loop.
+A half-precision norm computed in fp32, ``astype(norm(astype(x, f32), γ32), half)`` (FuseDecomposedNorms
+makes it from Gemma's / nn.RMSNorm's spelling; ONNX RMSNormalization imports as it), folds the same
+way with x the half tensor: W' = diag(γ32) · W is rounded once to W's dtype.
 Sits after FuseDecomposedNorms (which makes the norm ops this pass looks for) and before LegalizeOps.
 """
 
@@ -62,13 +65,26 @@ class _NormGemm(PyExprMutator):
         return bound_value(self, expr)
 
     def _norm_of(self, expr: relax.Expr):
-        """(norm call, reshape shape or None) when ``expr`` is norm(x) or reshape(norm(x))."""
+        """(norm call, its input x, reshape shape or None) when ``expr`` is ``[reshape](norm(x))``
+        or, for a half-precision norm computed in fp32, ``[reshape](astype(norm(astype(x, f32)),
+        dtype(x)))``: then x is the half tensor (the statistics upcast it themselves)."""
         bound, new_shape = self._bound(expr), None
         if _is_op(bound, "relax.reshape"):
             new_shape, bound = bound.args[1], self._bound(bound.args[0])
-        if isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name in _NORMS:
-            return bound, new_shape
-        return None, None
+        down = None
+        if _is_op(bound, "relax.astype"):
+            down, bound = str(bound.attrs.dtype), self._bound(bound.args[0])
+        if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op)
+                and bound.op.name in _NORMS):
+            return None, None, None
+        x = bound.args[0]
+        if down is not None:
+            up = self._bound(x)
+            if not (_is_op(up, "relax.astype") and str(up.attrs.dtype) == "float32"
+                    and str(up.args[0].ty.dtype) == down):
+                return None, None, None  # a cast that changes the norm's result: not ours to fold
+            x = up.args[0]
+        return bound, x, new_shape
 
     def _get_stats(self, x: relax.Expr, eps: float, centered: bool):
         key = (x, eps, centered)
@@ -86,12 +102,11 @@ class _NormGemm(PyExprMutator):
         call = super().visit_call_(call)
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul"):
             return call
-        norm, new_shape = self._norm_of(call.args[0])
+        norm, x, new_shape = self._norm_of(call.args[0])
         w = constant_weight(call.args[1], self._bound)
         if norm is None or w is None or w.ndim != 2 or not any(
                 norm.same_as(n) for n in self.only_gemm_users):
             return call  # a norm that is also needed elsewhere (e.g. BERT's residual) stays a kernel
-        x = norm.args[0]
         shape = static_shape(x)
         if shape is not None and new_shape is not None:
             if [int(d) for d in new_shape.values][-1] != shape[-1]:
@@ -131,14 +146,16 @@ class _NormGemm(PyExprMutator):
         return out
 
 
-def _only_matmul_lhs(var, users: dict, outputs: set, depth: int = 0) -> bool:
-    """Every use of ``var`` is a matmul's first operand (through at most one reshape)."""
+def _only_matmul_lhs(var, users: dict, outputs: set, steps: tuple[str, ...] = ("astype", "reshape")) -> bool:
+    """Every use of ``var`` is a matmul's first operand, through at most one cast back to half
+    precision and then at most one reshape (``steps``: the views still allowed, in order)."""
     if var in outputs or not users.get(var):
         return False
     for user_var, call, i in users[var]:
         if _is_op(call, "relax.matmul") and i == 0:
             continue
-        if _is_op(call, "relax.reshape") and depth == 0 and _only_matmul_lhs(user_var, users, outputs, 1):
+        passed = next((k for k, step in enumerate(steps) if _is_op(call, f"relax.{step}")), None)
+        if passed is not None and _only_matmul_lhs(user_var, users, outputs, steps[passed + 1:]):
             continue
         return False
     return True
