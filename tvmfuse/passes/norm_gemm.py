@@ -23,8 +23,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._util import bound_value, constant_weight, static_shape
-from ._util import const_array as _const
+from ._util import bound_value, constant_weight, folded_constant, static_shape
 from ._util import is_op as _is_op
 
 _NORMS = ("relax.nn.rms_norm", "relax.nn.layer_norm")
@@ -123,8 +122,9 @@ class _NormGemm(PyExprMutator):
         centered = norm.op.name == "relax.nn.layer_norm"
         if centered and not (norm.attrs.center and norm.attrs.scale):
             return call
-        gamma = _const(norm.args[1])
-        beta = _const(norm.args[2]) if centered else None
+        # ONNX RMSNormalization casts its (constant) scale to fp32 in the graph: fold that too.
+        gamma = folded_constant(norm.args[1], self._bound)
+        beta = folded_constant(norm.args[2], self._bound) if centered else None
         if gamma is None or (centered and beta is None):
             return call
         dtype = str(call.ty.dtype)
