@@ -345,3 +345,31 @@ def test_norm_then_linear_is_one_sm90_kernel(name):
     module, x = _norm_linear(name, torch.float16)
     kernels = _kernels(import_model(module, (x,)).mod, "sm90")
     assert [k["pattern"] for k in kernels] == ["norm_gemm"], [(k["pattern"], k["ops"]) for k in kernels]
+
+
+@pytest.mark.parametrize("name, exporter, opset", [
+    ("item3", "legacy", 17), ("hf_gemma", "legacy", 17), ("nn.RMSNorm", "dynamo", 18),
+    ("nn.RMSNorm", "dynamo", 23),  # opset 23: the exporter writes ONNX RMSNormalization
+])
+def test_onnx_export_folds_on_cpu(name, exporter, opset, tmp_path):
+    """The same fp16 modules through torch.onnx.export: statistics kernel + GEMM, torch's numbers."""
+    import contextlib
+    import io
+
+    import tvmfuse
+    from tvmfuse.frontend import import_model
+
+    module, x = _norm_linear(name, torch.float16)
+    path = tmp_path / f"{exporter}{opset}.onnx"
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        torch.onnx.export(module, (x,), str(path), dynamo=exporter == "dynamo", opset_version=opset)
+    if opset == 23:
+        import onnx
+
+        assert "RMSNormalization" in {n.op_type for n in onnx.load(str(path)).graph.node}
+    kernels = _kernels(import_model(str(path)).mod)
+    assert _stats_then_gemm(kernels), [(k["pattern"], k["ops"]) for k in kernels]
+    out = tvmfuse.compile(str(path), target="cpu").load()(x)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    err = rel_err(out, _fp32_stats_reference(module, x))
+    assert err <= 2e-3, f"{name} via {exporter} opset {opset}: relative error {err:.2e}"
