@@ -373,3 +373,33 @@ def test_onnx_export_folds_on_cpu(name, exporter, opset, tmp_path):
     out = out[0] if isinstance(out, (tuple, list)) else out
     err = rel_err(out, _fp32_stats_reference(module, x))
     assert err <= 2e-3, f"{name} via {exporter} opset {opset}: relative error {err:.2e}"
+
+
+class NormResidual(nn.Module):
+    """The normed tensor feeds a Linear and the residual: no fold, one norm kernel."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.lin = norm, nn.Linear(D, D, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return self.lin(h) + h
+
+
+@pytest.mark.parametrize("name", ["item3", "hf_gemma", "nn.RMSNorm", "nn.LayerNorm"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_norm_needed_elsewhere_is_one_kernel(name, dtype):
+    import tvmfuse
+    from tvmfuse.frontend import import_model
+
+    folded, x = _norm_linear(name, dtype)
+    module = NormResidual(folded.norm).to(dtype).eval()
+    kernels = _kernels(import_model(module, (x,)).mod)
+    norms = [k["ops"] for k in kernels if "matmul" not in k["ops"]]
+    assert len(kernels) == 2 and norms in ([["rms_norm"]], [["layer_norm"]]), \
+        [(k["pattern"], k["ops"]) for k in kernels]
+    out = tvmfuse.compile(module, (x,), target="cpu").load()(x)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    err = rel_err(out, _fp32_stats_reference(module, x))
+    assert err <= (1e-2 if dtype == torch.bfloat16 else 2e-3), f"{name}: relative error {err:.2e}"

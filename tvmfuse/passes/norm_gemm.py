@@ -13,6 +13,8 @@ into registers, both reductions from there); on sm_90a, where the GEMM is the wg
 A half-precision norm computed in fp32, ``astype(norm(astype(x, f32), γ32), half)`` (FuseDecomposedNorms
 makes it from Gemma's / nn.RMSNorm's spelling; ONNX RMSNormalization imports as it), folds the same
 way with x the half tensor: W' = diag(γ32) · W is rounded once to W's dtype.
+Half-precision norms computed in fp32 that stay (the normed tensor has other users) are then made one
+kernel each by :class:`~.norm_half_io.HalfNormOneKernel`.
 Sits after FuseDecomposedNorms (which makes the norm ops this pass looks for) and before LegalizeOps.
 """
 
@@ -25,6 +27,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._util import bound_value, constant_weight, folded_constant, static_shape
 from ._util import is_op as _is_op
+from .norm_half_io import HalfNormOneKernel
 
 _NORMS = ("relax.nn.rms_norm", "relax.nn.layer_norm")
 
@@ -194,5 +197,6 @@ class NormGemmPrologue:
             if isinstance(func, relax.Function):
                 new = rewriter.visit_expr(func)
                 rewriter.builder_.update_func(gvar, new)
-        mod = rewriter.builder_.get()
-        return relax.transform.DeadCodeElimination()(mod)
+        mod = relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+        # The half-precision norms left (other users than GEMMs) become one kernel each.
+        return HalfNormOneKernel()(mod)
