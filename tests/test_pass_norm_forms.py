@@ -198,9 +198,15 @@ def test_half_norm_computed_in_fp32_folds_into_the_gemm(dtype):
     assert_same_numerics(before, after, rtol=5e-3 if dtype == "bfloat16" else 1e-3)
 
 
-def test_half_norm_needed_elsewhere_is_left_alone():
+def test_half_norm_needed_elsewhere_is_not_folded():
+    """The normed tensor is also added to itself: no fold; the norm becomes one kernel instead
+    (HalfNormOneKernel, tests/test_pass_norm_half_io.py) that the GEMM reads."""
     before = _half_norm_linear("float16", uses=2)
-    tvm.ir.assert_structural_equal(_immutable(NormGemmPrologue(), before), before)
+    after = _immutable(NormGemmPrologue(), before)
+    script = after.script()
+    assert "rms_norm_stats" not in script and "R.nn.rms_norm" not in script
+    assert script.count("R.call_tir(cls.rms_norm, (x,") == 1, script
+    assert_same_numerics(before, after, rtol=1e-3)
 
 
 # --- user-style: the modules as users write them ---------------------------------------------
