@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from tvmfuse.build.inspect import find_cuobjdump
+from tvmfuse.build.inspect import cuda_images, fatbin_sass, find_cuobjdump
 from tvmfuse.build.nvcc import find_nvcc
 
 
@@ -37,3 +39,44 @@ def check_vs_float64(module, inputs, target: str, tmp_path, tol: float) -> float
     print(f"rel_err {err:.2e}")
     assert err <= tol
     return err
+
+
+def kernel_sass(path) -> dict[str, dict[str, str]]:
+    """``{arch: {kernel name: its SASS}}`` of an exported library. Needs cuobjdump; its failure
+    is an error (LibraryError), not a skip."""
+    (fmt, code), = cuda_images(path)
+    assert fmt == "fatbin", fmt
+    out = {}
+    for arch, text in fatbin_sass(code).items():
+        if arch.startswith("sm_"):
+            parts = re.split(r"\n\s*Function : (\S+)\n", text)
+            out[arch] = dict(zip(parts[1::2], parts[2::2]))
+    return out
+
+
+def attention_sass(path) -> dict[str, str]:
+    """``{arch: SASS}`` of the library's one attention kernel (asserts there is exactly one)."""
+    out = {}
+    for arch, kernels in kernel_sass(path).items():
+        names = [n for n in kernels if "attention" in n or "flash" in n]
+        assert len(names) == 1, f"{arch}: attention kernels {names} among {list(kernels)}"
+        out[arch] = kernels[names[0]]
+    return out
+
+
+# What each attention kernel's SASS holds: (instructions it must hold, instructions it must not).
+ATTENTION_SASS = {
+    "wgmma": (("HGMMA.64x", "UTMALDG"), ("HMMA",)),  # flash_attention_sm90 (TMA + wgmma)
+    "mma_sync": (("HMMA.16816.F32", "LDSM"), ("HGMMA",)),  # the sm80 flash kernel
+    "cuda_cores": (("MUFU.EX2",), ("HMMA", "HGMMA")),  # the generic one-thread-per-row fallback
+}
+
+
+def assert_attention_kernel(path, kind: str) -> None:
+    """The exported library's one attention kernel is the ``kind`` kernel, in every arch's SASS."""
+    need, never = ATTENTION_SASS[kind]
+    for arch, sass in attention_sass(path).items():
+        for instr in need:
+            assert instr in sass, f"{arch}: no {instr} in the attention kernel (expected {kind})"
+        for instr in never:
+            assert instr not in sass, f"{arch}: {instr} in the attention kernel (expected {kind})"

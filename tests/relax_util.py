@@ -7,6 +7,19 @@ import tvm
 from tvm import relax
 
 
+def fresh(mod: tvm.IRModule) -> tvm.IRModule:
+    """An independent deep copy of ``mod`` (through JSON): nothing done to it reaches ``mod``."""
+    return tvm.ir.load_json(tvm.ir.save_json(mod))
+
+
+def apply_pass(pass_: tvm.transform.Pass, before: tvm.IRModule) -> tvm.IRModule:
+    """``pass_`` on a fresh copy of ``before``: the test's Before module stays as written, so
+    "left unchanged" and Before-vs-after numerics compare against the module the test built
+    (the conftest's ``testing.immutable_module`` check separately fails a pass that writes into
+    its input)."""
+    return pass_(fresh(before))
+
+
 def run_llvm(mod: tvm.IRModule, *arrays: np.ndarray) -> np.ndarray:
     """Build ``mod`` for llvm with TVM's default pipeline and run ``main`` on ``arrays``."""
     from tvmfuse.passes.legalize_fixes import legalize_overrides

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import tvm
 
-from tvmfuse.schedules.attention import AttentionSpec, attention_primfunc
+from tests.cuda_tools import needs_nvcc
+from tvmfuse.schedules.attention import attention_primfunc
 from tvmfuse.schedules.attention_cpu import attention_cpu_primfunc
+from tvmfuse.schedules.attention_spec import AttentionSpec
 
 
 def reference(q, k, v, bias, spec: AttentionSpec) -> np.ndarray:
@@ -158,14 +160,9 @@ def _cuda_fatbin(func, target_name: str, tmp_path) -> tuple[bytes, str]:
     """(fatbin, ptxas -v report) of ``func`` built for a tvmfuse CUDA target."""
     import os
 
-    from tvmfuse.build.nvcc import compile_fatbin, find_nvcc
-    from tvmfuse.errors import CompileError
+    from tvmfuse.build.nvcc import compile_fatbin
     from tvmfuse.targets import get_target
 
-    try:
-        find_nvcc()
-    except CompileError as err:
-        pytest.skip(str(err))
     spec = get_target(target_name)
     previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
     os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"  # keep CUDA source, nvcc builds it below
@@ -182,13 +179,10 @@ def _cuda_fatbin(func, target_name: str, tmp_path) -> tuple[bytes, str]:
 
 
 def _sass(fatbin: bytes) -> dict[str, str]:
+    """``{arch: SASS}``; a cuobjdump failure fails the test (``needs_nvcc`` skips a missing tool)."""
     from tvmfuse.build.inspect import fatbin_sass
-    from tvmfuse.errors import LibraryError
 
-    try:
-        return fatbin_sass(fatbin)
-    except LibraryError as err:
-        pytest.skip(str(err))
+    return fatbin_sass(fatbin)
 
 
 def _assert_no_spills(report: str) -> None:
@@ -203,6 +197,7 @@ FLASH_BUILDS = {
 }
 
 
+@needs_nvcc
 @pytest.mark.parametrize("name", list(FLASH_BUILDS))
 def test_flash_attention_builds_with_tensor_cores(name, tmp_path):
     from tvmfuse.schedules.flash_attention import flash_attention_primfunc
@@ -222,6 +217,7 @@ def test_flash_attention_builds_with_tensor_cores(name, tmp_path):
         assert "MUFU.EX2" in sass[arch]
 
 
+@needs_nvcc
 def test_flash_decode_builds(tmp_path):
     spec = _spec(4, 1, 1000, 32, 8, 128, "float16", causal="BottomRight")
     func = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
@@ -243,6 +239,7 @@ def test_flash_rejects_unsupported():
         flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 64, "float16"), config=FlashConfig(block_n=24))
 
 
+@needs_nvcc
 def test_generic_cuda_fallback_for_what_flash_does_not_take(tmp_path):
     """fp32 / head dim 16: still one CUDA kernel (no Sq×Skv buffer), marked as a fallback."""
     spec = _spec(2, 40, 40, 4, 2, 16, "float32", causal="TopLeft")
@@ -276,6 +273,11 @@ GPU_CASES = {
     "generic_fp32_d16_causal_gqa_bias": _spec(2, 70, 70, 4, 2, 16, "float32", "TopLeft", (2, 1, 1, 70)),
     "generic_fp16_d32_bottomright": _spec(1, 50, 90, 2, 2, 32, "float16", causal="BottomRight"),
 }
+# the kernel each case must run (``global_symbol`` of the dispatched PrimFunc) and whether its
+# CUDA source issues tensor-core mma.sync: decode_* the split-KV kernel, generic_* the fallback
+GPU_KERNELS = {name: ("flash_decode", False) if name.startswith("decode_") else
+               ("attention", False) if name.startswith("generic_") else ("flash_attention", True)
+               for name in GPU_CASES}
 
 
 @pytest.mark.gpu
@@ -283,10 +285,17 @@ GPU_CASES = {
 def test_gpu_numerics(name):
     import torch
 
+    from tvmfuse.build.inspect import cuda_source
+
     spec = GPU_CASES[name]
     major, minor = torch.cuda.get_device_capability()
     target = tvm.target.Target({"kind": "cuda", "arch": f"sm_{major}{minor}"}, host={"kind": "llvm"})
-    lib = tvm.compile(tvm.IRModule({"main": attention_primfunc(spec, target)}), target=target)
+    func = attention_primfunc(spec, target)
+    symbol, mma = GPU_KERNELS[name]
+    assert str(func.attrs["global_symbol"]) == symbol, func.attrs
+    assert ("tvmfuse.fallback" in func.attrs) == (symbol == "attention"), func.attrs
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=target)
+    assert ("mma.sync" in cuda_source(lib)) == mma
     q, k, v, bias = random_inputs(spec)
     dt = getattr(torch, spec.dtype)
     tq, tk, tv = (torch.from_numpy(x).to("cuda", dt) for x in (q, k, v))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tvm
 
+from tests.cuda_tools import needs_nvcc
 from tests.test_attention_kernels import _spec, random_inputs, reference
 from tvmfuse.schedules.attention import attention_primfunc
 from tvmfuse.schedules.flash_attention_sm90 import (
@@ -32,22 +33,14 @@ SM90A = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host={"kind": "llv
 def _build_sass(func, tmp_path, monkeypatch) -> tuple[str, str]:
     """(sm_90a SASS, ptxas -v report) of a standalone kernel built with nvcc."""
     from tvmfuse.build.inspect import fatbin_sass
-    from tvmfuse.build.nvcc import compile_fatbin, find_nvcc
-    from tvmfuse.errors import CompileError, LibraryError
+    from tvmfuse.build.nvcc import compile_fatbin
 
-    try:
-        find_nvcc()
-    except CompileError as err:
-        pytest.skip(str(err))
     monkeypatch.setenv("TVM_COMPILE_FORCE_FALLBACK", "1")  # keep CUDA source, nvcc builds it
     lib = tvm.compile(tvm.IRModule({"main": func}), target=get_target("sm90").tvm_target(),
                       tir_pipeline="tirx")
     source = lib.mod.imports[0].inspect_source()
     fatbin = compile_fatbin(source, get_target("sm90"), tmp_path)
-    try:
-        sass = fatbin_sass(fatbin)["sm_90a"]
-    except LibraryError as err:
-        pytest.skip(str(err))
+    sass = fatbin_sass(fatbin)["sm_90a"]  # a cuobjdump failure fails the test
     return sass, (tmp_path / "kernels.ptxas.log").read_text()
 
 
@@ -63,6 +56,7 @@ BUILDS = {
 }
 
 
+@needs_nvcc
 @pytest.mark.parametrize("name", list(BUILDS))
 def test_builds_to_hgmma_and_tma_without_spills(name, tmp_path, monkeypatch):
     spec, cfg, (n_s, n_o) = BUILDS[name]
@@ -105,20 +99,13 @@ def test_unsupported_reasons():
         flash_attention_sm90_primfunc(_spec(1, 64, 64, 2, 2, 80, "float16"))
 
 
+@needs_nvcc
 def test_pipeline_and_export_hold_the_wgmma_attention(tmp_path):
     """Decoder layer (GQA, D 128) at fp16 for sm90: one attention kernel, HGMMA + TMA in the fatbin."""
     import tvmfuse
     from models import decoder_layer
-    from tvmfuse.build.inspect import cuda_images, fatbin_sass, find_cuobjdump
-    from tvmfuse.build.nvcc import find_nvcc
-    from tvmfuse.errors import CompileError
+    from tvmfuse.build.inspect import cuda_images, fatbin_sass
 
-    try:
-        find_nvcc()
-    except CompileError as err:
-        pytest.skip(str(err))
-    if find_cuobjdump() is None:
-        pytest.skip("cuobjdump not found")
     module, example = decoder_layer.build(seq=192, hidden=256, n_heads=2, n_kv_heads=1)
     lib = tvmfuse.compile(module, example, target="sm90", dtype="float16")
     (fmt, code), = cuda_images(lib.export(tmp_path / "m.so"))
@@ -158,11 +145,16 @@ GPU_CASES = {
 def test_gpu_numerics(name):
     import torch
 
+    from tvmfuse.build.inspect import cuda_source
+
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a kernels need a Hopper (9.0) GPU")
     spec, cfg = GPU_CASES[name]
     func = flash_attention_sm90_primfunc(spec, SM90A, cfg, name="main")
+    assert func.attrs["tvmfuse.rule"] == NAME
     lib = tvm.compile(tvm.IRModule({"main": func}), target=SM90A, tir_pipeline="tirx")
+    source = cuda_source(lib)  # the one kernel the call launches: TMA loads, wgmma products
+    assert "wgmma.mma_async" in source and "cp.async.bulk.tensor" in source
     q, k, v, _ = random_inputs(spec)
     dt = getattr(torch, spec.dtype)
     args = [torch.from_numpy(x).to("cuda", dt) for x in (q, k, v)]

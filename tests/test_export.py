@@ -9,7 +9,13 @@ import torch
 
 import tvmfuse
 from tvmfuse.build.export import parse_cuda_payload, rewrite_cuda_modules
-from tvmfuse.build.inspect import cuda_images, embedded_modules, fatbin_sass, find_cuobjdump
+from tvmfuse.build.inspect import (
+    cuda_images,
+    embedded_modules,
+    fatbin_sass,
+    find_cuobjdump,
+    module_blob,
+)
 from tvmfuse.runtime import read_metadata
 
 
@@ -69,13 +75,20 @@ def test_metadata_signature_target_versions(libs):
 
 
 def test_blob_rewrite_roundtrip(libs):
-    """Re-running the rewrite on an exported blob changes nothing (already fatbin)."""
+    """Re-running the rewrite on an exported blob changes nothing (already fatbin): it compiles
+    nothing and gives back the same bytes."""
     mods = embedded_modules(libs["sm90"])
     kinds = [k for k, _ in mods]
     assert "cuda" in kinds and "_lib" in kinds
     payload = dict(mods)["cuda"]
     fmt, fmap, code = parse_cuda_payload(payload)
     assert fmt == "fatbin" and len(fmap) > 8 and len(code) > 1000
+
+    def no_source(src: str) -> bytes:
+        raise AssertionError(f"the exported blob still holds CUDA source: {src[:80]!r}")
+
+    blob = module_blob(libs["sm90"])
+    assert rewrite_cuda_modules(blob, no_source) == (blob, 0)
 
 
 def test_rewrite_replaces_source_payload():
@@ -95,9 +108,9 @@ def test_rewrite_replaces_source_payload():
 
 
 def _walk(blob: bytes):
-    from tvmfuse.build.export import _Reader
+    from tvmfuse.build.export import BlobReader
 
-    r = _Reader(blob, 8)
+    r = BlobReader(blob, 8)
     indptr = r.u64_vec()
     r.u64_vec()
     for _ in range(len(indptr) - 1):

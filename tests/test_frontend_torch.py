@@ -170,3 +170,21 @@ def test_single_op(factory, shapes):
     inputs = tuple(torch.randn(s) for s in shapes)
     lib = tvmfuse.compile(module, inputs, target="cpu")
     check(lib, module, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int64, torch.float32],
+                         ids=str)
+def test_cumsum_result_dtype(dtype):
+    """torch sums bool/integer inputs in int64 (transformers' packed-sequence check in
+    ``create_causal_mask`` is ``(position_diff != 1).cumsum(-1)``); TVM 0.27 kept bool and failed
+    in LLVM codegen (issue 13 item 5)."""
+    module = Fn(lambda m, x: x.to(dtype).cumsum(-1)).eval()
+    x = torch.randint(0, 3, (2, 9), generator=torch.Generator().manual_seed(0))
+    lib = tvmfuse.compile(module, (x,), target="cpu")
+    out, ref = lib.load()(x), module(x)
+    assert out.dtype == ref.dtype
+    if dtype.is_floating_point:
+        torch.testing.assert_close(out, ref)
+    else:
+        assert torch.equal(out, ref)
+        assert int(ref.max()) > 1  # bools are counted, not OR-ed

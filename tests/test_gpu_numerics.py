@@ -11,6 +11,7 @@ import torch
 import tvmfuse
 from models import decoder_layer, mlp_block
 from tests.conftest import rel_err
+from tests.cuda_tools import assert_attention_kernel
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +52,9 @@ def test_decoder_fp16_on_gpu(target, tmp_path):
     the flash kernel on the GPU against float64 torch."""
     module, example = decoder_layer.build(batch=2, seq=128, hidden=512, n_heads=8, n_kv_heads=2)
     lib = tvmfuse.compile(module, example, target=target, dtype="float16")
-    model = tvmfuse.load(lib.export(tmp_path / "d.so"), device="cuda")
+    path = lib.export(tmp_path / "d.so")
+    assert_attention_kernel(path, "wgmma" if target == "sm90" else "mma_sync")
+    model = tvmfuse.load(path, device="cuda")
     x = torch.randn_like(example[0])
     with torch.no_grad():
         ref = module.double()(x.double())
@@ -92,7 +95,10 @@ def test_padded_bert_on_gpu(dtype, tol, tmp_path):
     mask = torch.ones(2, 128, dtype=torch.int64)
     mask[1, 100:] = 0
     lib = tvmfuse.compile(module, (ids, mask), target="sm90", dtype=dtype)
-    model = tvmfuse.load(lib.export(tmp_path / "b.so"), device="cuda")
+    path = lib.export(tmp_path / "b.so")
+    # a bias: not the wgmma kernel's (its fallback reason names it); fp32: no tensor-core kernel
+    assert_attention_kernel(path, "mma_sync" if dtype else "cuda_cores")
+    model = tvmfuse.load(path, device="cuda")
     with torch.no_grad():
         ref = module.double()(ids, mask)
     y = model(ids.cuda(), mask.cuda())

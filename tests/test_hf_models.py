@@ -1,5 +1,5 @@
 """Tiny Hugging Face models (GPT-2, BERT with padding mask, Llama GQA eager and SDPA) exported to
-ONNX by both torch exporters (tests/hf_models.py), compiled for target "cpu" and compared with
+ONNX by both torch exporters (models/hf_models.py), compiled for target "cpu" and compared with
 onnxruntime in fp32 (rel err <= 1e-4 on the single output: logits, or BERT's last_hidden_state).
 
 Both exporters' files must import and match. Set ``TVMFUSE_HF_ONNX_DIR`` to keep the exported
@@ -18,10 +18,10 @@ import pytest
 import tvmfuse
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # tests.hf_models is imported as a module of the repo root
+if str(REPO_ROOT) not in sys.path:  # models.hf_models is imported as a module of the repo root
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests import hf_models  # noqa: E402
+from models import hf_models  # noqa: E402
 
 RTOL = 1e-4  # fp32: ||out - ref|| / ||ref||
 OUTPUTS = {"gpt2": "logits", "bert": "last_hidden_state", "llama": "logits", "llama_sdpa": "logits"}

@@ -86,7 +86,7 @@ def test_spaces_found_and_candidates_valid(tasks):
 
 
 def test_attention_key_is_the_spec_not_the_kernel(tasks):
-    from tvmfuse.kernel_configs import task_key_of
+    from tvmfuse.tuning_db import task_key_of
 
     attn = tasks["attention"]
     other = attn.space.build(attn.space.candidates[1])["main"]
@@ -152,27 +152,35 @@ def _tiles(model, inputs, db: Path | None) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _tile_label(which: str, cfg: dict) -> str:
+    """The ``tvmfuse.tile`` attribute the kernel of ``cfg`` carries."""
+    if which == "gemm":
+        return f"{cfg['bm']}x{cfg['bn']}x64 stages={cfg['stages']}"
+    return f"{64 * cfg['consumers']}x{cfg['block_n']} stages={cfg['stages']}"
+
+
 @pytest.mark.parametrize("which", ["gemm", "attention"])
 def test_config_record_applied_only_when_clearly_faster(tmp_path, which):
     model, inputs = _gemm_model() if which == "gemm" else _attention_model()
     task = _tasks(model, inputs)["gemm_epilogue" if which == "gemm" else "attention"]
-    n = len(task.space.candidates)
-    # the last candidate is 10 % faster than the default: recorded and used by compile
-    times = [1.0] + [1.05] * (n - 2) + [0.9]
+    cands = task.space.candidates
+    n = len(cands)
+    # the last candidate whose tile differs from the default's is 10 % faster than the default:
+    # recorded and used by compile, so the compiled kernel's tile changes
+    default_tile = _tile_label(which, cands[0])
+    fast = max(i for i, c in enumerate(cands) if _tile_label(which, c) != default_tile)
+    times = [1.0] + [1.05] * (n - 1)
+    times[fast] = 0.9
     db = _write_config_db(tmp_path / "fast", task, times)
     summary = next(iter(json.loads((db / "tvmfuse_tasks.json").read_text())["tasks"].values()))
     assert summary["space"].startswith("configs:") and summary["use_tuned"]
-    assert summary["config"] == task.space.candidates[-1] and len(summary["candidates"]) == n
+    assert summary["config"] == cands[fast] and len(summary["candidates"]) == n
     assert summary["candidates"][0]["ms_again"] == 1.0  # the default, timed again at the end
     default_tiles = _tiles(model, inputs, None)
     tuned_tiles = _tiles(model, inputs, db)
     (name,) = [k for k, (_, label) in tuned_tiles.items() if label == "tuned"]
-    last = task.space.candidates[-1]
-    want = (f"{last['bm']}x{last['bn']}x64 stages={last['stages']}" if which == "gemm" else
-            f"{64 * last['consumers']}x{last['block_n']} stages={last['stages']}")
-    assert tuned_tiles[name][0] == want
-    if want != default_tiles[name][0]:
-        assert default_tiles[name][0] != tuned_tiles[name][0]
+    assert default_tiles[name][0] == default_tile  # no database: the default config
+    assert tuned_tiles[name][0] == _tile_label(which, cands[fast]) != default_tile
     # within the noise margin (0.5 % faster): the default config stays
     db2 = _write_config_db(tmp_path / "noise", task, [1.0] + [None] * (n - 2) + [0.995])
     summary = next(iter(json.loads((db2 / "tvmfuse_tasks.json").read_text())["tasks"].values()))

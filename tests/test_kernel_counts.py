@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import hf_models
+from models import hf_models
 from tvmfuse.frontend import import_model
 from tvmfuse.report import analyze
 from tvmfuse.targets import get_target

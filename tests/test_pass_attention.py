@@ -17,7 +17,7 @@ from tvm.script import ir as I  # noqa: E741
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from tests.relax_util import run_llvm
+from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.passes.attention import FuseAttention, attention_decisions
 
 B, S, H, KVH, D = 2, 8, 4, 2, 16
@@ -25,7 +25,7 @@ MIN = -3.4028234663852886e38  # finfo(float32).min, what HF writes for masked sc
 
 
 def fuse(mod: tvm.IRModule) -> tvm.IRModule:
-    return FuseAttention()(mod)
+    return apply_pass(FuseAttention(), mod)
 
 
 def decisions(mod: tvm.IRModule) -> list[dict[str, str]]:
@@ -645,7 +645,7 @@ def hf_dir(tmp_path_factory):
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama", "llama_sdpa"])
 def test_hf_export_one_attention_per_layer(name, exporter, hf_dir, monkeypatch):
-    from tests import hf_models
+    from models import hf_models
     from tvmfuse.frontend import import_model
 
     monkeypatch.setattr(hf_models, "SEQ", SEQ)

@@ -24,7 +24,7 @@ from tvm.script import ir as I  # noqa: E741
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
-from tests.relax_util import run_llvm
+from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.passes.attention import FuseAttention, attention_decisions
 
 
@@ -193,7 +193,7 @@ def _normalized(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def test_safe_softmax_upcast_causal_before_expected():
-    after = FuseAttention()(_normalized(SafeSoftmax))
+    after = apply_pass(FuseAttention(), _normalized(SafeSoftmax))
     tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"),
                                    SafeSoftmaxExpected)
     (d,) = attention_decisions(after)
@@ -235,7 +235,7 @@ def _guarded_padding(guard: str = "safe", all_axis: int = -1) -> tvm.IRModule:
 def test_safe_softmax_after_infinite_padding_relies_on_kernel_contract(monkeypatch):
     """A batch whose keys are all masked: the guard gives 0 rows; so do the kernel and the decomposition."""
     before = _guarded_padding()
-    after = FuseAttention()(before)
+    after = apply_pass(FuseAttention(), before)
     (d,) = attention_decisions(after)
     assert d["status"] == "fused" and d["bias"] == "yes", d
     assert d["safe_softmax_guard"] == "dropped: a fully masked row gives 0 (kernel contract)"
@@ -268,7 +268,7 @@ def test_safe_softmax_after_infinite_padding_relies_on_kernel_contract(monkeypat
 def test_left_alone_where_that_is_no_guard(variant):
     before = (_guarded_padding(guard="other") if variant == "other_condition"
               else _guarded_padding(all_axis=2))
-    after = FuseAttention()(before)
+    after = apply_pass(FuseAttention(), before)
     tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"), before)
     (d,) = attention_decisions(after)
     assert d["status"] == "left" and "_safe_softmax guard" in d["reason"], d
@@ -288,5 +288,5 @@ def test_inexact_cast_chain_on_attention_is_kept():
             o = bb.emit_output(relax.op.permute_dims(o, [0, 2, 1, 3]))
         bb.emit_func_output(o)
     before = bb.get()
-    after = FuseAttention()(before)
+    after = apply_pass(FuseAttention(), before)
     tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"), before)

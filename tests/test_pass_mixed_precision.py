@@ -3,6 +3,10 @@
 ToMixedPrecision rounds every matmul result to fp16 and widens it again for fp32 consumers; for
 NormGemmPrologue's epilogue (``rstd ⊙ acc``, ``acc − μ ⊗ colsum``) that rounding cost accuracy
 and, on sm90, moved the multiply out of the GEMM kernel into the statistics kernel.
+
+A ``call_tir`` made before MixedPrecision (the norm statistics) whose input becomes fp16 reads it
+through a cast back to its PrimFunc's dtype; ToMixedPrecision alone failed there ("Expected
+TensorType, but got R.Callable", issue 13 item 6).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import tvmfuse
 from tvmfuse.frontend import import_model
@@ -209,3 +214,116 @@ def test_decoder_layer_float16_cpu_matches_fp32_torch():
     err = float((out - ref).norm() / ref.norm())
     branch = float(((out - x) - (ref - x)).norm() / (ref - x).norm())
     assert 1e-5 < err < 5e-3 and branch < 5e-3, (err, branch)
+
+
+@I.ir_module
+class TirOnHalfBefore:
+    """A statistics-like PrimFunc reads ``r``, which ToMixedPrecision makes fp16 (h + h, h a GEMM)."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def row_sum(x: T.Buffer((T.int64(16), T.int64(64)), "float32"),
+                s: T.Buffer((T.int64(16), T.int64(1)), "float32")):
+        for i, k in T.grid(T.int64(16), T.int64(64)):
+            with T.sblock("s"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    s[vi, T.int64(0)] = T.float32(0)
+                s[vi, T.int64(0)] = s[vi, T.int64(0)] + x[vi, vk]
+
+    @R.function
+    def main(x: R.Tensor((16, 64), "float32"), w: R.Tensor((64, 64), "float32")
+             ) -> R.Tensor((16, 1), "float32"):
+        cls = TirOnHalfBefore
+        with R.dataflow():
+            h = R.matmul(x, w)
+            r = R.add(h, h)
+            s = R.call_tir(cls.row_sum, (r,), out_ty=R.Tensor((16, 1), "float32"))
+            R.output(s)
+        return s
+
+
+@I.ir_module
+class TirOnHalfExpected:
+    @T.prim_func(private=True, s_tir=True)
+    def row_sum(x: T.Buffer((T.int64(16), T.int64(64)), "float32"),
+                s: T.Buffer((T.int64(16), T.int64(1)), "float32")):
+        for i, k in T.grid(T.int64(16), T.int64(64)):
+            with T.sblock("s"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    s[vi, T.int64(0)] = T.float32(0)
+                s[vi, T.int64(0)] = s[vi, T.int64(0)] + x[vi, vk]
+
+    @R.function
+    def main(x: R.Tensor((16, 64), "float32"), w: R.Tensor((64, 64), "float32")
+             ) -> R.Tensor((16, 1), "float32"):
+        cls = TirOnHalfExpected
+        with R.dataflow():
+            x16 = R.astype(x, "float16")
+            w16 = R.astype(w, "float16")
+            acc = R.matmul(x16, w16, out_dtype="float32")
+            h = R.astype(acc, "float16")
+            r = R.add(h, h)
+            r32 = R.astype(r, "float32")
+            s = R.call_tir(cls.row_sum, (r32,), out_ty=R.Tensor((16, 1), "float32"))
+            R.output(s)
+        return s
+
+
+@I.ir_module
+class TirOnInput:
+    """The PrimFunc reads a model input, which stays fp32: no cast is added."""
+
+    @T.prim_func(private=True, s_tir=True)
+    def row_sum(x: T.Buffer((T.int64(16), T.int64(64)), "float32"),
+                s: T.Buffer((T.int64(16), T.int64(1)), "float32")):
+        for i, k in T.grid(T.int64(16), T.int64(64)):
+            with T.sblock("s"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    s[vi, T.int64(0)] = T.float32(0)
+                s[vi, T.int64(0)] = s[vi, T.int64(0)] + x[vi, vk]
+
+    @R.function
+    def main(x: R.Tensor((16, 64), "float32")) -> R.Tensor((16, 1), "float32"):
+        cls = TirOnInput
+        with R.dataflow():
+            s = R.call_tir(cls.row_sum, (x,), out_ty=R.Tensor((16, 1), "float32"))
+            R.output(s)
+        return s
+
+
+@pytest.mark.parametrize("before, expected", [(TirOnHalfBefore, TirOnHalfExpected),
+                                              (TirOnInput, TirOnInput)], ids=["half", "input"])
+def test_tir_call_keeps_its_dtypes(before, expected):
+    with tvm.transform.PassContext(config={"testing.immutable_module": True}):
+        after = MixedPrecision("float16")(before)
+    tvm.ir.assert_structural_equal(after, expected)
+
+
+class _ResidualNormLinear(torch.nn.Module):
+    """x (2, 17, 64) → h = Linear(x) → h + Linear(h) → RMSNorm / LayerNorm → Linear (64 → 32):
+    the norm's input is a sum of GEMM results, fp16 under --dtype float16 (a model's second norm)."""
+
+    def __init__(self, norm: str) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(64, 64)
+        self.b = torch.nn.Linear(64, 64)
+        self.norm = torch.nn.RMSNorm(64, eps=1e-6) if norm == "rms" else torch.nn.LayerNorm(64)
+        self.out = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.out(self.norm(h + self.b(h)))
+
+
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_norm_of_half_residual_float16_cpu(norm):
+    """The statistics read an fp16 tensor: compiles and stays close to the fp32 torch model."""
+    torch.manual_seed(0)
+    model = _ResidualNormLinear(norm).eval()
+    x = torch.randn(2, 17, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(x).numpy().astype(np.float64)
+    out = tvmfuse.compile(model, (x,), target="cpu", dtype="float16").load()(x).numpy()
+    assert 1e-5 < _rel(out, ref) < 5e-3  # fp16 operands, fp32 accumulation

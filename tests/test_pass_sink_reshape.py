@@ -6,7 +6,7 @@ import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tests.relax_util import assert_same_numerics
+from tests.relax_util import apply_pass, assert_same_numerics
 from tvmfuse.passes import SinkReshape
 
 
@@ -63,14 +63,14 @@ class ReshapeChangesLastAxis:
 
 
 def test_linear_epilogue_and_residual():
-    after = SinkReshape()(LinearResidual)
+    after = apply_pass(SinkReshape(), LinearResidual)
     after = tvm.relax.transform.CanonicalizeBindings()(after)
     tvm.ir.assert_structural_equal(after, LinearResidualExpected)
     assert_same_numerics(LinearResidual, after)
 
 
 def test_regrouped_last_axis_is_left_alone():
-    after = SinkReshape()(ReshapeChangesLastAxis)
+    after = apply_pass(SinkReshape(), ReshapeChangesLastAxis)
     tvm.ir.assert_structural_equal(after, ReshapeChangesLastAxis)
 
 
@@ -139,7 +139,7 @@ class TanhGeluFlat:
 
 def test_reshapes_inside_an_elementwise_chain_cancel():
     """Every reshape of the chain cancels: the whole GELU becomes the GEMM's epilogue."""
-    after = SinkReshape()(TanhGeluHops)
+    after = apply_pass(SinkReshape(), TanhGeluHops)
     after = tvm.relax.transform.CanonicalizeBindings()(after)
     after = tvm.relax.transform.DeadCodeElimination()(after)
     tvm.ir.assert_structural_equal(after, TanhGeluFlat)

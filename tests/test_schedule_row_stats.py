@@ -25,7 +25,7 @@ from tests.test_schedules_memory_bound import _serial, prim_funcs
 from tvmfuse import pipeline
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
-from tvmfuse.passes.norm_gemm import _row_stats
+from tvmfuse.passes.norm_gemm import row_stats_te
 from tvmfuse.schedules import RULE_ATTR, RowStats, gpu_rules
 from tvmfuse.targets import get_target
 
@@ -37,7 +37,7 @@ EPS = 1e-5
 def stats_func(shape: tuple[int, ...], dtype: str, centered: bool) -> tvm.tirx.PrimFunc:
     """``layer_norm_stats`` (centered) or ``rms_norm_stats`` of x, as NormGemmPrologue makes it."""
     x = te.placeholder(shape, dtype, name="x")
-    out = _row_stats(x, EPS, centered)
+    out = row_stats_te(x, EPS, centered)
     return te.create_prim_func([x, *(out if centered else [out])])
 
 

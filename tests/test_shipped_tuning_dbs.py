@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tvmfuse.tune import CONFIG_MARGIN
+
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(p.parent for p in (REPO / "schedules").glob("*/*/tvmfuse_tasks.json"))
 
@@ -30,11 +32,25 @@ def test_database_and_provenance(db: Path):
     for summary in opened.tasks.values():
         assert summary["default_ms"] > 0 and summary["trials"] >= 1
         assert summary["name"] in prov["tasks"]
+        margin = 0.0
         if str(summary.get("space", "")).startswith("configs:"):
-            timed = [c["ms"] for c in summary["candidates"] if c["ms"] is not None]
-            assert len(timed) == summary["trials"]
-            if summary["use_tuned"]:
-                assert summary["tuned_ms"] < 0.99 * summary["default_ms"]
+            _check_config_timings(summary)
+            margin = CONFIG_MARGIN
+        # the recorded decision is the one its timings give, whichever way it went
+        assert summary["use_tuned"] == (summary["tuned_ms"] < summary["default_ms"] * (1 - margin))
+
+
+def _check_config_timings(summary: dict) -> None:
+    """A config task's default and tuned times are its candidates' (the tuner's _tune_configs):
+    the default is candidate 0 (the faster of its two timings), tuned the fastest other one."""
+    cands = summary["candidates"]
+    assert len([c for c in cands if c["ms"] is not None]) == summary["trials"]
+    assert cands[0]["config"] == summary["default_config"]
+    default = min(v for v in (cands[0]["ms"], cands[0].get("ms_again")) if v is not None)
+    assert summary["default_ms"] == default
+    tuned_ms, tuned = min(((c["ms"], c["config"]) for c in cands[1:] if c["ms"] is not None),
+                          key=lambda p: p[0])
+    assert summary["tuned_ms"] == tuned_ms and summary["config"] == tuned
 
 
 def test_attention_database_found_by_compile():

@@ -4,7 +4,7 @@
     python tools/hf_models.py OUTDIR --exporter dynamo     # <name>.dynamo.onnx
     python tools/hf_models.py OUTDIR --models llama bert
 
-The models, shapes and exporter choice are those of tests/hf_models.py (see its docstring); files
+The models, shapes and exporter choice are those of models/hf_models.py (see its docstring); files
 that already exist are reused.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # tests.hf_models lives at the repo root, next to tools/
+if str(REPO_ROOT) not in sys.path:  # `models` lives at the repo root, next to tools/
     sys.path.insert(0, str(REPO_ROOT))
 
-from tests import hf_models  # noqa: E402
+from models import hf_models  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:

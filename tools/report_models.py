@@ -2,7 +2,7 @@
 
 Usage: python tools/report_models.py [--target sm90] [--dtype float16]
                                      [--out tools/bench/results/report_models.json]
-The HF ONNX files are made at random init by tests/hf_models.py (cached in --hf-dir).
+The HF ONNX files are made at random init by models/hf_models.py (cached in --hf-dir).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests import hf_models  # noqa: E402
+from models import hf_models  # noqa: E402
 from tvmfuse.frontend import import_model  # noqa: E402
 from tvmfuse.report import analyze  # noqa: E402
 from tvmfuse.targets import get_target  # noqa: E402

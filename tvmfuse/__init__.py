@@ -6,9 +6,7 @@
     y = model(x)
 """
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from .errors import (
     CompileError,
     DeviceError,
     InputError,
@@ -18,7 +16,8 @@ from .errors import (  # noqa: E402
     TvmfuseError,
     UnsupportedOpError,
 )
-from .runtime import CompiledModel, load  # noqa: E402
+from .runtime import CompiledModel, load
+from .version import __version__
 
 
 def compile(*args, **kwargs):  # noqa: A001
@@ -37,5 +36,5 @@ def tune(*args, **kwargs):
 
 __all__ = [
     "CompileError", "CompiledModel", "DeviceError", "InputError", "InputSpecError", "LibraryError",
-    "ModelError", "TvmfuseError", "UnsupportedOpError", "compile", "load", "tune",
+    "ModelError", "TvmfuseError", "UnsupportedOpError", "__version__", "compile", "load", "tune",
 ]

@@ -1,14 +1,23 @@
-"""The ``tvmfuse`` command line (contract in DESIGN.md)."""
+"""The ``tvmfuse`` command line (contract in DESIGN.md).
+
+``tvmfuse run`` needs only the runtime: the compiler side (frontend, compiler, report, tune) is
+imported inside the commands that use it, the one place besides ``tvmfuse.compile`` where the
+package imports itself lazily.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 
 import click
+import numpy as np
 
 from .errors import TvmfuseError
+from .runtime import load, read_metadata
+from .targets import get_target
 
 
 class _Group(click.Group):
@@ -29,8 +38,6 @@ def main() -> None:
 
 
 def _random_inputs(specs, seed: int = 0) -> list:
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     arrays = []
     for s in specs:
@@ -45,8 +52,6 @@ def _random_inputs(specs, seed: int = 0) -> list:
 
 def check_against_reference(lib, seed: int = 0) -> list[float]:
     """Run a cpu-target Library on random inputs; ‖out − ref‖/‖ref‖ per output vs the framework."""
-    import numpy as np
-
     if lib.model.reference is None:
         raise TvmfuseError("no reference runtime for this model (install onnxruntime or torch)")
     arrays = _random_inputs(lib.model.inputs, seed)
@@ -109,10 +114,6 @@ def compile(model: str, output: str, target: str, dtype: str | None, inputs: tup
               help="Default: cuda for GPU targets, cpu for the cpu target.")
 def run(library: str, inputs_path: str, output_path: str | None, device: str | None) -> None:
     """Run LIBRARY on the arrays in IN.npz."""
-    import numpy as np
-
-    from .runtime import load, read_metadata
-
     if not Path(inputs_path).is_file():
         raise TvmfuseError(f"inputs file {inputs_path} does not exist")
     try:
@@ -155,14 +156,10 @@ def run(library: str, inputs_path: str, output_path: str | None, device: str | N
 def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...], as_json: bool,
            plot: str | None, times: str | None, tuning_db: str | None) -> None:
     """Kernels after fusion, with FLOPs and HBM bytes against the unfused graph."""
-    import json
-
-    from .compiler import _overrides
-    from .frontend import import_model
+    from .frontend import import_model, input_overrides
     from .report import analyze, format_table, plot_roofline
-    from .targets import get_target
 
-    imported = import_model(model, None, _overrides(list(inputs)))
+    imported = import_model(model, None, input_overrides(list(inputs)))
     result = analyze(imported.mod, get_target(target), dtype if dtype != "float32" else None,
                      tuning_db=tuning_db)
     times_ms = json.loads(Path(times).read_text()) if times else None

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .build import export_library
 from .errors import InputSpecError
-from .frontend import ImportedModel, InputOverride, TensorSpec, import_model, parse_input_override
+from .frontend import ImportedModel, TensorSpec, import_model, input_overrides
+from .pipeline import build, lower
+from .runtime import load
 from .targets import TargetSpec, get_target
+from .tuning_db import tuning_summary
+from .version import __version__
 
 
 def _version(pkg: str) -> str | None:
@@ -43,8 +49,6 @@ class Library:
 
     @property
     def metadata(self) -> dict[str, Any]:
-        from . import __version__
-
         return {
             "format": "tvmfuse-library/1",
             "target": self.target.name,
@@ -60,16 +64,10 @@ class Library:
 
     def export(self, path: str | os.PathLike) -> Path:
         """Write one self-contained ``.so`` (fatbin inside for CUDA targets)."""
-        from .build import export_library
-
         return export_library(self.executable, path, self.target, self.metadata)
 
     def load(self, device: str | None = None, workdir: str | None = None):
         """Export to a temporary file and load it (``tvmfuse.load``)."""
-        import tempfile
-
-        from .runtime import load
-
         workdir = workdir or tempfile.mkdtemp(prefix="tvmfuse-")
         path = self.export(Path(workdir) / "model.so")
         return load(path, device or ("cpu" if not self.target.is_cuda else "cuda"))
@@ -91,35 +89,15 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     ``{"x": (2, 64)}`` or ``["x:2x64"]``. ``tuning_db``: a ``tvmfuse tune`` database; a kernel
     uses its tuned schedule only where that measured faster than the default rule.
     """
-    from .pipeline import build, lower
-
     spec = get_target(target)
     if dtype not in (None, "float32", "float16", "bfloat16"):
         raise InputSpecError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
-    overrides = _overrides(inputs)
+    overrides = input_overrides(inputs)
     imported = import_model(model, example_inputs, overrides)
     lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None, tuning_db=tuning_db)
     outputs = _output_specs(imported.mod, imported.output_names)
     executable = build(lowered, spec)
     tuning = None
     if tuning_db is not None:
-        from .tuning_db import tuning_summary
-
         tuning = tuning_summary(tuning_db, lowered)
     return Library(executable, spec, imported, dtype, outputs, tuning)
-
-
-def _overrides(inputs: dict[str, Any] | list[str] | None) -> dict[str, InputOverride]:
-    if not inputs:
-        return {}
-    if isinstance(inputs, dict):
-        result = {}
-        for name, value in inputs.items():
-            if isinstance(value, InputOverride):
-                result[name] = value
-            elif isinstance(value, str):
-                result[name] = parse_input_override(f"{name}:{value}")[1]
-            else:
-                result[name] = InputOverride(tuple(int(v) for v in value))
-        return result
-    return dict(parse_input_override(t) for t in inputs)

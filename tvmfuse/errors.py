@@ -33,7 +33,37 @@ class InputSpecError(TvmfuseError):
 
 
 class CompileError(TvmfuseError):
-    """Lowering, codegen or nvcc failed; the message names the stage."""
+    """Lowering, codegen or nvcc failed; the message names the stage.
+
+    A pipeline stage that fails also names where: the Relax ``function``, the ``binding`` (its var)
+    and the ``op`` it applies, with TVM's text as ``detail``::
+
+        stage 'mixed_precision' failed in function 'main' at binding 'lv1' (op
+        relax.call_tir(layer_norm_stats), binding #57):
+          lv1 = R.call_tir(layer_norm_stats, (lv57,), ...)
+          detail: Check failed: (tensor) is false: Expected TensorType, but got R.Callable(...)
+    """
+
+    def __init__(self, message: str | None = None, *, stage: str | None = None,
+                 function: str | None = None, binding: str | None = None, op: str | None = None,
+                 expr: str | None = None, detail: str | None = None, index: int = 0) -> None:
+        self.stage, self.function, self.binding, self.op = stage, function, binding, op
+        self.expr, self.detail, self.index = expr, detail, index
+        if message is None:
+            message = f"stage {stage!r} failed"
+            if binding:
+                nth = f", binding #{index}" if index else ""
+                message += f" in function {function!r} at binding {binding!r} (op {op}{nth})"
+            elif function:
+                message += f" in function {function!r} (op {op})"
+            else:
+                message += " (not localised to a binding)"
+            message += ":"
+            if expr:
+                message += f"\n  {binding} = {expr}"
+            if detail:
+                message += f"\n  detail: {detail}"
+        super().__init__(message)
 
 
 class LibraryError(TvmfuseError):

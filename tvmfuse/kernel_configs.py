@@ -12,16 +12,18 @@ A space is found for a kernel by :func:`space_for`:
 
 * ``gemm_sm90``: an *unscheduled* fused GEMM PrimFunc that the sm_90a kernel takes (the task key is
   the function's, as for MetaSchedule tasks). Applying a config marks the function with
-  :data:`CONFIG_ATTR`; the ``gemm_sm90`` stage then generates the kernel with that config.
+  :data:`.attrs.CONFIG_ATTR`; the ``gemm_sm90`` stage then generates the kernel with that config.
 * ``attention_sm90``: the *scheduled* flash-attention kernel, which carries its
-  :class:`.schedules.attention.AttentionSpec` in :data:`SPEC_ATTR`; the key is the spec's (a new
-  kernel generator keeps the records). Applying a config regenerates the kernel.
+  :class:`.schedules.attention_spec.AttentionSpec` in :data:`.attrs.SPEC_ATTR`; the key is the
+  spec's (a new kernel generator keeps the records). Applying a config regenerates the kernel.
+
+This module is the tuning *search* (it sits with ``tvmfuse tune``); reading a record and applying
+its config at compile time is :mod:`.tuning_db` (a pipeline stage), which kernels never import.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,8 +32,17 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-CONFIG_ATTR = "tvmfuse.kernel_config"  # JSON of the config a tuned GEMM is generated with
-SPEC_ATTR = "tvmfuse.attention_spec"  # JSON of the AttentionSpec a flash kernel computes
+from .attrs import SPEC_ATTR
+from .schedules.attention_spec import spec_from_json
+from .schedules.flash_attention_sm90 import (
+    Sm90FlashConfig,
+    flash_attention_sm90_primfunc,
+    unsupported,
+)
+from .schedules.gemm_sm90 import build_kernel, gemm_problem, select_config
+from .schedules.hopper.epilogue import NotHandled
+from .schedules.hopper.kernel import GemmConfig, check
+from .tuning_db import attention_key, task_module
 
 
 @dataclass
@@ -43,12 +54,6 @@ class ConfigSpace:
     default: dict[str, Any]
     candidates: list[dict[str, Any]]  # the default first
     build: Callable[[dict[str, Any]], tvm.IRModule]
-
-
-def _task_module(func: tirx.PrimFunc) -> tvm.IRModule:
-    from .tuning_db import task_module
-
-    return task_module(func)
 
 
 def _fields(cfg: Any) -> dict[str, Any]:
@@ -63,9 +68,6 @@ def gemm_candidates(m: int, n: int) -> list[dict[str, Any]]:
     128×256 at 3/4 stages (48 KiB a stage), 128×128 at 4/6 stages, 64×256 (one consumer
     warpgroup, for short M), each with raster groups of 4/8/16 row tiles where it differs.
     """
-    from .schedules.gemm_sm90 import select_config
-    from .schedules.hopper.kernel import GemmConfig
-
     default = select_config(m, n)
     out = [default]
     for bm, bn, stages in ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 4)):
@@ -76,23 +78,10 @@ def gemm_candidates(m: int, n: int) -> list[dict[str, Any]]:
     return [_fields(c) for c in out]
 
 
-def _gemm_problem(func: tirx.PrimFunc):
-    """The GemmProblem of a fused GEMM function (raises NotHandled when it is none)."""
-    from .schedules.hopper.epilogue import analyze
-    from .schedules.hopper.kernel import GemmProblem
-
-    g = analyze(func)
-    return GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.layout)
-
-
 def gemm_space(func: tirx.PrimFunc, key: str) -> ConfigSpace | None:
     """The config space of a fused GEMM the sm_90a kernel takes, else None."""
-    from .schedules.gemm_sm90 import build_kernel, select_config
-    from .schedules.hopper.epilogue import NotHandled
-    from .schedules.hopper.kernel import GemmConfig, check
-
     try:
-        problem = _gemm_problem(func)
+        problem = gemm_problem(func)
     except NotHandled:
         return None
     if check(problem, select_config(problem.m, problem.n)):
@@ -101,26 +90,12 @@ def gemm_space(func: tirx.PrimFunc, key: str) -> ConfigSpace | None:
              if check(problem, GemmConfig(**c)) is None]
 
     def build(cfg: dict[str, Any]) -> tvm.IRModule:
-        return _task_module(build_kernel(func, GemmConfig(**cfg)))
+        return task_module(build_kernel(func, GemmConfig(**cfg)))
 
     return ConfigSpace("gemm_sm90", key, cands[0], cands, build)
 
 
-def gemm_config_of(func: tirx.PrimFunc):
-    """The :class:`GemmConfig` a tuning record put on ``func`` (None: choose the default)."""
-    from .schedules.hopper.kernel import GemmConfig
-
-    if func.attrs is None or CONFIG_ATTR not in func.attrs:
-        return None
-    return GemmConfig(**json.loads(str(func.attrs[CONFIG_ATTR])))
-
-
 # ---- attention ----------------------------------------------------------------------------------
-
-def spec_json(spec: Any) -> str:
-    """Canonical JSON of an AttentionSpec (the attention kernel's :data:`SPEC_ATTR`)."""
-    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
-
 
 def attention_flops(spec_text: str) -> int:
     """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V, causal pairs only."""
@@ -134,15 +109,9 @@ def attention_flops(spec_text: str) -> int:
     return 4 * f["batch"] * f["q_heads"] * f["head_dim"] * pairs
 
 
-def attention_key(spec_text: str) -> str:
-    return "attention_sm90-" + hashlib.sha256(spec_text.encode()).hexdigest()[:16]
-
-
 def attention_candidates() -> list[dict[str, Any]]:
     """Default (2 consumers × BN 128, 2 stages, overlap + ping-pong + TMA store) first, then the
     variants the H200 probes measured (tools/bench/NOTES.md, "Flash attention sm90a")."""
-    from .schedules.flash_attention_sm90 import Sm90FlashConfig
-
     base = Sm90FlashConfig()
     variants = [base, dataclasses.replace(base, stages=3), dataclasses.replace(base, pingpong=False),
                 dataclasses.replace(base, overlap=False), dataclasses.replace(base, block_n=64),
@@ -152,26 +121,16 @@ def attention_candidates() -> list[dict[str, Any]]:
 
 def attention_space(func: tirx.PrimFunc) -> ConfigSpace | None:
     """The config space of an sm_90a flash-attention kernel, else None."""
-    from .schedules.attention import AttentionSpec
-    from .schedules.flash_attention_sm90 import (
-        Sm90FlashConfig,
-        flash_attention_sm90_primfunc,
-        unsupported,
-    )
-
     if func.attrs is None or SPEC_ATTR not in func.attrs:
         return None
     text = str(func.attrs[SPEC_ATTR])
-    fields = json.loads(text)
-    if fields.get("bias_shape") is not None:
-        fields["bias_shape"] = tuple(fields["bias_shape"])
-    spec = AttentionSpec(**fields)
+    spec = spec_from_json(text)
     cands = [c for c in attention_candidates() if unsupported(spec, Sm90FlashConfig(**c)) is None]
     if not cands:
         return None
 
     def build(cfg: dict[str, Any]) -> tvm.IRModule:
-        return _task_module(flash_attention_sm90_primfunc(spec, config=Sm90FlashConfig(**cfg)))
+        return task_module(flash_attention_sm90_primfunc(spec, config=Sm90FlashConfig(**cfg)))
 
     return ConfigSpace("attention_sm90", attention_key(text), cands[0], cands, build)
 
@@ -184,37 +143,3 @@ def space_for(func: tirx.PrimFunc, key: str, arch: str) -> ConfigSpace | None:
         return None
     scheduled = bool(func.attrs and func.attrs.get("tirx.is_scheduled", False))
     return attention_space(func) if scheduled else gemm_space(func, key)
-
-
-def task_key_of(func: tirx.PrimFunc) -> str:
-    """Database key of a kernel: the spec's for attention kernels, else the function's hash."""
-    from .tuning_db import task_key, task_module
-
-    if func.attrs is not None and SPEC_ATTR in func.attrs:
-        return attention_key(str(func.attrs[SPEC_ATTR]))
-    return task_key(task_module(func))
-
-
-def apply_config(func: tirx.PrimFunc, kind: str, cfg: dict[str, Any]) -> tirx.PrimFunc:
-    """``func`` set up to use ``cfg``: a GEMM marked for the ``gemm_sm90`` stage, an attention
-    kernel regenerated (its attributes kept). Raises ValueError / NotHandled when ``cfg`` does not
-    fit."""
-    if kind == "gemm_sm90":
-        from .schedules.hopper.epilogue import NotHandled
-        from .schedules.hopper.kernel import GemmConfig, check
-
-        # the gemm_sm90 stage generates the kernel; here only: does cfg fit this GEMM?
-        reason = check(_gemm_problem(func), GemmConfig(**cfg))
-        if reason:
-            raise NotHandled(reason)
-        return func.with_attr(CONFIG_ATTR, json.dumps(cfg, sort_keys=True))
-    if kind == "attention_sm90":
-        space = attention_space(func)
-        if space is None:
-            raise ValueError("not an sm_90a flash-attention kernel")
-        new = space.build(cfg)["main"]
-        attrs = dict(func.attrs)
-        attrs["tvmfuse.tile"] = new.attrs["tvmfuse.tile"]
-        new = new.with_attrs(attrs)
-        return new.without_attr("global_symbol") if "global_symbol" not in func.attrs else new
-    raise ValueError(f"unknown kernel config kind {kind!r}")

@@ -13,8 +13,10 @@ from pathlib import Path
 import tvm
 from tvm import relax
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
+from tvm.s_tir import dlight as dl
 
 from .errors import CompileError, TvmfuseError
+from .locate import locate
 from .passes import (
     FuseDecomposedNorms,
     GatherRowStats,
@@ -27,11 +29,17 @@ from .passes import (
     SinkReshape,
 )
 from .passes.attention import FuseAttention
+from .passes.canonical import CanonicalizeBatchedMatmul
 from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
 from .schedules import gpu_rules
+from .schedules.gemm_row_stats_simt import SimtGemmRowStats
+from .schedules.gemm_sm80 import BUILD_CONFIG
+from .schedules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
+from .schedules.gemm_sm90_stats import Sm90GemmRowStats
 from .targets import TargetSpec
+from .tuning_db import ApplyTuningDatabase
 
 
 class _Stages:
@@ -51,13 +59,29 @@ class _Stages:
         except TvmfuseError:
             raise
         except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
-            raise CompileError(f"stage {name!r} failed: {err}") from err
+            raise _stage_error(name, pass_, mod, err) from err
         self.count += 1
         if self.on_stage:
             self.on_stage(name, mod)
         if self.dump_dir:
             (self.dump_dir / f"{self.count:02d}_{name}.py").write_text(mod.script(show_meta=False))
         return mod
+
+
+_DETAIL_LINES = 12
+
+
+def _stage_error(name: str, pass_: tvm.transform.Pass, mod: tvm.IRModule, err: Exception) -> CompileError:
+    """A failed stage as a CompileError naming the function, binding and op it failed on (rerun on
+    reduced copies of its input, :mod:`tvmfuse.locate`); TVM's own text is only the detail."""
+    where = locate(pass_, mod, err)
+    lines = [line.rstrip() for line in str(err).strip().splitlines() if line.strip()]
+    detail = "\n    ".join(lines[:_DETAIL_LINES] + (["..."] if len(lines) > _DETAIL_LINES else []))
+    if where is None:
+        return CompileError(stage=name, detail=detail or type(err).__name__)
+    return CompileError(stage=name, function=where.function, binding=where.binding or None,
+                        op=where.op, expr=where.expr or None, detail=detail or type(err).__name__,
+                        index=where.index)
 
 
 def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
@@ -74,6 +98,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
+        # torch.export's N-D `@` (broadcast_to + reshape to 3-D + matmul + reshape back) becomes the
+        # N-D matmul, so attention and GEMM patterns see one product.
+        mod = run("canonical_batched_matmul", CanonicalizeBatchedMatmul(), mod)
         # Exporters' no-op casts and x*1 would hide the patterns below and add kernel boundaries.
         mod = run("simplify_noops", SimplifyNoOps(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
@@ -115,17 +142,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Tuned records (tvmfuse tune extracts its tasks just above) go first: the rules below
         # skip kernels marked scheduled and take every kernel without a faster record.
         if tuning_db is not None:
-            from .tuning_db import ApplyTuningDatabase
-
             mod = run("apply_tuning_db", ApplyTuningDatabase(tuning_db, spec), mod)
         # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
         if spec.is_cuda:
-            from tvm.s_tir import dlight as dl
-
-            from .schedules.gemm_row_stats_simt import SimtGemmRowStats
-            from .schedules.gemm_sm90 import Sm90Gemm
-            from .schedules.gemm_sm90_stats import Sm90GemmRowStats
-
             # sm_90a only: a norm's row statistics move into the wgmma GEMMs that read them.
             mod = run("gemm_sm90_row_stats", Sm90GemmRowStats, mod)
             # fp32 GEMMs (SIMT): the row statistics merge into them; after the wgmma ones took theirs.
@@ -163,12 +182,8 @@ def build(mod: tvm.IRModule, spec: TargetSpec):
     previous = os.environ.get("TVM_COMPILE_FORCE_FALLBACK")
     os.environ["TVM_COMPILE_FORCE_FALLBACK"] = "1"
     try:
-        from .schedules.gemm_sm90 import HYBRID_PIPELINE, uses_tirx
-
         # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
         tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
-        from .schedules.gemm_sm80 import BUILD_CONFIG
-
         # gemm_sm80's cp.async pipelines need TIR build options (see BUILD_CONFIG).
         with tvm.transform.PassContext(config=BUILD_CONFIG):
             return relax.build(mod, target=spec.tvm_target(), relax_pipeline=None,

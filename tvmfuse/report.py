@@ -14,7 +14,15 @@ from typing import Any
 
 import tvm
 from tvm import relax, tirx
+from tvm.relax.backend import cpu_generic as stock_cpu
+from tvm.relax.backend import cuda as stock_cuda
+from tvm.s_tir.analysis import estimate_tir_flops
 
+from .attrs import IN_LOOP_ATTR, KEPT_ATTR, TUNING_ATTR
+from .passes import MixedPrecision
+from .passes.attention import attention_decisions
+from .passes.legalize_fixes import legalize_overrides
+from .pipeline import lower
 from .targets import TargetSpec
 
 VIEW_OPS = {"reshape", "expand_dims", "squeeze", "flatten"}
@@ -69,14 +77,13 @@ def _param_bytes(param) -> int:
     return math.prod(int(d) for d in param.shape) * tvm.runtime.DataType(str(param.dtype)).bits // 8
 
 
-def _primfunc_bytes(func: tirx.PrimFunc) -> int:
+def primfunc_bytes(func: tirx.PrimFunc) -> int:
     """Every buffer parameter read or written once (a kernel's minimal HBM traffic)."""
     return sum(_param_bytes(p) for p in func.params)
 
 
-def _flops(func: tirx.PrimFunc) -> int:
-    from tvm.s_tir.analysis import estimate_tir_flops
-
+def kernel_flops(func: tirx.PrimFunc) -> int:
+    """TVM's FLOP estimate of an unscheduled kernel (0 where it cannot tell)."""
     try:
         return int(estimate_tir_flops(tvm.IRModule({"main": func})))
     except Exception:  # scheduled or opaque functions: FLOPs unknown, bytes still exact
@@ -95,7 +102,8 @@ def _main_calls(mod: tvm.IRModule, items: bool = False) -> list[relax.Call]:
     return calls
 
 
-def _classify(ops: list[str], kinds: list[int]) -> str:
+def classify(ops: list[str], kinds: list[int]) -> str:
+    """The report's ``pattern`` of a kernel made of ``ops`` (AnnotateTIROpPattern ``kinds``)."""
     # AnnotateTIROpPattern also marks reductions with an epilogue kOutEWiseFusable: names decide GEMMs.
     has_gemm = any(o in GEMM_OPS for o in ops)
     has_reduce = any(o in REDUCTION_OPS for o in ops) or any(
@@ -140,15 +148,12 @@ def _unfused(legalized: tvm.IRModule) -> list[KernelInfo]:
         kind = int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else -1
         args = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
         nbytes = sum(_tensor_bytes(a.ty) for a in args) + _tensor_bytes(var.ty)
-        kernels.append(KernelInfo(gvar.name_hint, _classify([op], [kind]), [op], _flops(func), nbytes))
+        kernels.append(KernelInfo(gvar.name_hint, classify([op], [kind]), [op], kernel_flops(func), nbytes))
     return kernels
 
 
 def _legalize_unfused(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None) -> tvm.IRModule:
     """The imported graph legalised op by op, without tvmfuse's fusion passes: the baseline."""
-    from .passes import MixedPrecision
-    from .passes.legalize_fixes import legalize_overrides
-
     seq = [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings()]
     if dtype in ("float16", "bfloat16"):
         seq.append(MixedPrecision(dtype))
@@ -187,7 +192,7 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
             continue
         name = call.op.name_hint
         # an sm_90a GEMM that also computes its A's row statistics: the GEMM's ops, stats first
-        merged = final[name].attrs.get("tvmfuse.in_loop_stats") if final[name].attrs else None
+        merged = final[name].attrs.get(IN_LOOP_ATTR) if final[name].attrs else None
         if merged is not None:
             gemm, stats = (str(n) for n in merged)
             ops, kinds = groups.get(gemm, ([op_name(gemm)], [-1]))
@@ -201,10 +206,10 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
             kinds = [int(attrs["op_pattern"])] if attrs and "op_pattern" in attrs else [-1]
         unscheduled = fuse_tir_fns.get(str(merged[0]) if merged is not None else name) or final[name]
         attrs = final[name].attrs
-        kernels.append(KernelInfo(name, _classify(ops, kinds), ops, _flops(unscheduled),
-                                  _primfunc_bytes(final[name]),
-                                  tuning=str(attrs["tvmfuse.tuning"]) if attrs and
-                                  "tvmfuse.tuning" in attrs else None))
+        kernels.append(KernelInfo(name, classify(ops, kinds), ops, kernel_flops(unscheduled),
+                                  primfunc_bytes(final[name]),
+                                  tuning=str(attrs[TUNING_ATTR]) if attrs and
+                                  TUNING_ATTR in attrs else None))
     return kernels
 
 
@@ -249,7 +254,7 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
     by_name = {k.name: k for k in kernels}
     for k in kernels:  # a GEMM that computes its statistics stands for both fused_tir functions
         attrs = stages["finalize"][k.name].attrs
-        for merged in (attrs.get("tvmfuse.in_loop_stats") or []) if attrs is not None else []:
+        for merged in (attrs.get(IN_LOOP_ATTR) or []) if attrs is not None else []:
             by_name.setdefault(str(merged), k)
     producer_of: dict[Any, KernelInfo] = {}
     found: list[dict[str, Any]] = []
@@ -272,7 +277,7 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
                 if prod is not None and prod is not kernel and not any(
                         e["kernels"] == [prod.name, kernel.name] for e in found):
                     attrs = stages["finalize"][prod.name].attrs
-                    kept = attrs.get("tvmfuse.stats_kept") if attrs is not None else None
+                    kept = attrs.get(KEPT_ATTR) if attrs is not None else None
                     found.append({"ops": [prod.ops[-1], kernel.ops[0]],
                                   "kernels": [prod.name, kernel.name],
                                   "reason": _boundary_reason(prod, kernel) + (
@@ -287,8 +292,6 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
 
 def _attention_left(mod: tvm.IRModule | None) -> list[dict[str, Any]]:
     """Attention subgraphs FuseAttention left as separate ops, with its reason."""
-    from .passes.attention import attention_decisions
-
     return [{"ops": ["matmul", "softmax", "matmul"], "kernels": [d["binding"]],
              "reason": f"attention not fused into one op: {d['reason']}"}
             for d in (attention_decisions(mod) if mod is not None else []) if d["status"] == "left"]
@@ -301,12 +304,7 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
     replaced by the fixed one, without which the stock pipeline fails on every causal mask. The
     stock dlight scheduling step is left out: it changes no launch count.
     """
-    from .passes.legalize_fixes import legalize_overrides
-
-    if spec.is_cuda:
-        from tvm.relax.backend.cuda import pipeline as stock
-    else:
-        from tvm.relax.backend.cpu_generic import pipeline as stock
+    stock = stock_cuda.pipeline if spec.is_cuda else stock_cpu.pipeline
     target = spec.tvm_target()
     legalize = [relax.transform.LegalizeOps(legalize_overrides()), relax.transform.AnnotateTIROpPattern(),
                 relax.transform.FoldConstant(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
@@ -323,10 +321,11 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
 
 
 def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
-            tuning_db: str | None = None) -> dict[str, Any]:
-    """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema)."""
-    from .pipeline import lower
+            tuning_db: str | None = None, stock: bool = True) -> dict[str, Any]:
+    """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema).
 
+    ``stock=False`` skips the stock-TVM launch count (a second lowering): ``None`` in the report.
+    """
     capture = _StageCapture()
     lower(mod, spec, dtype, on_stage=capture, tuning_db=tuning_db)
     unfused = _unfused(_legalize_unfused(mod, spec, dtype))
@@ -334,7 +333,7 @@ def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
     return {
         "target": spec.name,
         "unfused_kernel_count": len(unfused),
-        "stock_tvm_kernel_count": stock_kernel_count(mod, spec) if dtype is None else None,
+        "stock_tvm_kernel_count": stock_kernel_count(mod, spec) if dtype is None and stock else None,
         "fused_kernel_count": len(fused),
         "hbm_bytes_unfused": sum(k.bytes for k in unfused),
         "hbm_bytes_fused": sum(k.bytes for k in fused),

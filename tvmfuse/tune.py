@@ -28,24 +28,47 @@ tracker's servers; ``gpus=N`` starts a local tracker and one server per GPU firs
 from __future__ import annotations
 
 import datetime
+import importlib.machinery
+import importlib.metadata as md
 import importlib.util
 import math
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import tvm
-from tvm import relax, tirx
+from tvm import relax, s_tir, tirx
+from tvm.ir.utils import derived_object
+from tvm.s_tir import dlight as dl
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.dlight.base.transform import _apply_rules
+from tvm.s_tir.meta_schedule.builder.local_builder import default_export
+from tvm.s_tir.meta_schedule.runner.local_runner import (
+    LocalRunnerFuture,
+    default_alloc_argument,
+    default_run_evaluator,
+)
+from tvm.s_tir.meta_schedule.utils import cpu_count
+from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
+from .attrs import SPEC_ATTR
 from .errors import TvmfuseError
-from .kernel_configs import SPEC_ATTR, attention_flops, space_for, task_key_of
+from .frontend import import_model, input_overrides
+from .kernel_configs import attention_flops, space_for
+from .pipeline import lower
+from .report import classify, fused_groups, kernel_flops, op_name, primfunc_bytes
+from .schedules import gpu_rules
+from .schedules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .targets import TargetSpec, get_target
-from .tuning_db import TuningDatabase, task_module
+from .tuning_db import TuningDatabase, task_key_of, task_module
+from .version import __version__
 
 TUNED_PATTERNS = ("gemm_epilogue", "norm_gemm", "attention")
 MIN_GFLOP = 0.1  # GEMM-like kernels below this are launch-bound: nothing to gain
@@ -139,8 +162,6 @@ class _Stop(Exception):
 def _pre_schedule_module(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None) -> tuple[
         tvm.IRModule, tvm.IRModule]:
     """(module entering ``schedule``, the ``fuse_ops`` module that names each kernel's ops)."""
-    from .pipeline import lower
-
     mods: dict[str, tvm.IRModule] = {}
 
     def keep(name: str, m: tvm.IRModule) -> None:
@@ -159,8 +180,6 @@ def _pre_schedule_module(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None)
 
 def extract_tasks(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None) -> list[Task]:
     """Distinct unscheduled kernels launched by ``main`` of the fused model, in launch order."""
-    from .report import _classify, _flops, _primfunc_bytes, fused_groups, op_name
-
     pre, fuse_ops = _pre_schedule_module(mod, spec, dtype)
     groups = fused_groups(fuse_ops)
     tasks: dict[str, Task] = {}
@@ -184,9 +203,9 @@ def extract_tasks(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None)
                 continue
             ops, kinds = groups.get(gvar.name_hint, ([op_name(gvar.name_hint)], [
                 int(func.attrs["op_pattern"]) if func.attrs and "op_pattern" in func.attrs else -1]))
-            flops = attention_flops(str(func.attrs[SPEC_ATTR])) if attention else _flops(func)
-            tasks[key] = Task(gvar.name_hint, tmod, key, _classify(ops, kinds), ops, flops,
-                              _primfunc_bytes(func))
+            flops = attention_flops(str(func.attrs[SPEC_ATTR])) if attention else kernel_flops(func)
+            tasks[key] = Task(gvar.name_hint, tmod, key, classify(ops, kinds), ops, flops,
+                              primfunc_bytes(func))
             if spec.is_cuda:
                 tasks[key].space = space_for(tmod["main"], key, spec.arch)
     return list(tasks.values())
@@ -209,8 +228,6 @@ def select_tasks(tasks: list[Task], min_gflop: float = MIN_GFLOP, min_mb: float 
 def tuning_target(spec: TargetSpec) -> tvm.target.Target:
     """The target MetaSchedule searches with: the build target plus the limits its rules need."""
     if not spec.is_cuda:
-        from tvm.s_tir.meta_schedule.utils import cpu_count
-
         return tvm.target.Target({"kind": "llvm", "num-cores": cpu_count(logical=False)})
     return tvm.target.Target(
         {"kind": "cuda", "arch": spec.arch, "max_threads_per_block": 1024, "thread_warp_size": 32,
@@ -220,10 +237,6 @@ def tuning_target(spec: TargetSpec) -> tvm.target.Target:
 
 
 def _in_process_builder():
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.builder.local_builder import default_export
-
     @derived_object
     class InProcessBuilder(ms.builder.PyBuilder):
         """MetaSchedule's default build + export, run in this process (no worker start-up)."""
@@ -242,14 +255,6 @@ def _in_process_builder():
 
 
 def _in_process_runner(config):
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.runner.local_runner import (
-        LocalRunnerFuture,
-        default_alloc_argument,
-        default_run_evaluator,
-    )
-
     @derived_object
     class InProcessRunner(ms.runner.PyRunner):
         """MetaSchedule's default allocation + time evaluator, run in this process."""
@@ -337,9 +342,6 @@ class LocalCluster:
 
 def _measure_setup(spec: TargetSpec, rpc: str | None, isolate: bool):
     """(builder, runner, number of measurement slots) for local, isolated or RPC measurement."""
-    from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.utils import cpu_count
-
     # CUDA: 3 repeats of ≥ 50 ms each; kernel-config searches take the fastest repeat
     config = ms.runner.EvaluatorConfig(number=3, repeat=3 if spec.is_cuda else 1,
                                        min_repeat_ms=50 if spec.is_cuda else 10,
@@ -377,8 +379,6 @@ def _measure_many(mods: list[tvm.IRModule], target, builder, runner,
     """``(reduce(repeats) in ms, None)`` per module (default: the fastest repeat), or ``(None,
     error)`` where it fails to build or run; the builds run in the builder's workers and the runs on
     every runner slot (RPC: one per GPU)."""
-    from tvm.s_tir import meta_schedule as ms
-
     built = builder.build([ms.builder.BuilderInput(m, target) for m in mods])
     out: list[tuple[float | None, str | None]] = [
         (None, f"build: {_last_line(b.error_msg)}") for b in built]
@@ -455,11 +455,6 @@ def default_schedule(mod: tvm.IRModule, spec: TargetSpec) -> tvm.IRModule:
     then tvmfuse's GPU rules (the stages after ``apply_tuning_db`` in ``pipeline.lower``)."""
     if not spec.is_cuda:
         return mod
-    from tvm.s_tir import dlight as dl
-
-    from .schedules import gpu_rules
-    from .schedules.gemm_sm90 import Sm90Gemm
-
     fresh = tvm.IRModule({"main": mod["main"]})  # both passes assign into the module they get
     with spec.tvm_target():
         out = dl.ApplyDefaultSchedule(*gpu_rules())(Sm90Gemm(fresh))
@@ -469,10 +464,6 @@ def default_schedule(mod: tvm.IRModule, spec: TargetSpec) -> tvm.IRModule:
 def build_candidate(mod: tvm.IRModule, target, params: Any = None):
     """MetaSchedule's default build without its ``import tvm.s_tir.tensor_intrin`` (see
     :func:`lazy_tensor_intrin`); TIRx kernels (sm_90a GEMM) take tvmfuse's hybrid pipeline."""
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    from .schedules.gemm_sm90 import HYBRID_PIPELINE, uses_tirx
-
     if uses_tirx(mod):
         return tvm.tirx.build(mod, target=target, pipeline=HYBRID_PIPELINE)
     return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
@@ -487,10 +478,6 @@ def lazy_tensor_intrin() -> None:
     it unconditionally; with this, only ``tensor_intrin.cuda`` is loaded, and only for the
     ``cuda-tensorcore`` space. Does nothing once the package is imported.
     """
-    import importlib.machinery
-    import sys
-    import types
-
     name = "tvm.s_tir.tensor_intrin"
     if name in sys.modules:
         return
@@ -503,23 +490,16 @@ def lazy_tensor_intrin() -> None:
     pkg.__spec__.submodule_search_locations = pkg.__path__
     pkg.__package__ = name
     sys.modules[name] = pkg
-    import tvm.s_tir
-
-    tvm.s_tir.tensor_intrin = pkg
+    s_tir.tensor_intrin = pkg
 
 
 # ---- search ------------------------------------------------------------------------------------
 
 def _design_space(task: Task, spec: TargetSpec, target):
     """Union of tvmfuse's rules (``tunable=True``) and MetaSchedule's generic space."""
-    from tvm.s_tir import meta_schedule as ms
-
     if not spec.is_cuda:
         return ms.space_generator.PostOrderApply(sch_rules="llvm", postprocs="llvm",
                                                  mutator_probs="llvm")
-    from tvm.s_tir.dlight.base.transform import _apply_rules
-
-    from .schedules import gpu_rules
 
     def rule_space(sch):
         """tvmfuse's first applicable rule; a rule that samples tile sizes gives a real space."""
@@ -572,9 +552,6 @@ class _Progress:
 
 
 def _progress_callback(progress: _Progress, name: str):
-    from tvm.ir.utils import derived_object
-    from tvm.s_tir import meta_schedule as ms
-
     best: list[float] = []
 
     @derived_object
@@ -592,8 +569,6 @@ def _progress_callback(progress: _Progress, name: str):
 def _tune_task(task: Task, spec: TargetSpec, target, trials: int, builder, runner, slots: int,
                cost_model: str, progress: _Progress, seed: int):
     """MetaSchedule on one task; returns (best TuningRecord or None, trials measured)."""
-    from tvm.s_tir import meta_schedule as ms
-
     per_iter = max(1, min(trials, 64, 16 * slots))
     strategy = ms.search_strategy.EvolutionarySearch(
         population_size=max(64, 8 * per_iter), init_min_unmeasured=max(8, per_iter),
@@ -615,10 +590,6 @@ def _tune_task(task: Task, spec: TargetSpec, target, trials: int, builder, runne
 
 
 def _versions() -> dict[str, str | None]:
-    import importlib.metadata as md
-
-    from . import __version__
-
     out: dict[str, str | None] = {"tvmfuse": __version__}
     for pkg in ("apache-tvm", "apache-tvm-ffi", "torch"):
         try:
@@ -665,9 +636,6 @@ def tune(
     with one server per GPU. ``isolate`` (default: True for CUDA) builds and runs candidates in
     worker processes. Finished tasks already in ``db`` are kept, not re-tuned (resume).
     """
-    from .compiler import _overrides
-    from .frontend import import_model
-
     spec = get_target(target)
     lazy_tensor_intrin()
     if trials < 1:
@@ -677,7 +645,7 @@ def tune(
     if dtype == "float32":
         dtype = None
     t0 = time.perf_counter()
-    imported = import_model(model, example_inputs, _overrides(inputs))
+    imported = import_model(model, example_inputs, input_overrides(inputs))
     tasks = extract_tasks(imported.mod, spec, dtype)
     chosen = select_tasks(tasks, min_gflop, min_mb)
     database = TuningDatabase.open(db, create=True)

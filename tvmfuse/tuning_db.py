@@ -16,7 +16,9 @@ record. Every file is written whole to a temporary file
 and moved into place with ``os.replace`` (atomic on POSIX), workloads first and the summary last,
 so a run killed at any point leaves the finished tasks readable and consistent.
 
-:class:`ApplyTuningDatabase` is the pipeline stage before ``schedule``: a kernel with a usable,
+:class:`ApplyTuningDatabase` is the pipeline stage before ``schedule``; it reads records as values
+and applies them with the kernels' own generators (:func:`apply_config`), never importing the
+tuning search (:mod:`tvmfuse.kernel_configs`, :mod:`tvmfuse.tune`): a kernel with a usable,
 faster record gets the recorded schedule (marked ``tirx.is_scheduled``); every other kernel is left
 to the default rules. Each kernel considered carries ``"tvmfuse.tuning"``: ``"tuned"`` or
 ``"default: <why>"``, which the report shows.
@@ -24,6 +26,7 @@ to the default rules. Each kernel considered carries ``"tvmfuse.tuning"``: ``"tu
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -33,16 +36,22 @@ from typing import Any
 
 import tvm
 import tvm_ffi
-from tvm import tirx
+from tvm import s_tir, tirx
+from tvm.s_tir import meta_schedule as ms
 
+from .attrs import CONFIG_ATTR, KERNEL_TILE_ATTR, SPEC_ATTR, TUNING_ATTR
 from .errors import CompileError
+from .schedules.attention_spec import spec_from_json
+from .schedules.flash_attention_sm90 import Sm90FlashConfig, flash_attention_sm90_primfunc
+from .schedules.gemm_sm90 import gemm_problem
+from .schedules.hopper.epilogue import NotHandled
+from .schedules.hopper.kernel import GemmConfig, check
 from .targets import TargetSpec
 
 FORMAT = "tvmfuse-tuning/1"
 TASKS_FILE = "tvmfuse_tasks.json"
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
-TUNING_ATTR = "tvmfuse.tuning"  # PrimFunc attribute: "tuned" or "default: <reason>"
 
 
 def task_module(func: tirx.PrimFunc) -> tvm.IRModule:
@@ -55,6 +64,40 @@ def task_module(func: tirx.PrimFunc) -> tvm.IRModule:
 def task_key(mod: tvm.IRModule) -> str:
     """Structural hash of a task module, as a string (stable across processes)."""
     return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def attention_key(spec_text: str) -> str:
+    """Database key of an attention kernel: its spec's (a new generator keeps the records)."""
+    return "attention_sm90-" + hashlib.sha256(spec_text.encode()).hexdigest()[:16]
+
+
+def task_key_of(func: tirx.PrimFunc) -> str:
+    """Database key of a kernel: the spec's for attention kernels, else the function's hash."""
+    if func.attrs is not None and SPEC_ATTR in func.attrs:
+        return attention_key(str(func.attrs[SPEC_ATTR]))
+    return task_key(task_module(func))
+
+
+def apply_config(func: tirx.PrimFunc, kind: str, cfg: dict[str, Any]) -> tirx.PrimFunc:
+    """``func`` set up to use ``cfg``: a GEMM marked for the ``gemm_sm90`` stage, an attention
+    kernel regenerated (its attributes kept). Raises ValueError / NotHandled when ``cfg`` does not
+    fit."""
+    if kind == "gemm_sm90":
+        # the gemm_sm90 stage generates the kernel; here only: does cfg fit this GEMM?
+        reason = check(gemm_problem(func), GemmConfig(**cfg))
+        if reason:
+            raise NotHandled(reason)
+        return func.with_attr(CONFIG_ATTR, json.dumps(cfg, sort_keys=True))
+    if kind == "attention_sm90":
+        if func.attrs is None or SPEC_ATTR not in func.attrs:
+            raise ValueError("not an sm_90a flash-attention kernel")
+        spec = spec_from_json(str(func.attrs[SPEC_ATTR]))
+        new = task_module(flash_attention_sm90_primfunc(spec, config=Sm90FlashConfig(**cfg)))["main"]
+        attrs = dict(func.attrs)
+        attrs[KERNEL_TILE_ATTR] = new.attrs[KERNEL_TILE_ATTR]
+        new = new.with_attrs(attrs)
+        return new.without_attr("global_symbol") if "global_symbol" not in func.attrs else new
+    raise ValueError(f"unknown kernel config kind {kind!r}")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -109,8 +152,6 @@ class TuningDatabase:
         """Read the JSONDatabase files line by line, keeping each finished task's record as JSON:
         it is parsed only when ``compile`` wants it (:meth:`tuned_func`), so a record that no
         longer parses costs only its own kernel, where MetaSchedule's loader fails the database."""
-        from tvm.s_tir import meta_schedule as ms
-
         workloads = []
         for line in (self.path / WORKLOAD_FILE).read_text().splitlines():
             if line.strip():
@@ -128,8 +169,6 @@ class TuningDatabase:
     def finish_task(self, key: str, summary: dict[str, Any], mod: tvm.IRModule | None = None,
                     record: Any = None) -> None:
         """Add one finished task (its TuningRecord, if any) and rewrite the database atomically."""
-        from tvm.s_tir import meta_schedule as ms
-
         self.tasks[key] = summary
         if record is not None:
             wl = ms.database.MemoryDatabase().commit_workload(mod)
@@ -150,9 +189,6 @@ class TuningDatabase:
 
     def tuned_func(self, key: str) -> tirx.PrimFunc | None:
         """The recorded schedule of task ``key`` replayed on its module (None if no record)."""
-        from tvm import s_tir
-        from tvm.s_tir import meta_schedule as ms
-
         if key not in self.records:
             return None
         _, rec_json, wl = self.records[key]
@@ -193,8 +229,6 @@ def _restore_attrs(tuned: tirx.PrimFunc, original: tirx.PrimFunc) -> tirx.PrimFu
 def choose_schedule(db: TuningDatabase, func: tirx.PrimFunc, spec: TargetSpec) -> tuple[
         tirx.PrimFunc | None, str]:
     """``(tuned func, "tuned")`` or ``(None, "default: <reason>")`` for one kernel."""
-    from .kernel_configs import apply_config, task_key_of
-
     key = task_key_of(func)
     summary = db.tasks.get(key)
     if summary is None:
@@ -239,8 +273,6 @@ class ApplyTuningDatabase:
         self.spec = spec
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
-        from .kernel_configs import SPEC_ATTR
-
         mod = mod.clone()  # assigned into below: not the caller's module
         updates = {}
         for gvar, func in mod.functions_items():

@@ -87,7 +87,8 @@ def _build(spec_kw: dict[str, Any], target_name: str, path: str) -> str:
     try:
         import tvm
 
-        from tvmfuse.schedules.attention import AttentionSpec, attention_primfunc
+        from tvmfuse.schedules.attention import attention_primfunc
+        from tvmfuse.schedules.attention_spec import AttentionSpec
         from tvmfuse.targets import get_target
 
         target = get_target(target_name).tvm_target()

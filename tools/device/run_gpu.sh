@@ -11,7 +11,8 @@
 #      BENCH_ARGS="--target sm80 --iters 100" (more run_all options),
 #      TIME_LIMIT_S=480: no benchmark starts later than this many seconds into the script (the
 #      device call is killed at 600 s; bench.json is rewritten after each workload).
-# Exit status: pytest's when tests fail (the benchmarks still run), otherwise run_all's.
+# Exit status: pytest's when tests fail, 1 when no GPU test passed (all skipped: no device seen),
+# otherwise run_all's; the benchmarks run either way.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -44,6 +45,7 @@ if [[ ${SKIP_TESTS:-0} != 1 ]]; then
   # are CPU-bound and the device has 16 cores); each writes its own log and junit file.
   echo "== pytest -m gpu ($SECONDS s)"
   files=$(grep -l "mark.gpu" tests/test_*.py)
+  rm -f "$OUT"/junit-*.xml  # only this run's results are counted below
   pids=()
   for f in $files; do
     name=$(basename "$f" .py)
@@ -63,6 +65,27 @@ if [[ ${SKIP_TESTS:-0} != 1 ]]; then
     echo "-- $name: $(tail -1 "$OUT/pytest-$name.log")"
     grep -E "^(FAILED|ERROR)" "$OUT/pytest-$name.log" | cut -c1-300
   done | tee "$OUT/pytest.log"
+  # Every GPU test skipped (no CUDA device seen, a missing tool, ...) is a failed run, not a pass.
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/pytest.log"
+import glob
+import sys
+import xml.etree.ElementTree as ET
+
+counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+for path in glob.glob(f"{sys.argv[1]}/junit-*.xml"):
+    for suite in ET.parse(path).getroot().iter("testsuite"):
+        for key in counts:
+            counts[key] += int(suite.get(key, 0))
+passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+print(f"-- gpu tests: {passed} passed, {counts['skipped']} skipped, "
+      f"{counts['failures']} failed, {counts['errors']} errors")
+if passed == 0:
+    print("-- FAILED: no GPU test passed (every one skipped or none ran)")
+    sys.exit(1)
+PY
+  if [[ ${PIPESTATUS[0]} != 0 && $tests_rc == 0 ]]; then
+    tests_rc=1
+  fi
   echo "== tests done ($SECONDS s), rc=$tests_rc"
 fi
 

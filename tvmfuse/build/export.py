@@ -24,7 +24,7 @@ from ..targets import TargetSpec
 from .nvcc import compile_fatbin
 
 
-class _Reader:
+class BlobReader:
     """Little-endian reader of TVM's ``BytesOutStream`` encoding."""
 
     def __init__(self, data: bytes, pos: int = 0) -> None:
@@ -63,7 +63,7 @@ def parse_cuda_payload(payload: bytes) -> tuple[str, bytes, bytes]:
     fmap = <u64 n> { <str key> <str name> <u64 k> k*DLDataType(4B) <u64 m> m*<str tag>
     <u64 e> e*int32 }*  (tvm/support/serializer.h, runtime/metadata.h).
     """
-    r = _Reader(payload)
+    r = BlobReader(payload)
     fmt = r.raw().decode()
     fmap_start = r.pos
     for _ in range(r.u64()):
@@ -86,7 +86,7 @@ def rewrite_cuda_modules(blob: bytes, compile_source: Callable[[str], bytes]) ->
     blob = <u64 nbytes> <u64 vec indptr> <u64 vec children> { <str kind> [<bytes payload>] }*
     cuda payload = <str fmt> <map fmap> <bytes code>. Returns (new blob, modules rewritten).
     """
-    r = _Reader(blob)
+    r = BlobReader(blob)
     nbytes = r.u64()
     if nbytes != len(blob) - 8:
         raise CompileError(f"module blob size mismatch ({nbytes} vs {len(blob) - 8})")

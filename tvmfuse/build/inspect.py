@@ -12,13 +12,13 @@ import tempfile
 from pathlib import Path
 
 from ..errors import LibraryError
-from .export import _Reader, parse_cuda_payload
+from .export import BlobReader, parse_cuda_payload
 
 BLOB_SYMBOL = "__tvm_ffi__library_bin"
 
 
-def embedded_modules(path: str | os.PathLike) -> list[tuple[str, bytes]]:
-    """``[(kind, payload)]`` of every serialised module in the library's import blob."""
+def module_blob(path: str | os.PathLike) -> bytes:
+    """The library's import blob, ``<u64 nbytes>`` header included (what export rewrote)."""
     import tvm  # noqa: F401  (loads the FFI symbols the library refers to)
 
     try:
@@ -27,7 +27,12 @@ def embedded_modules(path: str | os.PathLike) -> list[tuple[str, bytes]]:
     except (OSError, ValueError) as err:
         raise LibraryError(f"{path}: no TVM module blob ({err})") from err
     (nbytes,) = struct.unpack("<Q", ctypes.string_at(base, 8))
-    r = _Reader(ctypes.string_at(base, nbytes + 8), 8)
+    return ctypes.string_at(base, nbytes + 8)
+
+
+def embedded_modules(path: str | os.PathLike) -> list[tuple[str, bytes]]:
+    """``[(kind, payload)]`` of every serialised module in the library's import blob."""
+    r = BlobReader(module_blob(path), 8)
     indptr = r.u64_vec()
     r.u64_vec()
     mods = []

@@ -10,9 +10,12 @@ import os
 from typing import Any
 
 from ..errors import ModelError
-from .spec import ImportedModel, InputOverride, TensorSpec, parse_input_override
+from .onnx_import import import_onnx
+from .spec import ImportedModel, InputOverride, TensorSpec, input_overrides, parse_input_override
+from .torch_import import import_exported, import_factory, import_module, import_pt2
 
-__all__ = ["ImportedModel", "InputOverride", "TensorSpec", "import_model", "parse_input_override"]
+__all__ = ["ImportedModel", "InputOverride", "TensorSpec", "import_model", "input_overrides",
+           "parse_input_override"]
 
 
 def import_model(
@@ -30,16 +33,10 @@ def import_model(
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if path.endswith(".onnx"):
-            from .onnx_import import import_onnx
-
             return import_onnx(path, overrides)
         if path.endswith(".pt2"):
-            from .torch_import import import_pt2
-
             return import_pt2(path, overrides)
         if ":" in path and not os.path.exists(path):
-            from .torch_import import import_factory
-
             return import_factory(path, overrides)
         raise ModelError(
             f"cannot tell the model format of {path!r}: expected a .onnx file, a .pt2 file "
@@ -47,21 +44,15 @@ def import_model(
         )
     type_name = type(model).__module__ + "." + type(model).__name__
     if type_name.startswith("onnx") and hasattr(model, "graph"):
-        from .onnx_import import import_onnx
-
         return import_onnx(model, overrides)
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is optional
         torch = None
     if torch is not None and isinstance(model, torch.nn.Module):
-        from .torch_import import import_module
-
         if example_inputs is None:
             raise ModelError("a torch.nn.Module needs example_inputs (a tuple of tensors)")
         return import_module(model, tuple(example_inputs), overrides)
     if torch is not None and isinstance(model, torch.export.ExportedProgram):
-        from .torch_import import import_exported
-
         return import_exported(model, overrides, source="ExportedProgram")
     raise ModelError(f"unsupported model object of type {type_name}")

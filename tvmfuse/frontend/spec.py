@@ -73,3 +73,20 @@ def check_override_names(
         raise InputSpecError(
             f"{source}: --input names {unknown} are not model inputs; the inputs are {names}"
         )
+
+
+def input_overrides(inputs: dict[str, Any] | list[str] | None) -> dict[str, InputOverride]:
+    """``compile(inputs=...)``: ``{"x": (2, 64)}``, ``{"x": "2x64"}`` or ``["x:2x64"]`` → overrides."""
+    if not inputs:
+        return {}
+    if isinstance(inputs, dict):
+        result = {}
+        for name, value in inputs.items():
+            if isinstance(value, InputOverride):
+                result[name] = value
+            elif isinstance(value, str):
+                result[name] = parse_input_override(f"{name}:{value}")[1]
+            else:
+                result[name] = InputOverride(tuple(int(v) for v in value))
+        return result
+    return dict(parse_input_override(t) for t in inputs)

@@ -1,9 +1,14 @@
-"""Converters that replace TVM 0.27's for matrix products in ``from_exported_program``.
+"""Converters that replace TVM 0.27's in ``from_exported_program`` where its dtypes differ from torch's.
 
-0.27 converts ``mm``/``matmul``/``bmm``/``addmm`` with ``out_dtype="float32"`` whatever the inputs
-are: an fp16 model then returns fp32 where torch returns fp16, and ``addmm`` with an fp16 bias fails
-("Binary operators must have the same datatype"). Here products accumulate in fp32 and the result
-is cast back to the input dtype, as torch does.
+Matrix products: 0.27 converts ``mm``/``matmul``/``bmm``/``addmm`` with ``out_dtype="float32"``
+whatever the inputs are: an fp16 model then returns fp32 where torch returns fp16, and ``addmm``
+with an fp16 bias fails ("Binary operators must have the same datatype"). Here products accumulate
+in fp32 and the result is cast back to the input dtype, as torch does.
+
+``cumsum``: 0.27 keeps the input dtype when no ``dtype`` is given; torch sums bool and integer
+inputs in int64. A bool cumsum (transformers' packed-sequence check in ``create_causal_mask``:
+``(position_diff != 1).cumsum(-1)``) then adds bools, which LLVM codegen refuses
+(``Check failed: (t.MatchesCode(DLDataTypeCode::kDLFloat))``); an int32 one returns int32.
 """
 
 from __future__ import annotations
@@ -40,8 +45,22 @@ def _product(with_bias: bool) -> Callable:
     return convert
 
 
+def _cumsum(node, importer) -> relax.Var:
+    """``aten.cumsum(x, dim, dtype=None)`` with torch's result dtype (int64 for bool/int inputs)."""
+    x = importer.env[node.args[0]]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
+    val = node.meta.get("val")
+    if val is not None:
+        dtype = importer._convert_data_type(val.dtype)
+    elif node.kwargs.get("dtype") is not None:
+        dtype = importer._convert_data_type(node.kwargs["dtype"])
+    else:
+        dtype = "int64" if str(x.ty.dtype) == "bool" or "int" in str(x.ty.dtype) else None
+    return importer.block_builder.emit(relax.op.cumsum(x, dim, dtype))
+
+
 def custom_convert_map() -> dict[str, Callable]:
     """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
     plain = _product(with_bias=False)
     return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
-            "addmm.default": _product(with_bias=True)}
+            "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum}

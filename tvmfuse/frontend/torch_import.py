@@ -12,6 +12,7 @@ import sys
 
 from ..errors import InputSpecError, ModelError, UnsupportedOpError
 from .spec import ImportedModel, InputOverride, TensorSpec, check_override_names
+from .torch_fixes import custom_convert_map
 
 
 def _dtype_name(dtype) -> str:
@@ -89,8 +90,6 @@ def _bind_symbolic(mod, specs: list[TensorSpec]):
 def import_exported(ep, overrides: dict[str, InputOverride], source: str, reference=None) -> ImportedModel:
     """Import a ``torch.export.ExportedProgram``."""
     from tvm.relax.frontend.torch import from_exported_program
-
-    from .torch_fixes import custom_convert_map
 
     try:
         ep = ep.run_decompositions()

@@ -91,9 +91,9 @@ def last_axis_only(axis, ndim: int) -> bool:
 
 
 def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], relax.Function]) -> tvm.IRModule:
-    """Apply ``rewrite`` to every Relax function of ``mod`` (not to PrimFuncs); a new module."""
+    """A copy of ``mod`` with ``rewrite`` applied to every Relax function (not to PrimFuncs)."""
     updates = {gv: rewrite(f) for gv, f in mod.functions.items() if isinstance(f, relax.Function)}
-    mod = mod.clone()  # a module pass must not write into its input
+    mod = mod.clone()  # assigned into below: not the caller's module
     for gv, f in updates.items():
         mod[gv] = f
     return mod

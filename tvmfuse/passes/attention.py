@@ -57,6 +57,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ._util import last_axis_only, scalar_value, shape_expr, static_shape
+from .legalize_fixes import legalize_overrides
 
 DECISIONS_ATTR = "tvmfuse.attention_decisions"
 _BSHD = "BSHD"  # attention operand layout; labels: B batch, H heads, Q/K query/key positions, D dim
@@ -132,6 +133,41 @@ class _Function:
             for var in relax.analysis.free_vars(value):
                 self.uses[var] = self.uses.get(var, 0) + 1
         self._const_cache: dict[relax.Expr, np.ndarray | None] = {}
+        # fp16/bf16 products spelled matmul(a, b, out_dtype=float32) → astype(·, half): the matmuls
+        self.accumulated = {self.table[x] for x in (self._accumulated(v) for v in self.table.values())
+                            if x is not None}
+
+    def _accumulated(self, cast: relax.Expr) -> relax.Var | None:
+        """``x`` when ``cast`` = ``astype(x, h)``, x = ``matmul(a, b, out_dtype=float32)`` on h inputs.
+
+        That is one h-precision product with fp32 accumulation (torch's own half matmul); ``x`` must
+        have no other user.
+        """
+        if _op(cast) != "relax.astype" or not isinstance(cast.args[0], relax.Var):
+            return None
+        x = cast.args[0]
+        mm = self.table.get(x)
+        if _op(mm) != "relax.matmul" or self.uses.get(x, 0) != 1 or str(x.ty.dtype) != "float32":
+            return None
+        half = str(cast.ty.dtype)
+        if half not in ("float16", "bfloat16") or any(str(a.ty.dtype) != half for a in mm.args):
+            return None
+        return x
+
+    def const(self, expr: relax.Expr) -> relax.Expr:
+        """``expr`` as a constant when it is one element computed from constants only, else ``expr``.
+
+        Exporters bind scalars to variables (-inf) or compute them (ONNX: the SDPA scale as
+        ``sqrt(1 / sqrt(d))``); such a scalar is evaluated once.
+        """
+        value = self.value(expr)
+        if isinstance(value, tvm.ir.expr.Constant):
+            return value
+        shape = static_shape(expr)
+        if shape is None or math.prod(shape) != 1:
+            return expr
+        arr = self.constant(expr)
+        return expr if arr is None else relax.const(arr, str(expr.ty.dtype))
 
     def value(self, expr: relax.Expr) -> relax.Expr:
         """Look through variable bindings to the bound expression."""
@@ -184,8 +220,6 @@ class _Function:
 
 def _evaluate(expr: relax.Expr, deps: list[relax.Var], table: dict) -> np.ndarray:
     """Run the constant subgraph ``deps → expr`` once on the CPU."""
-    from .legalize_fixes import legalize_overrides
-
     out = relax.Var("mask_value", expr.ty)
     bindings = [relax.VarBinding(v, table[v]) for v in deps] + [relax.VarBinding(out, expr)]
     func = relax.Function([], relax.SeqExpr([relax.DataflowBlock(bindings)], out), expr.ty)
@@ -222,12 +256,27 @@ class _Matcher:
             return None
         return src
 
+    def _product(self, expr: relax.Expr) -> relax.Call | None:
+        """The matmul computing ``expr``: itself, or the fp32-accumulating one a cast rounds to half."""
+        mm = self.fn.call(expr, "relax.matmul")
+        if mm is not None:
+            return mm
+        cast = self.fn.call(expr, "relax.astype")
+        if cast is None:
+            return None
+        mm = self.fn.call(cast.args[0], "relax.matmul")
+        return mm if mm is not None and mm in self.fn.accumulated else None
+
     def matmul4(self, expr: relax.Expr) -> tuple[relax.Expr, relax.Expr] | None:
-        """``(lhs, rhs)`` 4-D operands of a 4-D product ``expr`` (directly or via the 3-D form)."""
+        """``(lhs, rhs)`` 4-D operands of a 4-D product ``expr`` (directly or via the 3-D form).
+
+        A half product accumulated in fp32 and rounded (``astype(matmul(.., out_dtype=float32))``)
+        counts as the product: the attention kernels accumulate in fp32 too.
+        """
         shape = static_shape(expr)
         if shape is None or len(shape) != 4:
             return None
-        mm = self.fn.call(expr, "relax.matmul")
+        mm = self._product(expr)
         if mm is not None:
             a, b = mm.args
             if len(static_shape(a) or []) == 4 and len(static_shape(b) or []) == 4:
@@ -236,7 +285,7 @@ class _Matcher:
         rs = self.fn.call(expr, "relax.reshape")
         if rs is None:
             return None
-        mm = self.fn.call(rs.args[0], "relax.matmul")
+        mm = self._product(rs.args[0])
         s3 = static_shape(rs.args[0])
         if mm is None or s3 is None or len(s3) != 3 or shape[0] * shape[1] != s3[0]:
             return None
@@ -265,9 +314,10 @@ class _Matcher:
                     inner[a] = labels[i]
                 labels, expr = inner, value.args[0]
             elif fold_scale and op in ("relax.multiply", "relax.divide") and any(
-                    _is_scalar_const(a) for a in value.args):
-                x, c = (value.args[1], value.args[0]) if _is_scalar_const(value.args[0]) else value.args
-                if op == "relax.divide" and x is value.args[1]:
+                    _is_scalar_const(fn.const(a)) for a in value.args):
+                args = [fn.const(a) for a in value.args]
+                x, c = (args[1], args[0]) if _is_scalar_const(args[0]) else args
+                if op == "relax.divide" and x is args[1]:
                     break  # c / x is no scale
                 if static_shape(x) != shape or str(x.ty.dtype) != str(value.ty.dtype):
                     break
@@ -379,7 +429,7 @@ class _Matcher:
         fn = self.fn
         factor = 1.0
         terms: list[tuple[relax.Expr, float]] = []
-        fills: list[tuple[relax.Expr, float, bool]] = []  # (cond, fill·factor, visible-when-true)
+        fills: list[tuple[relax.Expr, float, bool, str]] = []  # (cond, fill·factor, visible-when-true)
         extra = self.score_extra_uses  # uses of softmax's input by a guard matched in probabilities
         while True:
             mm = self.matmul4(expr)
@@ -390,7 +440,7 @@ class _Matcher:
             extra = 0
             value = fn.value(expr)
             op = _op(value)
-            args = list(value.args) if isinstance(value, relax.Call) else []
+            args = [fn.const(a) for a in value.args] if isinstance(value, relax.Call) else []
             if op in ("relax.multiply", "relax.divide") and any(_is_scalar_const(a) for a in args):
                 x, c = (args[1], args[0]) if _is_scalar_const(args[0]) else args
                 if op == "relax.divide" and x is args[1]:
@@ -403,26 +453,27 @@ class _Matcher:
                 if lead.count(True) != 1:
                     raise _Reject("cannot tell the scores from the mask in an add")
                 chain, mask = (args[0], args[1]) if lead[0] else (args[1], args[0])
-                terms.append((mask, factor))
+                terms.append((mask, factor, dtype))
                 expr = chain
             elif op == "relax.where":
                 cond, a, b = args
                 if _is_scalar_const(b) and self._leads_to_scores(a):
-                    fills.append((cond, scalar_value(b) * factor, True))
+                    fills.append((cond, scalar_value(b) * factor, True, dtype))
                     expr = a
                 elif _is_scalar_const(a) and self._leads_to_scores(b):
-                    fills.append((cond, scalar_value(a) * factor, False))
+                    fills.append((cond, scalar_value(a) * factor, False, dtype))
                     expr = b
                 else:
                     raise _Reject("where() between QKᵀ and softmax does not fill with a constant")
             elif op == "relax.astype" and str(value.ty.dtype) == "float32":
                 expr = args[0]  # upcast before softmax; the kernel accumulates in fp32 anyway
+                dtype = str(expr.ty.dtype)  # masks before it apply to (and are judged in) this dtype
             else:
                 name = op or type(value).__name__
                 raise _Reject(f"{name} between QKᵀ and softmax is not a scale or a mask")
         if factor <= 0:
             raise _Reject(f"scores scaled by {factor} <= 0 (a mask would change meaning)")
-        masks = self.masks(terms, fills, static_shape(expr), dtype)
+        masks = self.masks(terms, fills, static_shape(expr))
         return mm, factor, masks
 
     # --- masks ----------------------------------------------------------------------------------
@@ -470,7 +521,7 @@ class _Matcher:
     def _split_padding_where(self, mask: relax.Expr, shape: list[int], factor: float, dtype: str):
         """``where(and(C, P), a, b)`` with constant all-true C → bias ``where(P, a, b)``."""
         call = self.fn.call(mask, "relax.where")
-        if call is None or not all(_is_scalar_const(x) for x in call.args[1:]):
+        if call is None or not all(_is_scalar_const(self.fn.const(x)) for x in call.args[1:]):
             return None
         data, visible = [], None
         for c in self._conjuncts(call.args[0]):
@@ -489,16 +540,17 @@ class _Matcher:
         cond = pads[0]
         for p in pads[1:]:
             cond = relax.op.logical_and(cond, p)
-        a, b = (relax.const(scalar_value(x) * factor, dtype) for x in call.args[1:])
+        a, b = (relax.const(scalar_value(self.fn.const(x)) * factor, dtype) for x in call.args[1:])
         return relax.op.where(cond, a, b)
 
-    def masks(self, terms, fills, shape: list[int], dtype: str) -> _Masks:
+    def masks(self, terms, fills, shape: list[int]) -> _Masks:
+        """Visibility and biases of the masks; each comes with the dtype of the scores it applies to."""
         out = _Masks()
 
         def see(vis: np.ndarray) -> None:
             out.visible = vis if out.visible is None else out.visible & vis
 
-        for mask, factor in terms:
+        for mask, factor, dtype in terms:
             if str(mask.ty.dtype) != dtype:
                 raise _Reject(f"mask dtype {mask.ty.dtype} differs from the scores' {dtype}")
             arr = self.fn.constant(mask)
@@ -518,7 +570,7 @@ class _Matcher:
                 bias = relax.op.multiply(bias, relax.const(factor, dtype))
             out.finite_biases = out.finite_biases and self._finite(mask)
             out.biases.append(bias)
-        for cond, fill, when in fills:
+        for cond, fill, when, dtype in fills:
             if not (fill == -math.inf or fill <= _masked_floor(dtype)):
                 raise _Reject(f"masked_fill value {fill} (after scaling) is not a masking value")
             arr = self.fn.constant(cond)
@@ -643,6 +695,8 @@ class _Matcher:
 
     def match(self, out: relax.Expr) -> relax.Expr | None:
         """The replacement of the P·V product ``out`` (BHSD), or None if it is no attention."""
+        if out in self.fn.accumulated:
+            return None  # matched at the cast that rounds it (the half product)
         mm = self.matmul4(out)
         if mm is None:
             return None
@@ -686,10 +740,9 @@ class _Matcher:
             # with one, a row whose scores are all -inf gives 0 in every attention kernel too.
             info["safe_softmax_guard"] = ("dropped: a fully masked row gives 0 (kernel contract)"
                                           if may_mask_rows else "dropped: no row can be fully masked")
-        upcasts = {x.upcast for x in (q, k, v)}
-        if len(upcasts) != 1:
-            raise _Reject("only some of query/key/value are upcast from half precision")
-        upcast = upcasts.pop()
+        # only some upcast (ONNX's SDPA: fp16 Q·Kᵀ upcast before softmax, V upcast): all are half
+        # operands now (the dtypes check above), the kernel's fp32 scores are the same or finer
+        upcast = next((x.upcast for x in (q, k, v) if x.upcast is not None), None)
         if upcast is not None:
             # fp32 attention on exactly-upcast half operands runs on the half operands (fp32 scores
             # and softmax, as the kernels always do; P·V in the half dtype with fp32 accumulation)
@@ -723,16 +776,33 @@ def _causal_kind(visible: np.ndarray | None, sq: int, skv: int) -> str:
         return "TopLeft"
     if np.array_equal(visible, np.tril(np.ones((sq, skv), bool), skv - sq)):
         return "BottomRight"
+    window = _band_window(visible)
+    if window is not None:
+        raise _Reject(f"constant mask is not causal: a sliding-window band (each query sees its last "
+                      f"{window} keys); no tvmfuse attention kernel honours R.nn.attention's "
+                      "window_size, so it stays unfused")
     wrong = np.argwhere(visible != np.tril(np.ones((sq, skv), bool), 0))[0]
     raise _Reject(f"constant mask is not causal: entry {tuple(int(x) for x in wrong)} is "
                   f"{'visible' if visible[tuple(wrong)] else 'masked'}")
+
+
+def _band_window(visible: np.ndarray) -> int | None:
+    """``w`` when ``visible`` is a causal band ``i - w < j <= i + (Skv - Sq)`` narrower than causal."""
+    sq, skv = visible.shape
+    window = int(visible[-1].sum())  # the last query row sees exactly w keys in a band
+    ones = np.ones((sq, skv), bool)
+    for offset in (0, skv - sq):
+        band = np.tril(ones, offset) & np.triu(ones, offset - window + 1)
+        if window > 0 and np.array_equal(visible, band):
+            return window
+    return None
 
 
 def _rewrite(func: relax.Function, decisions: dict[str, dict[str, str]]) -> relax.Function:
     fn = _Function(func)
     matcher = _Matcher(fn)
     mm = is_op("relax.matmul")(wildcard(), wildcard())
-    pattern = is_op("relax.reshape")(mm, wildcard()) | mm
+    pattern = is_op("relax.reshape")(mm, wildcard()) | is_op("relax.astype")(mm) | mm
 
     def rewriter(expr: relax.Expr, _m) -> relax.Expr:
         var = fn.var_of.get(expr)
@@ -838,6 +908,7 @@ class FuseAttention:
             if isinstance(func, relax.Function):
                 _existing(func, decisions)
                 updates[gv] = _rewrite(func, decisions)
+        mod = mod.clone()  # assigned into below: not the caller's module
         for gv, func in updates.items():
             mod[gv] = func
         return mod.with_attr(DECISIONS_ATTR, list(decisions.values()))

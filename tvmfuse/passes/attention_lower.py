@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax.transform.legalize_ops import nn as stock
 
 from ..errors import CompileError
+from ..schedules.attention import attention_primfunc
+from ..schedules.attention_spec import AttentionSpec
 from ._util import static_shape
 
 _OPS = ("relax.nn.attention", "relax.nn.attention_bias")
@@ -33,8 +37,6 @@ _OPS = ("relax.nn.attention", "relax.nn.attention_bias")
 
 def attention_spec(call: relax.Call):
     """The :class:`AttentionSpec` of an attention call, or None when the spec cannot express it."""
-    from ..schedules.attention import AttentionSpec
-
     q, k, v = (static_shape(a) for a in call.args[:3])
     bias = static_shape(call.args[3]) if len(call.args) > 3 else None
     if None in (q, k, v) or (len(call.args) > 3 and bias is None) or v[3] != q[3]:
@@ -53,10 +55,6 @@ def attention_spec(call: relax.Call):
 
 def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """``LegalizeOps`` rule for both attention ops (see the module docstring)."""
-    from tvm.relax.transform.legalize_ops import nn as stock
-
-    from ..schedules.attention import attention_primfunc
-
     spec = attention_spec(call)
     if spec is None:
         if call.attrs.window_size is not None:
@@ -76,10 +74,8 @@ def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
 def _decomposed(call: relax.Call, spec) -> relax.Expr:
     """softmax(scale·Q·Kᵀ + bias, causal) · V in plain Relax ops (fp32 scores), GQA by repeat.
 
-    A row whose scores are all −inf gives 0, as the kernels do (contract in schedules/attention.py).
+    A row whose scores are all −inf gives 0, as the kernels do (contract in schedules/attention_spec.py).
     """
-    import numpy as np
-
     q, k, v = (relax.op.permute_dims(a, [0, 2, 1, 3]) for a in call.args[:3])  # → (B, H, S, D)
     if spec.group > 1:
         k, v = (relax.op.repeat(a, spec.group, axis=1) for a in (k, v))

@@ -5,6 +5,14 @@ then lets NormGemmPrologue's fp32 epilogues read the GEMM accumulator instead of
 ToMixedPrecision stores (:mod:`.norm_epilogue_fp32`); for ``bfloat16`` every fp16 cast and
 constant it introduced is then retyped to bf16. Model inputs and outputs keep their float32
 signature, as TensorRT's and torch.autocast's do.
+
+Kernels already lowered to TIR before this pass (NormGemmPrologue's ``call_tir(layer_norm_stats,
+(x,))``) keep the dtypes their PrimFunc was written for. ToMixedPrecision cannot do that itself:
+when ``x`` becomes fp16 (the residual sum of fp16 GEMMs, from a model's second norm on) it tries
+to cast every argument of the ``call_tir`` back, the PrimFunc included, and fails with "Expected
+TensorType, but got R.Callable(...)". So each float tensor argument of a ``call_tir`` is first
+bound to ``astype(x, dtype of x)``: ToMixedPrecision then reads ``x`` in whatever dtype it chose
+and casts it back to the PrimFunc's; the casts left as no-ops are removed afterwards.
 """
 
 from __future__ import annotations
@@ -14,7 +22,26 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._util import is_op
 from .norm_epilogue_fp32 import NormEpilogueFp32
+from .simplify import drop_noop_casts
+
+_TIR_CALLS = ("relax.call_tir", "relax.call_tir_inplace", "relax.call_dps_packed")
+
+
+@mutator
+class _PinTirArgs(PyExprMutator):
+    """``call_tir(f, (x, …))`` → ``call_tir(f, (astype(x, dtype of x), …))`` for float tensors x."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        if not any(is_op(call, name) for name in _TIR_CALLS) or not isinstance(call.args[1], relax.Tuple):
+            return call
+        fields = [self.builder_.emit(relax.op.astype(a, a.ty.dtype))
+                  if isinstance(a.ty, relax.TensorType) and str(a.ty.dtype).startswith(("float", "bfloat"))
+                  else a for a in call.args[1].fields]
+        return relax.Call(call.op, [call.args[0], relax.Tuple(fields), *call.args[2:]], call.attrs,
+                          call.ty_args)
 
 
 @mutator
@@ -47,12 +74,17 @@ class MixedPrecision:
 
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = relax.transform.ConvertToDataflow()(mod)
+        mod = _map_functions(mod, _PinTirArgs().visit_expr)
         mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
+        mod = _map_functions(mod, drop_noop_casts)
         # acc → half → fp32 before a norm epilogue would round it and split it from the GEMM.
         mod = NormEpilogueFp32()(mod)
         if self.dtype == "bfloat16":
-            for gvar, func in list(mod.functions.items()):
-                if isinstance(func, relax.Function):
-                    mod[gvar] = _Fp16ToBf16().visit_expr(func)
-            mod = relax.transform.Normalize()(mod)
+            mod = relax.transform.Normalize()(_map_functions(mod, _Fp16ToBf16().visit_expr))
         return mod
+
+
+def _map_functions(mod: tvm.IRModule, fn) -> tvm.IRModule:
+    """A new module with ``fn`` applied to every Relax function of ``mod``."""
+    funcs = {gv: fn(f) if isinstance(f, relax.Function) else f for gv, f in mod.functions.items()}
+    return tvm.IRModule(funcs, attrs=mod.attrs, global_infos=mod.global_infos)

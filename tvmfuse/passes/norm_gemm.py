@@ -32,7 +32,7 @@ from .norm_half_io import HalfNormOneKernel
 _NORMS = ("relax.nn.rms_norm", "relax.nn.layer_norm")
 
 
-def _row_stats(x: te.Tensor, eps: float, centered: bool):
+def row_stats_te(x: te.Tensor, eps: float, centered: bool):
     """TE: per-row mean and rstd of the last axis (fp32), shapes (..., 1)."""
     *lead, k = x.shape
     r = te.reduce_axis((0, k), name="k")
@@ -92,7 +92,7 @@ class _NormGemm(PyExprMutator):
         key = (x, eps, centered)
         if key not in self.stats:
             name = "layer_norm_stats" if centered else "rms_norm_stats"
-            out = self.builder_.emit(self.builder_.call_te(_row_stats, x, eps, centered,
+            out = self.builder_.emit(self.builder_.call_te(row_stats_te, x, eps, centered,
                                                             primfunc_name_hint=name))
             if centered:
                 out = (self.builder_.emit(relax.TupleGetItem(out, 0)),

@@ -16,14 +16,20 @@ from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 from ._util import rewrite_functions, scalar_value, static_shape
 
 
-def _simplify(func: relax.Function) -> relax.Function:
-    x, c = wildcard(), is_const()
-    cast = is_op("relax.astype")(x)
-    one = is_op("relax.multiply")(x, c) | is_op("relax.multiply")(c, x)
-    zero = is_op("relax.add")(x, c) | is_op("relax.add")(c, x)
+def drop_noop_casts(func: relax.Function) -> relax.Function:
+    """``astype(x, dtype of x)`` → ``x`` in ``func``."""
+    x = wildcard()
 
     def drop_cast(expr, m):
         return m[x] if str(m[x].ty.dtype) == str(expr.attrs.dtype) else expr
+
+    return rewrite_call(is_op("relax.astype")(x), drop_cast, func)
+
+
+def _simplify(func: relax.Function) -> relax.Function:
+    x, c = wildcard(), is_const()
+    one = is_op("relax.multiply")(x, c) | is_op("relax.multiply")(c, x)
+    zero = is_op("relax.add")(x, c) | is_op("relax.add")(c, x)
 
     def identity(value: float):
         def rewrite(expr, m):
@@ -32,7 +38,7 @@ def _simplify(func: relax.Function) -> relax.Function:
 
         return rewrite
 
-    func = rewrite_call(cast, drop_cast, func)
+    func = drop_noop_casts(func)
     func = rewrite_call(one, identity(1.0), func)
     return rewrite_call(zero, identity(0.0), func)
 

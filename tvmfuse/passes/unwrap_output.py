@@ -28,5 +28,6 @@ class UnwrapSingleOutput:
         new_body = relax.SeqExpr(body.blocks, relax.TupleGetItem(body.body, 0))
         new = relax.Function(func.params, new_body, func.ret_ty.fields[0], is_pure=func.is_pure,
                              attrs=func.attrs)
+        mod = mod.clone()  # assigned into below: not the caller's module
         mod[gvar] = new
         return relax.transform.Normalize()(mod)

@@ -13,7 +13,10 @@ generic Reduction, GeneralReduction and Fallback for everything else.
 
 from __future__ import annotations
 
-from .elementwise import RULE_ATTR, Elementwise
+from tvm.s_tir import dlight as dl
+
+from ..attrs import RULE_ATTR
+from .elementwise import Elementwise
 from .gemm_simt_stats import GemmSimtRowStats
 from .gemm_sm80 import GemmSM80
 from .row_norm import RowNorm
@@ -22,8 +25,6 @@ from .row_stats import RowStats
 
 def gpu_rules() -> list:
     """Rules for CUDA targets, most specific first."""
-    from tvm.s_tir import dlight as dl
-
     return [
         GemmSimtRowStats(),
         GemmSM80(),

@@ -19,7 +19,7 @@ import math
 import tvm
 from tvm.script import tirx as T
 
-from .attention import AttentionSpec
+from .attention_spec import AttentionSpec
 
 _KV_TILE = 32
 _LOG2E = math.log2(math.e)

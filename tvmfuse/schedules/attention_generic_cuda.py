@@ -17,8 +17,9 @@ from __future__ import annotations
 import tvm
 from tvm.script import tirx as T
 
-from .attention import AttentionSpec
+from ..attrs import FALLBACK_ATTR
 from .attention_cpu import primfunc_around, row_macro
+from .attention_spec import AttentionSpec
 
 THREADS = 64
 
@@ -39,4 +40,4 @@ def attention_generic_cuda_primfunc(spec: AttentionSpec, reason: str) -> tvm.tir
                         row(q, k, v, bias, out, bh, bx * THREADS + tx)
 
     return primfunc_around(spec, body).with_attrs(
-        {"tir.is_scheduled": True, "tvmfuse.fallback": reason})
+        {"tir.is_scheduled": True, FALLBACK_ATTR: reason})

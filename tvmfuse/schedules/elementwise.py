@@ -34,35 +34,25 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import tvm_ffi
-from tvm import DataType, s_tir, tirx
+from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
+from ..attrs import RULE_ATTR
 from .hopper.opmath import fast_math16
+from .tir_util import const_int as _int
+from .tir_util import dtype_bytes as _bytes
 
-RULE_ATTR = "tvmfuse.rule"  # PrimFunc attribute naming the tvmfuse rule that scheduled it
 NAME = "elementwise"
 VECTOR_BYTES = 16
 THREADS = 256
 LAUNCH_BOUNDS_ATTR = "tirx.launch_bounds_min_blocks_per_sm"  # SplitHostDevice reads it
 
 
-def _bytes(buffer) -> int:
-    return max(1, DataType(str(buffer.dtype)).bits // 8)
-
-
 def _is_bool(buffer) -> bool:
     return str(buffer.dtype) == "bool"
-
-
-def _int(e) -> int | None:
-    if isinstance(e, int):
-        return e
-    if isinstance(e, tirx.IntImm):
-        return int(e.value)
-    return None
 
 
 def _in_bounds_contiguous(region, buffer, iter_vars) -> bool:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import tvm
 from tvm.script import tirx as T
 
-from .attention import AttentionSpec
 from .attention_cpu import bias_strides, causal_offset
+from .attention_spec import AttentionSpec
 
 _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 
 import tvm
 
-from .attention import AttentionSpec
+from ..attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
 from .attention_cpu import causal_offset
+from .attention_spec import AttentionSpec, spec_json
 
 _LOG2E = math.log2(math.e)
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
@@ -421,10 +422,6 @@ def flash_attention_sm90_primfunc(spec: AttentionSpec, target: tvm.target.Target
     """
     from tvm.script import tirx as T
     from tvm.script.parser.core.entry import parse
-
-    from ..kernel_configs import SPEC_ATTR, spec_json
-    from .elementwise import RULE_ATTR
-    from .gemm_sm90 import TIRX_ATTR
 
     cfg = config or default_config(spec)
     reason = unsupported(spec, cfg)

@@ -37,18 +37,13 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
-from .gemm_sm90_stats import (
-    IN_LOOP_ATTR,
-    KEPT_ATTR,
-    TUPLE_USED,
-    stats_calls,
-    swap_gemm_calls,
-)
-from .hopper.epilogue import _strip_cast
+from ..attrs import IN_LOOP_ATTR, KEPT_ATTR, SIMT_ATTR
+from .gemm_simt_stats import GemmSimtRowStats
+from .gemm_sm90_stats import TUPLE_USED, stats_calls, swap_gemm_calls
+from .tir_util import strip_cast
 
 NAME = "gemm_row_stats_simt"
 ENABLED = True  # A/B switch for measurements: False keeps every statistics kernel
-SIMT_ATTR = "tvmfuse.simt_row_stats"  # on a merged PrimFunc: "layer" (mean, rstd) or "rms" (rstd)
 _CALL_TIR = "relax.call_tir"
 _FP32 = "float32"
 _NOT_FP32 = "a tensor-core kernel; only fp32 SIMT GEMMs take the statistics"
@@ -63,7 +58,7 @@ def _matmul_operands(func: tirx.PrimFunc) -> tuple[tirx.Buffer, tirx.Buffer] | N
             body = block.body
             ok = isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add) \
                 and isinstance(body.value.b, tirx.Mul)
-            a, b = (_strip_cast(body.value.b.a), _strip_cast(body.value.b.b)) if ok else (0, 0)
+            a, b = (strip_cast(body.value.b.a), strip_cast(body.value.b.b)) if ok else (0, 0)
             ok = ok and isinstance(a, tvm.ir.TensorLoad) and isinstance(b, tvm.ir.TensorLoad)
             found.append((a.source, b.source) if ok else None)
         return block
@@ -147,8 +142,6 @@ def merge(stats: tirx.PrimFunc, stats_call: relax.Call, gemm: tirx.PrimFunc, gem
 def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[tuple]:
     """(GEMM call, merged PrimFunc, new args) for every statistics call all its GEMMs can absorb
     (each merged PrimFunc is scheduled once here: one the rule refuses keeps the statistics)."""
-    from .gemm_simt_stats import GemmSimtRowStats
-
     plans = []
     for call, stats_fn, spec, x, outputs, uses in stats_calls(mod, func):
         if outputs is None:

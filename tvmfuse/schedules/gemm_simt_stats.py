@@ -50,11 +50,11 @@ from tvm.s_tir.dlight.gpu.matmul import (
 )
 from tvm.target import Target
 
-from .elementwise import RULE_ATTR, VECTOR_BYTES, _int
-from .gemm_row_stats_simt import SIMT_ATTR
+from ..attrs import RULE_ATTR, SIMT_ATTR, TILE_ATTR
+from .elementwise import VECTOR_BYTES
+from .tir_util import const_int
 
 NAME = "gemm_simt_stats"
-TILE_ATTR = "tvmfuse.gemm_tile"  # the tile it got (as gemm_sm80 tags its kernels)
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def _split_blocks(sch: s_tir.Schedule):
             matmul = block
             break
         out = stmt.writes[0].source
-        if len(out.shape) != 2 or _int(out.shape[1]) != 1:
+        if len(out.shape) != 2 or const_int(out.shape[1]) != 1:
             raise ValueError(f"block {stmt.name_hint} before the matmul is no row statistic")
         stats.append(block)
     if matmul is None or not stats:
@@ -151,7 +151,7 @@ def _canonical(sch: s_tir.Schedule, block) -> tuple[int, int]:
     sch.transform_layout(reindex_b, ("write", 0), fusion(traits_b, [s_, k_, j_]))
     sch.transform_layout(reindex_c, ("read", 0), fusion(traits_c, [s_, i_, j_]))
     sch.transform_block_layout(block, fusion(traits_blk, [s_, i_, j_, k_]))
-    extents = [_int(iv.dom.extent) for iv in sch.get(block).iter_vars]
+    extents = [const_int(iv.dom.extent) for iv in sch.get(block).iter_vars]
     if None in extents or extents[0] != 1:
         raise ValueError("batched or symbolic matmul")
     return extents[1], extents[2]

@@ -62,6 +62,7 @@ from dataclasses import dataclass, replace
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.s_tir.dlight.gpu.matmul import (
     IterKind,
@@ -73,11 +74,11 @@ from tvm.s_tir.dlight.gpu.matmul import (
 )
 from tvm.target import Target
 
-from .elementwise import RULE_ATTR, VECTOR_BYTES, _int
+from ..attrs import FALLBACK_ATTR, RULE_ATTR, TILE_ATTR
+from .elementwise import VECTOR_BYTES
+from .tir_util import const_int
 
 NAME = "gemm_sm80"
-FALLBACK_ATTR = "tvmfuse.fallback"  # PrimFunc attribute: why a GEMM did not get this rule
-TILE_ATTR = "tvmfuse.gemm_tile"  # PrimFunc attribute: GemmConfig.tag of the tile it got
 WARP = 32
 MMA = 16  # the m16n16k16 fragment that ldmatrix.x4 + two mma.sync.m16n8k16 compute
 SMALL_M = 16  # M up to this uses SMALL_M_CONFIG
@@ -475,7 +476,7 @@ def _analyse(sch: s_tir.Schedule, block: s_tir.schedule.SBlockRV) -> _Gemm:
     kinds = {iv.var: t.kind for iv, t in zip(stmt.iter_vars, traits[3])}
     sizes: dict[IterKind, int] = {}
     for iv, trait in zip(stmt.iter_vars, traits[3]):
-        extent = _int(iv.dom.extent)
+        extent = const_int(iv.dom.extent)
         if extent is None:
             raise _NotThisRule("symbolic shape")
         if trait.kind in (IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J,
@@ -731,7 +732,7 @@ class GemmSM80(GPUScheduleRule):
         out = sch.get(store).writes[0].source
         vec = EPILOGUE_LANE_ELEMS or VECTOR_BYTES // max(1, tvm.DataType(str(out.dtype)).bits // 8)
         r, c = sch.get_loops(store)[-2:]
-        rows, cols = _int(sch.get(r).extent), _int(sch.get(c).extent)
+        rows, cols = const_int(sch.get(r).extent), const_int(sch.get(c).extent)
         while vec > 1 and cols % vec:
             vec //= 2
         lanes_c = min(WARP, cols // vec)
@@ -756,7 +757,7 @@ class GemmSM80(GPUScheduleRule):
 
 def _vector(sch: s_tir.Schedule, loop, lanes: int) -> None:
     """Vectorise ``loop`` in pieces of ``lanes`` (16 bytes of the widest dtype it moves)."""
-    extent = _int(sch.get(loop).extent)
+    extent = const_int(sch.get(loop).extent)
     if extent is not None and extent > lanes and extent % lanes == 0:
         outer, loop = sch.split(loop, [None, lanes])
         sch.unroll(outer)
@@ -777,8 +778,6 @@ def _first_line(err: BaseException) -> str:
 
 def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
     """dlight's GEMV, then Matmul, on ``func`` marked with why this rule did not take it."""
-    from tvm.s_tir import dlight as dl
-
     marked = func.with_attr(FALLBACK_ATTR, reason)
     for rule in (dl.gpu.GEMV(), dl.gpu.Matmul()):
         sch = rule.apply(marked, target, tunable)

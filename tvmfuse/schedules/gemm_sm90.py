@@ -19,34 +19,33 @@ share the same host/device finalisation passes).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import tvm
-from tvm import tirx
+from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .elementwise import RULE_ATTR
+from ..attrs import CONFIG_ATTR, FALLBACK_ATTR, KERNEL_TILE_ATTR, RULE_ATTR, TIRX_ATTR, TUNING_ATTR
 from .hopper.epilogue import NotHandled, analyze, expr_text, top_blocks
 from .hopper.kernel import ROW_MEAN, ROW_RSTD, GemmConfig, GemmProblem, RowStats, check, kernel_text
 from .hopper.opmath import fast_math16, opmath
+from .tir_util import Load, strip_cast
 
 NAME = "gemm_sm90"
-TIRX_ATTR = "tvmfuse.tirx"  # lower this PrimFunc with the tirx pipeline
-FALLBACK_ATTR = "tvmfuse.fallback"  # why a GEMM-like PrimFunc kept the default path
 HYBRID_PIPELINE = "tvmfuse_hybrid"
 # fp16 / bf16 outputs: erf and sigmoid in cheaper fp32 forms (hopper.opmath.fast_math16, |Δerf| ≤
 # 1.5e-7); H200, 4096³ fp16, same run: GELU 0.239 → 0.235 ms, SwiGLU 0.381 → 0.373, rel err unchanged
 FAST_MATH16 = True
 
 
-def _is_sm90a(target) -> bool:
+def is_sm90a(target) -> bool:
     return target is not None and target.kind.name == "cuda" and str(
         target.attrs.get("arch", "")) == "sm_90a"
 
 
 def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
     """A top-level reduction block ``C = C + x[..] * y[..]`` over two different ≥2-D buffers."""
-    from .hopper.epilogue import _Load, _strip_cast
-
     try:
         _, blocks = top_blocks(func)
     except Exception:  # not block-structured: not ours
@@ -57,8 +56,8 @@ def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
                 and isinstance(body, tirx.BufferStore) and isinstance(body.value, tirx.Add)
                 and isinstance(body.value.b, tirx.Mul)):
             continue
-        x, y = _strip_cast(body.value.b.a), _strip_cast(body.value.b.b)
-        if isinstance(x, _Load) and isinstance(y, _Load) and not x.source.same_as(y.source) \
+        x, y = strip_cast(body.value.b.a), strip_cast(body.value.b.b)
+        if isinstance(x, Load) and isinstance(y, Load) and not x.source.same_as(y.source) \
                 and len(x.indices) >= 2 and len(y.indices) >= 2:
             return True
     return False
@@ -75,6 +74,19 @@ def select_config(m: int, n: int) -> GemmConfig:
     if n <= 128:
         return GemmConfig(bn=128, stages=6, **pair)
     return GemmConfig(**pair)
+
+
+def gemm_problem(func: tirx.PrimFunc) -> GemmProblem:
+    """The :class:`GemmProblem` of a fused GEMM function (raises NotHandled when it is none)."""
+    g = analyze(func)
+    return GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.layout)
+
+
+def gemm_config_of(func: tirx.PrimFunc) -> GemmConfig | None:
+    """The :class:`GemmConfig` a tuning record put on ``func`` (None: choose the default)."""
+    if func.attrs is None or CONFIG_ATTR not in func.attrs:
+        return None
+    return GemmConfig(**json.loads(str(func.attrs[CONFIG_ATTR])))
 
 
 @dataclass(frozen=True)
@@ -105,8 +117,6 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     """
     from tvm.script import tirx as T
     from tvm.script.parser.core.entry import parse
-
-    from ..kernel_configs import gemm_config_of
 
     g = analyze(func)
     layout = g.layout
@@ -160,16 +170,14 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     except Exception as err:  # parser diagnostics: report as not handled, keep the default
         raise NotHandled(f"generated kernel does not parse: {str(err)[-300:]}") from err
     attrs = {"tirx.is_scheduled": True, RULE_ATTR: NAME, TIRX_ATTR: True,
-             "tvmfuse.tile": f"{cfg.bm}x{cfg.bn}x64 stages={cfg.stages}"}
-    if func.attrs is not None and "tvmfuse.tuning" in func.attrs:  # tuned / default label stays
-        attrs["tvmfuse.tuning"] = func.attrs["tvmfuse.tuning"]
+             KERNEL_TILE_ATTR: f"{cfg.bm}x{cfg.bn}x64 stages={cfg.stages}"}
+    if func.attrs is not None and TUNING_ATTR in func.attrs:  # tuned / default label stays
+        attrs[TUNING_ATTR] = func.attrs[TUNING_ATTR]
     return kernel.without_attr("global_symbol").with_attrs(attrs)
 
 
 def _is_transpose(func: tirx.PrimFunc) -> bool:
     """``out[i, j] = in[j, i]`` over 2-D buffers of one dtype, nothing else."""
-    from .hopper.epilogue import _Load
-
     params = list(func.params)
     if len(params) != 2 or len(params[0].shape) != 2:
         return False
@@ -182,7 +190,7 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
     body = blocks[0][0].body
     ivs = [iv.var for iv in blocks[0][0].iter_vars]
     v = body.value if isinstance(body, tirx.BufferStore) else None
-    return (isinstance(v, _Load) and v.source.same_as(params[0]) and body.buffer.same_as(params[1])
+    return (isinstance(v, Load) and v.source.same_as(params[0]) and body.buffer.same_as(params[1])
             and len(ivs) == 2 and str(params[0].dtype) == str(params[1].dtype)
             and all(a.same_as(b) for a, b in zip(body.indices, ivs))
             and all(a.same_as(b) for a, b in zip(v.indices, ivs[::-1])))
@@ -194,9 +202,6 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
     The GEMM then reads W (N, K) K-major, the layout wgmma prefers, and the transpose kernel
     (a full pass over W) disappears when nothing else uses its result.
     """
-    from tvm import relax
-    from tvm.relax.expr_functor import PyExprMutator, mutator
-
     call_tir = tvm.ir.Op.get("relax.call_tir")
     made: dict = {}
 
@@ -242,7 +247,7 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
 def Sm90Gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Replace fused GEMM PrimFuncs by TIRx wgmma kernels when the current target is sm_90a."""
     target = tvm.target.Target.current(allow_none=True)
-    if not _is_sm90a(target):
+    if not is_sm90a(target):
         return mod
     mod = mod.clone()  # assigned into below: not the caller's module
     updates, kernels = {}, {}

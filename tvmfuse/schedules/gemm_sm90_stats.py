@@ -32,7 +32,9 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .gemm_sm90 import InLoopStats, _is_sm90a, build_kernel
+from ..attrs import IN_LOOP_ATTR, KEPT_ATTR
+from ..passes.norm_gemm import row_stats_te
+from .gemm_sm90 import InLoopStats, build_kernel, is_sm90a
 from .hopper.epilogue import NotHandled, analyze, top_blocks
 from .hopper.kernel import RowStats
 
@@ -49,20 +51,15 @@ IN_LOOP_OVERHEAD = 0.12
 GEMM_FLOPS = 618e12
 STATS_BANDWIDTH = 3.78e12
 STATS_MIN_S = 1.14e-6
-KEPT_ATTR = "tvmfuse.stats_kept"  # on a statistics PrimFunc that still runs: why
-# on a GEMM kernel computing statistics: [the GEMM PrimFunc it replaces, the statistics PrimFunc]
-IN_LOOP_ATTR = "tvmfuse.in_loop_stats"
 _CALL_TIR = "relax.call_tir"
 
 
 def _stats_function(x_ty, eps: float, centered: bool) -> tirx.PrimFunc:
     """The statistics PrimFunc NormGemmPrologue emits for an input of type ``x_ty``."""
-    from ..passes.norm_gemm import _row_stats
-
     bb = relax.BlockBuilder()
     x = relax.Var("x", x_ty)
     with bb.function("main", [x]):
-        bb.emit_func_output(bb.emit_te(_row_stats, x, eps, centered, primfunc_name_hint="stats"))
+        bb.emit_func_output(bb.emit_te(row_stats_te, x, eps, centered, primfunc_name_hint="stats"))
     return bb.get()["stats"]
 
 
@@ -220,7 +217,7 @@ def _costlier(g) -> str | None:
 @tvm.transform.module_pass(opt_level=0, name="Sm90GemmRowStats")
 def Sm90GemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Statistics kernels feeding sm_90a wgmma GEMMs → statistics computed in those GEMMs."""
-    if not ENABLED or not _is_sm90a(tvm.target.Target.current(allow_none=True)):
+    if not ENABLED or not is_sm90a(tvm.target.Target.current(allow_none=True)):
         return mod
     kept: dict = {}
     plans = [p for gv, f in mod.functions_items() if isinstance(f, relax.Function)

@@ -49,7 +49,9 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-from .elementwise import RULE_ATTR, VECTOR_BYTES, _bytes, _int, vector_copy
+from ..attrs import RULE_ATTR
+from .elementwise import VECTOR_BYTES, vector_copy
+from .tir_util import const_int, dtype_bytes
 
 NAME = "row_norm"
 MAX_THREADS = 1024
@@ -127,7 +129,7 @@ class _Shape:
         """Role of each block iterator: unit, or the i-th row / column dim (in order)."""
         roles, n = [], 0
         for iv in stmt.iter_vars:
-            if _int(iv.dom.extent) == 1:
+            if const_int(iv.dom.extent) == 1:
                 roles.append(("unit",))
                 continue
             roles.append(("row", n) if n < len(self.rows) else ("col", n - len(self.rows)))
@@ -159,7 +161,7 @@ def _analyse(sch: s_tir.Schedule, last_kind: str = "row") -> _Shape | None:
 
 
 def _ints(exprs) -> list[int] | None:
-    out = [_int(e) for e in exprs]
+    out = [const_int(e) for e in exprs]
     return None if any(v is None for v in out) else out
 
 
@@ -209,18 +211,18 @@ def _region_roles(stmt, region, buffer, shape: _Shape) -> list[Role] | None:
     roles = []
     iter_roles = dict(zip((iv.var for iv in stmt.iter_vars), shape.iter_roles(stmt)))
     for rng, dim in zip(region, buffer.shape):
-        if _int(rng.extent) != 1:
+        if const_int(rng.extent) != 1:
             return None
         role = next((r for v, r in iter_roles.items() if rng.min.same_as(v)), None)
         if role is not None and role[0] in ("row", "col"):
             extent = (shape.rows if role[0] == "row" else shape.cols)[role[1]]
-            if _int(dim) != extent:
+            if const_int(dim) != extent:
                 return None
             roles.append(role)
-        elif _int(dim) == 1:
+        elif const_int(dim) == 1:
             roles.append(("unit",))
-        elif _int(rng.min) is not None and 0 <= _int(rng.min) < (_int(dim) or 0):
-            roles.append(("const", _int(rng.min)))
+        elif const_int(rng.min) is not None and 0 <= const_int(rng.min) < (const_int(dim) or 0):
+            roles.append(("const", const_int(rng.min)))
         else:
             return None
     return roles
@@ -365,7 +367,7 @@ class RowNorm(GPUScheduleRule):
         tiles = _tile_inputs(sch, blocks, shape, params)
         tile_bufs = [b for b, _, _ in tiles] + [sch.get(b).writes[0].source for b in kept]
         tile_bufs.append(out_buf)
-        vec = VECTOR_BYTES // min(_bytes(b) for b in tile_bufs)
+        vec = VECTOR_BYTES // min(dtype_bytes(b) for b in tile_bufs)
         while shape.ncols % vec:
             vec //= 2
         choice = choose_threads(shape.ncols // vec, math.prod(shape.rows))
@@ -373,7 +375,7 @@ class RowNorm(GPUScheduleRule):
             return None
         t_row, r_blk = choice
         j_vec = shape.ncols // vec // t_row
-        if sum(j_vec * vec * _bytes(b) for b in tile_bufs) > MAX_TILE_BYTES:
+        if sum(j_vec * vec * dtype_bytes(b) for b in tile_bufs) > MAX_TILE_BYTES:
             return None
         write_roles = {i: _write_roles(sch, b, shape) for i, b in enumerate(blocks)}
         if None in write_roles.values():
@@ -429,7 +431,7 @@ class RowNorm(GPUScheduleRule):
         else:
             sch.bind(row, "blockIdx.x")
         _, v = _thread_loops(sch, loops[1:])
-        vector_copy(sch, v, VECTOR_BYTES // _bytes(sch.get(blocks[-1]).writes[0].source))
+        vector_copy(sch, v, VECTOR_BYTES // dtype_bytes(sch.get(blocks[-1]).writes[0].source))
 
         # Everything else moves under the row loop, producers in front of their consumers:
         # vector copies in, unrolled scalar compute and reductions on registers.
@@ -452,7 +454,7 @@ class RowNorm(GPUScheduleRule):
                 continue
             _, v = _thread_loops(sch, sch.get_loops(block)[-n_inner:])
             if kind == "copy":
-                vector_copy(sch, v, VECTOR_BYTES // _bytes(sch.get(block).writes[0].source))
+                vector_copy(sch, v, VECTOR_BYTES // dtype_bytes(sch.get(block).writes[0].source))
                 continue
             sch.unroll(v)
             sch.set_scope(block, 0, "shared" if kind == "reduce" and not warp else "local")

@@ -38,7 +38,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-from .elementwise import RULE_ATTR, VECTOR_BYTES, _bytes, vector_copy
+from ..attrs import RULE_ATTR
+from .elementwise import VECTOR_BYTES, vector_copy
 from .row_norm import (
     MAX_TILE_BYTES,
     _analyse,
@@ -53,6 +54,7 @@ from .row_norm import (
     cache_tiles,
     choose_threads,
 )
+from .tir_util import dtype_bytes
 
 NAME = "row_stats"
 MAX_OUTPUTS = 2
@@ -98,7 +100,7 @@ class RowStats(GPUScheduleRule):
         tiles = _tile_inputs(sch, blocks, shape, params)
         if not tiles:
             return None
-        vec = VECTOR_BYTES // min(_bytes(b) for b, _, _ in tiles)
+        vec = VECTOR_BYTES // min(dtype_bytes(b) for b, _, _ in tiles)
         while shape.ncols % vec:
             vec //= 2
         choice = choose_threads(shape.ncols // vec, math.prod(shape.rows))
@@ -106,7 +108,7 @@ class RowStats(GPUScheduleRule):
             return None
         t_row, r_blk = choice
         j_vec = shape.ncols // vec // t_row
-        if sum(j_vec * vec * _bytes(b) for b, _, _ in tiles) > MAX_TILE_BYTES:
+        if sum(j_vec * vec * dtype_bytes(b) for b, _, _ in tiles) > MAX_TILE_BYTES:
             return None
 
         # Phase 1 — tiles and layouts: x via cache_read into (row, [j,] t, v); an output that a
@@ -164,7 +166,7 @@ class RowStats(GPUScheduleRule):
             else:
                 _, v = _thread_loops(sch, sch.get_loops(block)[-n_inner:])
                 if kind == "copy":
-                    vector_copy(sch, v, VECTOR_BYTES // _bytes(sch.get(block).writes[0].source))
+                    vector_copy(sch, v, VECTOR_BYTES // dtype_bytes(sch.get(block).writes[0].source))
                 else:
                     sch.unroll(v)
                     sch.set_scope(block, 0, "local" if warp else "shared")

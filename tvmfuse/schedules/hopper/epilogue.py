@@ -20,8 +20,13 @@ import tvm
 import tvm.sym
 from tvm import tirx
 
-_Load = tvm.ir.TensorLoad  # 0.27: buffer loads are TensorLoad(source, indices)
-_Call = tvm.ir.Call
+from ..tir_util import BINARY_OPS as _BINARY
+from ..tir_util import MATH_CALLS as _CALLS
+from ..tir_util import Call as _Call
+from ..tir_util import Load as _Load
+from ..tir_util import Op as _Op
+from ..tir_util import dtype_of as _dt
+from ..tir_util import strip_cast as _strip_cast
 
 
 class NotHandled(Exception):
@@ -49,11 +54,6 @@ class FusedGemm:
     acc_odd: tirx.Var | None = None  # pair epilogue: C[i, 2j + 1] (acc is C[i, 2j]); out is N/2 wide
 
 
-def _dt(e) -> str:
-    """dtype of a primitive expression (0.27 keeps it in ``e.ty``)."""
-    return str(e.ty.dtype)
-
-
 def _int(e) -> int:
     if isinstance(e, tirx.IntImm):
         return int(e.value)
@@ -76,10 +76,6 @@ def top_blocks(func: tirx.PrimFunc):
     for rv in sch.get_child_blocks(root):
         out.append((sch.get(rv), sch.get_sref(rv)))
     return sch, out
-
-
-def _strip_cast(e):
-    return e.value if isinstance(e, tirx.Cast) else e
 
 
 def _matmul(block, params):
@@ -207,16 +203,10 @@ def _same_int_width(a, b):
     return (a if da == wide else tirx.Cast(wide, a)), (b if db == wide else tirx.Cast(wide, b))
 
 
-_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Min, tirx.Max, tirx.FloorDiv,
-           tirx.FloorMod, tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
 _BINARY_TEXT = {tirx.Add: "+", tirx.Sub: "-", tirx.Mul: "*", tirx.Div: "/", tirx.EQ: "==",
                 tirx.NE: "!=", tirx.LT: "<", tirx.LE: "<=", tirx.GT: ">", tirx.GE: ">="}
 _BINARY_CALL = {tirx.Min: "T.min", tirx.Max: "T.max", tirx.FloorDiv: "T.floordiv",
                 tirx.FloorMod: "T.floormod", tirx.And: "T.And", tirx.Or: "T.Or"}
-# math intrinsics an epilogue may use; TVMScript spells tirx.X as T.X
-_CALLS = {f"tirx.{n}" for n in ("exp", "exp2", "log", "erf", "tanh", "sigmoid", "sqrt", "rsqrt",
-                                "pow", "fabs", "floor", "ceil", "round", "isnan", "isinf")}
-_Op = tvm.ir.Op
 
 
 def analyze(func: tirx.PrimFunc) -> FusedGemm:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from tvm import tirx
 
-from .epilogue import _BINARY, _CALLS, NotHandled, _Call, _dt, _Load, _Op
+from ..tir_util import BINARY_OPS, MATH_CALLS, Call, Load, Op, dtype_of
+from .epilogue import NotHandled
 
 _NARROW = ("float16", "bfloat16", "float32")  # float types computed in fp32
 F32 = "float32"
@@ -29,27 +30,27 @@ def _narrow(dtype: str) -> bool:
 def to_fp32(e: tirx.PrimExpr) -> tirx.PrimExpr:
     """``e`` with every fp16 / bf16 / fp32 value computed in fp32 (see the module docstring)."""
     if isinstance(e, tirx.Var):
-        return tirx.Cast(F32, e) if _dt(e) in ("float16", "bfloat16") else e
+        return tirx.Cast(F32, e) if dtype_of(e) in ("float16", "bfloat16") else e
     if isinstance(e, tirx.FloatImm):
-        return tirx.FloatImm(F32, float(e.value)) if _narrow(_dt(e)) else e
+        return tirx.FloatImm(F32, float(e.value)) if _narrow(dtype_of(e)) else e
     if isinstance(e, tirx.IntImm):
         return e
-    if isinstance(e, _Load):
-        return tirx.Cast(F32, e) if _dt(e) in ("float16", "bfloat16") else e
+    if isinstance(e, Load):
+        return tirx.Cast(F32, e) if dtype_of(e) in ("float16", "bfloat16") else e
     if isinstance(e, tirx.Cast):
         inner = to_fp32(e.value)
-        if _narrow(_dt(e)):
-            return inner if _narrow(_dt(e.value)) else tirx.Cast(F32, inner)
-        return tirx.Cast(_dt(e), inner)
-    if isinstance(e, _BINARY):
+        if _narrow(dtype_of(e)):
+            return inner if _narrow(dtype_of(e.value)) else tirx.Cast(F32, inner)
+        return tirx.Cast(dtype_of(e), inner)
+    if isinstance(e, BINARY_OPS):
         return type(e)(to_fp32(e.a), to_fp32(e.b))
     if isinstance(e, tirx.Select):
         return tirx.Select(to_fp32(e.condition), to_fp32(e.true_value), to_fp32(e.false_value))
     if isinstance(e, tirx.Not):
         return tirx.Not(to_fp32(e.a))
-    if isinstance(e, _Call) and isinstance(e.op, _Op) and e.op.name in _CALLS:
-        ret = F32 if _narrow(_dt(e)) else _dt(e)
-        return _Call(e.op, [to_fp32(a) for a in e.args], ret_ty=ret)
+    if isinstance(e, Call) and isinstance(e.op, Op) and e.op.name in MATH_CALLS:
+        ret = F32 if _narrow(dtype_of(e)) else dtype_of(e)
+        return Call(e.op, [to_fp32(a) for a in e.args], ret_ty=ret)
     raise NotHandled(f"opmath: epilogue expression {type(e).__name__} unsupported: {e}")
 
 
@@ -58,7 +59,7 @@ def opmath(e: tirx.PrimExpr, out_dtype: str) -> tirx.PrimExpr:
 
     Expressions that are not floating point (an integer or boolean output) are returned as they are.
     """
-    if not _narrow(_dt(e)):
+    if not _narrow(dtype_of(e)):
         return e
     value = to_fp32(e)
     return value if out_dtype == F32 else tirx.Cast(out_dtype, value)
@@ -79,7 +80,7 @@ def _extern(name: str, *args: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def _fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    t = _extern("__fdividef", _f32(1.0), _f32(1.0) + _f32(_AS_P) * _Call(_Op.get("tirx.fabs"),
+    t = _extern("__fdividef", _f32(1.0), _f32(1.0) + _f32(_AS_P) * Call(Op.get("tirx.fabs"),
                                                                            [x], ret_ty=F32))
     poly = _f32(_AS_A[4])
     for a in reversed(_AS_A[:4]):
@@ -91,17 +92,17 @@ def _fast_erf(x: tirx.PrimExpr) -> tirx.PrimExpr:
 def fast_math16(e: tirx.PrimExpr) -> tirx.PrimExpr:
     """fp32 ``erf`` and ``sigmoid`` of an epilogue stored in fp16 / bf16, in cheaper forms whose
     error stays far below the output's rounding (|Δerf| ≤ 1.5e-7; ``__expf``, ``__fdividef``)."""
-    if isinstance(e, _Call) and isinstance(e.op, _Op) and _dt(e) == F32:
+    if isinstance(e, Call) and isinstance(e.op, Op) and dtype_of(e) == F32:
         args = [fast_math16(a) for a in e.args]
         if e.op.name == "tirx.erf":
             return _fast_erf(args[0])
         if e.op.name == "tirx.sigmoid":  # 1 / (1 + exp(−x))
             return _extern("__fdividef", _f32(1.0),
                            _f32(1.0) + _extern("__expf", _f32(0.0) - args[0]))
-        return _Call(e.op, args, ret_ty=_dt(e))
+        return Call(e.op, args, ret_ty=dtype_of(e))
     if isinstance(e, tirx.Cast):
-        return tirx.Cast(_dt(e), fast_math16(e.value))
-    if isinstance(e, _BINARY):
+        return tirx.Cast(dtype_of(e), fast_math16(e.value))
+    if isinstance(e, BINARY_OPS):
         return type(e)(fast_math16(e.a), fast_math16(e.b))
     if isinstance(e, tirx.Select):
         return tirx.Select(fast_math16(e.condition), fast_math16(e.true_value),

@@ -1,0 +1,413 @@
+"""The pattern corpus: the same computations spelled the ways users and exporters write them.
+
+Each :class:`Formulation` builds a small torch module and example inputs (random, never zero).
+``tests/test_pattern_corpus.py`` compiles every one through the public pipeline and checks the
+kernel count, one attention op per attention, no S×S tensor after ``finalize`` and the numerics
+against torch; ``tools/corpus_table.py`` prints the README's table (tvmfuse vs stock TVM).
+
+Shapes: attention q/k/v (B=1, H=2, S=24, D=16) in (B, H, S, D) unless the name says BSHD;
+in the GQA cases both query heads share one KV head. S = 24 is the only dimension of 24
+anywhere, so an S×S tensor is recognisable.
+Norm and GEMM cases: x (1, 24, 64) → Linear(64 → 96). ``frontend``: ``torch`` (torch.export),
+``onnx-dynamo`` / ``onnx-legacy`` (the same module through ``torch.onnx.export``);
+``dtype``: the ``tvmfuse.compile`` dtype (``float16`` converts an fp32 module).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+B, H, HKV, S, D = 1, 2, 2, 24, 16
+HIDDEN, OUT = 64, 96
+HALF = torch.float16
+
+
+@dataclass(frozen=True)
+class Formulation:
+    """One spelling: ``build() -> (module, inputs)``; ``kind`` groups the README table."""
+
+    name: str
+    kind: str  # attention | norm | gemm_epilogue | elementwise
+    build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]
+    attention: int = 0  # attention ops the computation holds
+    frontend: str = "torch"
+    dtype: str | None = None
+
+
+def _rand(*shape: int, dtype: torch.dtype = HALF, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _qkv(dtype: torch.dtype = HALF, hkv: int = H, bshd: bool = False) -> tuple[torch.Tensor, ...]:
+    shapes = [(B, H, S, D), (B, hkv, S, D), (B, hkv, S, D)]
+    if bshd:
+        shapes = [(b, s, h, d) for b, h, s, d in shapes]
+    return tuple(_rand(*shape, dtype=dtype, seed=i) for i, shape in enumerate(shapes))
+
+
+def _causal_bool() -> torch.Tensor:
+    return torch.ones(S, S, dtype=torch.bool).triu(1)
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+class MaskedFill(nn.Module):
+    """``masked_fill(triu(1) bool buffer, fill)`` on the scores, fp32 softmax, cast back."""
+
+    def __init__(self, fill: float | None = None, scale: str = "scores") -> None:
+        super().__init__()
+        self.register_buffer("mask", _causal_bool(), persistent=False)
+        self.fill, self.scale = fill, scale
+
+    def forward(self, q, k, v):
+        if self.scale == "q":
+            s = (q * D**-0.5) @ k.transpose(-1, -2)
+        elif self.scale == "split":
+            s = (q * D**-0.25) @ (k * D**-0.25).transpose(-1, -2)
+        elif self.scale == "div":
+            s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        else:
+            s = (q @ k.transpose(-1, -2)) * D**-0.5
+        fill = torch.finfo(s.dtype).min if self.fill is None else self.fill
+        s = s.masked_fill(self.mask, fill)
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+class AdditiveCausal(nn.Module):
+    """``s + triu(full(-inf), 1)`` from a buffer (HF's older eager path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.full((S, S), float("-inf")).triu(1), persistent=False)
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(2, 3)) * D**-0.5 + self.bias.to(q.dtype)
+        return torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+class WhereTril(nn.Module):
+    """``where(tril bool buffer, s, -inf)``, softmax over the explicit last dim (3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("keep", torch.tril(torch.ones(S, S, dtype=torch.bool)), persistent=False)
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(-2, -1)) * D**-0.5
+        s = torch.where(self.keep, s, torch.tensor(float("-inf"), dtype=s.dtype))
+        return torch.matmul(torch.softmax(s.float(), dim=3).to(q.dtype), v)
+
+
+class PaddingMask(nn.Module):
+    """Non-causal, additive padding mask from an input: ``(1 - m)[:, None, None, :] · finfo.min``."""
+
+    def forward(self, q, k, v, attention_mask):
+        bias = (1.0 - attention_mask[:, None, None, :].to(q.dtype)) * torch.finfo(q.dtype).min
+        s = q @ k.transpose(-1, -2) * D**-0.5 + bias
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
+class Einsum(nn.Module):
+    """Both products as ``torch.einsum``, causal by masked_fill."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", _causal_bool(), persistent=False)
+
+    def forward(self, q, k, v):
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k) * D**-0.5
+        p = torch.softmax(s.masked_fill(self.mask, float("-inf")).float(), -1).to(q.dtype)
+        return torch.einsum("bhqk,bhkd->bhqd", p, v)
+
+
+class Baddbmm(nn.Module):
+    """3-D heads-folded form: ``baddbmm(causal bias, q, kᵀ, alpha=scale)`` then ``bmm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.full((S, S), float("-inf")).triu(1), persistent=False)
+
+    def forward(self, q, k, v):
+        q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+        s = torch.baddbmm(self.bias.to(q.dtype).expand(B * H, S, S), q3, k3.transpose(1, 2), alpha=D**-0.5)
+        p = torch.softmax(s.float(), -1).to(q.dtype)
+        return torch.bmm(p, v3).reshape(B, H, S, D)
+
+
+class DropoutEval(MaskedFill):
+    """Item 1's form with ``F.dropout(p, 0.1, self.training)`` (eval: identity)."""
+
+    def forward(self, q, k, v):
+        s = (q @ k.transpose(-1, -2)) * D**-0.5
+        p = torch.softmax(s.masked_fill(self.mask, float("-inf")).float(), -1).to(q.dtype)
+        return F.dropout(p, 0.1, self.training) @ v
+
+
+class GQA(nn.Module):
+    """KV heads repeated by ``repeat_interleave`` or HF's expand + reshape (``repeat_kv``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("mask", _causal_bool(), persistent=False)
+
+    def forward(self, q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        if self.how == "repeat_interleave":
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        else:
+            b, hkv, s, d = k.shape
+            k = k[:, :, None].expand(b, hkv, rep, s, d).reshape(b, hkv * rep, s, d)
+            v = v[:, :, None].expand(b, hkv, rep, s, d).reshape(b, hkv * rep, s, d)
+        s = (q @ k.transpose(-1, -2)) * D**-0.5
+        return torch.softmax(s.masked_fill(self.mask, float("-inf")).float(), -1).to(q.dtype) @ v
+
+
+class BSHD(MaskedFill):
+    """Item 1's form on (B, S, H, D) inputs, transposed in and out."""
+
+    def forward(self, q, k, v):
+        return super().forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+class SlidingWindow(nn.Module):
+    """Causal band of width 8: key j visible to query i iff 0 <= i - j < 8 (bool buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        i = torch.arange(S)
+        d = i[:, None] - i[None, :]
+        self.register_buffer("mask", (d < 0) | (d >= 8), persistent=False)
+
+    def forward(self, q, k, v):
+        s = (q @ k.transpose(-1, -2)) * D**-0.5
+        return torch.softmax(s.masked_fill(self.mask, float("-inf")).float(), -1).to(q.dtype) @ v
+
+
+class SDPA(nn.Module):
+    """``F.scaled_dot_product_attention`` with ``is_causal`` / a bool buffer / a float input mask."""
+
+    def __init__(self, mode: str = "causal", gqa: bool = False, bshd: bool = False) -> None:
+        super().__init__()
+        self.mode, self.gqa, self.bshd = mode, gqa, bshd
+        self.register_buffer("keep", torch.tril(torch.ones(S, S, dtype=torch.bool)), persistent=False)
+
+    def forward(self, q, k, v, mask=None):
+        if self.bshd:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.mode == "bool":
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.keep)
+        elif self.mode == "float":
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        return o.transpose(1, 2) if self.bshd else o
+
+
+def _attn(module: nn.Module, dtype: torch.dtype = HALF, **qkv) -> Callable:
+    return lambda: (module.to(dtype).eval(), _qkv(dtype, **qkv))
+
+
+def _padding_inputs() -> tuple[torch.Tensor, ...]:
+    mask = torch.ones(B, S, dtype=torch.int64)
+    mask[:, -5:] = 0
+    return (*_qkv(), mask)
+
+
+def _float_mask_inputs() -> tuple[torch.Tensor, ...]:
+    bias = torch.zeros(B, 1, 1, S, dtype=HALF)
+    bias[..., -5:] = torch.finfo(HALF).min
+    return (*_qkv(), bias)
+
+
+# --- norms (+ the Linear that reads them) ---------------------------------------------------------
+
+
+class NormLinear(nn.Module):
+    """``Linear(norm(x))`` for a norm spelled by ``form``."""
+
+    def __init__(self, form: str, residual: bool = False) -> None:
+        super().__init__()
+        self.form, self.residual, self.eps = form, residual, 1e-6
+        self.weight = nn.Parameter(torch.randn(HIDDEN) * 0.1 + 1.0)
+        self.bias = nn.Parameter(torch.randn(HIDDEN) * 0.1)
+        self.norm = nn.RMSNorm(HIDDEN, eps=self.eps) if form == "nn_rmsnorm" else (
+            nn.LayerNorm(HIDDEN) if form == "nn_layernorm" else None)
+        if self.norm is not None:
+            with torch.no_grad():
+                self.norm.weight.normal_(1.0, 0.1)
+        self.proj = nn.Linear(HIDDEN, OUT, bias=False)
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        f, eps = self.form, self.eps
+        if f == "llama":  # transformers LlamaRMSNorm
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return self.weight * h.to(x.dtype)
+        if f == "issue":  # item 3's spelling
+            v = x.float().pow(2).mean(-1, keepdim=True)
+            return (x.float() * torch.rsqrt(v + eps)).to(x.dtype) * self.weight
+        if f == "gemma":  # GemmaRMSNorm: (1 + w) in fp32, then cast
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+            return (h * (1.0 + self.weight.float())).type_as(x)
+        if f == "t5":  # T5LayerNorm: RMS, cast to the weight's dtype, then multiply
+            var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+            h = x * torch.rsqrt(var + eps)
+            return self.weight * h.to(self.weight.dtype)
+        if f == "f_rms_norm":
+            return F.rms_norm(x, (HIDDEN,), self.weight, eps)
+        if f == "f_layer_norm":
+            return F.layer_norm(x, (HIDDEN,), self.weight, self.bias, eps)
+        return self.norm(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(self.normed(x))
+        return y + x.repeat(1, 1, 2)[..., :OUT] if self.residual else y
+
+
+def _x(dtype: torch.dtype = HALF) -> tuple[torch.Tensor]:
+    return (_rand(1, S, HIDDEN, dtype=dtype),)
+
+
+def _mod(module: nn.Module, dtype: torch.dtype = HALF, inputs: Callable = _x) -> Callable:
+    return lambda: (module.to(dtype).eval(), inputs(dtype))
+
+
+# --- GEMM epilogues and elementwise chains ----------------------------------------------------------
+
+
+class LinearAct(nn.Module):
+    """``act(Linear(x) [+ bias])``, or ``x' + Linear(x)`` (``residual``), or SwiGLU."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.act = act
+        self.fc = nn.Linear(HIDDEN, HIDDEN if act == "residual" else OUT, bias=act != "residual")
+        self.up = nn.Linear(HIDDEN, OUT, bias=False)
+        self.down = nn.Linear(OUT, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.act
+        if a == "relu":
+            return torch.relu(self.fc(x))
+        if a == "gelu":
+            return F.gelu(self.fc(x))
+        if a == "gelu_tanh":
+            return F.gelu(self.fc(x), approximate="tanh")
+        if a == "silu":
+            return F.silu(self.fc(x))
+        if a == "residual":
+            return x + self.fc(x)
+        return self.down(F.silu(self.fc(x)) * self.up(x))  # swiglu
+
+
+class Chain(nn.Module):
+    """Elementwise chains and a scaled softmax, on x (1, 24, 64)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form = form
+        self.b = nn.Parameter(torch.randn(HIDDEN))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "chain5":
+            return torch.relu((x * 2.0 + self.b).sigmoid() * x - 0.5)
+        if self.form == "softmax_scale":
+            return torch.softmax(x * 0.125, -1)
+        if self.form == "silu_mul":
+            return F.silu(x) * (x + self.b)
+        return F.dropout(F.gelu(x + self.b), 0.1, self.training)  # bias_gelu_dropout
+
+
+def _f(name: str, kind: str, build: Callable, **kw) -> Formulation:
+    return Formulation(name, kind, build, **kw)
+
+
+FORMULATIONS: list[Formulation] = [
+    # attention, fp16 modules on (B, H, S, D)
+    _f("attn_masked_fill_triu_inf", "attention", _attn(MaskedFill(float("-inf"))), attention=1),
+    _f("attn_masked_fill_finfo_min", "attention", _attn(MaskedFill()), attention=1),
+    _f("attn_masked_fill_neg1e4", "attention", _attn(MaskedFill(-1e4)), attention=1),
+    _f("attn_scale_on_q", "attention", _attn(MaskedFill(float("-inf"), "q")), attention=1),
+    _f("attn_scale_split_qk", "attention", _attn(MaskedFill(float("-inf"), "split")), attention=1),
+    _f("attn_scale_div_sqrt_d", "attention", _attn(MaskedFill(float("-inf"), "div")), attention=1),
+    _f("attn_additive_triu_buffer", "attention", _attn(AdditiveCausal()), attention=1),
+    _f("attn_where_tril_dim3", "attention", _attn(WhereTril()), attention=1),
+    _f("attn_padding_mask_input", "attention", lambda: (PaddingMask().eval(), _padding_inputs()),
+       attention=1),
+    _f("attn_einsum", "attention", _attn(Einsum()), attention=1),
+    _f("attn_baddbmm", "attention", _attn(Baddbmm()), attention=1),
+    _f("attn_dropout_eval", "attention", _attn(DropoutEval(float("-inf"))), attention=1),
+    _f("attn_gqa_repeat_interleave", "attention", _attn(GQA("repeat_interleave"), hkv=HKV // 2),
+       attention=1),
+    _f("attn_gqa_expand_reshape", "attention", _attn(GQA("expand"), hkv=HKV // 2), attention=1),
+    _f("attn_bshd_inputs", "attention", _attn(BSHD(float("-inf")), bshd=True), attention=1),
+    _f("attn_sliding_window_band", "attention", _attn(SlidingWindow()), attention=1),
+    _f("attn_fp32_module_as_fp16", "attention", _attn(MaskedFill(float("-inf")), torch.float32),
+       attention=1, dtype="float16"),
+    _f("sdpa_causal_bhsd", "attention", _attn(SDPA()), attention=1),
+    _f("sdpa_causal_bshd", "attention", _attn(SDPA(bshd=True), bshd=True), attention=1),
+    _f("sdpa_bool_mask", "attention", _attn(SDPA("bool")), attention=1),
+    _f("sdpa_float_padding_mask", "attention", lambda: (SDPA("float").eval(), _float_mask_inputs()),
+       attention=1),
+    _f("sdpa_enable_gqa", "attention", _attn(SDPA(gqa=True), hkv=HKV // 2), attention=1),
+    _f("onnx_dynamo_attn_masked_fill", "attention", _attn(MaskedFill(float("-inf"))), attention=1,
+       frontend="onnx-dynamo"),
+    _f("onnx_legacy_attn_masked_fill", "attention", _attn(MaskedFill(float("-inf"))), attention=1,
+       frontend="onnx-legacy"),
+    _f("onnx_dynamo_sdpa_causal", "attention", _attn(SDPA()), attention=1, frontend="onnx-dynamo"),
+    # norms followed by a Linear
+    _f("rmsnorm_llama_linear", "norm", _mod(NormLinear("llama"))),
+    _f("rmsnorm_issue_form_linear", "norm", _mod(NormLinear("issue"))),
+    _f("rmsnorm_gemma_linear", "norm", _mod(NormLinear("gemma"))),
+    _f("rmsnorm_t5_linear", "norm", _mod(NormLinear("t5"))),
+    _f("rmsnorm_functional_linear", "norm", _mod(NormLinear("f_rms_norm"))),
+    _f("rmsnorm_module_linear", "norm", _mod(NormLinear("nn_rmsnorm"))),
+    _f("rmsnorm_residual_linear", "norm", _mod(NormLinear("issue", residual=True))),
+    _f("layernorm_functional_linear", "norm", _mod(NormLinear("f_layer_norm"))),
+    _f("layernorm_module_linear", "norm", _mod(NormLinear("nn_layernorm"))),
+    _f("layernorm_fp32_linear", "norm", _mod(NormLinear("nn_layernorm"), torch.float32)),
+    _f("rmsnorm_fp32_module_as_fp16", "norm", _mod(NormLinear("llama"), torch.float32), dtype="float16"),
+    _f("onnx_dynamo_rmsnorm_linear", "norm", _mod(NormLinear("llama")), frontend="onnx-dynamo"),
+    _f("onnx_legacy_layernorm_linear", "norm", _mod(NormLinear("nn_layernorm")), frontend="onnx-legacy"),
+    # GEMM epilogues
+    _f("linear_bias_relu", "gemm_epilogue", _mod(LinearAct("relu"))),
+    _f("linear_bias_gelu", "gemm_epilogue", _mod(LinearAct("gelu"))),
+    _f("linear_bias_gelu_tanh", "gemm_epilogue", _mod(LinearAct("gelu_tanh"))),
+    _f("linear_bias_silu", "gemm_epilogue", _mod(LinearAct("silu"))),
+    _f("linear_residual", "gemm_epilogue", _mod(LinearAct("residual"))),
+    _f("swiglu_mlp", "gemm_epilogue", _mod(LinearAct("swiglu"))),
+    _f("linear_bias_relu_fp32", "gemm_epilogue", _mod(LinearAct("relu"), torch.float32)),
+    _f("onnx_dynamo_linear_bias_relu", "gemm_epilogue", _mod(LinearAct("relu")), frontend="onnx-dynamo"),
+    _f("onnx_legacy_linear_bias_gelu", "gemm_epilogue", _mod(LinearAct("gelu")), frontend="onnx-legacy"),
+    # elementwise chains
+    _f("chain5", "elementwise", _mod(Chain("chain5"))),
+    _f("softmax_scaled", "elementwise", _mod(Chain("softmax_scale"))),
+    _f("silu_mul", "elementwise", _mod(Chain("silu_mul"))),
+    _f("bias_gelu_dropout_eval", "elementwise", _mod(Chain("bias_gelu_dropout"))),
+]
+
+BY_NAME = {f.name: f for f in FORMULATIONS}
+
+
+def materialise(f: Formulation, workdir: Path) -> tuple[nn.Module, tuple[torch.Tensor, ...], str | None]:
+    """``(module, inputs, onnx_path)``: the ONNX export of the module for the onnx frontends
+    (written into ``workdir``), else None (compile the module itself)."""
+    module, inputs = f.build()
+    if f.frontend == "torch":
+        return module, inputs, None
+    from models.export_onnx import export_onnx
+
+    dynamo = f.frontend == "onnx-dynamo"
+    path = export_onnx(module, inputs, workdir / f"{f.name}.onnx", dynamo=dynamo, opset=18 if dynamo else 17)
+    return module, inputs, str(path)

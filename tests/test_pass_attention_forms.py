@@ -1,0 +1,214 @@
+"""FuseAttention on attention as users write it (the modules in tests/attention_forms.py).
+
+Each form is a plain fp16 torch module, imported the way ``tvmfuse compile`` does (torch.export, or
+the ONNX file of either exporter) and compiled for the cpu target. Checked per form: exactly one
+``R.nn.attention`` after ``fuse_attention`` with a "fused" decision, no (S, S) tensor allocated
+after ``finalize``, and the output against the module run by torch in float64 (fp16 tolerance;
+torch's own fp16 error printed beside it). What cannot be proved (a sliding-window band) stays
+unfused with its reason, and still computes the right numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+
+from tests import attention_forms as forms
+from tvmfuse.passes.attention import attention_decisions
+
+TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 5e-3}  # relative, vs float64
+
+
+def _compile(model, inputs: tuple | None, target: str = "cpu", dtype: str | None = None):
+    """(lowered module, IR after each stage, executable) of ``model`` as ``tvmfuse compile`` does it."""
+    from tvmfuse.frontend import import_model
+    from tvmfuse.pipeline import build, lower
+    from tvmfuse.targets import get_target
+
+    imported = import_model(model, inputs)
+    stages: dict[str, tvm.IRModule] = {}
+    spec = get_target(target)
+    lowered = lower(imported.mod, spec, dtype, on_stage=lambda n, m: stages.__setitem__(n, m))
+    return lowered, stages, (build(lowered, spec) if target == "cpu" else None)
+
+
+def _attention_calls(mod: tvm.IRModule) -> int:
+    return sum(1 for f in mod.functions.values() if isinstance(f, relax.Function)
+               for block in f.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "").startswith(
+                   "relax.nn.attention"))
+
+
+def _allocations(mod: tvm.IRModule) -> list[list[int]]:
+    """Shapes of every tensor ``main`` allocates after ``finalize`` (``R.vm.alloc_tensor``)."""
+    shapes = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.vm.alloc_tensor":
+            shapes.append([int(d) for d in expr.args[2].values])
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return shapes
+
+
+def _check_fused(stages: dict[str, tvm.IRModule], lowered: tvm.IRModule, seq: int = forms.S) -> dict:
+    fused = stages["fuse_attention"]
+    decisions = attention_decisions(fused)
+    assert _attention_calls(fused) == 1, decisions
+    (decision,) = decisions
+    assert decision["status"] == "fused", decision
+    allocs = _allocations(lowered)
+    assert allocs, "no allocation found: the check would be vacuous"
+    scores = [s for s in allocs if s[-2:] == [seq, seq]]
+    assert not scores, f"an (S, S) tensor is still allocated: {scores}"
+    return decision
+
+
+def _run(executable, inputs: tuple) -> np.ndarray:
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    out = vm["main"](*[tvm.runtime.from_dlpack(x.contiguous()) for x in inputs])
+    out = out if hasattr(out, "numpy") else out[0]
+    return torch.from_dlpack(out).double().numpy()
+
+
+def _check_numerics(module: torch.nn.Module, inputs: tuple, got: np.ndarray, dtype) -> None:
+    with torch.no_grad():
+        ref = module.double()(*[x.double() if x.is_floating_point() else x for x in inputs]).numpy()
+        own = module.to(dtype)(*inputs).double().numpy()
+    assert got.shape == ref.shape
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    torch_err = np.linalg.norm(own - ref) / np.linalg.norm(ref)
+    assert err <= TOL[dtype], f"relative error {err:.2e} > {TOL[dtype]} (torch's own {torch_err:.2e})"
+
+
+@pytest.mark.parametrize("name", list(forms.FORMS))
+def test_form_torch_export_fp16(name: str):
+    module, inputs = forms.build(name)
+    lowered, stages, exe = _compile(module, inputs)
+    _check_fused(stages, lowered)
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape", "padding_additive"])
+def test_form_torch_export_bf16(name: str):
+    module, inputs = forms.build(name, torch.bfloat16)
+    lowered, stages, exe = _compile(module, inputs)
+    _check_fused(stages, lowered)
+    _check_numerics(module, inputs, _run(exe, inputs), torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["hand_written", "additive_finfo_min", "gqa_repeat_interleave",
+                                  "sdpa_is_causal"])
+def test_form_fp32_module_as_float16(name: str):
+    """An fp32 module compiled with ``--dtype float16``: attention is found before the conversion."""
+    module, inputs = forms.build(name, torch.float32)
+    lowered, stages, exe = _compile(module, inputs, dtype="float16")
+    _check_fused(stages, lowered)
+    # the fp16 conversion makes the attention an fp16 op
+    (call,) = [b.value for b in stages["mixed_precision"]["main"].body.blocks[0].bindings
+               if getattr(b.value, "op", None) is not None
+               and getattr(b.value.op, "name", "") == "relax.nn.attention"]
+    assert str(call.args[0].ty.dtype) == "float16"
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+def test_fp32_minus_1e4_left_with_reason():
+    """-1e4 masks an fp32 score only if no visible score is below ~-9900: not proved, left alone."""
+    module, inputs = forms.build("additive_minus_1e4", torch.float32)
+    lowered, stages, exe = _compile(module, inputs)
+    (decision,) = attention_decisions(stages["fuse_attention"])
+    assert decision["status"] == "left" and "neither 0 nor a masking value" in decision["reason"]
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float32)
+
+
+@pytest.mark.parametrize("name", list(forms.UNMATCHED))
+def test_unmatched_form_still_correct(name: str):
+    """Forms the matcher does not see yet compile unfused and compute the right numbers."""
+    module, inputs = forms.build(name)
+    lowered, stages, exe = _compile(module, inputs)
+    assert _attention_calls(stages["fuse_attention"]) == 0
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+def test_sliding_window_left_with_reason():
+    module, inputs = forms.sliding_window()
+    lowered, stages, exe = _compile(module, inputs)
+    fused = stages["fuse_attention"]
+    assert _attention_calls(fused) == 0
+    (decision,) = attention_decisions(fused)
+    assert decision["status"] == "left", decision
+    assert f"sliding-window band (each query sees its last {forms.WINDOW} keys)" in decision["reason"]
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+ONNX_FORMS = ["hand_written", "padding_masked_fill", "gqa_repeat_interleave", "sdpa_is_causal"]
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+@pytest.mark.parametrize("name", ONNX_FORMS)
+def test_form_onnx_fp16(name: str, dynamo: bool, tmp_path):
+    from models.export_onnx import export_onnx
+
+    module, inputs = forms.build(name)
+    names = [f"input{i}" for i in range(len(inputs))]
+    path = export_onnx(module, inputs, tmp_path / f"{name}.onnx", input_names=names,
+                       output_names=["output"], opset=18 if dynamo else 17, dynamo=dynamo)
+    lowered, stages, exe = _compile(str(path), None)
+    _check_fused(stages, lowered)
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+def test_decoder_layer_fp16():
+    """Issue 13 item 7: models/decoder_layer.py built in fp16 (as tools/bench/bench_decoder.py does)."""
+    from models import decoder_layer
+
+    seq = 24  # head dim 16: an (S, S) allocation is the scores
+    module, inputs = decoder_layer.build(seq=seq, dtype=torch.float16)
+    lowered, stages, exe = _compile(module, inputs)
+    decision = _check_fused(stages, lowered, seq)
+    assert decision["causal"] == "TopLeft" and decision["group"] == "2", decision
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape"])
+def test_form_one_kernel_sm90(name: str):
+    """On sm90 the scores of item 1 never leave the wgmma flash-attention kernel.
+
+    Only layout kernels remain beside it (Q/K/V in (B, H, S, D) are packed to the kernel's BSHD):
+    no matmul, softmax or mask kernel.
+    """
+    module, inputs = forms.build(name, head_dim=64)  # the flash kernels take head dim 64 or 128
+    _, stages, _ = _compile(module, inputs, target="sm90")
+    assert _attention_calls(stages["fuse_attention"]) == 1
+    kernels = [f for f in stages["legalize"].functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    rules = [str(f.attrs["tvmfuse.rule"]) for f in kernels if "tvmfuse.rule" in f.attrs]
+    assert rules == ["flash_attention_sm90"], rules
+    names = [gv.name_hint for gv, f in stages["fuse_tir"].functions.items()
+             if isinstance(f, tvm.tirx.PrimFunc)]
+    assert not [n for n in names if any(op in n for op in ("matmul", "softmax", "where"))], names
+
+
+GPU_FORMS = ["hand_written", "additive_finfo_min", "padding_masked_fill", "gqa_expand_reshape",
+             "bshd_inputs", "sdpa_enable_gqa"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+@pytest.mark.parametrize("name", GPU_FORMS)
+def test_form_gpu_matches_torch(name: str, target: str, tmp_path):
+    """The fused forms on the GPU flash kernels (head dim 64): output against torch in float64."""
+    import tvmfuse
+
+    module, inputs = forms.build(name, head_dim=64)
+    _, stages, _ = _compile(module, inputs, target=target)
+    assert _attention_calls(stages["fuse_attention"]) == 1
+    (kernel,) = [f for gv, f in stages["legalize"].functions.items() if gv.name_hint == "attention"]
+    assert "tvmfuse.fallback" not in kernel.attrs, kernel.attrs["tvmfuse.fallback"]
+    lib = tvmfuse.compile(module, inputs, target=target)
+    model = tvmfuse.load(lib.export(tmp_path / f"{name}.so"), device="cuda")
+    got = model(*[x.cuda() for x in inputs])
+    got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
+    _check_numerics(module, inputs, got, torch.float16)

@@ -1,0 +1,28 @@
+"""Names of the PrimFunc attributes tvmfuse writes and reads: one vocabulary for every layer.
+
+Rules and generators write them, the pipeline, ``tvmfuse report`` and ``tvmfuse tune`` read them.
+Defined here, in the base layer, so a reader needs no import of the writer (and no import cycle).
+"""
+
+# which tvmfuse rule scheduled the function (elementwise, row_norm, gemm_sm80, gemm_sm90, ...)
+RULE_ATTR = "tvmfuse.rule"
+# why a GEMM-like / attention function kept the default (slower) path
+FALLBACK_ATTR = "tvmfuse.fallback"
+# the tile a scheduled SIMT / sm80 GEMM got (its GemmConfig tag)
+TILE_ATTR = "tvmfuse.gemm_tile"
+# the tile and pipeline depth of a generated sm_90a kernel (GEMM or attention), for the report
+KERNEL_TILE_ATTR = "tvmfuse.tile"
+# lower this PrimFunc with TVM's tirx pipeline (the generated sm_90a kernels)
+TIRX_ATTR = "tvmfuse.tirx"
+# "tuned" or "default: <reason>": what the tuning database did for this kernel
+TUNING_ATTR = "tvmfuse.tuning"
+# JSON of the config a tuned sm_90a GEMM is generated with (set by ApplyTuningDatabase)
+CONFIG_ATTR = "tvmfuse.kernel_config"
+# JSON of the AttentionSpec a flash-attention kernel computes
+SPEC_ATTR = "tvmfuse.attention_spec"
+# on a GEMM PrimFunc merged with its norm statistics: "layer" (mean, rstd) or "rms" (rstd)
+SIMT_ATTR = "tvmfuse.simt_row_stats"
+# on a statistics PrimFunc that still runs: why it was not moved into the GEMM
+KEPT_ATTR = "tvmfuse.stats_kept"
+# on a GEMM kernel computing statistics: [the GEMM PrimFunc it replaces, the statistics PrimFunc]
+IN_LOOP_ATTR = "tvmfuse.in_loop_stats"

@@ -1,0 +1,44 @@
+"""TIR expression helpers shared by the kernel generators and the schedule rules.
+
+0.27 spells a buffer load ``tvm.ir.TensorLoad(source, indices)`` and keeps a primitive expression's
+dtype in ``e.ty``; these names hide that from the readers of fused PrimFuncs.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import DataType, tirx
+
+Load = tvm.ir.TensorLoad  # 0.27: buffer loads are TensorLoad(source, indices)
+Call = tvm.ir.Call
+Op = tvm.ir.Op
+# binary PrimExpr nodes an epilogue may contain (arithmetic, comparisons, logic)
+BINARY_OPS = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Min, tirx.Max, tirx.FloorDiv,
+              tirx.FloorMod, tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And, tirx.Or)
+# math intrinsics an epilogue may use; TVMScript spells tirx.X as T.X
+MATH_CALLS = {f"tirx.{n}" for n in ("exp", "exp2", "log", "erf", "tanh", "sigmoid", "sqrt", "rsqrt",
+                                    "pow", "fabs", "floor", "ceil", "round", "isnan", "isinf")}
+
+
+def dtype_of(e: tirx.PrimExpr) -> str:
+    """dtype of a primitive expression (0.27 keeps it in ``e.ty``)."""
+    return str(e.ty.dtype)
+
+
+def strip_cast(e: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``x`` for ``Cast(t, x)``, else ``e``."""
+    return e.value if isinstance(e, tirx.Cast) else e
+
+
+def const_int(e) -> int | None:
+    """The value of a constant integer (Python int or IntImm), None for anything symbolic."""
+    if isinstance(e, int):
+        return e
+    if isinstance(e, tirx.IntImm):
+        return int(e.value)
+    return None
+
+
+def dtype_bytes(buffer: tirx.Buffer) -> int:
+    """Bytes per element of ``buffer`` (at least 1: bool and sub-byte types count as one)."""
+    return max(1, DataType(str(buffer.dtype)).bits // 8)

@@ -1,0 +1,3 @@
+"""The tvmfuse version (written into every library's metadata and tuning database)."""
+
+__version__ = "0.1.0"
