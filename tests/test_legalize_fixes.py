@@ -43,3 +43,21 @@ def test_half_softmax_tir_uses_exp2_and_fp32_reductions():
     text = func.script()
     assert "T.exp2(" in text and "T.exp(" not in text
     assert str(func.params[-1].dtype) == "float16"
+
+
+def test_bf16_layer_norm_compiles_with_fp32_statistics():
+    """topi's LayerNorm rejects bf16; a bf16 nn.LayerNorm (here not followed by a Linear, so it is
+    not folded) compiles and matches torch's fp32-statistics result."""
+    torch.manual_seed(0)
+    ln = torch.nn.LayerNorm(256).eval()
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(256) * 0.1 + 1)
+        ln.bias.copy_(torch.randn(256) * 0.1)
+    ln = ln.to(torch.bfloat16)
+    x = (torch.randn(8, 256) * 3 + 1).to(torch.bfloat16)
+    out = tvmfuse.compile(ln, (x,), target="cpu").load(device="cpu")(x)
+    with torch.no_grad():
+        ref = torch.nn.functional.layer_norm(x.double(), (256,), ln.weight.double(), ln.bias.double(), 1e-5)
+    assert out.dtype == torch.bfloat16
+    err = float((out.double() - ref).norm() / ref.norm())
+    assert err < 1e-2, err

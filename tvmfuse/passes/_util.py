@@ -43,6 +43,29 @@ def constant_weight(expr: relax.Expr, lookup: Callable[[relax.Expr], relax.Expr]
     return const_array(expr)
 
 
+_NUMPY_BINARY = {"relax.add": np.add, "relax.subtract": np.subtract,
+                 "relax.multiply": np.multiply, "relax.divide": np.divide}
+
+
+def folded_constant(expr: relax.Expr, lookup: Callable[[relax.Expr], relax.Expr]) -> np.ndarray | None:
+    """The value of an expression built only from constants by ``astype`` and elementwise
+    add/subtract/multiply/divide (e.g. Gemma's ``1 + w.float()``), computed in its own dtype; a
+    constant weight as :func:`constant_weight` reads it; else None."""
+    value = constant_weight(expr, lookup)
+    if value is not None:
+        return value
+    expr = lookup(expr)
+    if is_op(expr, "relax.astype"):
+        inner = folded_constant(expr.args[0], lookup)
+        return None if inner is None else inner.astype(str(expr.attrs.dtype))
+    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name in _NUMPY_BINARY:
+        a, b = (folded_constant(arg, lookup) for arg in expr.args)
+        if a is None or b is None or not isinstance(expr.ty, relax.TensorType):
+            return None
+        return _NUMPY_BINARY[expr.op.name](a, b).astype(str(expr.ty.dtype))
+    return None
+
+
 def static_shape(expr: relax.Expr) -> list[int] | None:
     """Static shape of a tensor expression, else None."""
     ty = expr.ty

@@ -8,6 +8,10 @@ dtype string (``"float" in dtype`` → "argument of type 'PrimType' is not itera
 (an fp16 running sum over 4096 terms loses ~3 digits, and TVM's half math converts per op). Ours
 casts the row to fp32 in registers, so the kernel reads and writes half but sums in fp32, with
 exp2 and one reciprocal per row (half the SASS instructions of topi's fp32 softmax).
+
+``relax.nn.layer_norm`` on bf16: topi's accepts fp32 and fp16 only ("layer_norm: only support float32
+and float16"), so a bf16 LayerNorm that is not folded into a GEMM failed to compile. Ours upcasts x, γ
+and β in the kernel and runs topi's fp32 LayerNorm, then casts back: one kernel, fp32 statistics.
 """
 
 from __future__ import annotations
@@ -65,7 +69,24 @@ def _softmax(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(_softmax_fp32_math, x, dtype, primfunc_name_hint="softmax")
 
 
+def _layer_norm_fp32_math(x: te.Tensor, gamma: te.Tensor, beta: te.Tensor, axes, eps: float):
+    """``half(layer_norm(float(x), float(γ), float(β)))``: topi's fp32 LayerNorm on upcast inputs."""
+    f32 = "float32"
+    y = topi.nn.layer_norm(topi.cast(x, f32), topi.cast(gamma, f32), topi.cast(beta, f32),
+                           axis=axes, epsilon=eps)
+    return topi.cast(y, x.dtype)
+
+
+def _layer_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """bf16 LayerNorm with fp32 math; anything else: the stock rule."""
+    if str(call.args[0].ty.dtype) != "bfloat16":
+        return tvm.ir.Op.get("relax.nn.layer_norm").get_attr("FLegalize")(bb, call)
+    return bb.call_te(_layer_norm_fp32_math, *call.args, call.attrs.axes, float(call.attrs.epsilon),
+                      primfunc_name_hint="layer_norm")
+
+
 def legalize_overrides() -> dict:
     """``{op name: legalize function}`` for ``relax.transform.LegalizeOps``."""
     return {"relax.full": _full(False), "relax.full_like": _full(True), "relax.nn.softmax": _softmax,
-            "relax.nn.attention": legalize_attention, "relax.nn.attention_bias": legalize_attention}
+            "relax.nn.attention": legalize_attention, "relax.nn.attention_bias": legalize_attention,
+            "relax.nn.layer_norm": _layer_norm}

@@ -10,6 +10,11 @@ Only constant weights are folded (W' and colsum are computed at compile time); a
 left alone. On CUDA the statistics kernel is scheduled by ``schedules/row_stats.py`` (x read once
 into registers, both reductions from there); on sm_90a, where the GEMM is the wgmma kernel,
 ``schedules/gemm_sm90_stats.py`` removes it and the GEMM computes the statistics in its main loop.
+A half-precision norm computed in fp32, ``astype(norm(astype(x, f32), γ32), half)`` (FuseDecomposedNorms
+makes it from Gemma's / nn.RMSNorm's spelling; ONNX RMSNormalization imports as it), folds the same
+way with x the half tensor: W' = diag(γ32) · W is rounded once to W's dtype.
+Half-precision norms computed in fp32 that stay (the normed tensor has other users) are then made one
+kernel each by :class:`~.norm_half_io.HalfNormOneKernel`.
 Sits after FuseDecomposedNorms (which makes the norm ops this pass looks for) and before LegalizeOps.
 """
 
@@ -20,9 +25,9 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._util import bound_value, constant_weight, static_shape
-from ._util import const_array as _const
+from ._util import bound_value, constant_weight, folded_constant, static_shape
 from ._util import is_op as _is_op
+from .norm_half_io import HalfNormOneKernel
 
 _NORMS = ("relax.nn.rms_norm", "relax.nn.layer_norm")
 
@@ -62,13 +67,26 @@ class _NormGemm(PyExprMutator):
         return bound_value(self, expr)
 
     def _norm_of(self, expr: relax.Expr):
-        """(norm call, reshape shape or None) when ``expr`` is norm(x) or reshape(norm(x))."""
+        """(norm call, its input x, reshape shape or None) when ``expr`` is ``[reshape](norm(x))``
+        or, for a half-precision norm computed in fp32, ``[reshape](astype(norm(astype(x, f32)),
+        dtype(x)))``: then x is the half tensor (the statistics upcast it themselves)."""
         bound, new_shape = self._bound(expr), None
         if _is_op(bound, "relax.reshape"):
             new_shape, bound = bound.args[1], self._bound(bound.args[0])
-        if isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op) and bound.op.name in _NORMS:
-            return bound, new_shape
-        return None, None
+        down = None
+        if _is_op(bound, "relax.astype"):
+            down, bound = str(bound.attrs.dtype), self._bound(bound.args[0])
+        if not (isinstance(bound, relax.Call) and isinstance(bound.op, tvm.ir.Op)
+                and bound.op.name in _NORMS):
+            return None, None, None
+        x = bound.args[0]
+        if down is not None:
+            up = self._bound(x)
+            if not (_is_op(up, "relax.astype") and str(up.attrs.dtype) == "float32"
+                    and str(up.args[0].ty.dtype) == down):
+                return None, None, None  # a cast that changes the norm's result: not ours to fold
+            x = up.args[0]
+        return bound, x, new_shape
 
     def _get_stats(self, x: relax.Expr, eps: float, centered: bool):
         key = (x, eps, centered)
@@ -86,12 +104,11 @@ class _NormGemm(PyExprMutator):
         call = super().visit_call_(call)
         if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.matmul"):
             return call
-        norm, new_shape = self._norm_of(call.args[0])
+        norm, x, new_shape = self._norm_of(call.args[0])
         w = constant_weight(call.args[1], self._bound)
         if norm is None or w is None or w.ndim != 2 or not any(
                 norm.same_as(n) for n in self.only_gemm_users):
             return call  # a norm that is also needed elsewhere (e.g. BERT's residual) stays a kernel
-        x = norm.args[0]
         shape = static_shape(x)
         if shape is not None and new_shape is not None:
             if [int(d) for d in new_shape.values][-1] != shape[-1]:
@@ -108,8 +125,9 @@ class _NormGemm(PyExprMutator):
         centered = norm.op.name == "relax.nn.layer_norm"
         if centered and not (norm.attrs.center and norm.attrs.scale):
             return call
-        gamma = _const(norm.args[1])
-        beta = _const(norm.args[2]) if centered else None
+        # ONNX RMSNormalization casts its (constant) scale to fp32 in the graph: fold that too.
+        gamma = folded_constant(norm.args[1], self._bound)
+        beta = folded_constant(norm.args[2], self._bound) if centered else None
         if gamma is None or (centered and beta is None):
             return call
         dtype = str(call.ty.dtype)
@@ -131,14 +149,16 @@ class _NormGemm(PyExprMutator):
         return out
 
 
-def _only_matmul_lhs(var, users: dict, outputs: set, depth: int = 0) -> bool:
-    """Every use of ``var`` is a matmul's first operand (through at most one reshape)."""
+def _only_matmul_lhs(var, users: dict, outputs: set, steps: tuple[str, ...] = ("astype", "reshape")) -> bool:
+    """Every use of ``var`` is a matmul's first operand, through at most one cast back to half
+    precision and then at most one reshape (``steps``: the views still allowed, in order)."""
     if var in outputs or not users.get(var):
         return False
     for user_var, call, i in users[var]:
         if _is_op(call, "relax.matmul") and i == 0:
             continue
-        if _is_op(call, "relax.reshape") and depth == 0 and _only_matmul_lhs(user_var, users, outputs, 1):
+        passed = next((k for k, step in enumerate(steps) if _is_op(call, f"relax.{step}")), None)
+        if passed is not None and _only_matmul_lhs(user_var, users, outputs, steps[passed + 1:]):
             continue
         return False
     return True
@@ -177,5 +197,6 @@ class NormGemmPrologue:
             if isinstance(func, relax.Function):
                 new = rewriter.visit_expr(func)
                 rewriter.builder_.update_func(gvar, new)
-        mod = rewriter.builder_.get()
-        return relax.transform.DeadCodeElimination()(mod)
+        mod = relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+        # The half-precision norms left (other users than GEMMs) become one kernel each.
+        return HalfNormOneKernel()(mod)

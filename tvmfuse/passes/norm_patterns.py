@@ -15,7 +15,15 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from ._util import last_axis_only, rewrite_functions, scalar_value, shape_expr, static_shape
+from ._util import (
+    dataflow_bindings,
+    folded_constant,
+    last_axis_only,
+    rewrite_functions,
+    scalar_value,
+    shape_expr,
+    static_shape,
+)
 
 
 def _commutative(op: str, a, b):
@@ -23,20 +31,23 @@ def _commutative(op: str, a, b):
 
 
 def _rms_norm_pattern():
-    # HF in fp16/bf16 upcasts first and casts the normalised row back before the weight.
+    # In fp16/bf16, HF upcasts first (torch.export may spell ``x.float()`` twice: one cast for the
+    # square, one for the product) and multiplies by the weight after the cast back (Llama, T5) or
+    # in fp32 before it (Gemma's ``1 + w``, F.rms_norm, nn.RMSNorm).
     x0, w, eps, two = wildcard(), wildcard(), is_const(), is_const()
-    up = is_op("relax.astype")(x0)
-    x = up | x0
-    square = is_op("relax.power")(x, two) | is_op("relax.multiply")(x, x)
+    up_sq, up_mul = is_op("relax.astype")(x0), is_op("relax.astype")(x0)
+    xs, xm = up_sq | x0, up_mul | x0
+    square = is_op("relax.power")(xs, two) | is_op("relax.multiply")(xs, xs)
     mean = is_op("relax.mean")(square)
     var_eps = _commutative("relax.add", mean, eps)
     sqrt = is_op("relax.sqrt")(var_eps)
     one = is_const()
     inv = is_op("relax.rsqrt")(var_eps) | is_op("relax.divide")(one, sqrt)
-    normed = _commutative("relax.multiply", x, inv) | is_op("relax.divide")(x, sqrt)
+    normed = _commutative("relax.multiply", xm, inv) | is_op("relax.divide")(xm, sqrt)
     down = is_op("relax.astype")(normed)
     out = _commutative("relax.multiply", down | normed, w)
-    return out, dict(x=x0, up=up, down=down, w=w, eps=eps, two=two, mean=mean, one=one, square=square)
+    return out, dict(x=x0, up_sq=up_sq, up_mul=up_mul, down=down, w=w, eps=eps, two=two, mean=mean,
+                     one=one, square=square)
 
 
 def _layer_norm_pattern():
@@ -70,19 +81,41 @@ def _reduces_last_keepdims(call, ndim: int) -> bool:
     return last_axis_only(call.attrs.axis, ndim) and bool(call.attrs.keepdims)
 
 
+def _row_weight(w: relax.Expr, n: int, lookup) -> relax.Expr:
+    """``w`` as a 1-D row of ``n``: folded to a constant when built only from constants."""
+    value = None if isinstance(w, tvm.ir.expr.Constant) else folded_constant(w, lookup)
+    if value is not None:
+        return relax.const(value.reshape(n), str(value.dtype))
+    return w if len(static_shape(w)) == 1 else relax.op.reshape(w, shape_expr([n]))
+
+
+def _rms_input(m: dict, p: dict) -> relax.Expr | None:
+    """The tensor ``rms_norm`` takes for this match, else None when no ``rms_norm`` computes it.
+
+    Upcast on both branches, the weight applied after the cast back (``w ⊙ half(x̂)``):
+    ``rms_norm(x, w)`` (statistics in fp32, one rounding less). Upcast, weight applied in fp32:
+    ``rms_norm(float(x), w)``, the cast back (if any) left where it is. No casts: ``x``.
+    """
+    x = m[p["x"]]
+    casts = [p[k] in m for k in ("up_sq", "up_mul")]
+    if casts[0] != casts[1] or any(str(m[p[k]].attrs.dtype) != "float32" for k in ("up_sq", "up_mul")
+                                   if p[k] in m):
+        return None  # the square and the product would see x at different precisions
+    if p["down"] in m:
+        down_to_x = str(m[p["down"]].attrs.dtype) == str(x.ty.dtype)
+        return x if casts[0] and down_to_x else None
+    return m[p["up_mul"]] if casts[0] else x
+
+
 def _rewrite_rms(func: relax.Function) -> relax.Function:
     pattern, p = _rms_norm_pattern()
+    bound, _ = dataflow_bindings(func)
 
     def rewriter(expr, m):
-        x, w = m[p["x"]], m[p["w"]]
-        shape = static_shape(x)
+        data, w = _rms_input(m, p), m[p["w"]]
+        shape = None if data is None else static_shape(data)
         if shape is None or not _row_vector(w, shape[-1]):
             return expr
-        if (p["up"] in m) != (p["down"] in m):
-            return expr  # a cast on one side only changes the result's precision: leave it
-        if p["up"] in m and not (str(m[p["up"]].attrs.dtype) == "float32"
-                                 and str(m[p["down"]].attrs.dtype) == str(x.ty.dtype)):
-            return expr  # rms_norm computes in fp32 and returns x's dtype: only that form maps
         if not _reduces_last_keepdims(m[p["mean"]], len(shape)):
             return expr
         if p["two"] in m and m[p["square"]].op.name == "relax.power" and scalar_value(m[p["two"]]) != 2:
@@ -90,10 +123,10 @@ def _rewrite_rms(func: relax.Function) -> relax.Function:
         if p["one"] in m and scalar_value(m[p["one"]]) != 1:
             return expr
         eps = scalar_value(m[p["eps"]])
-        if eps is None or str(x.ty.dtype) != str(w.ty.dtype):
+        if eps is None or str(data.ty.dtype) != str(w.ty.dtype):
             return expr
-        weight = w if len(static_shape(w)) == 1 else relax.op.reshape(w, shape_expr([shape[-1]]))
-        return relax.op.nn.rms_norm(x, weight, axes=[-1], epsilon=eps)
+        weight = _row_weight(w, shape[-1], lambda e: bound.get(e, e))
+        return relax.op.nn.rms_norm(data, weight, axes=[-1], epsilon=eps)
 
     return rewrite_call(pattern, rewriter, func)
 
