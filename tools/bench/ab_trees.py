@@ -31,7 +31,8 @@ def run_tree(tree: Path, only: str, out: Path, extra: list[str]) -> list[dict]:
     paths = env.get("PYTHONPATH", "").split(os.pathsep)
     site = [p for p in paths if p and Path(p).resolve() != HERE.parents[1]]
     env["PYTHONPATH"] = os.pathsep.join(site + [str(tree.resolve())])
-    cmd = [sys.executable, str((tree / "tools/bench/run_all.py").resolve()), "--only", only, "--out", str(out), *extra]
+    script = (tree / "tools/bench/run_all.py").resolve()
+    cmd = [sys.executable, str(script), "--only", only, "--out", str(out), *extra]
     print(f"== {tree}: {' '.join(cmd)}", flush=True)
     subprocess.run(cmd, env=env, cwd=tree, check=False)
     return json.loads(out.read_text())["rows"] if out.exists() else []
