@@ -38,8 +38,8 @@ def run_tree(tree: Path, only: str, out: Path, extra: list[str]) -> list[dict]:
     return json.loads(out.read_text())["rows"] if out.exists() else []
 
 
-def key(row: dict) -> tuple[str, str]:
-    return row["workload"], row["shape"]
+def key(row: dict) -> tuple[str, str, str]:
+    return row["workload"], row["shape"], row.get("dtype", "")
 
 
 def compare(base: list[dict], new: list[dict]) -> tuple[list[dict], dict]:
@@ -49,15 +49,14 @@ def compare(base: list[dict], new: list[dict]) -> tuple[list[dict], dict]:
     for r in new:
         b = base_ms.get(key(r))
         if b and r.get("tvmfuse_ms"):
-            rows.append({"workload": r["workload"], "shape": r["shape"], "base_ms": b,
-                         "new_ms": r["tvmfuse_ms"], "ratio": r["tvmfuse_ms"] / b,
+            rows.append({"workload": r["workload"], "shape": r["shape"], "dtype": r.get("dtype"),
+                         "base_ms": b, "new_ms": r["tvmfuse_ms"], "ratio": r["tvmfuse_ms"] / b,
                          "new_rel_err": r.get("rel_err")})
     ratios = [r["ratio"] for r in rows]
     summary = {"rows_compared": len(rows),
                "geomean_ratio": math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None,
                "worst": max(rows, key=lambda r: r["ratio"]) if rows else None,
-               "missing_in_new": sorted({f"{k[0]} {k[1]}" for k in base_ms} - {f"{key(r)[0]} {key(r)[1]}"
-                                                                                for r in rows})}
+               "missing_in_new": sorted(" ".join(k) for k in set(base_ms) - {key(r) for r in new})}
     return rows, summary
 
 
@@ -84,8 +83,8 @@ def main() -> int:
                   rows=rows, base_drift=drift, base_rows=base, new_rows=new)
     out.write_text(json.dumps(result, indent=1))
     for r in rows:
-        print(f"{r['workload']:32s} {r['shape']:48s} base {r['base_ms']:.4f}  new {r['new_ms']:.4f}"
-              f"  x{r['ratio']:.3f}")
+        print(f"{r['workload']:32s} {r['shape']:48s} {r['dtype']:9s} base {r['base_ms']:.4f}"
+              f"  new {r['new_ms']:.4f}  x{r['ratio']:.3f}")
     print(json.dumps(summary, indent=1))
     return 0
 
