@@ -124,15 +124,6 @@ def test_fp32_minus_1e4_left_with_reason():
     _check_numerics(module, inputs, _run(exe, inputs), torch.float32)
 
 
-@pytest.mark.parametrize("name", list(forms.UNMATCHED))
-def test_unmatched_form_still_correct(name: str):
-    """Forms the matcher does not see yet compile unfused and compute the right numbers."""
-    module, inputs = forms.build(name)
-    lowered, stages, exe = _compile(module, inputs)
-    assert _attention_calls(stages["fuse_attention"]) == 0
-    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
-
-
 def test_sliding_window_left_with_reason():
     module, inputs = forms.sliding_window()
     lowered, stages, exe = _compile(module, inputs)

@@ -28,7 +28,7 @@ from .passes import (
     SinkReshape,
 )
 from .passes.attention import FuseAttention
-from .passes.canonical import CanonicalizeBatchedMatmul
+from .passes.canonical import CanonicalizeBatchedMatmul, CollapseViewChains, LiftFoldedBatch
 from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
@@ -81,9 +81,15 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Normalise exporter output first so every pattern below sees one canonical form.
         mod = run("decompose", relax.transform.DecomposeOpsForInference(), mod)
         mod = run("canonicalize", relax.transform.CanonicalizeBindings(), mod)
+        # einsum's 5-D expand_dims/permute views around a bmm become one permute + reshape (the
+        # spelling of `@` the next stage folds).
+        mod = run("canonical_view_chains", CollapseViewChains(), mod)
         # torch.export's N-D `@` (broadcast_to + reshape to 3-D + matmul + reshape back) becomes the
         # N-D matmul, so attention and GEMM patterns see one product.
         mod = run("canonical_batched_matmul", CanonicalizeBatchedMatmul(), mod)
+        # Products on heads-folded (B·H, S, ·) tensors (baddbmm/bmm attention) and the chain between
+        # them get their (B, H) axes back; after the fold above, which leaves lone products to it.
+        mod = run("canonical_lift_folded_batch", LiftFoldedBatch(), mod)
         # Exporters' no-op casts and x*1 would hide the patterns below and add kernel boundaries.
         mod = run("simplify_noops", SimplifyNoOps(), mod)
         # Spelled-out norms/softmax become single ops before anything else can split them.
