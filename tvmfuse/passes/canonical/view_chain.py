@@ -12,8 +12,13 @@ from the reshape, reshapes and permutes that keep the order of the non-unit axes
 row-major order the reshape reads is unchanged); from the first permute that moves a non-unit axis
 on, permutes are composed and size-1 axes dropped (``expand_dims``, ``squeeze``, reshapes that only
 add or remove size-1 axes) into one permutation ``P`` of ``x``'s non-unit axes (its size-1 axes stay
-in place). Shapes: static, any rank. Every view on the way must have no other user, and the chain is
-rewritten only when that leaves fewer ops.
+in place). A reshape that splits or merges axes ends the walk; when the permuted result is the
+final shape, its size-1 axes are replaced by those of the final shape (the 3-D product → 5-D →
+permute → 4-D becomes 3-D → 4-D → permute). A batched product's result (``matmul`` of ≥ 3-D
+operands, or its cast) is reshaped only into its N-D form, the one
+:class:`CanonicalizeBatchedMatmul` folds. Shapes: static, any rank. Every view on the way must have
+no other user; the chain is rewritten only when a permute or size-1 view goes away (or the split
+loses its size-1 axes): ``reshape(reshape(x))`` alone is left to RemoveRedundantReshape.
 
 For ``einsum("bhqd,bhkd->bhqk", q, k)`` this leaves ``reshape(q, (B·H, Sq, D))``,
 ``reshape(permute_dims(k, [0, 1, 3, 2]), (B·H, D, Skv))`` and ``reshape(scores3, (B, H, Sq, Skv))``:
@@ -22,6 +27,8 @@ canonicalisation stage, before :class:`CanonicalizeBatchedMatmul`.
 """
 
 from __future__ import annotations
+
+import math
 
 import tvm
 from tvm import relax
@@ -77,58 +84,87 @@ class _Chains:
             return None
         return value
 
+    def _product(self, expr: relax.Expr) -> bool:
+        """``expr`` is a batched product (``matmul`` of ≥ 3-D operands) or a cast of one."""
+        value = self.table.get(expr) if isinstance(expr, relax.Var) else None
+        if _op(value) == "relax.astype":
+            value = self.table.get(value.args[0]) if isinstance(value.args[0], relax.Var) else None
+        return _op(value) == "relax.matmul" and all(len(static_shape(a) or []) >= 3 for a in value.args)
+
     def rewrite(self, reshape: relax.Call) -> relax.Expr:
         out = static_shape(reshape)
         if out is None:
             return reshape
-        # 1. views the reshape absorbs: reshapes and order-keeping permutes
-        expr, dropped = reshape.args[0], 0
+        # 1. views the reshape absorbs: reshapes and order-keeping permutes; a batched product's
+        #    reshape only into its N-D form (what CanonicalizeBatchedMatmul folds)
+        expr, dropped, reshapes = reshape.args[0], 0, 0
         while (view := self._view(expr)) is not None:
-            shape = static_shape(view.args[0])
-            if _op(view) == "relax.permute_dims" and not _keeps_order(view, len(shape), shape):
+            src = static_shape(view.args[0])
+            if _op(view) == "relax.permute_dims" and not _keeps_order(view, len(src), src):
                 break
-            expr, dropped = view.args[0], dropped + 1
+            if _op(view) == "relax.reshape" and self._product(view.args[0]) and not _unfolds(src, out):
+                break
+            expr, dropped, reshapes = view.args[0], dropped + 1, reshapes + (_op(view) == "relax.reshape")
+        view = self._view(expr)
+        if view is None or _op(view) != "relax.permute_dims":  # no permute to compose
+            # reshape(reshape(x)) alone is RemoveRedundantReshape's, later in the pipeline
+            return reshape if dropped == reshapes else _reshape(expr, out)
         # 2. from the first permute that moves a non-unit axis: permutes and size-1 axes only
         chain = []
         while (view := self._view(expr)) is not None:
             src, dst = static_shape(view.args[0]), static_shape(expr)
-            if _op(view) == "relax.reshape" and _non_unit(src) != _non_unit(dst):
+            if _op(view) == "relax.reshape" and (_non_unit(src) != _non_unit(dst)
+                                                 or self._product(view.args[0])):
                 break
             chain.append(view)
             expr = view.args[0]
-        base = static_shape(expr)
-        perm = self._permutation(chain, base)
-        if perm is None:  # only order-keeping views below the reshape
-            dropped += len(chain)
-            perm = list(range(len(base)))
+        start = static_shape(expr)
+        labels = _labels(chain, start)
+        base, shape, absorbed = expr, start, False
+        if view is not None and 1 in start and _non_unit(out) == [_non_unit(start)[x] for x in labels]:
+            # a reshape that also splits or merges axes (the 3-D product → 5-D) stays, with the
+            # size-1 axes of ``out`` instead of its own: the permute then gives ``out`` itself
+            order = iter(sorted(labels))
+            split = [1 if d == 1 else _non_unit(start)[next(order)] for d in out]
+            src = static_shape(view.args[0])
+            if not self._product(view.args[0]) or _unfolds(src, split):
+                base, shape = relax.op.reshape(view.args[0], shape_expr(split)), split
+                absorbed = True
+        slots = [i for i, d in enumerate(shape) if d != 1]
+        perm = list(range(len(shape)))
+        for slot, label in zip(slots, labels, strict=True):
+            perm[slot] = slots[label]
         kept = 0 if perm == sorted(perm) else 1
-        if dropped + len(chain) <= kept:
+        final = [shape[p] for p in perm] != out
+        # rewritten when permutes / size-1 views go away, or the split loses its size-1 axes
+        saved = dropped - reshapes + len(chain) - kept
+        if saved <= 0 and not (absorbed and kept + final < dropped + len(chain) + 1):
             return reshape
-        result = expr if not kept else relax.op.permute_dims(expr, perm)
-        if [base[p] for p in perm] == out:
-            return result
-        return relax.op.reshape(result, shape_expr(out))
+        result = base if not kept else relax.op.permute_dims(base, perm)
+        return relax.op.reshape(result, shape_expr(out)) if final else result
 
-    @staticmethod
-    def _permutation(chain: list[relax.Call], base: list[int]) -> list[int] | None:
-        """The permutation of ``base``'s axes the ``chain`` (outermost first) applies to its
-        non-unit axes, size-1 axes kept in place; None for an empty chain."""
-        if not chain:
-            return None
-        labels: list[int | None] = [i if d != 1 else None for i, d in enumerate(base)]
-        for view in reversed(chain):
-            op, dst = _op(view), static_shape(view)
-            if op == "relax.permute_dims":
-                labels = [labels[a] for a in _axes(view, len(labels))]
-            else:  # expand_dims, squeeze, reshape: only size-1 axes come and go
-                order = iter(x for x in labels if x is not None)
-                labels = [None if d == 1 else next(order) for d in dst]
-        order = [x for x in labels if x is not None]
-        slots = [i for i, d in enumerate(base) if d != 1]
-        perm = list(range(len(base)))
-        for slot, axis in zip(slots, order, strict=True):
-            perm[slot] = axis
-        return perm
+
+def _unfolds(src: list[int], out: list[int]) -> bool:
+    """``out`` is ``src`` (batch, M, N) with its batch dims split: the N-D product's shape."""
+    return len(out) >= 3 and out[-2:] == src[-2:] and math.prod(out[:-2]) == math.prod(src[:-2])
+
+
+def _reshape(expr: relax.Expr, out: list[int]) -> relax.Expr:
+    return expr if static_shape(expr) == out else relax.op.reshape(expr, shape_expr(out))
+
+
+def _labels(chain: list[relax.Call], start: list[int]) -> list[int]:
+    """The order in which ``chain`` (outermost first; permutes, size-1 axes coming and going)
+    leaves the non-unit axes of a tensor of shape ``start``: their ordinals, outermost order."""
+    ordinal = iter(range(len(start)))
+    labels: list[int | None] = [None if d == 1 else next(ordinal) for d in start]
+    for view in reversed(chain):
+        if _op(view) == "relax.permute_dims":
+            labels = [labels[a] for a in _axes(view, len(labels))]
+        else:  # expand_dims, squeeze, reshape: only size-1 axes come and go
+            order = iter(x for x in labels if x is not None)
+            labels = [None if d == 1 else next(order) for d in static_shape(view)]
+    return [x for x in labels if x is not None]
 
 
 def _collapse(func: relax.Function) -> relax.Function:
