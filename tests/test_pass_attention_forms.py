@@ -164,7 +164,7 @@ def test_decoder_layer_fp16():
     _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
 
 
-@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape"])
+@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape", "einsum", "baddbmm"])
 def test_form_one_kernel_sm90(name: str):
     """On sm90 the scores of item 1 never leave the wgmma flash-attention kernel.
 
@@ -183,7 +183,7 @@ def test_form_one_kernel_sm90(name: str):
 
 
 GPU_FORMS = ["hand_written", "additive_finfo_min", "padding_masked_fill", "gqa_expand_reshape",
-             "bshd_inputs", "sdpa_enable_gqa"]
+             "bshd_inputs", "sdpa_enable_gqa", "einsum", "baddbmm"]
 
 
 @pytest.mark.gpu
