@@ -240,11 +240,9 @@ FORMS: dict[str, tuple] = {
     "sdpa_bool_mask": (lambda: Sdpa("bool_mask"), H, "bhsd", False),
     "sdpa_float_mask": (lambda: Sdpa("float_mask"), H, "bhsd", False),
     "sdpa_enable_gqa": (lambda: Sdpa("gqa"), KVH, "bhsd", False),
-}
-# Not matched yet (compiled unfused, numerics checked): torch.export writes einsum through 5-D
-# expand_dims/permute views around the 3-D bmm, and baddbmm's scores in 3-D (B·H, S, S) with an
-# fp32 upcast inside, reshaped to 4-D only before the mask.
-UNMATCHED: dict[str, tuple] = {
+    # torch.export writes einsum as 5-D expand_dims/permute views around the 3-D bmm
+    # (CollapseViewChains), baddbmm's scores in 3-D (B·H, S, S) computed in fp32 and rounded to
+    # fp16, reshaped to 4-D only before the mask (LiftFoldedBatch)
     "einsum": (Einsum, H, "bhsd", False),
     "baddbmm": (Baddbmm, H, "bhsd", False),
 }
@@ -255,7 +253,7 @@ def build(name: str, dtype: torch.dtype = torch.float16, seed: int = 0, head_dim
 
     The modules' scales use ``D`` whatever ``head_dim`` is (a scale is a scale).
     """
-    factory, kvh, layout, padding = {**FORMS, **UNMATCHED}[name]
+    factory, kvh, layout, padding = FORMS[name]
     g = torch.Generator().manual_seed(seed)
 
     def qkv(heads: int) -> torch.Tensor:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..errors import InputSpecError, ModelError, UnsupportedOpError
+from ..errors import InputSpecError, ModelError, TvmfuseError, UnsupportedOpError
+from .onnx_fixes import converters, node_refusals
 from .spec import ImportedModel, InputOverride, TensorSpec, check_override_names
 
 # ONNX TensorProto elem_type -> dtype name
@@ -31,13 +32,15 @@ def _load(model: Any, source: str):
 
 
 def scan_unsupported(graph) -> list[tuple[str, str]]:
-    """Every node (subgraphs included) whose op has no Relax converter, as (node, op_type)."""
+    """Every node (subgraphs included) whose op has no Relax converter, as (node, op_type), and
+    every use of an op that its converter refuses (an ONNX Attention attribute, say)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
     supported = set(_get_convert_map()) | {"Constant", "If"}
     found: list[tuple[str, str]] = []
 
     def visit(g, prefix: str) -> None:
+        found.extend(node_refusals(g))
         for i, node in enumerate(g.node):
             name = node.name or f"{prefix}#{i}"
             if node.domain not in ("", "ai.onnx") or node.op_type not in supported:
@@ -148,12 +151,15 @@ def import_onnx(model: Any, overrides: dict[str, InputOverride]) -> ImportedMode
     specs = _input_specs(proto, overrides, source)
     fold_scalar_constant_of_shape(proto)
     try:
-        mod = from_onnx(
-            proto,
-            shape_dict={s.name: list(s.shape) for s in specs},
-            dtype_dict={s.name: s.dtype for s in specs},
-            keep_params_in_input=False,
-        )
+        with converters():
+            mod = from_onnx(
+                proto,
+                shape_dict={s.name: list(s.shape) for s in specs},
+                dtype_dict={s.name: s.dtype for s in specs},
+                keep_params_in_input=False,
+            )
+    except TvmfuseError:
+        raise
     except Exception as err:  # the importer raises many kinds; name the model
         raise ModelError(f"{source}: ONNX import failed: {type(err).__name__}: {err}") from err
     outputs = [o.name for o in proto.graph.output]

@@ -237,6 +237,7 @@ class _Matcher:
     def __init__(self, fn: _Function) -> None:
         self.fn = fn
         self.score_extra_uses = 0
+        self.rounded: str | None = None  # the fp32 → half rounding of the scores the kernel skips
 
     # --- 3-D (B·H, S, D) batched form of torch.export --------------------------------------------
 
@@ -468,6 +469,11 @@ class _Matcher:
             elif op == "relax.astype" and str(value.ty.dtype) == "float32":
                 expr = args[0]  # upcast before softmax; the kernel accumulates in fp32 anyway
                 dtype = str(expr.ty.dtype)  # masks before it apply to (and are judged in) this dtype
+            elif (op == "relax.astype" and str(value.ty.dtype) in ("float16", "bfloat16")
+                  and str(args[0].ty.dtype) == "float32"):
+                # fp32 scores rounded to half (baddbmm's half result): the kernel keeps them in fp32
+                self.rounded = f"float32->{value.ty.dtype}"
+                expr, dtype = args[0], "float32"
             else:
                 name = op or type(value).__name__
                 raise _Reject(f"{name} between QKᵀ and softmax is not a scale or a mask")
@@ -706,6 +712,7 @@ class _Matcher:
             return None
         softmax, guard = found
         self.score_extra_uses = 1 if guard == "safe_softmax" else 0  # the guard's equal(S, -inf)
+        self.rounded = None
         shape = static_shape(softmax)
         axis = int(softmax.attrs.axis)
         if axis not in (-1, len(shape) - 1):
@@ -747,6 +754,8 @@ class _Matcher:
             # fp32 attention on exactly-upcast half operands runs on the half operands (fp32 scores
             # and softmax, as the kernels always do; P·V in the half dtype with fp32 accumulation)
             info["upcast"] = f"{upcast}->float32"
+        if self.rounded is not None:
+            info["scores_rounding"] = f"dropped: {self.rounded} (the kernel's scores stay fp32)"
         bias = None
         for b in masks.biases:
             bias = b if bias is None else relax.op.add(bias, b)

@@ -13,13 +13,17 @@ import tvm
 from .batched_matmul import CanonicalizeBatchedMatmul
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
+from .lift_folded_batch import LiftFoldedBatch
 from .share_casts import ShareCasts
 from .tuple_output import TupleOutput
 from .upcast_matmul import UpcastMatmul
+from .view_chain import CollapseViewChains
 
 # In order; a line's comment says why it sits where it does.
 PASSES = [
+    CollapseViewChains,  # einsum's 5-D expand_dims/permute views around a bmm → one permute + reshape
     CanonicalizeBatchedMatmul,  # torch.export's N-D `@` (reshape → 3-D matmul → reshape) is one product
+    LiftFoldedBatch,  # heads-folded (B·H, S, ·) products (baddbmm/bmm) get their (B, H) axes back
     ShareCasts,  # one astype per (value, dtype): the passes below compare operands by identity
     HalfMatmulAccumulate,  # every GEMM names its fp32 accumulator before the two below read it
     UpcastMatmul,  # needs out_dtype=float32 (above); folds casts before the GEMM is reshaped
@@ -33,5 +37,6 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
     return tvm.transform.Sequential([p() for p in PASSES], name="tvmfuse.Canonicalize")
 
 
-__all__ = ["PASSES", "Canonicalize", "CanonicalizeBatchedMatmul", "FoldMatmulLeadingDims",
-           "HalfMatmulAccumulate", "ShareCasts", "TupleOutput", "UpcastMatmul"]
+__all__ = ["PASSES", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
+           "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts", "TupleOutput",
+           "UpcastMatmul"]
