@@ -36,7 +36,8 @@ class Formulation:
     name: str
     kind: str  # attention | norm | gemm_epilogue | elementwise
     build: Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]
-    attention: int = 0  # attention ops the computation holds
+    attention: int = 0  # attention ops the computation holds (fused into R.nn.attention)
+    left: str | None = None  # an attention deliberately left unfused: words of its recorded reason
     frontend: str = "torch"
     dtype: str | None = None
 
@@ -352,7 +353,7 @@ FORMULATIONS: list[Formulation] = [
        attention=1),
     _f("attn_gqa_expand_reshape", "attention", _attn(GQA("expand"), hkv=HKV // 2), attention=1),
     _f("attn_bshd_inputs", "attention", _attn(BSHD(float("-inf")), bshd=True), attention=1),
-    _f("attn_sliding_window_band", "attention", _attn(SlidingWindow()), attention=1),
+    _f("attn_sliding_window_band", "attention", _attn(SlidingWindow()), left="sliding-window"),
     _f("attn_fp32_module_as_fp16", "attention", _attn(MaskedFill(float("-inf")), torch.float32),
        attention=1, dtype="float16"),
     _f("sdpa_causal_bhsd", "attention", _attn(SDPA()), attention=1),
