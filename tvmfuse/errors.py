@@ -76,3 +76,9 @@ class DeviceError(TvmfuseError):
 
 class InputError(TvmfuseError, ValueError):
     """A call's inputs do not match the library's signature (count, name, shape, dtype, device)."""
+
+
+# What TVM's own calls raise when they refuse an input (tvm_ffi maps C++ errors onto these; TVMError
+# is a RuntimeError). A ``try`` around a TVM call catches these, never ``Exception``: a Python bug
+# (AttributeError, KeyError, NameError, ...) in tvmfuse must propagate.
+TVM_ERRORS: tuple[type[Exception], ...] = (RuntimeError, ValueError, TypeError)

@@ -20,6 +20,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 
 from .attrs import FALLBACK_ATTR, IN_LOOP_ATTR, KEPT_ATTR, TUNING_ATTR
 from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
+from .errors import TVM_ERRORS
 from .passes import MixedPrecision
 from .passes.attention import attention_decisions
 from .passes.legalize_fixes import legalize_overrides
@@ -85,7 +86,7 @@ def kernel_flops(func: tirx.PrimFunc) -> int:
     """TVM's FLOP estimate of an unscheduled kernel (0 where it cannot tell)."""
     try:
         return int(estimate_tir_flops(tvm.IRModule({"main": func})))
-    except Exception:  # scheduled or opaque functions: FLOPs unknown, bytes still exact
+    except TVM_ERRORS:  # TVM cannot count scheduled / opaque functions: FLOPs unknown, bytes exact
         return 0
 
 
@@ -314,7 +315,7 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
             lowered = tvm.transform.Sequential(
                 stock.library_dispatch_passes(target) + legalize
                 + stock.dataflow_lower_passes(target) + stock.finalize_passes(target))(mod)
-    except Exception:  # report "unknown" rather than guess
+    except TVM_ERRORS:  # the stock pipeline refuses the graph: report "unknown" rather than guess
         return None
     prims = {gv.name_hint for gv, f in lowered.functions.items() if isinstance(f, tirx.PrimFunc)}
     return sum(1 for _, c in _main_calls(lowered)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import tvm
 from tvm import tirx
 
+from ..errors import TVM_ERRORS
+
 OPAQUE, INJECTIVE = 8, 2
 
 
@@ -46,7 +48,7 @@ def _is_gather(func: tirx.PrimFunc) -> bool:
     try:
         sch = s_tir.Schedule(func)
         children = sch.get_child_blocks(sch.get_sblock("root"))
-    except Exception:  # not block-structured: not ours
+    except TVM_ERRORS:  # TVM refuses a function that is not block-structured: not ours
         return False
     if len(children) != 1:
         return False

@@ -21,6 +21,7 @@ import tvm.sym
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ...errors import TVM_ERRORS
 from ..tir_util import BINARY_OPS as _BINARY
 from ..tir_util import MATH_CALLS as _CALLS
 from ..tir_util import Call as _Call
@@ -211,7 +212,7 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
     params = list(func.params)  # 0.27: parameters are the buffers themselves
     try:
         _, blocks = top_blocks(func)
-    except Exception as err:  # TVM raises TVMError / ValueError on unexpected structure
+    except TVM_ERRORS as err:  # TVM refuses a function that is not block-structured
         raise NotHandled(f"not a block-structured function ({err})") from err
     if not blocks:
         raise NotHandled("no blocks")
