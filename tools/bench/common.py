@@ -256,7 +256,7 @@ _counter = itertools.count()
 
 
 def compile_and_load(
-    module: torch.nn.Module,
+    module: torch.nn.Module | str,
     example_inputs: tuple[torch.Tensor, ...],
     target: str,
     workdir: str | Path,
@@ -339,7 +339,8 @@ class Workload:
     ``module`` and ``inputs`` are built on the CPU (tvmfuse compiles them there) and moved to the
     bench device afterwards. ``eager`` is the torch baseline (default: ``module``) and, run in
     float32, the correctness reference. ``extra`` holds further eager baselines by row key
-    (``cublas_ms``, ``sdpa_ms``), called with ``inputs``.
+    (``cublas_ms``, ``sdpa_ms``), called with ``inputs``. ``export``, when set, writes the model
+    file tvmfuse compiles instead of ``module`` (e.g. its ONNX export) into the given folder.
     """
 
     name: str
@@ -352,6 +353,7 @@ class Workload:
     eager: torch.nn.Module | None = None
     extra: dict[str, Callable[..., Any]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    export: Callable[[Path], str] | None = None
 
 
 def random_inputs(
@@ -414,7 +416,8 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
     log = _logger(wl.name)
     fn = None
     try:
-        fn, row["compile_s"] = compile_and_load(wl.module, wl.inputs, opts.target, opts.workdir,
+        model = wl.export(Path(opts.workdir)) if wl.export else wl.module
+        fn, row["compile_s"] = compile_and_load(model, wl.inputs, opts.target, opts.workdir,
                                                 wl.name)
         log(f"tvmfuse compile + export {row['compile_s']:.1f} s")
     except Exception as err:

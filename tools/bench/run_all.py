@@ -4,7 +4,7 @@
     python3 tools/bench/run_all.py --device cpu --no-compile      # CPU smoke run, tiny shapes
 
 Workloads, in this order: layernorm, rmsnorm, softmax, elementwise, gemm, norm_linear,
-attention, mlp, decoder, attention_forms, llama_lm.
+attention, mlp, decoder, attention_forms, llama_lm, onnx_decoder.
 Results go to --out or to tools/bench/results/<gpu>_<target>_<UTC time>.json, rewritten after each
 workload so a run killed half-way keeps what it measured. A workload that raises is recorded with
 ``ERROR: …`` in its notes and the others still run; the exit status is 1 when any did. The last
@@ -34,6 +34,7 @@ import bench_layernorm
 import bench_llama_lm
 import bench_mlp
 import bench_norm_linear
+import bench_onnx_decoder
 import bench_rmsnorm
 import bench_softmax
 import common
@@ -51,6 +52,7 @@ WORKLOADS: dict[str, ModuleType] = {
     "decoder": bench_decoder,
     "attention_forms": bench_attention_forms,
     "llama_lm": bench_llama_lm,
+    "onnx_decoder": bench_onnx_decoder,
 }
 
 
