@@ -8,9 +8,9 @@ For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys::
     out   = acc / l
 
 (indices of the spec's formula; the buffers are read and written in ``qkv_layout`` /
-``out_layout`` through :func:`.attention_spec.at`), with ``m``, ``l`` and ``acc`` (D floats) in
-fp32 scratch local to the row: no Sq×Skv buffer exists. A row that sees no key (BottomRight with Sq > Skv, or an all −inf bias row) yields 0.
-The (b, h) loop is parallel. This is the numerics reference of the cpu target, not a fast kernel.
+``out_layout`` through :func:`.spec.at`), with ``m``, ``l`` and ``acc`` (D floats) in
+fp32 scratch local to the row: no Sq×Skv buffer exists. A row that sees no key (BottomRight
+with Sq > Skv, or an all −inf bias row) yields 0. The (b, h) loop is parallel. This is the numerics reference of the cpu target, not a fast kernel.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     sc = float(spec.scale * _LOG2E)
     l2e = float(_LOG2E)
     neg_inf = float("-inf")
-    L, LO = spec.qkv_layout, spec.out_layout
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
 
     @T.macro
     def row(q, k, v, bias, out, bh, i):
@@ -92,8 +92,8 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                     if j < Skv and j <= i + off + cmax:
                         s[jj] = T.float32(0)
                         for d in T.serial(D):
-                            s[jj] += T.Cast("float32", q[at(L, b, i, h, d)]) * T.Cast(
-                                "float32", k[at(L, b, j, g, d)])
+                            s[jj] += T.Cast("float32", q[at(QKV_L, b, i, h, d)]) * T.Cast(
+                                "float32", k[at(QKV_L, b, j, g, d)])
                         s[jj] = s[jj] * sc
                         if has_bias:
                             s[jj] += T.Cast("float32", bias[b * fb, h * fh, i * fi, j]) * l2e
@@ -111,10 +111,10 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                 for jj in T.serial(TK):
                     if s[jj] > T.float32(0):
                         for d in T.serial(D):
-                            acc[d] += s[jj] * T.Cast("float32", v[at(L, b, t * TK + jj, g, d)])
+                            acc[d] += s[jj] * T.Cast("float32", v[at(QKV_L, b, t * TK + jj, g, d)])
                 st[0] = st[2]
             for d in T.serial(D):
-                out[at(LO, b, i, h, d)] = T.Cast(
+                out[at(OUT_L, b, i, h, d)] = T.Cast(
                     odt, T.if_then_else(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
 
     return row

@@ -67,7 +67,7 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
     GC = max(d for d in range(1, min(G, _MAX_GC) + 1) if G % d == 0)
     HC = G // GC
     dt, odt = spec.dtype, spec.result_dtype
-    L, LO = spec.qkv_layout, spec.out_layout  # memory layouts (attention_spec.at)
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
     LPR = D // vec  # lanes per key row
     NG = _THREADS // LPR  # key rows in flight per unroll step
@@ -115,13 +115,13 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
                 for e in T.unroll(vec):
-                    qr[hh * vec + e] = T.Cast("float32", q[at(L, b, 0, h0 + hh, d0 + e)]) * sc
+                    qr[hh * vec + e] = T.Cast("float32", q[at(QKV_L, b, 0, h0 + hh, d0 + e)]) * sc
                     acc[hh * vec + e] = T.float32(0)
             for it in T.serial(n_iter):
                 for u in T.unroll(U):
                     jl: T.let[T.int32] = T.min(j0 + it * per_iter + u * NG + grp, kv_eff - 1)
-                    kr[T.ramp(u * vec, 1, vec)] = k[at(L, b, jl, kvh, T.ramp(d0, 1, vec))]
-                    vr[T.ramp(u * vec, 1, vec)] = v[at(L, b, jl, kvh, T.ramp(d0, 1, vec))]
+                    kr[T.ramp(u * vec, 1, vec)] = k[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
+                    vr[T.ramp(u * vec, 1, vec)] = v[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
                 for u in T.unroll(U):
                     for hh in T.unroll(GC):
                         s[u * GC + hh] = T.float32(0)
@@ -198,7 +198,7 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                     (bh * n_split + sp2) * D + t2]
                 c[3] = c[3] + T.exp2(part_ml[(bh * n_split + sp2) * 2] - c[1]) * part_ml[
                     (bh * n_split + sp2) * 2 + 1]
-            out[at(LO, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
+            out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
                 odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
 
     if has_bias:

@@ -77,11 +77,10 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     """PrimFunc ``(q, k, v, [bias,] out)`` for ``spec`` (layout in ``attention.py``)."""
     _check(spec)
     cfg = config or default_config(spec)
-    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
-                              spec.head_dim)
+    B, Sq, Skv, Hq, D = spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.head_dim
     G = spec.group
     dt, odt = spec.dtype, spec.result_dtype
-    L, LO = spec.qkv_layout, spec.out_layout  # memory layouts (attention_spec.at)
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
     ptx_t = _PTX_TYPE[dt]
     mma_op = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_t}.{ptx_t}.f32"
@@ -126,7 +125,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
             T.ptx["cp.async.cg.shared.global"](
                     T.cuda.cvta_generic_to_shared(
                         T.address_of(smem[base + r * D + T.bitwise_xor(c, r % 8) * 8])),
-                    T.address_of(src[at(L, b, T.min(row0 + r, n_rows - 1), hh, c * 8)]),
+                    T.address_of(src[at(QKV_L, b, T.min(row0 + r, n_rows - 1), hh, c * 8)]),
                     16,
                     T.Cast("uint32", T.if_then_else(row0 + r < n_rows, 16, 0)),
                 )
@@ -320,7 +319,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                 if row < Sq:
                     for dn in T.unroll(ND):
                         for e in T.unroll(2):
-                            out[at(LO, b, row, h, dn * 8 + (lane % 4) * 2 + e)] = T.Cast(
+                            out[at(OUT_L, b, row, h, dn * 8 + (lane % 4) * 2 + e)] = T.Cast(
                                 odt, o_acc[(mt * ND + dn) * 4 + rh * 2 + e] * st[1])
 
     if has_bias:

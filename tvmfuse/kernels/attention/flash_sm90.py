@@ -118,7 +118,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                               spec.head_dim)
     G = spec.group
     in_dt, odt = spec.dtype, spec.result_dtype
-    L, LO = spec.qkv_layout, spec.out_layout  # memory layouts (attention_spec.at)
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     ab = _PTX_TYPE[in_dt]
     BM, BN, NS, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     DC = D // 64  # 64-element (128-byte) chunks per row: one TMA box / swizzle atom column each
@@ -165,11 +165,11 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         """One TMA box per 64-element d-chunk c: rows ``row..`` of ``head`` into ``base + c·chunk``."""
         for c in range(DC):
             _emit(tma(to_shared(smem.ptr_to([base + c * chunk])), T.address_of(tmap),
-                      *at(L, b, row, head, c * 64)[::-1], to_shared(bar)))
+                      *at(QKV_L, b, row, head, c * 64)[::-1], to_shared(bar)))
 
     def store_o(tmap, smem, h, m0, wg, b) -> None:
         for c in range(DC):
-            _emit(tma_st(T.address_of(tmap), *at(LO, b, m0 + wg * 64, h, c * 64)[::-1],
+            _emit(tma_st(T.address_of(tmap), *at(OUT_L, b, m0 + wg * 64, h, c * 64)[::-1],
                          to_shared(smem.ptr_to([c * q_chunk + wg * 4096]))))
 
     def mma_qk(s_acc, desc_q, desc_k, stage) -> None:
@@ -196,14 +196,14 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         v = T.match_buffer(v_h, spec.kv_shape, in_dt, align=16)
         out = T.match_buffer(o_h, spec.out_shape, odt, align=16)
         Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_map(Q_map, q, L, Hq, Sq, BM)
+        encode_map(Q_map, q, QKV_L, Hq, Sq, BM)
         K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_map(K_map, k, L, Hkv, Skv, BN)
+        encode_map(K_map, k, QKV_L, Hkv, Skv, BN)
         V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_map(V_map, v, L, Hkv, Skv, BN)
+        encode_map(V_map, v, QKV_L, Hkv, Skv, BN)
         if tma_store:
             O_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-            encode_map(O_map, out, LO, Hq, Sq, 64)
+            encode_map(O_map, out, OUT_L, Hq, Sq, 64)
         T.device_entry()
         bid = T.cta_id([n_m * Hq * B])
         tx = T.thread_id([cfg.threads])
@@ -456,7 +456,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                     if row0 + r * 8 < Sq:
                         for dn in T.unroll(D // 8):
                             for x in T.unroll(2):
-                                out[at(LO, b, row0 + r * 8, h, dn * 8 + col0 + x)] = T.Cast(
+                                out[at(OUT_L, b, row0 + r * 8, h, dn * 8 + col0 + x)] = T.Cast(
                                     odt, o_acc[dn * 4 + r * 2 + x] * alpha[r])
 
     return main
