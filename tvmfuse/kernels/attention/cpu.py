@@ -10,7 +10,8 @@ For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys::
 (indices of the spec's formula; the buffers are read and written in ``qkv_layout`` /
 ``out_layout`` through :func:`.spec.at`), with ``m``, ``l`` and ``acc`` (D floats) in
 fp32 scratch local to the row: no Sq×Skv buffer exists. A row that sees no key (BottomRight
-with Sq > Skv, or an all −inf bias row) yields 0. The (b, h) loop is parallel. This is the numerics reference of the cpu target, not a fast kernel.
+with Sq > Skv, or an all −inf bias row) yields 0. The (b, h) loop is parallel. This is the
+numerics reference of the cpu target, not a fast kernel.
 """
 
 from __future__ import annotations
