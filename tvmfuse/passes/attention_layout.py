@@ -100,11 +100,10 @@ class _Fold(PyExprMutator):
     def __init__(self, mod: tvm.IRModule, plans: dict) -> None:
         super().__init__(mod)
         self.plans = plans
-        self.results: dict = {}  # output permute var → the kernel's result
+        self.written: set = set()  # output transposes whose value the kernel writes
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        if binding.var in self.results:  # the output transpose the kernel already wrote
-            self.set_var_remap(binding.var, self.results[binding.var])
+        if binding.var in self.written:  # bound to the kernel's call already
             return
         plan = self.plans.get(binding.var)
         if plan is None:
@@ -118,13 +117,12 @@ class _Fold(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         gvar = self.builder_.add_func(func, "attention")  # the report classifies by this name
-        out_ty = (plan.out_var if plan.out_var is not None else binding.var).ty
+        # the kernel's result keeps the var it replaces (a block output stays one)
+        var = binding.var if plan.out_var is None else plan.out_var
         args = [self.visit_expr(a) for a in plan.operands]
-        result = self.builder_.emit(relax.call_tir(gvar, args, out_ty))
-        if plan.out_var is not None:
-            self.results[plan.out_var] = result
-        else:
-            self.set_var_remap(binding.var, result)
+        call = self.builder_.normalize(relax.call_tir(gvar, args, var.ty))
+        self.builder_.emit_normalized(relax.VarBinding(var, call))
+        self.written.add(var)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.FoldAttentionLayout")
