@@ -8,6 +8,7 @@ and ptxas reports no spills. ``gpu``: rel err against a float64 torch reference 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -55,9 +56,23 @@ def random_inputs(spec: AttentionSpec, seed: int = 0):
     return q, k, v, bias
 
 
-def _spec(b, sq, skv, hq, hkv, d, dtype="float32", causal="none", bias=None, bias_dtype=None):
+def _spec(b, sq, skv, hq, hkv, d, dtype="float32", causal="none", bias=None, bias_dtype=None,
+          layouts=("BSHD", "BSHD")):
     return AttentionSpec(b, sq, skv, hq, hkv, d, dtype, 1.0 / np.sqrt(d), causal, bias,
-                         bias_dtype or (dtype if bias else None))
+                         bias_dtype or (dtype if bias else None), qkv_layout=layouts[0],
+                         out_layout=layouts[1])
+
+
+def in_layout(x, layout: str):
+    """A (B, S, H, D) array (numpy or torch) laid out in ``layout`` (contiguous); its inverse too."""
+    if layout == "BSHD":
+        return x
+    t = x.transpose(1, 2) if hasattr(x, "contiguous") else x.transpose(0, 2, 1, 3)
+    return t.contiguous() if hasattr(t, "contiguous") else np.ascontiguousarray(t)
+
+
+# (qkv_layout, out_layout) pairs other than the default, each exercised below
+LAYOUTS = {"bhsd": ("BHSD", "BHSD"), "bhsd_in": ("BHSD", "BSHD"), "bhsd_out": ("BSHD", "BHSD")}
 
 
 CPU_CASES = {
@@ -93,18 +108,18 @@ def _run_cpu(spec: AttentionSpec, q, k, v, bias) -> np.ndarray:
 
     args, rounded = [], []
     for x, dt in ((q, spec.dtype), (k, spec.dtype), (v, spec.dtype)):
-        t, r = dev(x, dt)
+        t, r = dev(in_layout(x, spec.qkv_layout), dt)
         args.append(t)
-        rounded.append(r)
+        rounded.append(in_layout(r, spec.qkv_layout))  # BHSD → BSHD is the same swap
     if bias is not None:
         t, r = dev(bias, spec.bias_dtype)
         args.append(t)
         rounded.append(r)
     else:
         rounded.append(None)
-    out = tvm.runtime.empty(q.shape, spec.result_dtype)
+    out = tvm.runtime.empty(spec.out_shape, spec.result_dtype)
     lib["main"](*args, out)
-    o = out.numpy()
+    o = in_layout(out.numpy(), spec.out_layout)
     if spec.result_dtype == "bfloat16":
         o = (o.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return o.astype(np.float64), reference(*rounded, spec)
@@ -119,6 +134,19 @@ def test_cpu_numerics(name):
     assert err < tol, f"{name}: rel err {err:.2e} ≥ {tol}"
     if spec.causal == "BottomRight" and spec.q_len > spec.kv_len:
         assert not out[:, : spec.q_len - spec.kv_len].any(), "rows seeing no key must be 0"
+
+
+@pytest.mark.parametrize("layouts", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["causal_topleft", "causal_bottomright_kvcache", "gqa_d128",
+                                  "mqa", "padding_mask", "decode", "fp16"])
+def test_cpu_numerics_in_layout(name, layouts):
+    """q/k/v and out in (B, H, S, D): the kernel reads and writes them through the layout."""
+    spec = dataclasses.replace(CPU_CASES[name], qkv_layout=LAYOUTS[layouts][0],
+                               out_layout=LAYOUTS[layouts][1])
+    out, ref = _run_cpu(spec, *random_inputs(spec))
+    tol = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}[spec.dtype]
+    err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert err < tol, f"{name} {layouts}: rel err {err:.2e} ≥ {tol}"
 
 
 def test_cpu_all_masked_bias_row_is_zero():
@@ -194,6 +222,8 @@ def _assert_no_spills(report: str) -> None:
 FLASH_BUILDS = {
     "causal_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"), "sm80"),
     "bias_d64_bf16_sm90": (_spec(2, 100, 177, 4, 4, 64, "bfloat16", bias=(2, 1, 1, 177)), "sm90"),
+    "bhsd_causal_gqa_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
+                                             layouts=LAYOUTS["bhsd"]), "sm80"),
 }
 
 
@@ -218,8 +248,10 @@ def test_flash_attention_builds_with_tensor_cores(name, tmp_path):
 
 
 @needs_nvcc
-def test_flash_decode_builds(tmp_path):
-    spec = _spec(4, 1, 1000, 32, 8, 128, "float16", causal="BottomRight")
+@pytest.mark.parametrize("layouts", ["bshd", "bhsd"])
+def test_flash_decode_builds(layouts, tmp_path):
+    spec = _spec(4, 1, 1000, 32, 8, 128, "float16", causal="BottomRight",
+                 layouts=LAYOUTS.get(layouts, ("BSHD", "BSHD")))
     func = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
     fatbin, report = _cuda_fatbin(func, "sm80", tmp_path)
     _assert_no_spills(report)
@@ -272,6 +304,17 @@ GPU_CASES = {
     # specs the flash kernels do not take: the one-thread-per-row CUDA-core fallback
     "generic_fp32_d16_causal_gqa_bias": _spec(2, 70, 70, 4, 2, 16, "float32", "TopLeft", (2, 1, 1, 70)),
     "generic_fp16_d32_bottomright": _spec(1, 50, 90, 2, 2, 32, "float16", causal="BottomRight"),
+    # q/k/v and out in (B, H, S, D) (FoldAttentionLayout), every kernel
+    "bhsd_causal_gqa_d128_fp16": _spec(2, 200, 200, 8, 2, 128, "float16", "TopLeft",
+                                       layouts=LAYOUTS["bhsd"]),
+    "bhsd_in_full_gqa_d64_bf16": _spec(2, 77, 333, 8, 2, 64, "bfloat16", layouts=LAYOUTS["bhsd_in"]),
+    "bhsd_out_causal_d64_fp16": _spec(1, 150, 150, 4, 4, 64, "float16", "TopLeft",
+                                      layouts=LAYOUTS["bhsd_out"]),
+    "bhsd_bias_d128_fp16": _spec(2, 130, 130, 4, 4, 128, "float16", bias=(2, 1, 1, 130),
+                                 layouts=LAYOUTS["bhsd"]),
+    "decode_bhsd_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16", layouts=LAYOUTS["bhsd"]),
+    "generic_bhsd_fp16_d32_causal_gqa": _spec(2, 70, 70, 4, 2, 32, "float16", "TopLeft",
+                                              layouts=LAYOUTS["bhsd"]),
 }
 # the kernel each case must run (``global_symbol`` of the dispatched PrimFunc) and whether its
 # CUDA source issues tensor-core mma.sync: decode_* the split-KV kernel, generic_* the fallback
@@ -298,14 +341,16 @@ def test_gpu_numerics(name):
     assert ("mma.sync" in cuda_source(lib)) == mma
     q, k, v, bias = random_inputs(spec)
     dt = getattr(torch, spec.dtype)
-    tq, tk, tv = (torch.from_numpy(x).to("cuda", dt) for x in (q, k, v))
-    args = [tq, tk, tv]
+    tq, tk, tv = (torch.from_numpy(x).to("cuda", dt) for x in (q, k, v))  # (B, S, H, D)
+    args = [in_layout(x, spec.qkv_layout) for x in (tq, tk, tv)]
     if bias is not None:
         args.append(torch.from_numpy(bias).to("cuda", getattr(torch, spec.bias_dtype)))
-    out = torch.empty_like(tq)
+    out = torch.full(spec.out_shape, float("nan"), dtype=dt, device="cuda")
     lib["main"](*[tvm.runtime.from_dlpack(x) for x in (*args, out)])
-    ref = reference(*[x.cpu().double().numpy() for x in args] + ([None] if bias is None else []),
-                    spec)
-    err = np.linalg.norm(out.cpu().double().numpy() - ref) / np.linalg.norm(ref)
+    ref = reference(*[x.cpu().double().numpy() for x in (tq, tk, tv)],
+                    None if bias is None else args[3].cpu().double().numpy(), spec)
+    got = in_layout(out, spec.out_layout).cpu().double().numpy()
+    assert np.isfinite(got).all(), f"{name}: NaN / inf in the output"
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     tol = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}[spec.dtype]
     assert err < tol, f"{name}: rel err {err:.2e} ≥ {tol}"

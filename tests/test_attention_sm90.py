@@ -17,7 +17,7 @@ import pytest
 import tvm
 
 from tests.cuda_tools import needs_nvcc
-from tests.test_attention_kernels import _spec, random_inputs, reference
+from tests.test_attention_kernels import LAYOUTS, _spec, in_layout, random_inputs, reference
 from tvmfuse.kernels.attention.flash_sm90 import (
     NAME,
     Sm90FlashConfig,
@@ -53,6 +53,10 @@ BUILDS = {
     "serial_direct_store": (_spec(1, 200, 200, 2, 2, 128, "bfloat16"),
                             Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False),
                             (128, 128)),
+    "bhsd_causal_gqa_d128": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
+                                   layouts=LAYOUTS["bhsd"]), None, (128, 128)),
+    "bhsd_in_direct_store_d64": (_spec(1, 200, 333, 4, 2, 64, "bfloat16", layouts=LAYOUTS["bhsd_in"]),
+                                 Sm90FlashConfig(tma_store=False), (128, 64)),
 }
 
 
@@ -137,6 +141,16 @@ GPU_CASES = {
     "serial_direct_store_causal_gqa_fp16": (
         _spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"),
         Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False)),
+    # q/k/v and out in (B, H, S, D): TMA maps over (D, S, H, B)
+    "bhsd_causal_ragged_gqa_d128_fp16": (
+        _spec(2, 300, 300, 8, 2, 128, "float16", "TopLeft", layouts=LAYOUTS["bhsd"]), None),
+    "bhsd_in_full_ragged_gqa_d64_bf16": (
+        _spec(2, 77, 333, 8, 2, 64, "bfloat16", layouts=LAYOUTS["bhsd_in"]), None),
+    "bhsd_out_bottomright_d128_fp16": (
+        _spec(1, 100, 260, 8, 1, 128, "float16", "BottomRight", layouts=LAYOUTS["bhsd_out"]), None),
+    "bhsd_direct_store_causal_d128_bf16": (
+        _spec(1, 333, 333, 4, 2, 128, "bfloat16", "TopLeft", layouts=LAYOUTS["bhsd"]),
+        Sm90FlashConfig(tma_store=False)),
 }
 
 
@@ -157,11 +171,12 @@ def test_gpu_numerics(name):
     assert "wgmma.mma_async" in source and "cp.async.bulk.tensor" in source
     q, k, v, _ = random_inputs(spec)
     dt = getattr(torch, spec.dtype)
-    args = [torch.from_numpy(x).to("cuda", dt) for x in (q, k, v)]
-    out = torch.full_like(args[0], float("nan"))
+    bshd = [torch.from_numpy(x).to("cuda", dt) for x in (q, k, v)]
+    args = [in_layout(x, spec.qkv_layout) for x in bshd]
+    out = torch.full(spec.out_shape, float("nan"), dtype=dt, device="cuda")
     lib["main"](*[tvm.runtime.from_dlpack(x) for x in (*args, out)])
-    ref = reference(*[x.cpu().double().numpy() for x in args], None, spec)
-    got = out.cpu().double().numpy()
+    ref = reference(*[x.cpu().double().numpy() for x in bshd], None, spec)
+    got = in_layout(out, spec.out_layout).cpu().double().numpy()
     assert np.isfinite(got).all(), f"{name}: NaN / inf in the output"
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     tol = {"float16": 2e-3, "bfloat16": 1e-2}[spec.dtype]

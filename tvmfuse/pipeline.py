@@ -31,6 +31,7 @@ from .passes import (
     SinkReshape,
 )
 from .passes.attention import FuseAttention
+from .passes.attention_layout import FoldAttentionLayout
 from .passes.canonical import Canonicalize
 from .passes.legalize_fixes import legalize_overrides
 from .passes.pair_gemm import PairGemm
@@ -129,6 +130,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Gate/up Linears meeting elementwise (SwiGLU) → one interleaved GEMM + pair epilogue, grouped
         # for FuseTIR; after mixed precision (its dtypes are final), before LegalizeOps.
         mod = run("pair_gemm", PairGemm(), mod)
+        # Attention on (B, H, S, D) tensors: the kernel reads q/k/v and writes its result in that
+        # layout, so no transpose kernels; after the operand rewrites, before the pack below.
+        mod = run("fold_attention_layout", FoldAttentionLayout(), mod)
         # Attention operands made by injective ops (RoPE, QKV slices, masks): one kernel writes them
         # all; after every pass that rewrites those operands, before ops become TIR.
         mod = run("pack_attention_inputs", PackAttentionInputs(), mod)

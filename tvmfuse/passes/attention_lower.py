@@ -62,13 +62,21 @@ def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                                f"supported: {call.op.name} with q {call.args[0].ty}")
         rule = stock._nn_attention_bias if len(call.args) > 3 else stock._nn_attention
         return rule(bb, call)
-    target = tvm.target.Target.current() or tvm.target.Target("llvm")  # no target: the host CPU
-    try:
-        func = attention_primfunc(spec, target)
-    except (ValueError, NotImplementedError):  # no kernel for this dtype / head dim on target
+    func = attention_kernel(spec)
+    if func is None:  # no kernel for this dtype / head dim on target
         return _decomposed(call, spec)
     gvar = bb.add_func(func, "attention")  # the report classifies kernels by this name
     return relax.call_tir(gvar, list(call.args), call.ty)
+
+
+def attention_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc | None:
+    """The kernel computing ``spec`` on the current target (none: the host CPU), or None where
+    no kernel takes the spec."""
+    target = tvm.target.Target.current() or tvm.target.Target("llvm")
+    try:
+        return attention_primfunc(spec, target)
+    except (ValueError, NotImplementedError):
+        return None
 
 
 def _decomposed(call: relax.Call, spec) -> relax.Expr:

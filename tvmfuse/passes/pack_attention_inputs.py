@@ -58,7 +58,7 @@ def _op_name(expr: relax.Expr) -> str:
     return ""
 
 
-class _Graph:
+class OperandGraph:
     """Bindings, users and constant-derived vars of one function's dataflow blocks."""
 
     def __init__(self, func: relax.Function) -> None:
@@ -110,9 +110,9 @@ class _Graph:
         return _op_name(self.bound.get(var)) in _INJECTIVE and not self.from_gemm(var)
 
 
-def _plan(func: relax.Function) -> dict:
+def pack_plan(func: relax.Function) -> dict:
     """Attention binding var → operand vars (in argument order) to pack for that call."""
-    graph = _Graph(func)
+    graph = OperandGraph(func)
     plans, packed = {}, set()
     for var, value in graph.bound.items():
         if _op_name(value) not in _ATTENTION:
@@ -182,7 +182,7 @@ class PackAttentionInputs:
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
-            plans = _plan(func)
+            plans = pack_plan(func)
             if not plans:
                 continue
             rewriter = _Pack(mod, plans)

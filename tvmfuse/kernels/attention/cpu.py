@@ -7,9 +7,11 @@ For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys::
     acc   = α·acc + Σ_j 2^(s_j − m') · v[b,j,g]                          (g = h // group)
     out   = acc / l
 
-with ``m``, ``l`` and ``acc`` (D floats) in fp32 scratch local to the row: no Sq×Skv buffer
-exists. A row that sees no key (BottomRight with Sq > Skv, or an all −inf bias row) yields 0.
-The (b, h) loop is parallel. This is the numerics reference of the cpu target, not a fast kernel.
+(indices of the spec's formula; the buffers are read and written in ``qkv_layout`` /
+``out_layout`` through :func:`.spec.at`), with ``m``, ``l`` and ``acc`` (D floats) in
+fp32 scratch local to the row: no Sq×Skv buffer exists. A row that sees no key (BottomRight
+with Sq > Skv, or an all −inf bias row) yields 0. The (b, h) loop is parallel. This is the
+numerics reference of the cpu target, not a fast kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import tvm
 from tvm.script import tirx as T
 
-from .spec import AttentionSpec
+from .spec import AttentionSpec, at
 
 _KV_TILE = 32
 _LOG2E = math.log2(math.e)
@@ -66,6 +68,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     sc = float(spec.scale * _LOG2E)
     l2e = float(_LOG2E)
     neg_inf = float("-inf")
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
 
     @T.macro
     def row(q, k, v, bias, out, bh, i):
@@ -90,8 +93,8 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                     if j < Skv and j <= i + off + cmax:
                         s[jj] = T.float32(0)
                         for d in T.serial(D):
-                            s[jj] += T.Cast("float32", q[b, i, h, d]) * T.Cast(
-                                "float32", k[b, j, g, d])
+                            s[jj] += T.Cast("float32", q[at(QKV_L, b, i, h, d)]) * T.Cast(
+                                "float32", k[at(QKV_L, b, j, g, d)])
                         s[jj] = s[jj] * sc
                         if has_bias:
                             s[jj] += T.Cast("float32", bias[b * fb, h * fh, i * fi, j]) * l2e
@@ -109,10 +112,10 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                 for jj in T.serial(TK):
                     if s[jj] > T.float32(0):
                         for d in T.serial(D):
-                            acc[d] += s[jj] * T.Cast("float32", v[b, t * TK + jj, g, d])
+                            acc[d] += s[jj] * T.Cast("float32", v[at(QKV_L, b, t * TK + jj, g, d)])
                 st[0] = st[2]
             for d in T.serial(D):
-                out[b, i, h, d] = T.Cast(
+                out[at(OUT_L, b, i, h, d)] = T.Cast(
                     odt, T.if_then_else(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
 
     return row
@@ -121,8 +124,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
 def primfunc_around(spec: AttentionSpec, body) -> tvm.tirx.PrimFunc:
     """The PrimFunc ``(q, k, v, [bias,] out)`` of ``spec`` whose body is the macro
     ``body(q, k, v, bias, out)`` (``bias`` is ``q``, unused, when the spec has none)."""
-    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
-                              spec.head_dim)
+    q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
     dt, odt = spec.dtype, spec.result_dtype
     bias_shape = spec.bias_shape or (1, 1, 1, 1)
     bdt = spec.bias_dtype or dt
@@ -130,17 +132,17 @@ def primfunc_around(spec: AttentionSpec, body) -> tvm.tirx.PrimFunc:
     if spec.bias_shape is not None:
 
         @T.prim_func(s_tir=True)
-        def attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                      v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
-                      out: T.Buffer((B, Sq, Hq, D), odt)):
+        def attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                      v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
+                      out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.noalias": True})
             body(q, k, v, bias, out)
 
     else:
 
         @T.prim_func(s_tir=True)
-        def attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                      v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, Sq, Hq, D), odt)):
+        def attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                      v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.noalias": True})
             body(q, k, v, q, out)
 

@@ -25,7 +25,7 @@ from tvm.script import tirx as T
 
 from ...device_props import device_properties
 from .cpu import bias_strides
-from .spec import AttentionSpec
+from .spec import AttentionSpec, at
 
 _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
@@ -67,6 +67,8 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
     GC = max(d for d in range(1, min(G, _MAX_GC) + 1) if G % d == 0)
     HC = G // GC
     dt, odt = spec.dtype, spec.result_dtype
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
+    q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
     LPR = D // vec  # lanes per key row
     NG = _THREADS // LPR  # key rows in flight per unroll step
     U = cfg.unroll
@@ -113,13 +115,13 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
                 for e in T.unroll(vec):
-                    qr[hh * vec + e] = T.Cast("float32", q[b, 0, h0 + hh, d0 + e]) * sc
+                    qr[hh * vec + e] = T.Cast("float32", q[at(QKV_L, b, 0, h0 + hh, d0 + e)]) * sc
                     acc[hh * vec + e] = T.float32(0)
             for it in T.serial(n_iter):
                 for u in T.unroll(U):
                     jl: T.let[T.int32] = T.min(j0 + it * per_iter + u * NG + grp, kv_eff - 1)
-                    kr[T.ramp(u * vec, 1, vec)] = k[b, jl, kvh, T.ramp(d0, 1, vec)]
-                    vr[T.ramp(u * vec, 1, vec)] = v[b, jl, kvh, T.ramp(d0, 1, vec)]
+                    kr[T.ramp(u * vec, 1, vec)] = k[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
+                    vr[T.ramp(u * vec, 1, vec)] = v[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
                 for u in T.unroll(U):
                     for hh in T.unroll(GC):
                         s[u * GC + hh] = T.float32(0)
@@ -196,23 +198,23 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                     (bh * n_split + sp2) * D + t2]
                 c[3] = c[3] + T.exp2(part_ml[(bh * n_split + sp2) * 2] - c[1]) * part_ml[
                     (bh * n_split + sp2) * 2 + 1]
-            out[bh // Hq, 0, bh % Hq, t2] = T.Cast(
+            out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
                 odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
 
     if has_bias:
 
         @T.prim_func
-        def flash_decode(q: T.Buffer((B, 1, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                         v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
-                         out: T.Buffer((B, 1, Hq, D), odt)):
+        def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                         v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
+                         out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(q, k, v, bias, out)
 
     else:
 
         @T.prim_func
-        def flash_decode(q: T.Buffer((B, 1, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                         v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, 1, Hq, D), odt)):
+        def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                         v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(q, k, v, q, out)
 

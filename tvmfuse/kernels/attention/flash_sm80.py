@@ -27,7 +27,7 @@ import tvm
 from tvm.script import tirx as T
 
 from .cpu import bias_strides, causal_offset
-from .spec import AttentionSpec
+from .spec import AttentionSpec, at
 
 _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
@@ -77,10 +77,11 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     """PrimFunc ``(q, k, v, [bias,] out)`` for ``spec`` (layout in ``attention.py``)."""
     _check(spec)
     cfg = config or default_config(spec)
-    B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
-                              spec.head_dim)
+    B, Sq, Skv, Hq, D = spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.head_dim
     G = spec.group
     dt, odt = spec.dtype, spec.result_dtype
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
+    q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
     ptx_t = _PTX_TYPE[dt]
     mma_op = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_t}.{ptx_t}.f32"
     cvt_op = f"cvt.rn.{ptx_t}x2.f32"
@@ -124,7 +125,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
             T.ptx["cp.async.cg.shared.global"](
                     T.cuda.cvta_generic_to_shared(
                         T.address_of(smem[base + r * D + T.bitwise_xor(c, r % 8) * 8])),
-                    T.address_of(src[b, T.min(row0 + r, n_rows - 1), hh, c * 8]),
+                    T.address_of(src[at(QKV_L, b, T.min(row0 + r, n_rows - 1), hh, c * 8)]),
                     16,
                     T.Cast("uint32", T.if_then_else(row0 + r < n_rows, 16, 0)),
                 )
@@ -318,23 +319,23 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                 if row < Sq:
                     for dn in T.unroll(ND):
                         for e in T.unroll(2):
-                            out[b, row, h, dn * 8 + (lane % 4) * 2 + e] = T.Cast(
+                            out[at(OUT_L, b, row, h, dn * 8 + (lane % 4) * 2 + e)] = T.Cast(
                                 odt, o_acc[(mt * ND + dn) * 4 + rh * 2 + e] * st[1])
 
     if has_bias:
 
         @T.prim_func
-        def flash_attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                            v: T.Buffer((B, Skv, Hkv, D), dt), bias: T.Buffer(bias_shape, bdt),
-                            out: T.Buffer((B, Sq, Hq, D), odt)):
+        def flash_attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                            v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
+                            out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(q, k, v, bias, out)
 
     else:
 
         @T.prim_func
-        def flash_attention(q: T.Buffer((B, Sq, Hq, D), dt), k: T.Buffer((B, Skv, Hkv, D), dt),
-                            v: T.Buffer((B, Skv, Hkv, D), dt), out: T.Buffer((B, Sq, Hq, D), odt)):
+        def flash_attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                            v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(q, k, v, q, out)
 

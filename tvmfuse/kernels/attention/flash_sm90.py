@@ -4,7 +4,8 @@ One CTA per (query tile of ``BM = 64·consumers`` rows, query head, batch), ``1 
 warpgroups (warp specialisation)::
 
     warpgroup 0 (producer, one thread)   Q tile once, then K_j, V_j per KV tile by TMA (4-D tensor
-                                         maps over (D, H, S, B), 128-byte swizzle, OOB rows = 0)
+                                         maps over (D, H, S, B), or (D, S, H, B) for the BHSD
+                                         layout, 128-byte swizzle, OOB rows = 0)
                                          into an NS-stage ring guarded by full/empty mbarriers
     warpgroup w ≥ 1 (consumer, 64 rows) for each KV tile j (causal: diagonal tiles first, tiles
                                          right of the diagonal skipped):
@@ -35,7 +36,7 @@ from tvm.script import tirx as T
 
 from ...attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
 from .cpu import causal_offset
-from .spec import AttentionSpec, spec_json
+from .spec import AttentionSpec, at, spec_json
 
 _LOG2E = math.log2(math.e)
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
@@ -117,6 +118,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                               spec.head_dim)
     G = spec.group
     in_dt, odt = spec.dtype, spec.result_dtype
+    QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     ab = _PTX_TYPE[in_dt]
     BM, BN, NS, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     DC = D // 64  # 64-element (128-byte) chunks per row: one TMA box / swizzle atom column each
@@ -145,12 +147,15 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     to_shared = T.cuda.cvta_generic_to_shared
     tma_store = cfg.tma_store and odt == in_dt
 
-    def encode_map(tmap, buf, heads: int, seq: int, rows: int):
-        # host: 4-D tensor map, dims innermost first (D, H, S, B), byte strides of H, S, B,
-        # box (64, 1, rows, 1), element strides 1, no interleave, 128B swizzle, L2 256B, OOB zeros
-        return T.call_packed("runtime.cuTensorMapEncodeTiled", tmap, in_dt, 4, buf.data, D, heads,
-                             seq, B, D * 2, heads * D * 2, seq * heads * D * 2, 64, 1, rows, 1, 1, 1,
-                             1, 1, 0, SW128, 2, 0)
+    def encode_map(tmap, buf, layout: str, heads: int, seq: int, rows: int):
+        # host: 4-D tensor map over the buffer's dims innermost first ((D, H, S, B) for BSHD,
+        # (D, S, H, B) for BHSD), byte strides of the outer three, box of 64 d × ``rows`` positions,
+        # element strides 1, no interleave, 128B swizzle, L2 256B, OOB zeros
+        dims = at(layout, B, seq, heads, D)[::-1]
+        box = at(layout, 1, rows, 1, 64)[::-1]
+        strides = (dims[0] * 2, dims[0] * dims[1] * 2, dims[0] * dims[1] * dims[2] * 2)
+        return T.call_packed("runtime.cuTensorMapEncodeTiled", tmap, in_dt, 4, buf.data, *dims,
+                             *strides, *box, 1, 1, 1, 1, 0, SW128, 2, 0)
 
     def tile_row(bid):
         # causal: the longest query tiles first; the heads and batches of one tile run side by side
@@ -159,12 +164,12 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     def tma_rows(smem, tmap, base, chunk: int, head, row, b, bar) -> None:
         """One TMA box per 64-element d-chunk c: rows ``row..`` of ``head`` into ``base + c·chunk``."""
         for c in range(DC):
-            _emit(tma(to_shared(smem.ptr_to([base + c * chunk])), T.address_of(tmap), c * 64, head,
-                      row, b, to_shared(bar)))
+            _emit(tma(to_shared(smem.ptr_to([base + c * chunk])), T.address_of(tmap),
+                      *at(QKV_L, b, row, head, c * 64)[::-1], to_shared(bar)))
 
     def store_o(tmap, smem, h, m0, wg, b) -> None:
         for c in range(DC):
-            _emit(tma_st(T.address_of(tmap), c * 64, h, m0 + wg * 64, b,
+            _emit(tma_st(T.address_of(tmap), *at(OUT_L, b, m0 + wg * 64, h, c * 64)[::-1],
                          to_shared(smem.ptr_to([c * q_chunk + wg * 4096]))))
 
     def mma_qk(s_acc, desc_q, desc_k, stage) -> None:
@@ -186,19 +191,19 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     @T.prim_func
     def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
-        q = T.match_buffer(q_h, (B, Sq, Hq, D), in_dt, align=16)
-        k = T.match_buffer(k_h, (B, Skv, Hkv, D), in_dt, align=16)
-        v = T.match_buffer(v_h, (B, Skv, Hkv, D), in_dt, align=16)
-        out = T.match_buffer(o_h, (B, Sq, Hq, D), odt, align=16)
+        q = T.match_buffer(q_h, spec.q_shape, in_dt, align=16)
+        k = T.match_buffer(k_h, spec.kv_shape, in_dt, align=16)
+        v = T.match_buffer(v_h, spec.kv_shape, in_dt, align=16)
+        out = T.match_buffer(o_h, spec.out_shape, odt, align=16)
         Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_map(Q_map, q, Hq, Sq, BM)
+        encode_map(Q_map, q, QKV_L, Hq, Sq, BM)
         K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_map(K_map, k, Hkv, Skv, BN)
+        encode_map(K_map, k, QKV_L, Hkv, Skv, BN)
         V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        encode_map(V_map, v, Hkv, Skv, BN)
+        encode_map(V_map, v, QKV_L, Hkv, Skv, BN)
         if tma_store:
             O_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-            encode_map(O_map, out, Hq, Sq, 64)
+            encode_map(O_map, out, OUT_L, Hq, Sq, 64)
         T.device_entry()
         bid = T.cta_id([n_m * Hq * B])
         tx = T.thread_id([cfg.threads])
@@ -451,7 +456,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                     if row0 + r * 8 < Sq:
                         for dn in T.unroll(D // 8):
                             for x in T.unroll(2):
-                                out[b, row0 + r * 8, h, dn * 8 + col0 + x] = T.Cast(
+                                out[at(OUT_L, b, row0 + r * 8, h, dn * 8 + col0 + x)] = T.Cast(
                                     odt, o_acc[dn * 4 + r * 2 + x] * alpha[r])
 
     return main

@@ -22,6 +22,12 @@ kernel-less decomposition of ``tvmfuse.passes.attention_lower``). That is what t
 drops that guard on the strength of this rule; a new kernel must keep it.
 
 Every kernel takes its buffers in the order ``q, k, v, [bias,] out``.
+
+Memory layout: ``qkv_layout`` / ``out_layout`` say how q, k, v and out lie in memory, "BSHD"
+(the layout above) or "BHSD" (torch's ``(B, H, S, D)``: the buffer is ``(B, H, S, D)`` and the
+kernel reads element (b, s, h, d) of the formula at ``[b, h, s, d]``, :func:`at`). So a graph that
+transposes (B, H, S, D) tensors into ``R.nn.attention`` and its result back needs no transpose
+kernel (``tvmfuse.passes.attention_layout``). Every kernel honours both layouts.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ import json
 from dataclasses import dataclass
 
 CAUSAL_KINDS = ("none", "TopLeft", "BottomRight")
+LAYOUTS = ("BSHD", "BHSD")
+
+
+def at(layout: str, b, s, h, d) -> tuple:
+    """Buffer indices of element (batch b, position s, head h, dim d) in ``layout``; also the
+    buffer shape when given the extents (B, S, H, D)."""
+    return (b, s, h, d) if layout == "BSHD" else (b, h, s, d)
 
 
 @dataclass(frozen=True)
@@ -49,10 +62,15 @@ class AttentionSpec:
     bias_shape: tuple[int, int, int, int] | None = None  # (B|1, Hq|1, Sq|1, Skv) or None
     bias_dtype: str | None = None
     out_dtype: str | None = None  # defaults to dtype
+    qkv_layout: str = "BSHD"  # memory layout of q, k and v: one of LAYOUTS
+    out_layout: str = "BSHD"  # memory layout of out
 
     def __post_init__(self) -> None:
         if self.causal not in CAUSAL_KINDS:
             raise ValueError(f"causal must be one of {CAUSAL_KINDS}, not {self.causal!r}")
+        for name in ("qkv_layout", "out_layout"):
+            if getattr(self, name) not in LAYOUTS:
+                raise ValueError(f"{name} must be one of {LAYOUTS}, not {getattr(self, name)!r}")
         if self.q_heads % self.kv_heads:
             raise ValueError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
 
@@ -65,10 +83,29 @@ class AttentionSpec:
     def result_dtype(self) -> str:
         return self.out_dtype or self.dtype
 
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the q buffer (in ``qkv_layout``)."""
+        return at(self.qkv_layout, self.batch, self.q_len, self.q_heads, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the k and v buffers (in ``qkv_layout``)."""
+        return at(self.qkv_layout, self.batch, self.kv_len, self.kv_heads, self.head_dim)
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the out buffer (in ``out_layout``)."""
+        return at(self.out_layout, self.batch, self.q_len, self.q_heads, self.head_dim)
+
 
 def spec_json(spec: AttentionSpec) -> str:
     """Canonical JSON of a spec (a flash kernel's ``tvmfuse.attention_spec`` attribute)."""
-    return json.dumps(dataclasses.asdict(spec), sort_keys=True)
+    fields = dataclasses.asdict(spec)
+    for name in ("qkv_layout", "out_layout"):  # the default is left out: older records stay valid
+        if fields[name] == "BSHD":
+            del fields[name]
+    return json.dumps(fields, sort_keys=True)
 
 
 def spec_from_json(text: str) -> AttentionSpec:
