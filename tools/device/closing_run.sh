@@ -7,7 +7,9 @@
 # Two GPUs: tests on GPU 1 beside the benchmarks on GPU 0. One GPU: tests first (builds are CPU-bound,
 # the GPU is idle most of the time), then the benchmarks alone on the GPU.
 #   bash .tvmdev/setup.sh && export PYTHONPATH=/tmp/tvmdev/site:$PWD && bash tools/device/closing_run.sh
-# Env: LIMIT_S (default 480: nothing starts after it), REQS (default reqs). Outputs: $OUT/closing.tgz.
+# Env: LIMIT_S (default 480: nothing starts after it), REQS (default reqs), TESTS_S (default 300: the
+# GPU tests' limit), BENCH_ONLY (run_all workloads; default the fp16 set below), BENCH_EXTRA=0 (skip
+# the bf16 and sm80 GEMM runs), BENCH_ARGS (more run_all options). Outputs: $OUT/closing.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TVM_CUDA_COMPILE_MODE=nvcc PYTHONPATH=${PYTHONPATH:-/tmp/tvmdev/site:$PWD}
 OUT=${OUT:-$PWD/out}
@@ -21,7 +23,7 @@ tgpu=$(( ngpu > 1 ? 1 : 0 ))
 left() { echo $(( LIMIT - SECONDS )); }
 
 tests() {
-  CUDA_VISIBLE_DEVICES=$tgpu OUT="$R/tests" SKIP_BENCH=1 timeout 300 bash tools/device/run_gpu.sh \
+  CUDA_VISIBLE_DEVICES=$tgpu OUT="$R/tests" SKIP_BENCH=1 timeout "${TESTS_S:-300}" bash tools/device/run_gpu.sh \
     > "$R/tests/tests.log" 2>&1
   echo "tests rc=$? at $SECONDS s" >> "$R/tests/tests.log"
   for req in "$REQS"/*.sh; do
@@ -34,8 +36,9 @@ tests() {
 }
 bench() {
   CUDA_VISIBLE_DEVICES=0 timeout $(( $(left) + 20 )) python3 tools/bench/run_all.py \
-    --only gemm,norm_linear,mlp,decoder,attention,layernorm,rmsnorm,softmax,elementwise \
-    --out "$R/bench/bench_fp16.json" --budget-s "$(left)" > "$R/bench/bench_fp16.log" 2>&1
+    --only "${BENCH_ONLY:-gemm,norm_linear,mlp,decoder,attention,layernorm,rmsnorm,softmax,elementwise}" \
+    --out "$R/bench/bench_fp16.json" --budget-s "$(left)" ${BENCH_ARGS:-} > "$R/bench/bench_fp16.log" 2>&1
+  [[ ${BENCH_EXTRA:-1} == 0 ]] && return
   if (( $(left) > 40 )); then
     CUDA_VISIBLE_DEVICES=0 timeout "$(left)" python3 tools/bench/bench_gemm.py --dtype bfloat16 --no-compile \
       --shapes 4096x4096x4096,8192x8192x4096 --out "$R/bench/bench_gemm_bf16.json" > "$R/bench/bench_gemm_bf16.log" 2>&1
