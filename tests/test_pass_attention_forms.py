@@ -182,6 +182,7 @@ def test_form_one_kernel_sm90(name: str):
     assert not [n for n in names if any(op in n for op in ("matmul", "softmax", "where"))], names
 
 
+BIAS_FORMS = ["padding_masked_fill"]  # a data-dependent padding mask: an additive bias operand
 GPU_FORMS = ["hand_written", "additive_finfo_min", "padding_masked_fill", "gqa_expand_reshape",
              "bshd_inputs", "sdpa_enable_gqa", "einsum", "baddbmm"]
 
@@ -196,8 +197,12 @@ def test_form_gpu_matches_torch(name: str, target: str, tmp_path):
     module, inputs = forms.build(name, head_dim=64)
     _, stages, _ = _compile(module, inputs, target=target)
     assert _attention_calls(stages["fuse_attention"]) == 1
-    (kernel,) = [f for gv, f in stages["legalize"].functions.items() if gv.name_hint == "attention"]
-    assert "tvmfuse.fallback" not in kernel.attrs, kernel.attrs["tvmfuse.fallback"]
+    (kernel,) = [f for gv, f in stages["legalize"].functions.items()
+                 if gv.name_hint in ("attention", "flash_attention")]
+    if name in BIAS_FORMS and target == "sm90":  # the sm90a kernel takes no additive bias (yet)
+        assert "additive bias" in str(kernel.attrs["tvmfuse.fallback"]), kernel.attrs
+    else:
+        assert "tvmfuse.fallback" not in kernel.attrs, kernel.attrs["tvmfuse.fallback"]
     lib = tvmfuse.compile(module, inputs, target=target)
     model = tvmfuse.load(lib.export(tmp_path / f"{name}.so"), device="cuda")
     got = model(*[x.cuda() for x in inputs])
