@@ -293,7 +293,8 @@ class LinearAct(nn.Module):
     def __init__(self, act: str) -> None:
         super().__init__()
         self.act = act
-        self.fc = nn.Linear(HIDDEN, HIDDEN if act == "residual" else OUT, bias=act != "residual")
+        self.fc = nn.Linear(HIDDEN, HIDDEN if act == "residual" else OUT,
+                            bias=act not in ("residual", "swiglu"))  # SwiGLU as Llama: no biases
         self.up = nn.Linear(HIDDEN, OUT, bias=False)
         self.down = nn.Linear(OUT, HIDDEN, bias=False)
 

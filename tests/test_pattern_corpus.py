@@ -72,7 +72,7 @@ KERNELS: dict[str, int] = {
     "linear_bias_gelu_tanh": 1,
     "linear_bias_silu": 1,
     "linear_residual": 1,
-    "swiglu_mlp": 3,
+    "swiglu_mlp": 2,
     "linear_bias_relu_fp32": 1,
     "onnx_dynamo_linear_bias_relu": 1,
     "onnx_legacy_linear_bias_gelu": 1,
