@@ -21,8 +21,8 @@ from tests.test_attention_kernels import LAYOUTS, _spec, in_layout, random_input
 from tvmfuse.kernels.attention.flash_sm90 import (
     NAME,
     Sm90FlashConfig,
+    check,
     flash_attention_sm90_primfunc,
-    unsupported,
 )
 from tvmfuse.rules.attention import attention_primfunc
 from tvmfuse.targets import get_target
@@ -95,9 +95,9 @@ def test_dispatch_falls_back_with_reason():
 
 
 def test_unsupported_reasons():
-    assert "head_dim 96" in unsupported(_spec(1, 64, 64, 2, 2, 96, "float16"))
-    assert "dtype float32" in unsupported(_spec(1, 64, 64, 2, 2, 64, "float32"))
-    assert "shared memory" in unsupported(_spec(1, 64, 64, 2, 2, 128, "float16"),
+    assert "head_dim 96" in check(_spec(1, 64, 64, 2, 2, 96, "float16"))
+    assert "dtype float32" in check(_spec(1, 64, 64, 2, 2, 64, "float32"))
+    assert "shared memory" in check(_spec(1, 64, 64, 2, 2, 128, "float16"),
                                           Sm90FlashConfig(block_n=256, stages=3))
     with pytest.raises(ValueError, match="head_dim 80"):
         flash_attention_sm90_primfunc(_spec(1, 64, 64, 2, 2, 80, "float16"))

@@ -36,7 +36,9 @@ from .attrs import SPEC_ATTR
 from .kernels.attention.flash_sm90 import (
     Sm90FlashConfig,
     flash_attention_sm90_primfunc,
-    unsupported,
+)
+from .kernels.attention.flash_sm90 import (
+    check as attention_check,
 )
 from .kernels.attention.spec import spec_from_json
 from .kernels.gemm.epilogue import NotHandled
@@ -126,7 +128,7 @@ def attention_space(func: tirx.PrimFunc) -> ConfigSpace | None:
         return None
     text = str(func.attrs[SPEC_ATTR])
     spec = spec_from_json(text)
-    cands = [c for c in attention_candidates() if unsupported(spec, Sm90FlashConfig(**c)) is None]
+    cands = [c for c in attention_candidates() if attention_check(spec, Sm90FlashConfig(**c)) is None]
     if not cands:
         return None
 

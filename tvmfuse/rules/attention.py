@@ -13,11 +13,12 @@ import tvm
 
 from ..attrs import FALLBACK_ATTR
 from ..kernels.attention.cpu import attention_cpu_primfunc
+from ..kernels.attention.flash_decode import check as decode_check
 from ..kernels.attention.flash_decode import flash_decode_primfunc
+from ..kernels.attention.flash_sm80 import check as flash_check
 from ..kernels.attention.flash_sm80 import flash_attention_primfunc
-from ..kernels.attention.flash_sm80 import unsupported as flash_unsupported
+from ..kernels.attention.flash_sm90 import check as sm90_check
 from ..kernels.attention.flash_sm90 import flash_attention_sm90_primfunc
-from ..kernels.attention.flash_sm90 import unsupported as sm90_unsupported
 from ..kernels.attention.generic_cuda import attention_generic_cuda_primfunc
 from ..kernels.attention.spec import CAUSAL_KINDS, AttentionSpec
 
@@ -41,16 +42,17 @@ def attention_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.ti
 
 def _cuda_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.PrimFunc:
     """The CUDA kernel for ``spec``: see :func:`attention_primfunc`."""
+    # each generator's check() says "not mine" with the reason; the next kernel then takes the spec
     if spec.q_len == 1:
-        try:
+        reason = decode_check(spec)
+        if reason is None:
             return flash_decode_primfunc(spec, target)
-        except ValueError as err:  # dtype / head dim the split-KV kernel does not take
-            return attention_generic_cuda_primfunc(spec, str(err))
-    reason = flash_unsupported(spec)
+        return attention_generic_cuda_primfunc(spec, f"flash decode: {reason}")
+    reason = flash_check(spec)
     if reason is not None:  # still one kernel without S in HBM, on CUDA cores
         return attention_generic_cuda_primfunc(spec, f"flash_attention: {reason}")
     if str(target.attrs.get("arch", "")) == "sm_90a":
-        reason = sm90_unsupported(spec)
+        reason = sm90_check(spec)
         if reason is None:
             return flash_attention_sm90_primfunc(spec, target)
         func = flash_attention_primfunc(spec, target)

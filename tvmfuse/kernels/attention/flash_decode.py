@@ -50,17 +50,26 @@ def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, 
     return max(1, min(want, (kv_eff + keys_per_iter - 1) // keys_per_iter))
 
 
-def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
-                          config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
-    """PrimFunc ``(q, k, v, [bias,] out)`` for a ``q_len == 1`` spec (layout in ``attention.py``)."""
+def check(spec: AttentionSpec) -> str | None:
+    """Why the split-KV decode kernel does not take ``spec``, or None when it does."""
     if spec.q_len != 1:
-        raise ValueError(f"flash decode needs q_len == 1, not {spec.q_len}")
+        return f"needs q_len == 1, not {spec.q_len}"
     if spec.dtype not in ("float16", "bfloat16", "float32"):
-        raise ValueError(f"flash decode: dtype {spec.dtype} unsupported")
+        return f"dtype {spec.dtype} unsupported"
     vec = _VEC if spec.dtype != "float32" else 4
     lanes = spec.head_dim // vec
     if spec.head_dim % vec or lanes & (lanes - 1) or _THREADS % lanes:
-        raise ValueError(f"flash decode: head_dim {spec.head_dim} unsupported")
+        return f"head_dim {spec.head_dim} unsupported"
+    return None
+
+
+def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
+                          config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k, v, [bias,] out)`` for a spec :func:`check` takes (layout in ``attention.py``)."""
+    reason = check(spec)
+    if reason is not None:  # callers ask check() first; reaching this is a caller's bug
+        raise ValueError(f"flash decode: {reason}")
+    vec = _VEC if spec.dtype != "float32" else 4
     cfg = config or DecodeConfig()
     B, Skv, Hq, Hkv, D = spec.batch, spec.kv_len, spec.q_heads, spec.kv_heads, spec.head_dim
     G = spec.group

@@ -55,7 +55,7 @@ def default_config(spec: AttentionSpec) -> FlashConfig:
     return FlashConfig(warps=4, m_tiles=1, block_n=64, stages=2)
 
 
-def unsupported(spec: AttentionSpec) -> str | None:
+def check(spec: AttentionSpec) -> str | None:
     """Why this kernel cannot compute ``spec`` (callers fall back to another lowering), or None."""
     if spec.dtype not in _PTX_TYPE:
         return f"dtype {spec.dtype} unsupported (float16 or bfloat16)"
@@ -67,7 +67,7 @@ def unsupported(spec: AttentionSpec) -> str | None:
 
 
 def _check(spec: AttentionSpec) -> None:
-    reason = unsupported(spec)
+    reason = check(spec)
     if reason:
         raise ValueError(f"flash attention: {reason}")
 

@@ -22,7 +22,7 @@ over the spec and config; loops unrolled at generation time emit through the IR 
 ``tvmfuse.tirx`` so :func:`.gemm_sm90.uses_tirx` sends the build through the hybrid pipeline.
 Covers fp16 / bf16, head dim 64 / 128, causal kinds, GQA / MQA, any Sq / Skv (D·2 bytes is a
 multiple of 16, so TMA strides are legal). Not covered (the caller falls back to the sm80-style
-kernel, see :func:`unsupported`): an additive bias.
+kernel, see :func:`check`): an additive bias.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def smem_bytes(spec: AttentionSpec, cfg: Sm90FlashConfig) -> int:
     return 2 * spec.head_dim * (cfg.block_m + 2 * cfg.stages * cfg.block_n)
 
 
-def unsupported(spec: AttentionSpec, cfg: Sm90FlashConfig | None = None) -> str | None:
+def check(spec: AttentionSpec, cfg: Sm90FlashConfig | None = None) -> str | None:
     """Why this kernel cannot compute ``spec`` (the caller falls back), or None."""
     cfg = cfg or default_config(spec)
     if spec.dtype not in _PTX_TYPE:
@@ -113,7 +113,7 @@ def _emit(res) -> None:
 
 
 def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
-    """The kernel ``main(q, k, v, out)`` for ``spec`` (checked by :func:`unsupported`)."""
+    """The kernel ``main(q, k, v, out)`` for ``spec`` (checked by :func:`check`)."""
     B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
                               spec.head_dim)
     G = spec.group
@@ -471,7 +471,7 @@ def flash_attention_sm90_primfunc(spec: AttentionSpec, target: tvm.target.Target
     """
 
     cfg = config or default_config(spec)
-    reason = unsupported(spec, cfg)
+    reason = check(spec, cfg)
     if reason:
         raise ValueError(f"flash attention sm90a: {reason}")
     func = flash_kernel(spec, cfg)
