@@ -7,8 +7,6 @@ rewritten module lowers through tvmfuse's attention legalisation to the CPU kern
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pytest
 import tvm
@@ -17,6 +15,7 @@ from tvm.script import ir as I  # noqa: E741
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from tests.ir_checks import sxs_tensors
 from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.passes.attention import FuseAttention, attention_decisions
 
@@ -575,45 +574,6 @@ def test_no_kernel_for_spec_decomposes_with_gqa_and_causal(monkeypatch):
 # Sequence 24 (head dim 16, hidden 64): an S×S tensor is the only one with two dims of 24.
 
 SEQ = 24
-_ALLOC = re.compile(r"(?:alloc_buffer|T\.allocate|decl_buffer)\(\(([^()]*(?:\([^()]*\)[^()]*)*)\)")
-
-
-def _sxs(shape, s: int) -> bool:
-    dims = [int(d) for d in shape]
-    return dims.count(s) >= 2 or any(d % (s * s) == 0 and d >= s * s for d in dims)
-
-
-def _two_s_dims(shape, s: int) -> bool:
-    """Relax tensors keep their dims: S×S scores show as two S dims (flat byte-sized storages
-    and packed attention operands, B·S·H·D·k elements, are multiples of S² by coincidence)."""
-    return [int(d) for d in shape].count(s) >= 2
-
-
-def sxs_tensors(mod: tvm.IRModule, s: int) -> list[str]:
-    """Every Relax tensor and every TIR buffer allocation of ``mod`` with S×S elements."""
-    found: list[str] = []
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            def visit(e, name=gv.name_hint):
-                ty = getattr(e, "ty", None) if isinstance(e, (relax.Var, relax.Call)) else None
-                if isinstance(ty, relax.TensorType) and ty.shape is not None:
-                    try:
-                        if _two_s_dims(ty.shape.values, s):
-                            found.append(f"{name}: {e.name if isinstance(e, relax.Var) else e.op} {ty}")
-                    except TypeError:
-                        pass
-                if isinstance(e, relax.ShapeExpr) and _two_s_dims(e.values, s):
-                    found.append(f"{name}: shape {e}")
-
-            relax.analysis.post_order_visit(func, visit)
-        elif isinstance(func, tvm.tirx.PrimFunc):  # buffers a kernel allocates for itself
-            for shape in _ALLOC.findall(func.script()):
-                dims = [int(d) for d in re.findall(r"(?:T\.int\d+\()?(\d+)\)?", shape)]
-                if _sxs(dims, s):
-                    found.append(f"{gv.name_hint}: TIR buffer {dims}")
-    return found
-
-
 def compile_and_check(imported, inputs: list[np.ndarray], layers: int) -> tvm.IRModule:
     """Lower for cpu; one attention op per layer, no S×S tensor, output matches the reference."""
     from tvmfuse.pipeline import build, lower
