@@ -31,6 +31,8 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as stock
 
+from ..relax_shapes import shape_expr, static_shape
+
 _ATTENTION_INPUTS = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen"]
 _ATTENTION_OUTPUTS = ["Y", "present_key", "present_value", "qk_matmul_output"]
 _SOFTMAX_FP32_OR_HALF = (1, 10, 16)  # FLOAT, FLOAT16, BFLOAT16: the kernels' fp32 softmax is as fine
@@ -58,21 +60,6 @@ def attention_refusals(attrs: dict[str, Any], inputs: list[str], outputs: list[s
                                       "qk_matmul_output_mode", "softmax_precision", "tvm_custom"}):
         why.append(f"attribute {name}={attrs[name]}")
     return why
-
-
-def static_shape(expr: relax.Expr) -> list[int] | None:
-    """The static shape of a tensor expression, else None."""
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    try:
-        return [int(d) for d in ty.shape.values]
-    except TypeError:  # symbolic dimension
-        return None
-
-
-def shape_expr(dims: list[int]) -> relax.ShapeExpr:
-    return relax.ShapeExpr([tvm.tirx.IntImm("int64", d) for d in dims])
 
 
 def _bshd(x: relax.Expr, heads: int | None, what: str) -> relax.Expr:

@@ -8,6 +8,8 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..relax_shapes import shape_expr, static_shape  # noqa: F401  (re-exported to the passes)
+
 
 def scalar_value(expr: relax.Expr) -> float | None:
     """The value of a one-element constant, else None."""
@@ -64,22 +66,6 @@ def folded_constant(expr: relax.Expr, lookup: Callable[[relax.Expr], relax.Expr]
             return None
         return _NUMPY_BINARY[expr.op.name](a, b).astype(str(expr.ty.dtype))
     return None
-
-
-def static_shape(expr: relax.Expr) -> list[int] | None:
-    """Static shape of a tensor expression, else None."""
-    ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    try:
-        return [int(d) for d in ty.shape.values]
-    except TypeError:  # symbolic dimension
-        return None
-
-
-def shape_expr(dims: list[int]) -> relax.ShapeExpr:
-    """A static ShapeExpr with int64 dims, as importers and TVMScript write them."""
-    return relax.ShapeExpr([tvm.tirx.IntImm("int64", d) for d in dims])
 
 
 def last_axis_only(axis, ndim: int) -> bool:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import tvm
 from tvm import relax
 
+from .._util import rewrite_functions
+
 HALF = ("float16", "bfloat16")
 
 
@@ -36,9 +38,6 @@ Rewrite = Callable[[tvm.IRModule, relax.Function], relax.Function]
 
 
 def rewrite_relax_functions(mod: tvm.IRModule, rewrite: Rewrite) -> tvm.IRModule:
-    """A copy of ``mod`` with ``rewrite(mod, f)`` applied to each Relax function; ``mod`` is untouched."""
-    out = mod.clone()
-    for gv, func in mod.functions.items():
-        if isinstance(func, relax.Function):
-            out[gv] = relax.analysis.remove_all_unused(rewrite(mod, func))
-    return out
+    """A copy of ``mod`` with ``rewrite(mod, f)`` applied to each Relax function (unused bindings
+    dropped); ``mod`` is untouched (:func:`~tvmfuse.passes._util.rewrite_functions` copies)."""
+    return rewrite_functions(mod, lambda func: relax.analysis.remove_all_unused(rewrite(mod, func)))

@@ -91,4 +91,4 @@ class CanonicalizeBatchedMatmul:
     """``reshape(matmul(reshape(a), reshape(b)))`` over merged batch dims → ``matmul(a, b)``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod.clone(), _fold)  # rewrite_functions assigns into its argument
+        return rewrite_functions(mod, _fold)  # copies mod before assigning
