@@ -1,0 +1,385 @@
+"""Weight-streaming GEMV / small-M GEMM (M ≤ 64): ``y[m, n] = f(Σ_k x[m, k] · W[n, k])``.
+
+W is (N, K) row-major (torch's Linear layout), x (M, K); fp16 / bf16 in, fp32 accumulation, any
+epilogue ``f`` the caller builds (:mod:`.epilogue`: bias, residual, SiLU·gate pair, row statistics).
+At decode each weight element is used M times, so the kernel is a stream of W: it reads W once, in
+16-byte vectors straight from global memory into registers (``LDG.E.128``), with many loads in
+flight, and keeps x (small, L1/L2-resident) out of the way.
+
+One thread block owns ``rows`` consecutive rows of W (outputs ``n0 .. n0 + rows``); its ``warps``
+warps split K between them (split-K inside the block: chunks of K go to the warps in turn, each
+warp reading ``unroll`` chunks per iteration), so the grid is ``⌈N / rows⌉`` blocks and ``rows``
+is chosen small enough that every SM streams (:func:`pick_config`). Two engines:
+
+* CUDA cores (``mma=False``, M ≤ 8; each weight element feeds M FMAs): a chunk is 256 K values,
+  lane l reads ``W[n, k + 8l : +8]`` for every row n of the block and ``x[m, k + 8l : +8]`` for
+  every m, accumulates ``acc[m, n]`` in fp32; then a butterfly of ``shfl.xor`` sums the 32 lanes.
+* tensor cores (``mma=True``, 8 < M ≤ 64): ``mma.sync.m16n8k16`` with W as the B operand, loaded
+  straight from global memory. A chunk is 32 K values; lane t (g = t / 4, q = t % 4) reads the
+  16 bytes ``W[n0 + 8j + g, k + 8q : +8]`` of each 8-row tile j and ``x[16i + g (+8), k + 8q : +8]``
+  of each 16-row tile i. A dot product does not care about the order of k, so the mma's k index is
+  permuted consistently in both operands: its k16 step s takes halves ``4s .. 4s + 3`` of every
+  lane's vectors (fragment registers b0 = halves 4s, 4s+1, b1 = 4s+2, 4s+3; a0/a2 likewise from the
+  row g vector, a1/a3 from row g + 8). No shared memory, no ldmatrix, 16-byte loads of W.
+
+Then every warp puts its partial sums in shared memory (``red[warp, m, n]``), and the block's
+threads add the warps' partials of one output each and store ``f`` of it (out-of-range rows and
+columns masked; K must be a multiple of 8: one vector never crosses the end of a row).
+
+*Row statistics* (``row_stats``): the LayerNorm / RMSNorm statistics of x's rows, which the
+epilogue reads, are summed from the same x vectors in the main loop (the block's warps cover all
+of K) and reduced with the partial products. LayerNorm uses the shifted sums of
+:mod:`.sm90` (c = x[m, 0]): s1 = Σ(x − c), s2 = Σ(x − c)², mean = c + s1/K,
+rstd = rsqrt(max(s2/K − (s1/K)², 0) + eps); RMSNorm s2 = Σx², rstd = rsqrt(s2/K + eps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tvm import tirx
+from tvm.ir import Expr as PrimExpr
+from tvm.script import tirx as T
+
+from .sm90 import RowStats
+
+WARP = 32
+VEC = 8  # fp16 / bf16 elements per 16-byte vector
+SIMT_CHUNK = WARP * VEC  # K values a warp reads per row and chunk (CUDA cores)
+MMA_CHUNK = 4 * VEC  # K values per chunk of the mma engine: two k16 steps
+MAX_M = 64
+SIMT_MAX_M = 8
+MAX_SMEM = 48 * 1024  # static shared memory of one block
+_ALL_LANES = 0xFFFFFFFF
+_MMA_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """``rows`` of W per block (tensor cores: a multiple of 8), ``warps`` splitting K,
+    ``unroll`` K chunks a warp loads per iteration, ``mma``: tensor cores."""
+
+    rows: int = 4
+    warps: int = 8
+    unroll: int = 2
+    mma: bool = False
+
+    @property
+    def threads(self) -> int:
+        return self.warps * WARP
+
+    @property
+    def chunk(self) -> int:
+        return MMA_CHUNK if self.mma else SIMT_CHUNK
+
+    @property
+    def tag(self) -> str:
+        return f"{'mma' if self.mma else 'simt'} rows={self.rows} warps={self.warps} u={self.unroll}"
+
+
+@dataclass(frozen=True)
+class GemvProblem:
+    """``y (M, N) = f(x (M, K) · W (N, K)ᵀ)``; ``pair``: y is (M, N/2), from column pairs."""
+
+    m: int
+    n: int
+    k: int
+    in_dtype: str
+    out_dtype: str
+    pair: bool = False
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _m_pad(problem: GemvProblem, cfg: GemvConfig) -> int:
+    """Rows of x the engine computes: M, or M rounded up to the 16-row mma tile."""
+    return _cdiv(problem.m, 16) * 16 if cfg.mma else problem.m
+
+
+def smem_bytes(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = None) -> int:
+    """Shared memory of the cross-warp reduction: partial sums (and statistics) per warp."""
+    per_warp = _m_pad(problem, cfg) * (cfg.rows + (2 if row_stats is not None else 0))
+    return cfg.warps * per_warp * 4
+
+
+def check(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = None) -> str | None:
+    """Why this kernel cannot compute ``problem`` with ``cfg`` (None: it can)."""
+    p = problem
+    if p.in_dtype not in _MMA_TYPE:
+        return f"input dtype {p.in_dtype} (fp16/bf16 only)"
+    if p.m > MAX_M:
+        return f"M={p.m} > {MAX_M} (a GEMM, not a weight stream)"
+    if not cfg.mma and p.m > SIMT_MAX_M:
+        return f"M={p.m} > {SIMT_MAX_M} on CUDA cores (compute would cap the stream)"
+    if p.k % VEC:
+        return f"K={p.k} is not a multiple of {VEC} (16-byte vectors along K)"
+    if p.pair and (p.n % 2 or cfg.rows % 2):
+        return f"pair epilogue with N={p.n}, {cfg.rows} rows per block (both must be even)"
+    if cfg.mma and cfg.rows % 8:
+        return f"{cfg.rows} rows per block: the mma engine takes 8-row tiles"
+    if cfg.rows < 1 or cfg.warps < 1 or cfg.unroll < 1 or cfg.threads > 1024:
+        return f"config {cfg.tag} unsupported"
+    if smem_bytes(p, cfg, row_stats) > MAX_SMEM:
+        return f"{smem_bytes(p, cfg, row_stats)} bytes of shared memory > {MAX_SMEM}"
+    if p.m * p.k >= 2**31 or p.n * p.k >= 2**31:
+        return "tensor beyond int32 indexing"
+    return None
+
+
+def pick_config(problem: GemvProblem, sms: int) -> GemvConfig:
+    """CUDA cores up to M = 8, tensor cores above; rows per block as many as still give every
+    SM a block (≥ ``sms`` blocks), so that all SMs stream W (N small: fewer rows per block)."""
+    if problem.m <= SIMT_MAX_M:
+        step, choices, base = 2 if problem.pair else 1, (8, 4, 2, 1), GemvConfig()
+    else:
+        step, choices, base = 8, (32, 16, 8), GemvConfig(warps=4, unroll=2, mma=True)
+    rows = [r for r in choices if r % step == 0]
+    best = next((r for r in rows if _cdiv(problem.n, r) >= sms), rows[-1])
+    cfg = GemvConfig(rows=best, warps=base.warps, unroll=base.unroll, mma=base.mma)
+    while smem_bytes(problem, cfg, RowStats(True, 0.0)) > MAX_SMEM and cfg.warps > 1:
+        cfg = GemvConfig(cfg.rows, cfg.warps // 2, cfg.unroll, cfg.mma)
+    return cfg
+
+
+RowStatValues = tuple  # (mean, rstd) of the output's row
+# ``store_value(acc, row, col, stats)``: the value stored at y[row, col] from the sum ``acc``
+StoreValue = Callable[[PrimExpr, PrimExpr, PrimExpr, "RowStatValues | None"], PrimExpr]
+# ``pair_value(acc_even, acc_odd, row, col, stats)``: y[row, col] of an N/2-wide pair epilogue
+PairValue = Callable[[PrimExpr, PrimExpr, PrimExpr, PrimExpr, "RowStatValues | None"], PrimExpr]
+
+
+def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buffer],
+                a_param: int, b_param: int, c_param: int, store_value: StoreValue | None = None,
+                pair_value: PairValue | None = None,
+                row_stats: RowStats | None = None) -> tirx.PrimFunc:
+    """The kernel as a scheduled s_tir PrimFunc over ``params`` (the fused function's signature);
+    x, W, y are the parameters at the given positions (x (M, K), W (N, K), y (M, N) or (M, N/2)
+    with ``pair_value``). ``store_value`` / ``pair_value`` as in :func:`.sm90.gemm_kernel`;
+    ``stats`` is ``(mean, rstd)`` of the row with ``row_stats``, else None."""
+    p = problem
+    reason = check(p, cfg, row_stats)
+    if reason:
+        raise ValueError(reason)
+    if (pair_value is not None) != p.pair:
+        raise ValueError("pair_value must be given exactly for a pair problem")
+    x, w, y = params[a_param], params[b_param], params[c_param]
+    in_dtype, out_dtype = p.in_dtype, p.out_dtype
+    value = store_value or (lambda acc, row, col, stats: T.Cast(out_dtype, acc))
+    rows, warps, unroll, chunk = cfg.rows, cfg.warps, cfg.unroll, cfg.chunk
+    m_pad = _m_pad(p, cfg)
+    grid = _cdiv(p.n, rows)
+    iters = _cdiv(_cdiv(p.k, chunk), warps * unroll)
+    has_stats = row_stats is not None
+    centered = has_stats and row_stats.centered
+    n_stats = 2 if has_stats else 0
+    red_size = warps * m_pad * rows
+    out_cols = rows // 2 if p.pair else rows
+    n_out = p.n // 2 if p.pair else p.n
+    outputs = p.m * out_cols
+    out_iters = _cdiv(outputs, cfg.threads)
+    k_f = float(p.k)
+    eps = row_stats.eps if has_stats else 0.0
+    mt, nt = m_pad // 16, rows // 8  # mma tiles
+    mma_ty = _MMA_TYPE[in_dtype]
+
+    def chunk_k(it, wid, u, lane_off):
+        """First K index of this lane's vector in chunk ``u`` of iteration ``it``."""
+        return ((it * warps + wid) * unroll + u) * chunk + lane_off
+
+    def shift(m):
+        return T.Cast("float32", x[m, 0])
+
+    def stat_values(total, m):
+        """(mean, rstd) of row m from the block's summed (s1, s2) in ``total[2:4]``."""
+        if centered:
+            d = total[2] / T.float32(k_f)
+            rstd = T.rsqrt(T.max(total[3] / T.float32(k_f) - d * d, T.float32(0)) + T.float32(eps))
+            return (shift(m) + d, rstd)
+        return (None, T.rsqrt(total[3] / T.float32(k_f) + T.float32(eps)))
+
+    def zeros():
+        return T.Broadcast(tirx.const(0, in_dtype), VEC)
+
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def kernel():
+        T.func_attr({"tirx.noalias": True})
+        bx = T.launch_thread("blockIdx.x", grid)
+        tx = T.launch_thread("threadIdx.x", cfg.threads)
+        red = T.alloc_buffer((red_size + warps * m_pad * n_stats,), "float32", scope="shared")
+        if cfg.mma:
+            acc = T.alloc_buffer((mt * nt * 4,), "float32", scope="local")
+            bv = T.alloc_buffer((unroll * nt * VEC,), in_dtype, scope="local", align=16)
+            av = T.alloc_buffer((unroll * mt * 2 * VEC,), in_dtype, scope="local", align=16)
+            afrag = T.alloc_buffer((mt * 2 * VEC,), in_dtype, scope="local", align=16)
+        else:
+            acc = T.alloc_buffer((p.m * rows,), "float32", scope="local")
+            bv = T.alloc_buffer((unroll * rows * VEC,), in_dtype, scope="local", align=16)
+            av = T.alloc_buffer((unroll * p.m * VEC,), in_dtype, scope="local", align=16)
+        if has_stats:
+            st = T.alloc_buffer((n_stats * m_pad,), "float32", scope="local")
+        total = T.alloc_buffer((4,), "float32", scope="local")  # products (2), s1, s2
+        wid = tx // WARP
+        lane = tx % WARP
+        n0 = bx * rows
+
+        @T.inline
+        def shfl_sum(buf, i, lanes):
+            # buf[i] summed over groups of ``lanes`` consecutive lanes (butterfly of shfl.xor)
+            for s in T.unroll(lanes.bit_length() - 1):
+                buf[i] = buf[i] + T.tvm_warp_shuffle_xor(T.uint32(_ALL_LANES), buf[i], 1 << s,
+                                                         WARP, WARP)
+
+        @T.inline
+        def stat_add(slot, row, xv, base):
+            # statistics slot ``slot`` (x row ``row``) += this lane's 8 values at xv[base:]
+            for e in T.unroll(VEC):
+                if centered:
+                    st[slot * 2] = st[slot * 2] + (T.Cast("float32", xv[base + e]) - shift(row))
+                    st[slot * 2 + 1] = st[slot * 2 + 1] + (
+                        T.Cast("float32", xv[base + e]) - shift(row)) * (
+                        T.Cast("float32", xv[base + e]) - shift(row))
+                else:
+                    st[slot * 2 + 1] = st[slot * 2 + 1] + T.Cast("float32", xv[base + e]) * T.Cast(
+                        "float32", xv[base + e])
+
+        for i in T.unroll(mt * nt * 4 if cfg.mma else p.m * rows):
+            acc[i] = T.float32(0)
+        if has_stats:
+            for i in T.unroll(n_stats * m_pad):
+                st[i] = T.float32(0)
+        for it in T.serial(iters):
+            if cfg.mma:
+                # loads of `unroll` chunks first (all in flight), then the mmas
+                for u in T.unroll(unroll):
+                    kq = T.meta_var(chunk_k(it, wid, u, (lane % 4) * VEC))
+                    for j in T.unroll(nt):
+                        if kq < p.k and n0 + j * 8 + lane // 4 < p.n:
+                            bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = w[
+                                n0 + j * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
+                        else:
+                            bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = zeros()
+                    for i in T.unroll(mt):
+                        for h in T.unroll(2):
+                            if kq < p.k and i * 16 + h * 8 + lane // 4 < p.m:
+                                av[T.Ramp(((u * mt + i) * 2 + h) * VEC, 1, VEC)] = x[
+                                    i * 16 + h * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
+                                if has_stats:
+                                    stat_add(i * 2 + h, i * 16 + h * 8 + lane // 4, av,
+                                             ((u * mt + i) * 2 + h) * VEC)
+                            else:
+                                av[T.Ramp(((u * mt + i) * 2 + h) * VEC, 1, VEC)] = zeros()
+                for u in T.unroll(unroll):
+                    for s in T.unroll(2):
+                        # A fragment of step s: a0 = row g halves 4s, 4s+1; a1 = row g+8; a2, a3:
+                        # halves 4s+2, 4s+3 of rows g, g+8
+                        for i in T.unroll(mt):
+                            for r in T.unroll(2):
+                                for h in T.unroll(2):
+                                    for e in T.unroll(2):
+                                        afrag[i * 8 + r * 4 + h * 2 + e] = av[
+                                            ((u * mt + i) * 2 + h) * VEC + s * 4 + r * 2 + e]
+                        for i in T.unroll(mt):
+                            for j in T.unroll(nt):
+                                T.evaluate(T.ptx_legacy.mma(
+                                    "m16n8k16", "row", "col", mma_ty, mma_ty, "fp32",
+                                    afrag.data, i * 8, bv.data, (u * nt + j) * VEC + s * 4,
+                                    acc.data, (i * nt + j) * 4, False, dtype="float32"))
+            else:
+                for u in T.unroll(unroll):
+                    kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
+                    if kv < p.k:
+                        for r in T.unroll(rows):
+                            if n0 + r < p.n:
+                                bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = w[
+                                    n0 + r, T.Ramp(kv, 1, VEC)]
+                            else:
+                                bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = zeros()
+                        for m in T.unroll(p.m):
+                            av[T.Ramp((u * p.m + m) * VEC, 1, VEC)] = x[m, T.Ramp(kv, 1, VEC)]
+                for u in T.unroll(unroll):
+                    kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
+                    if kv < p.k:
+                        for m in T.unroll(p.m):
+                            if has_stats:
+                                stat_add(m, m, av, (u * p.m + m) * VEC)
+                            for r in T.unroll(rows):
+                                for e in T.unroll(VEC):
+                                    acc[m * rows + r] = acc[m * rows + r] + T.Cast(
+                                        "float32", av[(u * p.m + m) * VEC + e]) * T.Cast(
+                                        "float32", bv[(u * rows + r) * VEC + e])
+        # this warp's partial sums → red[wid, m, n] (statistics after them: [wid, m, 2])
+        if cfg.mma:
+            for i in T.unroll(mt):
+                for j in T.unroll(nt):
+                    for h in T.unroll(2):
+                        for e in T.unroll(2):
+                            red[(wid * m_pad + i * 16 + h * 8 + lane // 4) * rows + j * 8
+                                + (lane % 4) * 2 + e] = acc[(i * nt + j) * 4 + h * 2 + e]
+            if has_stats:  # the 4 lanes of a group read one row's K chunk together
+                for i in T.unroll(mt * 4):
+                    shfl_sum(st, i, 4)
+                if lane % 4 == 0:
+                    for i in T.unroll(mt):
+                        for h in T.unroll(2):
+                            for c in T.unroll(2):
+                                red[red_size + (wid * m_pad + i * 16 + h * 8 + lane // 4) * 2
+                                    + c] = st[(i * 2 + h) * 2 + c]
+        else:
+            for i in T.unroll(p.m * rows):
+                shfl_sum(acc, i, WARP)
+            if has_stats:
+                for i in T.unroll(n_stats * m_pad):
+                    shfl_sum(st, i, WARP)
+            if lane == 0:
+                for i in T.unroll(p.m * rows):
+                    red[wid * m_pad * rows + i] = acc[i]
+                if has_stats:
+                    for i in T.unroll(n_stats * m_pad):
+                        red[red_size + wid * m_pad * 2 + i] = st[i]
+        T.tvm_storage_sync("shared")
+        # one output per thread: the warps' partials summed, the epilogue, the store
+        for o in T.serial(out_iters):
+            idx = T.meta_var(o * cfg.threads + tx)
+            row = T.meta_var(idx // out_cols)
+            col = T.meta_var(idx % out_cols)
+            if idx < outputs and bx * out_cols + col < n_out:
+                for c in T.unroll(4):
+                    total[c] = T.float32(0)
+                for v in T.unroll(warps):
+                    if p.pair:
+                        total[0] = total[0] + red[(v * m_pad + row) * rows + col * 2]
+                        total[1] = total[1] + red[(v * m_pad + row) * rows + col * 2 + 1]
+                    else:
+                        total[0] = total[0] + red[(v * m_pad + row) * rows + col]
+                    if has_stats:
+                        total[2] = total[2] + red[red_size + (v * m_pad + row) * 2]
+                        total[3] = total[3] + red[red_size + (v * m_pad + row) * 2 + 1]
+                stats = T.meta_var(stat_values(total, row) if has_stats else None)
+                if p.pair:
+                    y[row, bx * out_cols + col] = pair_value(total[0], total[1], row,
+                                                             bx * out_cols + col, stats)
+                else:
+                    y[row, bx * out_cols + col] = value(total[0], row, bx * out_cols + col, stats)
+
+    return tirx.PrimFunc(list(params), kernel.body, attrs=kernel.attrs).without_attr(
+        "global_symbol")
+
+
+def standalone(problem: GemvProblem, cfg: GemvConfig | None = None) -> tirx.PrimFunc:
+    """``main(x, W, y)`` with ``y = cast(x · Wᵀ)`` (pair: ``y[m, c] = cast(silu(y₂c) · y₂c₊₁)``),
+    for tests, benchmarks and device probes; the rule builds its kernels from fused PrimFuncs."""
+    p = problem
+    cfg = cfg or pick_config(p, 132)
+    out_n = p.n // 2 if p.pair else p.n
+    params = [tirx.decl_buffer(shape, dtype, name=name, data_alignment=16)
+              for name, shape, dtype in (("x", (p.m, p.k), p.in_dtype), ("w", (p.n, p.k), p.in_dtype),
+                                         ("y", (p.m, out_n), p.out_dtype))]
+
+    def silu_mul(a, b, row, col, stats):
+        return T.Cast(p.out_dtype, a * T.sigmoid(a) * b)
+
+    func = gemv_kernel(p, cfg, params, 0, 1, 2, pair_value=silu_mul if p.pair else None)
+    return func.with_attr("global_symbol", "main")
