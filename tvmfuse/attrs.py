@@ -26,3 +26,5 @@ SIMT_ATTR = "tvmfuse.simt_row_stats"
 KEPT_ATTR = "tvmfuse.stats_kept"
 # on a GEMM kernel computing statistics: [the GEMM PrimFunc it replaces, the statistics PrimFunc]
 IN_LOOP_ATTR = "tvmfuse.in_loop_stats"
+# on a generated kernel that replaces a fused PrimFunc under a new name: the fused PrimFunc's name
+REPLACES_ATTR = "tvmfuse.replaces"

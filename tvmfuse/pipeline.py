@@ -41,6 +41,7 @@ from .rules.fallback import ApplyRules
 from .rules.gemm_row_stats_simt import SimtGemmRowStats
 from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .rules.gemm_sm90_stats import Sm90GemmRowStats
+from .rules.gemv import SmallMGemm
 from .targets import TargetSpec
 from .tuning_db import ApplyTuningDatabase
 from .tvm_setup import codegen_scope, register_tvm_patches
@@ -155,6 +156,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             mod = run("apply_tuning_db", ApplyTuningDatabase(tuning_db, spec), mod)
         # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
         if spec.is_cuda:
+            # sm_80+: small-M GEMMs (decode) become weight-streaming kernels (their norm statistics
+            # inside, constant weights passed (N, K)); before the wgmma passes below see them.
+            mod = run("gemv", SmallMGemm, mod)
             # sm_90a only: a norm's row statistics move into the wgmma GEMMs that read them.
             mod = run("gemm_sm90_row_stats", Sm90GemmRowStats, mod)
             # fp32 GEMMs (SIMT): the row statistics merge into them; after the wgmma ones took theirs.

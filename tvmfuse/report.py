@@ -18,7 +18,7 @@ from tvm.relax.backend import cpu_generic as stock_cpu
 from tvm.relax.backend import cuda as stock_cuda
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from .attrs import FALLBACK_ATTR, IN_LOOP_ATTR, KEPT_ATTR, TUNING_ATTR
+from .attrs import FALLBACK_ATTR, IN_LOOP_ATTR, KEPT_ATTR, REPLACES_ATTR, RULE_ATTR, TUNING_ATTR
 from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
 from .errors import TVM_ERRORS
 from .passes import MixedPrecision
@@ -49,10 +49,11 @@ class KernelInfo:
     measured_ms: float | None = field(default=None)
     tuning: str | None = field(default=None)  # with a tuning database: "tuned" or "default: why"
     fallback: str | None = field(default=None)  # why a rule / generator left it (tvmfuse.fallback)
+    rule: str | None = field(default=None)  # the tvmfuse rule / generator that made it (tvmfuse.rule)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("measured_ms", "tuning", "fallback"):
+        for key in ("measured_ms", "tuning", "fallback", "rule"):
             if d[key] is None:
                 del d[key]
         return d
@@ -191,27 +192,31 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
         if not isinstance(call.op, tvm.ir.GlobalVar) or call.op.name_hint not in prim_names:
             continue
         name = call.op.name_hint
+        attrs = final[name].attrs
+        # a generated kernel under a new name (e.g. ``…_gemv``): the ops of the function it replaces
+        source = str(attrs[REPLACES_ATTR]) if attrs and REPLACES_ATTR in attrs else name
         # an sm_90a GEMM that also computes its A's row statistics: the GEMM's ops, stats first
         merged = final[name].attrs.get(IN_LOOP_ATTR) if final[name].attrs else None
         if merged is not None:
             gemm, stats = (str(n) for n in merged)
             ops, kinds = groups.get(gemm, ([op_name(gemm)], [-1]))
             ops, kinds = [op_name(stats), *ops], [_K_REDUCE, *kinds]
-        elif name in groups:
-            ops, kinds = groups[name]
+        elif source in groups:
+            ops, kinds = groups[source]
         else:
             callee = fuse_ops_fns.get(name)
             attrs = callee.attrs if callee is not None else None
             ops = [op_name(name)]
             kinds = [int(attrs["op_pattern"])] if attrs and "op_pattern" in attrs else [-1]
-        unscheduled = fuse_tir_fns.get(str(merged[0]) if merged is not None else name) or final[name]
-        attrs = final[name].attrs
-        kernels.append(KernelInfo(name, classify(ops, kinds), ops, kernel_flops(unscheduled),
+        unscheduled = fuse_tir_fns.get(str(merged[0]) if merged is not None else source) or final[name]
+        rule = str(attrs[RULE_ATTR]) if attrs and RULE_ATTR in attrs else None
+        kernels.append(KernelInfo(name, "gemv" if rule == "gemv" else classify(ops, kinds), ops,
+                                  kernel_flops(unscheduled),
                                   primfunc_bytes(final[name]),
                                   tuning=str(attrs[TUNING_ATTR]) if attrs and
                                   TUNING_ATTR in attrs else None,
                                   fallback=str(attrs[FALLBACK_ATTR]) if attrs and
-                                  FALLBACK_ATTR in attrs else None))
+                                  FALLBACK_ATTR in attrs else None, rule=rule))
     return kernels
 
 
@@ -360,13 +365,13 @@ def format_table(report: dict[str, Any]) -> str:
              f"(unfused graph: {report['unfused_kernel_count']}, stock TVM pipeline: "
              f"{stock if stock is not None else 'n/a'})", ""]
     bw, peak = report["ceilings"]["bandwidth_Bps"], report["ceilings"]["fp16_flops"]
-    lines.append(f"{'#':>3} {'pattern':<14} {'MB':>9} {'GFLOP':>9} {'floor us':>9}  ops")
+    lines.append(f"{'#':>3} {'pattern':<14} {'MB':>9} {'GFLOP':>9} {'floor us':>9}  {'rule':<14}ops")
     for i, k in enumerate(report["kernels"]):
         floor = max(k["bytes"] / bw, k["flops"] / peak) * 1e6
         ops = ",".join(k["ops"])
         tuned = "  [tuned]" if k.get("tuning") == "tuned" else ""
         lines.append(f"{i:>3} {k['pattern']:<14} {k['bytes'] / 1e6:>9.3f} {k['flops'] / 1e9:>9.3f} "
-                     f"{floor:>9.2f}  {ops[:70]}{tuned}")
+                     f"{floor:>9.2f}  {k.get('rule') or '-':<14}{ops[:70]}{tuned}")
     uf, f = report["hbm_bytes_unfused"], report["hbm_bytes_fused"]
     lines += ["", f"HBM bytes unfused {uf / 1e6:.3f} MB → fused {f / 1e6:.3f} MB "
                   f"({uf / max(f, 1):.2f}x less); memory floor {f / bw * 1e6:.1f} us "

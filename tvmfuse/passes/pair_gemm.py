@@ -15,9 +15,10 @@ in registers and ``x`` is read once; on targets without such a kernel it is an o
 matmul + elementwise function with the graph's numerics.
 
 Sits after ``MixedPrecision`` (the grouped function's dtypes are final) and before LegalizeOps
-(which legalises the grouped function's body). Targets: the CPU (llvm) and sm_90a, where the wgmma
-kernel takes the pair epilogue (fp16 / bf16, 2-D ``x``, K a multiple of 8, N of 4); other CUDA
-targets keep two GEMMs (their GEMM rules cannot schedule a strided-slice epilogue).
+(which legalises the grouped function's body). Targets: the CPU (llvm), sm_90a, where the wgmma
+kernel takes the pair epilogue (fp16 / bf16, 2-D ``x``, K a multiple of 8, N of 4), and other
+sm_80+ targets at decode size (x with ≤ 64 rows: the weight-streaming kernel takes it); otherwise
+CUDA targets keep two GEMMs (their GEMM rules cannot schedule a strided-slice epilogue).
 """
 
 from __future__ import annotations
@@ -68,17 +69,24 @@ class _Pair:
     pre: list[relax.Var] = field(default_factory=list)  # ... and its row-wise chain before slicing
 
 
+_STREAMING_MAX_M = 64  # rows up to which sm_80+ GEMMs stream their weight (rules/gemv.py MAX_M)
+
+
 def _target_takes(x: relax.Expr, weight: np.ndarray) -> bool:
     """Whether the current target has a kernel for the grouped function (see the docstring)."""
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name == "llvm":
         return True
-    if target.kind.name != "cuda" or str(target.attrs.get("arch", "")) != "sm_90a":
-        return False
+    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
     shape = static_shape(x)
     k, n = weight.shape[0], weight.shape[1] // 2
-    return (str(x.ty.dtype) in ("float16", "bfloat16") and shape is not None and len(shape) == 2
-            and k % 8 == 0 and n % 4 == 0)
+    if not (str(x.ty.dtype) in ("float16", "bfloat16") and shape is not None and len(shape) == 2
+            and k % 8 == 0):
+        return False
+    if arch == "sm_90a":
+        return n % 4 == 0
+    # other sm_80+: the decode-size weight-streaming kernel (rules/gemv.py) takes the pair epilogue
+    return arch[3:5].isdigit() and int(arch[3:5]) >= 80 and shape[0] <= _STREAMING_MAX_M
 
 
 def _ints(tup: relax.Expr) -> list[int] | None:

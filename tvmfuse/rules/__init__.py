@@ -2,7 +2,9 @@
 
 A rule returns ``None`` when a function is not its kind; the first rule that returns a schedule
 wins. Order: :class:`GemmSimtRowStats` (only the fp32 GEMMs that ``gemm_row_stats_simt`` gave
-their norm statistics), :class:`GemmSM80` (tensor-core GEMM + epilogue for sm_80 and newer; the GEMMs it
+their norm statistics), :class:`Gemv` (M ≤ 64 with an (N, K) weight: the weight-streaming
+kernel; the ``gemv`` pipeline stage already took the decode GEMMs it could),
+:class:`GemmSM80` (tensor-core GEMM + epilogue for sm_80 and newer; the GEMMs it
 does not take it hands to dlight's GEMV / Matmul itself, marked ``"tvmfuse.fallback"``), then
 dlight's Matmul and GEMV (they only take GEMM / GEMV shapes), then tvmfuse's
 memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`RowStats` for
@@ -19,6 +21,7 @@ from ..attrs import RULE_ATTR
 from .elementwise import Elementwise
 from .gemm_simt_stats import GemmSimtRowStats
 from .gemm_sm80 import GemmSM80
+from .gemv import Gemv
 from .row_norm import RowNorm
 from .row_stats import RowStats
 
@@ -27,6 +30,7 @@ def gpu_rules() -> list:
     """Rules for CUDA targets, most specific first."""
     return [
         GemmSimtRowStats(),
+        Gemv(),
         GemmSM80(),
         dl.gpu.Matmul(),
         dl.gpu.GEMV(),
@@ -39,5 +43,5 @@ def gpu_rules() -> list:
     ]
 
 
-__all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "GemmSimtRowStats", "RowNorm", "RowStats",
-           "gpu_rules"]
+__all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "GemmSimtRowStats", "Gemv", "RowNorm",
+           "RowStats", "gpu_rules"]

@@ -1,0 +1,273 @@
+"""Small-M GEMMs (M ≤ 64, decode) on sm_80+ become weight-streaming kernels (:mod:`..kernels.gemm.gemv`).
+
+``y[m, n] = f(Σ_k x[m, k] · W[n, k], params)`` for a fused GEMM PrimFunc that
+:func:`..kernels.gemm.epilogue.analyze` reads (bias, residual, SiLU·gate pair of ``PairGemm``,
+casts; M ≤ 64, fp16 / bf16, K a multiple of 8). Two entry points:
+
+* :class:`Gemv`, a dlight-style rule (``apply(func, target, tunable) → Schedule | None``): the
+  generated kernel for a function whose weight is already (N, K) (``B[j, k]``); None for anything
+  else (M > 64, not a GEMM with a weight operand, a (K, N) weight, another target). Registered in
+  :func:`.gpu_rules` before the large-GEMM rules.
+* :data:`SmallMGemm`, a module pass (pipeline stage ``gemv``, before ``gemm_sm90_row_stats``:
+  it takes the small-M GEMMs before the wgmma passes and the statistics merge look at them). It
+  also handles what the rule cannot from inside one PrimFunc:
+
+  - a (K, N) weight that is a constant (FoldConstant folded the Linear's transpose into it) is
+    passed transposed, ``W (N, K)`` (the kernel streams rows of W along K);
+  - a norm's statistics call (``NormGemmPrologue``'s ``mean, rstd``) whose every result is read
+    only by small-M GEMMs over the same x is removed: those kernels compute the statistics from
+    the x vectors their main loop reads anyway (:mod:`.gemm_sm90_stats` does the same on wgmma).
+
+Kernels get ``tirx.is_scheduled``, ``tvmfuse.rule = "gemv"`` and the config in
+``tvmfuse.gemm_tile``. A small-M GEMM the generator refuses keeps its body for the later rules and
+gets ``tvmfuse.fallback = "gemv: <reason>"``. CUDA targets of sm_80 and newer only; elsewhere the
+pass returns the module unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax, s_tir, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
+from tvm.target import Target
+
+from ..attrs import FALLBACK_ATTR, IN_LOOP_ATTR, REPLACES_ATTR, RULE_ATTR, TILE_ATTR
+from ..device_props import device_properties
+from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value
+from ..kernels.gemm.gemv import MAX_M, GemvConfig, GemvProblem, check, gemv_kernel, pick_config
+from ..kernels.gemm.opmath import opmath
+from .gemm_sm80 import _sm
+from .gemm_sm90 import InLoopStats, _looks_like_gemm
+from .gemm_sm90_stats import stats_calls
+
+NAME = "gemv"
+_CALL_TIR = "relax.call_tir"
+
+
+def takes_target(target: Target | None) -> bool:
+    """CUDA, sm_80 or newer (mma.sync, 16-byte loads)."""
+    return target is not None and target.kind.name == "cuda" and _sm(target) >= 80
+
+
+def small_m_gemm(func: tirx.PrimFunc) -> FusedGemm | None:
+    """The fused GEMM of ``func`` when it is one with M ≤ 64, else None."""
+    if not isinstance(func, tirx.PrimFunc) or (func.attrs and func.attrs.get("tirx.is_scheduled")):
+        return None
+    if not _looks_like_gemm(func):
+        return None
+    try:
+        g = analyze(func)
+    except NotHandled:
+        return None
+    return g if g.m <= MAX_M else None
+
+
+def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transposed: bool = False,
+                 in_loop: InLoopStats | None = None) -> tirx.PrimFunc:
+    """The GEMV kernel replacing ``func``; raises :class:`NotHandled` with the reason.
+
+    ``b_transposed``: ``func`` reads W as (K, N), the kernel takes its transpose (N, K) (the
+    caller passes the transposed weight). ``in_loop``: the kernel computes x's row statistics;
+    its signature is ``func``'s without the statistics parameters.
+    """
+    g = analyze(func)
+    if g.m > MAX_M:
+        raise NotHandled(f"M={g.m} > {MAX_M}")
+    if g.layout != "nt" and not b_transposed:
+        raise NotHandled("W is read as (K, N) (the kernel streams W (N, K))")
+    if b_transposed and g.layout != "nt" and g.layout != "nn":
+        raise NotHandled(f"layout {g.layout}")
+    problem = GemvProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.acc_odd is not None)
+    cfg = cfg or pick_config(problem, device_properties().sms)
+    reason = check(problem, cfg, in_loop.stats if in_loop is not None else None)
+    if reason:
+        raise NotHandled(reason)
+    params = list(func.params)
+    shapes = [tuple(int(d) for d in b.shape) for b in params]
+    if b_transposed and g.layout == "nn":
+        shapes[g.b] = shapes[g.b][::-1]
+    new = [tirx.decl_buffer(shape, str(b.dtype), name=f"p{i}", data_alignment=16)
+           for i, (b, shape) in enumerate(zip(params, shapes))]
+    kept, positions, row_values = list(range(len(params))), (g.a, g.b, g.out), []
+    if in_loop is not None:
+        for i in in_loop.dropped:
+            if i in positions or (shapes[i], str(params[i].dtype)) != ((g.m, 1), "float32"):
+                raise NotHandled(f"parameter {i} is not an (M, 1) fp32 row statistic")
+        row_values = [(params[i], k) for k, i in enumerate((in_loop.mean, in_loop.rstd))
+                      if i is not None]
+        kept = [i for i in kept if i not in in_loop.dropped]
+        positions = tuple(kept.index(i) for i in positions)
+    expr = opmath(g.expr, g.out_dtype)  # the chain in fp32 on the sum, one rounding
+    buffers = [(params[i], new[i]) for i in kept]
+
+    def build(names: list, stats) -> tvm.ir.Expr:
+        loads = (g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop is not None else None
+        return expr_value(expr, names, buffers, loads)
+
+    def store_value(acc, row, col, stats):
+        return build([(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], stats)
+
+    def pair_value(acc, acc_odd, row, col, stats):
+        return build([(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row), (g.dims[1], col)],
+                     stats)
+
+    kernel = gemv_kernel(problem, cfg, [new[i] for i in kept], *positions, store_value,
+                         pair_value if problem.pair else None,
+                         row_stats=in_loop.stats if in_loop is not None else None)
+    return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
+
+
+class Gemv(GPUScheduleRule):
+    """The weight-streaming kernel for a small-M GEMM with an (N, K) weight (module docstring)."""
+
+    def __init__(self, config: GemvConfig | None = None) -> None:
+        self.config = config  # None: pick_config
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        if not self.is_target_available(target) or not takes_target(target):
+            return None
+        g = small_m_gemm(func)
+        if g is None or g.layout != "nt":
+            return None
+        try:
+            kernel = build_kernel(func, self.config)
+        except NotHandled:
+            return None  # the large-GEMM rules take it
+        return s_tir.Schedule(kernel)
+
+
+def _constant(expr) -> np.ndarray | None:
+    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
+        return expr.value.numpy()
+    return None
+
+
+class _Plan:
+    """What the pass does to each call: its kernel (per PrimFunc and statistics positions) and
+    its new arguments."""
+
+    def __init__(self) -> None:
+        self.kernels: dict = {}  # (gvar, b_transposed, in_loop) → PrimFunc | reason str
+        self.calls: list = []  # (call, key, args)
+        self.stats_names: dict = {}  # key → the statistics PrimFunc's name (for the report)
+
+    def kernel(self, mod, gvar, b_transposed, in_loop) -> tirx.PrimFunc | str:
+        key = _key(gvar, b_transposed, in_loop)
+        if key not in self.kernels:
+            try:
+                self.kernels[key] = build_kernel(mod[gvar], b_transposed=b_transposed,
+                                                 in_loop=in_loop)
+            except NotHandled as why:
+                self.kernels[key] = str(why)
+        return self.kernels[key]
+
+
+def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None) -> tuple:
+    """A dict key for one kernel variant (InLoopStats is not hashable)."""
+    stats = None if in_loop is None else (in_loop.stats, in_loop.mean, in_loop.rstd)
+    return gvar, b_transposed, stats
+
+
+def _weight_arg(g: FusedGemm, args: list) -> tuple[bool, relax.Expr] | None:
+    """(b_transposed, the weight argument the kernel takes) for one call; None: not streamable."""
+    if g.layout == "nt":
+        return False, args[g.b]
+    w = _constant(args[g.b])
+    if w is None:
+        return None
+    return True, relax.const(np.ascontiguousarray(w.T))
+
+
+def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: dict) -> None:
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    gemms = {}  # gvar → FusedGemm
+    for gv, f in mod.functions_items():
+        if isinstance(f, tirx.PrimFunc) and (g := small_m_gemm(f)) is not None:
+            gemms[gv] = g
+    if not gemms:
+        return
+    stats_for: list = []  # (GEMM call, InLoopStats, statistics PrimFunc name)
+    for stats_call, _fn, spec, x, outputs, uses in stats_calls(mod, func):
+        if outputs is None:
+            continue
+        consumers = list({id(u): u for o in outputs for u in uses.get(o, [])}.values())
+        mine = []
+        for user in consumers:
+            if not (isinstance(user, relax.Call) and user.op == call_tir
+                    and user.args[0] in gemms):
+                break
+            g, args = gemms[user.args[0]], list(user.args[1].fields)
+            pos = [[i for i, a in enumerate(args) if a.same_as(o)] for o in outputs]
+            weight = _weight_arg(g, args)
+            if not args[g.a].same_as(x) or any(len(p) != 1 for p in pos) or weight is None:
+                break
+            in_loop = InLoopStats(spec, pos[0][0] if spec.centered else None, pos[-1][0])
+            if isinstance(plan.kernel(mod, user.args[0], weight[0], in_loop), str):
+                break
+            mine.append((user, in_loop, stats_call.args[0].name_hint))
+        else:
+            stats_for += mine
+    for binding in (b for block in func.body.blocks for b in block.bindings):
+        call = binding.value
+        if not (isinstance(call, relax.Call) and call.op == call_tir and call.args[0] in gemms):
+            continue
+        gv, g = call.args[0], gemms[call.args[0]]
+        args = list(call.args[1].fields)
+        weight = _weight_arg(g, args)
+        if weight is None:
+            refused[gv] = "W is a (K, N) tensor computed at run time (the kernel streams W (N, K))"
+            continue
+        in_loop, stats_name = next(((il, n) for c, il, n in stats_for if c.same_as(call)),
+                                   (None, None))
+        kernel = plan.kernel(mod, gv, weight[0], in_loop)
+        if isinstance(kernel, str):
+            refused[gv] = kernel
+            continue
+        args[g.b] = weight[1]
+        if in_loop is not None:
+            args = [a for i, a in enumerate(args) if i not in in_loop.dropped]
+        key = _key(gv, weight[0], in_loop)
+        plan.calls.append((call, key, args))
+        plan.stats_names[key] = stats_name
+
+
+@tvm.transform.module_pass(opt_level=0, name="SmallMGemm")
+def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
+    """Small-M GEMM calls → weight-streaming kernels (module docstring); on a copy of ``mod``."""
+    if not takes_target(tvm.target.Target.current(allow_none=True)):
+        return mod
+    plan, refused = _Plan(), {}
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            _plan_calls(mod, func, plan, refused)
+    mod = mod.clone()  # assigned into below: not the caller's module
+    for gv, why in refused.items():
+        mod[gv] = mod[gv].with_attr(FALLBACK_ATTR, f"{NAME}: {why}")
+    if not plan.calls:
+        return mod
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    added: dict = {}
+
+    @mutator
+    class _Rewrite(PyExprMutator):
+        def visit_call_(self, call):
+            found = next(((k, a) for c, k, a in plan.calls if c.same_as(call)), None)
+            if found is None:
+                return super().visit_call_(call)
+            key, args = found
+            if key not in added:
+                gv, _, in_loop = key
+                kernel = plan.kernels[key].with_attr(REPLACES_ATTR, gv.name_hint)
+                if in_loop is not None:  # the report counts the statistics in this kernel
+                    kernel = kernel.with_attr(IN_LOOP_ATTR,
+                                              [gv.name_hint, plan.stats_names[key]])
+                added[key] = self.builder_.add_func(kernel, f"{gv.name_hint}_gemv")
+            return relax.Call(call_tir, [added[key], relax.Tuple(args)], call.attrs, call.ty_args)
+
+    rewriter = _Rewrite(mod)
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
