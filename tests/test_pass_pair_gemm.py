@@ -22,10 +22,10 @@ def _weights():
     return (rng.standard_normal((K, N)).astype("float16"), rng.standard_normal((K, N)).astype("float16"))
 
 
-def _before(wg: np.ndarray, wu: np.ndarray) -> tvm.IRModule:
+def _before(wg: np.ndarray, wu: np.ndarray, m: int = M) -> tvm.IRModule:
     """main(x) = astype(x·Wg) → silu, times astype(x·Wu) (the torch import after mixed precision)."""
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((M, K), "float16"))
+    x = relax.Var("x", relax.TensorType((m, K), "float16"))
     with bb.function("main", [x]):
         with bb.dataflow():
             a = bb.emit(relax.op.matmul(x, relax.const(wg), out_dtype="float32"))
@@ -63,9 +63,11 @@ def _expected(wg: np.ndarray, wu: np.ndarray) -> tvm.IRModule:
     return bb.get()
 
 
-def test_swiglu_becomes_one_interleaved_gemm():
+@pytest.mark.parametrize("target", ["cpu", "sm80"])
+def test_swiglu_becomes_one_interleaved_gemm(target):
+    """cpu; sm80 at decode size (M = 16 ≤ 64: the weight-streaming kernel takes the pair)."""
     wg, wu = _weights()
-    with get_target("cpu").tvm_target():
+    with get_target(target).tvm_target():
         after = PairGemm()(_before(wg, wu))
     tvm.ir.assert_structural_equal(after, _expected(wg, wu))
 
@@ -80,9 +82,10 @@ def test_input_module_is_not_modified():
 
 @pytest.mark.parametrize("target", ["sm80", "cpu_other_use"])
 def test_left_alone(target):
-    """sm80 has no pair-epilogue GEMM kernel; a gate used elsewhere too must stay materialised."""
+    """sm80 above decode size (M = 128 > 64) has no pair-epilogue GEMM kernel; a gate used
+    elsewhere too must stay materialised."""
     wg, wu = _weights()
-    before = _before(wg, wu)
+    before = _before(wg, wu, m=128)
     if target == "cpu_other_use":
         bb = relax.BlockBuilder()
         x = relax.Var("x", relax.TensorType((M, K), "float16"))

@@ -1,0 +1,167 @@
+"""Weight-streaming GEMV / small-M GEMM (kernels/gemm/gemv.py, rules/gemv.py).
+
+CPU: which GEMMs the rule and the ``gemv`` stage take (M ≤ 64, a weight operand, sm_80+), the LM's
+decode graph on sm90 / sm80, and nvcc builds for sm_80 / sm_90a whose SASS streams W with
+``LDG.E.128`` (and uses ``HMMA`` for the tensor-core engine) without spills.
+GPU (``-m gpu``): numerics against torch for M in (1, 4, 16, 64) with each epilogue.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import tvm
+from tvm import te, tirx
+
+from tests.cuda_tools import needs_nvcc
+from tvmfuse.attrs import RULE_ATTR
+from tvmfuse.build.inspect import cuda_source, fatbin_sass
+from tvmfuse.build.nvcc import compile_fatbin
+from tvmfuse.frontend import import_model, input_overrides
+from tvmfuse.kernels.gemm.gemv import GemvConfig, GemvProblem, check, pick_config, standalone
+from tvmfuse.rules import Gemv
+from tvmfuse.targets import get_target
+from tvmfuse.tvm_setup import codegen_scope
+
+SM80, SM90 = get_target("sm80"), get_target("sm90")
+
+
+def te_linear(m: int, n: int, k: int, kn: bool = False, dtype: str = "float16") -> tirx.PrimFunc:
+    """TE ``cast(x · Wᵀ + b)`` with W (N, K) (or (K, N) when ``kn``)."""
+    x = te.placeholder((m, k), dtype, name="x")
+    w = te.placeholder((k, n) if kn else (n, k), dtype, name="w")
+    b = te.placeholder((n,), dtype, name="b")
+    r = te.reduce_axis((0, k), name="k")
+    mm = te.compute((m, n), lambda i, j: te.sum(
+        x[i, r].astype("float32") * (w[r, j] if kn else w[j, r]).astype("float32"), axis=r),
+        name="matmul")
+    y = te.compute((m, n), lambda i, j: (mm[i, j] + b[j].astype("float32")).astype(dtype), name="y")
+    return te.create_prim_func([x, w, b, y])
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 64])
+def test_rule_takes_small_m(m):
+    sch = Gemv().apply(te_linear(m, 256, 512), SM80.tvm_target(), False)
+    assert sch is not None and sch.mod["main"].attrs[RULE_ATTR] == "gemv"
+
+
+@pytest.mark.parametrize("func, target", [
+    (te_linear(65, 256, 512), SM80),  # M > 64: a GEMM for the tensor-core rules
+    (te_linear(1, 256, 512, kn=True), SM80),  # (K, N) weight: only the pass can transpose it
+    (te_linear(1, 256, 516), SM80),  # K not a multiple of 8
+    (te_linear(1, 256, 512, dtype="float32"), SM80),  # fp32
+    (te_linear(1, 256, 512), get_target("cpu")),
+], ids=["m65", "kn", "k516", "fp32", "cpu"])
+def test_rule_returns_none(func, target):
+    assert Gemv().apply(func, target.tvm_target(), False) is None
+
+
+def test_not_a_gemm():
+    x = te.placeholder((4, 64), "float16", name="x")
+    y = te.compute((4, 64), lambda i, j: x[i, j] * 2, name="y")
+    assert Gemv().apply(te.create_prim_func([x, y]), SM80.tvm_target(), False) is None
+
+
+def test_check_and_pick_config():
+    p = GemvProblem(16, 4096, 4096, "float16", "float16")
+    assert check(p, GemvConfig()) is not None  # M = 16 on CUDA cores
+    assert pick_config(p, 132).mma
+    assert not pick_config(GemvProblem(4, 4096, 4096, "float16", "float16"), 132).mma
+    small_n = pick_config(GemvProblem(1, 256, 4096, "float16", "float16"), 132)
+    assert -(-256 // small_n.rows) >= 132  # small N: fewer rows a block, every SM streams
+    assert check(GemvProblem(1, 255, 4096, "float16", "float16", pair=True), GemvConfig(rows=2))
+
+
+def _lm_rules(target) -> list[str | None]:
+    """The rule of each GEMM kernel launch of models/llama_lm.py's small LM at one token."""
+    from tvmfuse.report import analyze
+
+    imported = import_model("models.llama_lm:small", None, input_overrides(["ids:1x1"]))
+    report = analyze(imported.mod, target, None, stock=False)
+    return [k.get("rule") for k in report["kernels"] if "matmul" in k["ops"]]
+
+
+@pytest.mark.parametrize("target", [SM90, SM80], ids=["sm90", "sm80"])
+def test_lm_decode_gemms_stream(target):
+    """QKV (+ RMSNorm stats), O + residual, gate/up pair (+ stats), down + residual, lm_head: all
+    gemv kernels, the statistics and the SiLU·mul inside them (no separate kernels)."""
+    rules = _lm_rules(target)
+    assert set(rules) == {"gemv"}, rules
+    assert len(rules) == 2 * 4 + 1, rules  # 2 layers × 4 GEMMs + lm_head
+
+
+def _sass(func: tirx.PrimFunc, spec, tmp_path) -> tuple[str, str]:
+    with codegen_scope():
+        source = cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=spec.tvm_target()))
+    sass = fatbin_sass(compile_fatbin(source, spec, tmp_path))
+    return sass, (tmp_path / "kernels.ptxas.log").read_text()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("m, n, k, pair", [(1, 4096, 4096, False), (4, 688, 128, True),
+                                          (16, 4096, 4096, False), (64, 4096, 11008, False)])
+def test_sass(m, n, k, pair, tmp_path):
+    p = GemvProblem(m, n, k, "float16", "float16", pair)
+    cfg = pick_config(p, 132)
+    for spec in (SM80, SM90):
+        sass, log = _sass(standalone(p, cfg), spec, tmp_path)
+        for arch, text in sass.items():
+            if not arch.startswith("sm_"):
+                continue
+            assert "LDG.E.128" in text, f"{arch}: W not read in 16-byte vectors"
+            assert ("HMMA" in text) == cfg.mma, arch
+            assert "STL" not in text and "LDL" not in text, f"{arch}: local memory"
+        assert all(s == "0" for s in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU numerics (device)
+
+EPILOGUES = ["none", "bias", "residual", "swiglu", "rmsnorm"]
+
+
+class _Block(torch.nn.Module):
+    """One Linear (N, K) with ``epilogue`` the way a user writes it."""
+
+    def __init__(self, k: int, n: int, epilogue: str) -> None:
+        super().__init__()
+        self.epilogue = epilogue
+        self.lin = torch.nn.Linear(k, n, bias=epilogue == "bias")
+        self.up = torch.nn.Linear(k, n, bias=False) if epilogue == "swiglu" else None
+        self.norm = torch.nn.RMSNorm(k, eps=1e-5) if epilogue == "rmsnorm" else None
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        if self.norm is not None:
+            x = self.norm(x)
+        y = self.lin(x)
+        if self.up is not None:
+            y = torch.nn.functional.silu(y) * self.up(x)
+        return y + r if self.epilogue == "residual" else y
+
+
+GPU_GRID = [(m, n, k, e) for m in (1, 4, 16, 64) for (n, k) in ((4096, 4096), (1000, 1024))
+            for e in EPILOGUES]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+@pytest.mark.parametrize("m, n, k, epilogue", GPU_GRID,
+                         ids=[f"{m}x{n}x{k}-{e}" for m, n, k, e in GPU_GRID])
+def test_gpu_numerics(m, n, k, epilogue, target, tmp_path):
+    import tvmfuse
+
+    torch.manual_seed(0)
+    module = _Block(k, n, epilogue).half().eval()
+    with torch.no_grad():
+        if module.norm is not None:
+            module.norm.weight.normal_(1.0, 0.1)
+    inputs = (torch.randn(m, k).half(), torch.randn(m, n).half())
+    lib = tvmfuse.compile(module, inputs, target=target)
+    run = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
+    out = run(*(t.cuda() for t in inputs))
+    with torch.no_grad():
+        ref = module.float()(*(t.float() for t in inputs))
+    err = float((out.float().cpu() - ref).norm() / ref.norm())
+    assert err < 1e-2, err
