@@ -11,6 +11,7 @@ from torch import nn
 from tvm import relax
 
 import tvmfuse
+from tvmfuse.options import Options, use_options
 from tvmfuse.passes.pair_gemm import PairGemm
 from tvmfuse.targets import get_target
 
@@ -67,7 +68,7 @@ def _expected(wg: np.ndarray, wu: np.ndarray) -> tvm.IRModule:
 def test_swiglu_becomes_one_interleaved_gemm(target):
     """cpu; sm80 at decode size (M = 16 ≤ 64: the weight-streaming kernel takes the pair)."""
     wg, wu = _weights()
-    with get_target(target).tvm_target():
+    with get_target(target).tvm_target(), use_options(Options(small_m_gemv=True)):
         after = PairGemm()(_before(wg, wu))
     tvm.ir.assert_structural_equal(after, _expected(wg, wu))
 

@@ -53,6 +53,10 @@ class Options:
     sm80_c_row_pad: int = 8
     # gemm_sm80: output elements per lane and store of the epilogue (None: 16 bytes of the dtype)
     sm80_epilogue_lane_elems: int | None = 4
+    # gemv: decode-size GEMMs (M ≤ 64, sm_80+) on the weight-streaming kernel (kernels/gemm/gemv.py).
+    # Off until an H200 run has checked its numerics and bandwidth (written and nvcc-built without
+    # a GPU, 2026-12-02); off, those GEMMs keep the GEMM rules they had.
+    small_m_gemv: bool = False
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # device properties for tile and cost decisions: a name of device_props.DEVICES or a

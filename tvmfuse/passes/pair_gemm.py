@@ -17,7 +17,8 @@ matmul + elementwise function with the graph's numerics.
 Sits after ``MixedPrecision`` (the grouped function's dtypes are final) and before LegalizeOps
 (which legalises the grouped function's body). Targets: the CPU (llvm), sm_90a, where the wgmma
 kernel takes the pair epilogue (fp16 / bf16, 2-D ``x``, K a multiple of 8, N of 4), and other
-sm_80+ targets at decode size (x with ≤ 64 rows: the weight-streaming kernel takes it); otherwise
+sm_80+ targets at decode size with ``Options.small_m_gemv`` (x with ≤ 64 rows: the
+weight-streaming kernel takes it); otherwise
 CUDA targets keep two GEMMs (their GEMM rules cannot schedule a strided-slice epilogue).
 """
 
@@ -31,6 +32,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..options import current_options
 from ._util import dataflow_bindings, is_op, static_shape
 
 # elementwise ops a pair epilogue may use (same shape in, same shape out; constants may broadcast)
@@ -86,7 +88,8 @@ def _target_takes(x: relax.Expr, weight: np.ndarray) -> bool:
     if arch == "sm_90a":
         return n % 4 == 0
     # other sm_80+: the decode-size weight-streaming kernel (rules/gemv.py) takes the pair epilogue
-    return arch[3:5].isdigit() and int(arch[3:5]) >= 80 and shape[0] <= _STREAMING_MAX_M
+    return (current_options().small_m_gemv and arch[3:5].isdigit() and int(arch[3:5]) >= 80
+            and shape[0] <= _STREAMING_MAX_M)
 
 
 def _ints(tup: relax.Expr) -> list[int] | None:

@@ -38,6 +38,7 @@ from ..device_props import device_properties
 from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value
 from ..kernels.gemm.gemv import MAX_M, GemvConfig, GemvProblem, check, gemv_kernel, pick_config
 from ..kernels.gemm.opmath import opmath
+from ..options import current_options
 from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm
 from .gemm_sm90_stats import stats_calls
@@ -47,8 +48,9 @@ _CALL_TIR = "relax.call_tir"
 
 
 def takes_target(target: Target | None) -> bool:
-    """CUDA, sm_80 or newer (mma.sync, 16-byte loads)."""
-    return target is not None and target.kind.name == "cuda" and _sm(target) >= 80
+    """CUDA, sm_80 or newer (mma.sync, 16-byte loads), with ``Options.small_m_gemv`` on."""
+    return (current_options().small_m_gemv and target is not None and target.kind.name == "cuda"
+            and _sm(target) >= 80)
 
 
 def small_m_gemm(func: tirx.PrimFunc) -> FusedGemm | None:
