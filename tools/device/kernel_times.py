@@ -4,6 +4,8 @@ Usage (on the GPU machine): python tools/device/kernel_times.py softmax rmsnorm 
 For each named bench workload (tools/bench/bench_<name>.py) it compiles the module with tvmfuse,
 runs it ``--iters`` times under the profiler and prints every CUDA kernel's mean device time and
 the achieved rate (bytes or FLOPs of the workload ÷ the summed kernel time of one call).
+``--anchor compile`` profiles the same module under ``torch.compile`` too (``eager``: plain torch),
+so the kernels can be compared one by one.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--target", default="sm90")
+    ap.add_argument("--anchor", choices=["none", "eager", "compile"], default="none")
     opts = ap.parse_args()
     import common
 
@@ -36,27 +39,37 @@ def main() -> None:
         inputs = tuple(t.cuda() for t in wl.inputs)
         with tempfile.TemporaryDirectory() as tmp:
             fn, _ = common.compile_and_load(wl.module, tuple(wl.inputs), opts.target, tmp, name)
-            for _ in range(5):
-                fn(*inputs)
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(opts.iters):
-                    fn(*inputs)
-                torch.cuda.synchronize()
-        per_kernel: dict[str, float] = defaultdict(float)
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[ev.name] += ev.device_time / opts.iters  # µs per call
-        total_us = sum(per_kernel.values())
-        rate = ""
-        if wl.bytes:
-            rate = f"{wl.bytes / (total_us * 1e-6) / 1e12:.2f} TB/s"
-        elif wl.flops:
-            rate = f"{wl.flops / (total_us * 1e-6) / 1e12:.1f} TFLOP/s"
-        print(f"{name} {wl.shape} {opts.dtype}: kernels {total_us:.1f} µs per call, {rate}")
-        for kname, us in sorted(per_kernel.items(), key=lambda kv: -kv[1]):
-            print(f"    {us:9.1f} µs  {kname[:100]}")
+            report(f"{name} tvmfuse", fn, inputs, wl, opts.iters)
+        if opts.anchor != "none":
+            module = wl.module.cuda()
+            anchor = torch.compile(module) if opts.anchor == "compile" else module
+            with torch.no_grad():
+                report(f"{name} torch {opts.anchor}", anchor, inputs, wl, opts.iters)
 
+
+def report(label: str, fn, inputs: tuple, wl, iters: int) -> None:
+    """Profile ``iters`` calls of ``fn``; print each kernel's mean time per call and the rate."""
+    for _ in range(5):
+        fn(*inputs)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn(*inputs)
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[ev.name][0] += ev.device_time / iters  # µs per call
+            per_kernel[ev.name][1] += 1
+    total_us = sum(us for us, _ in per_kernel.values())
+    rate = ""
+    if wl.bytes:
+        rate = f"{wl.bytes / (total_us * 1e-6) / 1e12:.2f} TB/s"
+    elif wl.flops:
+        rate = f"{wl.flops / (total_us * 1e-6) / 1e12:.1f} TFLOP/s"
+    print(f"{label} {wl.shape}: kernels {total_us:.1f} µs per call, {rate}")
+    for kname, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
+        print(f"    {us:9.1f} µs  x{n // iters:<3d} {kname[:110]}")
 
 if __name__ == "__main__":
     main()
