@@ -67,7 +67,7 @@ def test_torch_module_symbol_shared_across_inputs():
 
 def test_torch_example_outside_range_is_remade_inside():
     x = torch.randn(1, 100, 16)  # 100 > 64: the export example becomes 64 long
-    imported = import_model(AddMatmul(), (x, x), input_overrides({"x": "1xSx16", "y": "1xSx16"}),
+    imported = import_model(AddMatmul(), (x, x.clone()), input_overrides({"x": "1xSx16", "y": "1xSx16"}),
                             {"S": (1, 64)})
     assert _bounds(imported.mod)[1]["S"] == 64
 
@@ -75,7 +75,7 @@ def test_torch_example_outside_range_is_remade_inside():
 def test_exported_program_symbols_are_named_by_inputs():
     x = torch.randn(2, 5, 16)
     s = torch.export.Dim("seq", min=1, max=32)
-    ep = torch.export.export(AddMatmul(), (x, x), dynamic_shapes=({1: s}, {1: s}))
+    ep = torch.export.export(AddMatmul(), (x, x.clone()), dynamic_shapes=({1: s}, {1: s}))
     with pytest.raises(InputSpecError, match=r"dynamic dimension.*--dynamic S=LO\.\.HI"):
         import_model(ep)
     imported = import_model(ep, None, input_overrides({"x": "2xSx16", "y": "2xSx16"}), {"S": (1, 16)})
@@ -88,9 +88,9 @@ def test_exported_program_symbols_are_named_by_inputs():
 def test_symbol_without_range_and_unused_range():
     x = torch.randn(2, 5, 16)
     with pytest.raises(InputSpecError, match=r"\['S'\].*no range.*--dynamic S=LO\.\.HI"):
-        import_model(AddMatmul(), (x, x), input_overrides({"x": "2xSx16", "y": "2xSx16"}), {})
+        import_model(AddMatmul(), (x, x.clone()), input_overrides({"x": "2xSx16", "y": "2xSx16"}), {})
     with pytest.raises(InputSpecError, match=r"--dynamic names \['T'\]"):
-        import_model(AddMatmul(), (x, x), input_overrides({"x": "2xSx16", "y": "2xSx16"}),
+        import_model(AddMatmul(), (x, x.clone()), input_overrides({"x": "2xSx16", "y": "2xSx16"}),
                      {"S": (1, 8), "T": (1, 8)})
 
 
