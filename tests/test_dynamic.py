@@ -82,8 +82,8 @@ class AddMatmul(torch.nn.Module):
 def test_inconsistent_symbol_across_inputs_is_an_input_error():
     x = torch.randn(1, 5, 16)
     module = AddMatmul()
-    lib = tvmfuse.compile(module, (x, torch.randn(1, 5, 16)), target="cpu", inputs={"x": "1xSx16", "y": "1xSx16"},
-                          dynamic={"S": (1, 32)})
+    lib = tvmfuse.compile(module, (x, torch.randn(1, 5, 16)), target="cpu",
+                          inputs={"x": "1xSx16", "y": "1xSx16"}, dynamic={"S": (1, 32)})
     run = lib.load()
     a, b = torch.randn(1, 9, 16), torch.randn(1, 9, 16)
     assert _rel_err(run(a, b), module(a, b).detach()) <= RTOL
