@@ -95,7 +95,7 @@ def test_unknown_target():
 
 
 @pytest.mark.parametrize("text, msg", [
-    ("x", "expected NAME:SHAPE"), ("x:2xa", "positive integers"), ("x:0x3", "positive"),
+    ("x", "expected NAME:SHAPE"), ("x:2x1.5", "positive integers"), ("x:0x3", "positive"),
     ("x:2x3:float99", "unknown dtype"),
 ])
 def test_bad_input_override(text, msg):

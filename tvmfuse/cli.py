@@ -65,6 +65,12 @@ def check_against_reference(lib, seed: int = 0) -> list[float]:
     return errs
 
 
+_DYNAMIC = click.option(
+    "--dynamic", "dynamic", multiple=True, metavar="SYMBOL=LO..HI",
+    help="Keep a dimension symbolic over a range: name it in --input (x:1xS) or use the ONNX "
+         "dim_param, e.g. --dynamic S=1..4096. One library serves every length.")
+
+
 @main.command()
 @click.argument("model")
 @click.option("-o", "--output", "output", required=True, type=click.Path(dir_okay=False),
@@ -75,25 +81,30 @@ def check_against_reference(lib, seed: int = 0) -> list[float]:
               help="Convert a float32 model to mixed precision (fp32 accumulation).")
 @click.option("--input", "inputs", multiple=True, metavar="NAME:SHAPE[:DTYPE]",
               help="Fix an input's shape, e.g. x:1x2048x4096.")
+@_DYNAMIC
 @click.option("--tuning-db", type=click.Path(file_okay=False), default=None,
               help="Tuning database written by `tvmfuse tune` (tuned kernels where faster).")
 @click.option("--check", is_flag=True,
               help="Also build for cpu and compare with onnxruntime/torch on random inputs.")
 def compile(model: str, output: str, target: str, dtype: str | None, inputs: tuple[str, ...],
-            tuning_db: str | None, check: bool) -> None:  # noqa: A001
+            dynamic: tuple[str, ...], tuning_db: str | None, check: bool) -> None:  # noqa: A001
     """Compile MODEL (.onnx, .pt2 or package.module:factory) into LIB.so."""
     from .compiler import compile as tvmfuse_compile
 
     t0 = time.perf_counter()
-    lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs), tuning_db=tuning_db)
+    lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs), tuning_db=tuning_db,
+                          dynamic=list(dynamic))
     path = lib.export(output)
     sig = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.model.inputs)
     outs = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.outputs)
     click.echo(f"wrote {path} (target {target}, {time.perf_counter() - t0:.1f} s)")
     click.echo(f"  inputs:  {sig}\n  outputs: {outs}")
+    if lib.model.dynamic:
+        ranges = ", ".join(f"{k}={lo}..{hi}" for k, (lo, hi) in lib.model.dynamic.items())
+        click.echo(f"  dynamic: {ranges}")
     if check:
         cpu_lib = lib if target == "cpu" else tvmfuse_compile(
-            model, target="cpu", dtype=dtype, inputs=list(inputs))
+            model, target="cpu", dtype=dtype, inputs=list(inputs), dynamic=list(dynamic))
         errs = check_against_reference(cpu_lib)
         tol = 1e-4 if dtype in (None, "float32") else 2e-2
         verdict = "ok" if all(e <= tol for e in errs) else "MISMATCH"
@@ -147,19 +158,21 @@ def run(library: str, inputs_path: str, output_path: str | None, device: str | N
 @click.option("--target", type=click.Choice(["sm90", "sm80", "cpu"]), default="sm90", show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None)
 @click.option("--input", "inputs", multiple=True, metavar="NAME:SHAPE[:DTYPE]")
+@_DYNAMIC
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in DESIGN.md).")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a roofline PNG.")
 @click.option("--times", type=click.Path(dir_okay=False, exists=True), default=None,
               help="JSON {kernel name: measured ms} from a benchmark run, placed on the plot.")
 @click.option("--tuning-db", type=click.Path(file_okay=False), default=None,
               help="Apply a `tvmfuse tune` database and mark the kernels that use a tuned schedule.")
-def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...], as_json: bool,
+def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...],
+           dynamic: tuple[str, ...], as_json: bool,
            plot: str | None, times: str | None, tuning_db: str | None) -> None:
     """Kernels after fusion, with FLOPs and HBM bytes against the unfused graph."""
-    from .frontend import import_model, input_overrides
+    from .frontend import dynamic_ranges, import_model, input_overrides
     from .report import analyze, format_table, plot_roofline
 
-    imported = import_model(model, None, input_overrides(list(inputs)))
+    imported = import_model(model, None, input_overrides(list(inputs)), dynamic_ranges(list(dynamic)))
     result = analyze(imported.mod, get_target(target), dtype if dtype != "float32" else None,
                      tuning_db=tuning_db)
     times_ms = json.loads(Path(times).read_text()) if times else None

@@ -11,7 +11,7 @@ from typing import Any
 
 from .build import export_library
 from .errors import InputSpecError
-from .frontend import ImportedModel, TensorSpec, import_model, input_overrides
+from .frontend import ImportedModel, TensorSpec, dynamic_ranges, import_model, input_overrides
 from .options import Options
 from .pipeline import build, lower
 from .runtime import load
@@ -27,12 +27,20 @@ def _version(pkg: str) -> str | None:
         return None
 
 
+def _dim(value) -> int | str:
+    """A Relax shape dimension: its int, else its expression over the symbols (``S``, ``S * 2``)."""
+    try:
+        return int(value)
+    except TypeError:
+        return str(value)
+
+
 def _output_specs(mod, names: list[str]) -> list[TensorSpec]:
     ret = mod["main"].ret_ty
     fields = list(ret.fields) if hasattr(ret, "fields") else [ret]
     specs = []
     for name, sinfo in zip(names, fields):
-        shape = tuple(int(d) for d in sinfo.shape.values) if sinfo.shape is not None else ()
+        shape = tuple(_dim(d) for d in sinfo.shape.values) if sinfo.shape is not None else ()
         specs.append(TensorSpec(name, shape, str(sinfo.dtype)))
     return specs
 
@@ -58,6 +66,7 @@ class Library:
             "frontend": self.model.frontend,
             "source": self.model.source,
             "inputs": [s.to_json() for s in self.model.inputs],
+            "dynamic": {name: list(rng) for name, rng in self.model.dynamic.items()},
             "outputs": [s.to_json() for s in self.outputs],
             "versions": {"tvmfuse": __version__, "tvm": _version("apache-tvm"),
                          "tvm_ffi": _version("apache-tvm-ffi")},
@@ -83,12 +92,16 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     inputs: dict[str, Any] | list[str] | None = None,
     tuning_db: str | os.PathLike | None = None,
     options: Options | None = None,
+    dynamic: dict[str, Any] | list[str] | None = None,
 ) -> Library:
     """Compile ``model`` (ONNX path/proto, .pt2 path, ``pkg.mod:factory`` or nn.Module).
 
     ``dtype``: None/"float32" keeps the model's precision; "float16"/"bfloat16" converts a float32
     model to mixed precision (fp32 accumulation). ``inputs`` fixes dynamic dims:
-    ``{"x": (2, 64)}`` or ``["x:2x64"]``. ``tuning_db``: a ``tvmfuse tune`` database; a kernel
+    ``{"x": (2, 64)}`` or ``["x:2x64"]``, or names them by symbol: ``{"input_ids": "1xS"}``.
+    ``dynamic``: each symbol's inclusive range, ``{"S": (1, 4096)}`` or ``["S=1..4096"]``; one
+    library then serves every length in the range (ONNX ``dim_param``s named here stay symbolic
+    without an ``inputs`` entry). ``tuning_db``: a ``tvmfuse tune`` database; a kernel
     uses its tuned schedule only where that measured faster than the default rule.
     ``options``: the kernels' switches and the device (:class:`tvmfuse.options.Options`).
     """
@@ -96,7 +109,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     if dtype not in (None, "float32", "float16", "bfloat16"):
         raise InputSpecError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
     overrides = input_overrides(inputs)
-    imported = import_model(model, example_inputs, overrides)
+    imported = import_model(model, example_inputs, overrides, dynamic_ranges(dynamic))
     lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None, tuning_db=tuning_db,
                     options=options)
     outputs = _output_specs(imported.mod, imported.output_names)

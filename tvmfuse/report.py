@@ -23,6 +23,7 @@ from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
 from .errors import TVM_ERRORS
 from .passes import MixedPrecision
 from .passes.attention import attention_decisions
+from .passes.canonical import BoundedSlices
 from .passes.legalize_fixes import legalize_overrides
 from .pipeline import lower
 from .targets import TargetSpec
@@ -65,17 +66,32 @@ def op_name(gvar_name: str) -> str:
     return name[4:] if name.startswith("tir_") else name
 
 
+# A dynamic model's report is computed at given sizes (default: each symbol's upper bound).
+_SIZES: dict[str, int] = {}
+
+
+def _dim_value(dim) -> int:
+    """A shape dimension as an int; a symbolic one at the report's size for its symbols."""
+    if isinstance(dim, tirx.IntImm) or isinstance(dim, int):
+        return int(dim)
+    analyzer = tvm.sym.Analyzer()
+    for var in tirx.analysis.undefined_vars(dim):
+        analyzer.bind(var, tirx.IntImm("int64", _SIZES[var.name]))
+    return int(analyzer.simplify(dim))
+
+
 def _tensor_bytes(ty) -> int:
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return 0
-    dims = [int(d) for d in ty.shape.values]
+    dims = [_dim_value(d) for d in ty.shape.values]
     return math.prod(dims) * tvm.runtime.DataType(str(ty.dtype)).bits // 8
 
 
 def _param_bytes(param) -> int:
     if not hasattr(param, "shape") or param.shape is None:
         return 0  # scalar parameters (shape vars) move no tensor bytes
-    return math.prod(int(d) for d in param.shape) * tvm.runtime.DataType(str(param.dtype)).bits // 8
+    dims = [_dim_value(d) for d in param.shape]
+    return math.prod(dims) * tvm.runtime.DataType(str(param.dtype)).bits // 8
 
 
 def primfunc_bytes(func: tirx.PrimFunc) -> int:
@@ -84,7 +100,7 @@ def primfunc_bytes(func: tirx.PrimFunc) -> int:
 
 
 def kernel_flops(func: tirx.PrimFunc) -> int:
-    """TVM's FLOP estimate of an unscheduled kernel (0 where it cannot tell)."""
+    """TVM's FLOP estimate of an unscheduled kernel (0 where it cannot tell: symbolic loops too)."""
     try:
         return int(estimate_tir_flops(tvm.IRModule({"main": func})))
     except TVM_ERRORS:  # TVM cannot count scheduled / opaque functions: FLOPs unknown, bytes exact
@@ -155,7 +171,9 @@ def _unfused(legalized: tvm.IRModule) -> list[KernelInfo]:
 
 def _legalize_unfused(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None) -> tvm.IRModule:
     """The imported graph legalised op by op, without tvmfuse's fusion passes: the baseline."""
-    seq = [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings()]
+    # BoundedSlices: symbolic lengths only; without it a clamped slice leaves shapes unknown.
+    seq = [relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
+           BoundedSlices()]
     if dtype in ("float16", "bfloat16"):
         seq.append(MixedPrecision(dtype))
     seq += [relax.transform.LegalizeOps(legalize_overrides()), relax.transform.AnnotateTIROpPattern(),
@@ -328,11 +346,27 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
 
 
 def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
-            tuning_db: str | None = None, stock: bool = True) -> dict[str, Any]:
+            tuning_db: str | None = None, stock: bool = True,
+            sizes: dict[str, int] | None = None) -> dict[str, Any]:
     """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema).
 
     ``stock=False`` skips the stock-TVM launch count (a second lowering): ``None`` in the report.
+    A model with symbolic dims is lowered as it is (the kernels the library runs); bytes and FLOPs
+    are counted at ``sizes`` (default: each symbol's upper bound), reported as ``sizes``.
     """
+    bounds = (mod["main"].attrs or {}).get("tir_var_upper_bound", {})
+    sizes = {str(k): int(v) for k, v in dict(bounds).items()} | dict(sizes or {})
+    _SIZES.clear()
+    _SIZES.update(sizes)
+    try:
+        result = _analyze(mod, spec, dtype, tuning_db, stock and not sizes)
+    finally:
+        _SIZES.clear()
+    return result | ({"sizes": sizes} if sizes else {})
+
+
+def _analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None, tuning_db: str | None,
+             stock: bool) -> dict[str, Any]:
     capture = _StageCapture()
     lower(mod, spec, dtype, on_stage=capture, tuning_db=tuning_db)
     unfused = _unfused(_legalize_unfused(mod, spec, dtype))

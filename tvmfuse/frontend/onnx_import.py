@@ -7,7 +7,8 @@ from typing import Any
 
 from ..errors import InputSpecError, ModelError, TvmfuseError, UnsupportedOpError
 from .onnx_fixes import converters, node_refusals
-from .spec import ImportedModel, InputOverride, TensorSpec, check_override_names
+from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
+from .symbolic import bound_symbols, symbol_vars
 
 # ONNX TensorProto elem_type -> dtype name
 _ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64", 7: "int64",
@@ -85,7 +86,10 @@ def fold_scalar_constant_of_shape(proto) -> int:
     return count
 
 
-def _input_specs(proto, overrides: dict[str, InputOverride], source: str) -> list[TensorSpec]:
+def _input_specs(proto, overrides: dict[str, InputOverride], dynamic: Ranges,
+                 source: str) -> list[TensorSpec]:
+    """Each graph input's shape: the model's dims, ``--input`` overrides (ints or symbols) and the
+    ``dim_param``s that ``dynamic`` names (kept as symbols)."""
     init_names = {t.name for t in proto.graph.initializer}
     graph_inputs = [i for i in proto.graph.input if i.name not in init_names]
     check_override_names(overrides, [i.name for i in graph_inputs], source)
@@ -112,14 +116,17 @@ def _input_specs(proto, overrides: dict[str, InputOverride], source: str) -> lis
                     )
             specs.append(TensorSpec(inp.name, ov.shape, ov.dtype or dtype))
             continue
-        dynamic = [d for d in dims if not isinstance(d, int)]
-        if dynamic:
+        unnamed = [d for d in dims if isinstance(d, str) and d not in dynamic]
+        if unnamed:
             raise InputSpecError(
-                f"{source}: input {inp.name!r} has dynamic dimension(s) {dynamic} (shape {dims}); "
+                f"{source}: input {inp.name!r} has dynamic dimension(s) {unnamed} (shape {dims}); "
                 f"fix them with --input {inp.name}:" + "x".join(
                     str(d) if isinstance(d, int) else "N" for d in dims)
+                + " or keep them symbolic with --dynamic NAME=LO..HI (NAME: the dim_param or a "
+                "symbol named in --input)"
             )
         specs.append(TensorSpec(inp.name, tuple(dims), dtype))
+    check_symbols(specs, dynamic, source)
     return specs
 
 
@@ -139,8 +146,10 @@ def _ort_reference(proto):
     return run
 
 
-def import_onnx(model: Any, overrides: dict[str, InputOverride]) -> ImportedModel:
-    """Import an ONNX file or ModelProto; fixed shapes come from the model or ``overrides``."""
+def import_onnx(model: Any, overrides: dict[str, InputOverride],
+                dynamic: Ranges | None = None) -> ImportedModel:
+    """Import an ONNX file or ModelProto; shapes come from the model or ``overrides``; the symbols
+    that ``dynamic`` names (``dim_param``s or symbols of ``overrides``) stay symbolic."""
     from tvm.relax.frontend.onnx import from_onnx
 
     source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else "<onnx.ModelProto>"
@@ -148,13 +157,15 @@ def import_onnx(model: Any, overrides: dict[str, InputOverride]) -> ImportedMode
     unsupported = scan_unsupported(proto.graph)
     if unsupported:
         raise UnsupportedOpError(f"ONNX ({source})", unsupported)
-    specs = _input_specs(proto, overrides, source)
+    dynamic = dynamic or {}
+    specs = _input_specs(proto, overrides, dynamic, source)
+    syms = symbol_vars(dynamic)
     fold_scalar_constant_of_shape(proto)
     try:
         with converters():
             mod = from_onnx(
                 proto,
-                shape_dict={s.name: list(s.shape) for s in specs},
+                shape_dict={s.name: [syms.get(d, d) for d in s.shape] for s in specs},
                 dtype_dict={s.name: s.dtype for s in specs},
                 keep_params_in_input=False,
             )
@@ -163,4 +174,5 @@ def import_onnx(model: Any, overrides: dict[str, InputOverride]) -> ImportedMode
     except Exception as err:  # the importer raises many kinds; name the model
         raise ModelError(f"{source}: ONNX import failed: {type(err).__name__}: {err}") from err
     outputs = [o.name for o in proto.graph.output]
-    return ImportedModel(mod, specs, outputs, "onnx", source, _ort_reference(proto))
+    mod = bound_symbols(mod, dynamic) if dynamic else mod
+    return ImportedModel(mod, specs, outputs, "onnx", source, _ort_reference(proto), dynamic)

@@ -11,7 +11,8 @@ import os
 import sys
 
 from ..errors import InputSpecError, ModelError, UnsupportedOpError
-from .spec import ImportedModel, InputOverride, TensorSpec, check_override_names
+from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
+from .symbolic import bound_symbols
 from .torch_fixes import custom_convert_map
 
 
@@ -33,64 +34,89 @@ def scan_unsupported(ep) -> list[tuple[str, str]]:
     return found
 
 
-def _user_inputs(ep, source: str, overrides: dict[str, InputOverride]) -> list[TensorSpec]:
+def _user_inputs(ep, source: str, overrides: dict[str, InputOverride],
+                 dynamic: Ranges) -> tuple[list[TensorSpec], dict[str, int | str]]:
+    """The user inputs' specs, and how each torch symbol binds: to an int (``--input`` fixed it) or
+    to a user symbol (``--input`` named it; its range comes from ``dynamic``)."""
     from torch.export.graph_signature import InputKind
 
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
     check_override_names(overrides, names, source)
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    specs = []
+    specs, binding = [], {}
     for name in names:
         val = placeholders[name].meta.get("val")
         if val is None or not hasattr(val, "shape"):
             raise ModelError(f"{source}: input {name!r} is not a tensor")
         dims = [int(d) if str(d).lstrip("-").isdigit() else str(d) for d in val.shape]
         dtype = _dtype_name(val.dtype)
-        if name in overrides:
-            ov = overrides[name]
-            if len(ov.shape) != len(dims) or any(
-                isinstance(d, int) and d != v for d, v in zip(dims, ov.shape)
-            ):
+        if name not in overrides:
+            if any(isinstance(d, str) for d in dims):
                 raise InputSpecError(
-                    f"{source}: --input {name} shape {list(ov.shape)} does not fit the exported "
-                    f"shape {dims}"
+                    f"{source}: input {name!r} has dynamic dimension(s) (shape {dims}); fix them "
+                    f"with --input {name}:" + "x".join(str(d) if isinstance(d, int) else "N"
+                                                       for d in dims)
+                    + ", or name them (--input " + name + ":" + "x".join(
+                        str(d) if isinstance(d, int) else "S" for d in dims)
+                    + ") and give their range (--dynamic S=LO..HI)"
                 )
-            if ov.dtype and ov.dtype != dtype:
-                raise InputSpecError(
-                    f"{source}: --input {name} dtype {ov.dtype} differs from the exported {dtype}"
-                )
-            specs.append(TensorSpec(name, ov.shape, dtype))
-        elif any(isinstance(d, str) for d in dims):
-            raise InputSpecError(
-                f"{source}: input {name!r} has dynamic dimension(s) (shape {dims}); fix them "
-                f"with --input {name}:" + "x".join(str(d) if isinstance(d, int) else "N" for d in dims)
-            )
-        else:
             specs.append(TensorSpec(name, tuple(dims), dtype))
-    return specs
+            continue
+        ov = overrides[name]
+        if len(ov.shape) != len(dims) or any(
+            isinstance(d, int) and d != v for d, v in zip(dims, ov.shape)
+        ):
+            raise InputSpecError(
+                f"{source}: --input {name} shape {list(ov.shape)} does not fit the exported "
+                f"shape {dims}"
+            )
+        if ov.dtype and ov.dtype != dtype:
+            raise InputSpecError(
+                f"{source}: --input {name} dtype {ov.dtype} differs from the exported {dtype}"
+            )
+        for d, v in zip(dims, ov.shape):
+            if isinstance(d, str):
+                if binding.setdefault(d, v) != v:
+                    raise InputSpecError(
+                        f"{source}: exported dimension {d} is one length, but --input gives it as "
+                        f"both {binding[d]} and {v}"
+                    )
+        specs.append(TensorSpec(name, ov.shape, dtype))
+    check_symbols(specs, dynamic, source)
+    _check_ranges(ep, binding, dynamic, source)
+    return specs, binding
 
 
-def _bind_symbolic(mod, specs: list[TensorSpec]):
-    """Replace symbolic dims of ``main``'s parameters by the fixed shapes in ``specs``."""
-    from tvm import relax, tirx
-
-    func = mod["main"]
-    binding: dict[str, int] = {}
-    for param, spec in zip(func.params, specs):
-        sinfo = param.ty
-        if isinstance(sinfo, relax.TensorType) and sinfo.shape is not None:
-            for dim, value in zip(sinfo.shape.values, spec.shape):
-                if isinstance(dim, tirx.Var):
-                    binding[dim.name] = value
-    if binding:
-        mod = relax.transform.BindSymbolicVars(binding)(mod)
-    return mod
+def _check_ranges(ep, binding: dict[str, int | str], dynamic: Ranges, source: str) -> None:
+    """A user range must lie within the range the program was exported for (its guards hold there)."""
+    exported = {str(sym): (r.lower, r.upper) for sym, r in ep.range_constraints.items()}
+    for sym, value in binding.items():
+        if sym not in exported:
+            continue
+        lo, hi = (_finite(b) for b in exported[sym])
+        want = dynamic[value] if isinstance(value, str) else (value, value)
+        if (lo is not None and want[0] < lo) or (hi is not None and want[1] > hi):
+            raise InputSpecError(
+                f"{source}: {value!r} = {want[0]}..{want[1]} lies outside the range "
+                f"{lo}..{'inf' if hi is None else hi} the program was exported for (dimension {sym})"
+            )
 
 
-def import_exported(ep, overrides: dict[str, InputOverride], source: str, reference=None) -> ImportedModel:
-    """Import a ``torch.export.ExportedProgram``."""
+def _finite(bound) -> int | None:
+    """A sympy range bound as an int; None for +-infinity (torch's ``int_oo``)."""
+    try:
+        return int(bound)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def import_exported(ep, overrides: dict[str, InputOverride], source: str, reference=None,
+                    dynamic: Ranges | None = None) -> ImportedModel:
+    """Import a ``torch.export.ExportedProgram``; its symbolic dims are fixed or named by
+    ``overrides`` (``1xS``) and bounded by ``dynamic`` (``{"S": (1, 4096)}``)."""
     from tvm.relax.frontend.torch import from_exported_program
 
+    dynamic = dynamic or {}
     try:
         ep = ep.run_decompositions()
     except Exception as err:
@@ -98,19 +124,20 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     unsupported = scan_unsupported(ep)
     if unsupported:
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)
-    specs = _user_inputs(ep, source, overrides)
+    specs, binding = _user_inputs(ep, source, overrides, dynamic)
     try:
         mod = from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
                                     custom_convert_map=custom_convert_map())
     except Exception as err:
         raise ModelError(f"{source}: torch import failed: {type(err).__name__}: {err}") from err
-    mod = _bind_symbolic(mod, specs)
+    mod = bound_symbols(mod, dynamic, binding)
     ret = mod["main"].ret_ty
     n_out = len(ret.fields) if hasattr(ret, "fields") else 1
     if reference is None:
         module = ep.module()
         reference = _torch_reference(module)
-    return ImportedModel(mod, specs, [f"output{i}" for i in range(n_out)], "torch", source, reference)
+    return ImportedModel(mod, specs, [f"output{i}" for i in range(n_out)], "torch", source, reference,
+                         dynamic)
 
 
 def _torch_reference(module):
@@ -127,30 +154,61 @@ def _torch_reference(module):
 
 
 def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverride],
-                  source: str | None = None) -> ImportedModel:
-    """Export an ``nn.Module`` with ``example_inputs`` (re-made at override shapes) and import it."""
+                  source: str | None = None, dynamic: Ranges | None = None) -> ImportedModel:
+    """Export an ``nn.Module`` with ``example_inputs`` and import it.
+
+    ``overrides`` re-make example inputs at fixed shapes, or name dimensions by symbol (``1xS``);
+    a named dimension is exported dynamic (``torch.export.Dim(S, min=lo, max=hi)`` from ``dynamic``,
+    one ``Dim`` per symbol, so equal symbols are one length) and imported as a bounded ``tir.Var``.
+    """
     import torch
 
     source = source or f"nn.Module {type(module).__name__}"
     module = module.eval()
-    if overrides:
-        sig = [p for p in _forward_params(module)][: len(example_inputs)]
-        check_override_names(overrides, sig, source)
-        new = []
-        for name, ex in zip(sig, example_inputs):
-            ov = overrides.get(name)
-            if ov is None:
-                new.append(ex)
-            elif len(ov.shape) != ex.dim():
-                raise InputSpecError(f"{source}: --input {name} rank {len(ov.shape)} != {ex.dim()}")
-            else:
-                new.append(_random_like(ex, ov.shape))
-        example_inputs = tuple(new)
+    dynamic = dynamic or {}
+    example_inputs, dynamic_shapes = _dynamic_examples(module, example_inputs, overrides, dynamic,
+                                                       source)
     try:
-        ep = torch.export.export(module, example_inputs)
+        ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
     except Exception as err:
         raise ModelError(f"{source}: torch.export failed: {type(err).__name__}: {err}") from err
-    return import_exported(ep, {}, source, reference=_torch_reference(module))
+    from torch.export.graph_signature import InputKind
+
+    names = _forward_params(module)[: len(example_inputs)] if overrides else []
+    ep_names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    named = {ep_name: overrides[name] for name, ep_name in zip(names, ep_names)
+             if name in overrides and any(isinstance(d, str) for d in overrides[name].shape)}
+    return import_exported(ep, named, source, reference=_torch_reference(module), dynamic=dynamic)
+
+
+def _dynamic_examples(module, example_inputs: tuple, overrides: dict[str, InputOverride],
+                      dynamic: Ranges, source: str) -> tuple[tuple, tuple | None]:
+    """Example inputs at the override shapes (a symbol: the example's own length when in range,
+    else the range's nearest end), and ``torch.export``'s ``dynamic_shapes`` for the symbols."""
+    import torch
+
+    if not overrides and not dynamic:
+        return example_inputs, None
+    sig = _forward_params(module)[: len(example_inputs)]
+    check_override_names(overrides, sig, source)
+    check_symbols([TensorSpec(n, overrides[n].shape if n in overrides else tuple(ex.shape), "")
+                   for n, ex in zip(sig, example_inputs)], dynamic, source)
+    dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in dynamic.items()}
+    new, shapes = [], []
+    for name, ex in zip(sig, example_inputs):
+        ov = overrides.get(name)
+        if ov is None:
+            new.append(ex)
+            shapes.append(None)
+            continue
+        if len(ov.shape) != ex.dim():
+            raise InputSpecError(f"{source}: --input {name} rank {len(ov.shape)} != {ex.dim()}")
+        size = tuple(d if isinstance(d, int) else min(max(e, dynamic[d][0]), dynamic[d][1])
+                     for d, e in zip(ov.shape, ex.shape))
+        new.append(ex if size == tuple(ex.shape) else _random_like(ex, size))
+        sym = {i: dims[d] for i, d in enumerate(ov.shape) if isinstance(d, str)}
+        shapes.append(sym or None)
+    return tuple(new), (tuple(shapes) if dims else None)
 
 
 def _forward_params(module) -> list[str]:
@@ -167,7 +225,8 @@ def _random_like(ex, shape):
     return torch.randint(0, 2, shape, dtype=ex.dtype)
 
 
-def import_pt2(path: str, overrides: dict[str, InputOverride]) -> ImportedModel:
+def import_pt2(path: str, overrides: dict[str, InputOverride],
+               dynamic: Ranges | None = None) -> ImportedModel:
     """Import a ``.pt2`` file written by ``torch.export.save``."""
     import torch
 
@@ -178,7 +237,7 @@ def import_pt2(path: str, overrides: dict[str, InputOverride]) -> ImportedModel:
     except Exception as err:
         why = f"{type(err).__name__}: {err}"
         raise ModelError(f"{path}: not a readable torch.export .pt2 file ({why})") from err
-    return import_exported(ep, overrides, path)
+    return import_exported(ep, overrides, path, dynamic=dynamic)
 
 
 def load_factory(spec: str):
@@ -196,10 +255,11 @@ def load_factory(spec: str):
     return result
 
 
-def import_factory(spec: str, overrides: dict[str, InputOverride]) -> ImportedModel:
+def import_factory(spec: str, overrides: dict[str, InputOverride],
+                   dynamic: Ranges | None = None) -> ImportedModel:
     """Import the module that ``package.module:factory`` builds."""
     module, example_inputs = load_factory(spec)
-    return import_module(module, tuple(example_inputs), overrides, source=spec)
+    return import_module(module, tuple(example_inputs), overrides, source=spec, dynamic=dynamic)
 
 
 __all__ = ["import_exported", "import_factory", "import_module", "import_pt2", "load_factory",

@@ -138,6 +138,8 @@ class CompiledModel:
         # The per-call fast path compares against these (no string building, no imports).
         self._names = [i["name"] for i in self.inputs]
         self._shapes = [tuple(i["shape"]) for i in self.inputs]
+        # Symbolic dims: each symbol's inclusive range ("dynamic": {"S": [1, 4096]} in the metadata).
+        self.dynamic = {k: tuple(v) for k, v in self.metadata.get("dynamic", {}).items()}
         self._torch_dtypes = _torch_dtypes([i["dtype"] for i in self.inputs])
         self._torch_device = self._torch = self._torch_tensor = None
         if self._torch_dtypes is not None:
@@ -152,6 +154,28 @@ class CompiledModel:
         sig = ", ".join(f"{i['name']}: {i['dtype']}{i['shape']}" for i in self.inputs)
         return f"CompiledModel({self.path.name}, target={self.metadata['target']}, ({sig}))"
 
+    def _check_shapes(self, shapes: list[tuple[int, ...]]) -> None:
+        """Static dims equal, each symbol in its range and one value across inputs, else InputError."""
+        seen: dict[str, tuple[int, str]] = {}
+        for position, (spec, got) in enumerate(zip(self.inputs, shapes)):
+            want = self._shapes[position]
+            where = f"input {position} {spec['name']!r}"
+            if len(got) != len(want):
+                raise InputError(f"{where}: expected shape {list(want)}, got {list(got)}")
+            for axis, (w, g) in enumerate(zip(want, got)):
+                if isinstance(w, int):
+                    if w != g:
+                        raise InputError(f"{where}: expected shape {list(want)}, got {list(got)}")
+                    continue
+                lo, hi = self.dynamic[w]
+                if not lo <= g <= hi:
+                    raise InputError(f"{where}: dim {axis} ({w}) is {g}, outside {w}'s range "
+                                     f"{lo}..{hi} (shape {list(want)}, got {list(got)})")
+                first = seen.setdefault(w, (g, where))
+                if first[0] != g:
+                    raise InputError(f"{where}: dim {axis} ({w}) is {g}, but {first[1]} has "
+                                     f"{w} = {first[0]}; a symbol is one length in every input")
+
     def _convert(self, value: Any, spec: dict[str, Any], position: int):
         import numpy as np
         import tvm
@@ -162,7 +186,7 @@ class CompiledModel:
             got_dtype = str(value.dtype).replace("torch.", "")
             if got_dtype != dtype:
                 raise InputError(f"{where}: expected dtype {dtype}, got {got_dtype}")
-            if tuple(value.shape) != shape:
+            if not self.dynamic and tuple(value.shape) != shape:
                 raise InputError(f"{where}: expected shape {list(shape)}, got {list(value.shape)}")
             want = "cpu" if self.device.dlpack_device_type() == 1 else "cuda"
             if value.device.type != want or (
@@ -176,14 +200,14 @@ class CompiledModel:
         if isinstance(value, np.ndarray):
             if str(value.dtype) != dtype:
                 raise InputError(f"{where}: expected dtype {dtype}, got {value.dtype}")
-            if value.shape != shape:
+            if not self.dynamic and value.shape != shape:
                 raise InputError(f"{where}: expected shape {list(shape)}, got {list(value.shape)}")
             return tvm.runtime.tensor(np.ascontiguousarray(value), self.device), "numpy"
         raise InputError(f"{where}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
 
     def _fast_torch(self, args: tuple) -> bool:
-        """Positional, contiguous torch inputs that match the signature exactly."""
-        if self._torch_dtypes is None or len(args) != len(self._shapes):
+        """Positional, contiguous torch inputs that match the signature exactly (static shapes)."""
+        if self._torch_dtypes is None or len(args) != len(self._shapes) or self.dynamic:
             return False
         tensor, device = self._torch_tensor, self._torch_device
         for value, shape, dtype in zip(args, self._shapes, self._torch_dtypes):
@@ -218,6 +242,8 @@ class CompiledModel:
         if missing:
             raise InputError(f"missing input(s) {missing}; the library takes {names}")
         converted = [self._convert(v, s, i) for i, (v, s) in enumerate(zip(values, self.inputs))]
+        if self.dynamic:
+            self._check_shapes([tuple(t.shape) for t, _ in converted])
         kinds = {k for _, k in converted}
         out = self._main(*[t for t, _ in converted])
         outs = list(out) if not hasattr(out, "shape") else [out]

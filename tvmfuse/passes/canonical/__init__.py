@@ -11,6 +11,7 @@ from __future__ import annotations
 import tvm
 
 from .batched_matmul import CanonicalizeBatchedMatmul
+from .bounded_slices import BoundedSlices
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
 from .lift_folded_batch import LiftFoldedBatch
@@ -21,6 +22,7 @@ from .view_chain import CollapseViewChains
 
 # In order; a line's comment says why it sits where it does.
 PASSES = [
+    BoundedSlices,  # symbolic lengths: a slice the ranges prove in bounds keeps exact shapes
     CollapseViewChains,  # einsum's 5-D expand_dims/permute views around a bmm → one permute + reshape
     CanonicalizeBatchedMatmul,  # torch.export's N-D `@` (reshape → 3-D matmul → reshape) is one product
     LiftFoldedBatch,  # heads-folded (B·H, S, ·) products (baddbmm/bmm) get their (B, H) axes back
@@ -37,6 +39,6 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
     return tvm.transform.Sequential([p() for p in PASSES], name="tvmfuse.Canonicalize")
 
 
-__all__ = ["PASSES", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
+__all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
            "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts", "TupleOutput",
            "UpcastMatmul"]
