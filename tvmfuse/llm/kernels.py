@@ -60,7 +60,7 @@ def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
     attrs = {"op_pattern": 8, "tir.noalias": True}
     if cuda:
         attrs["tir.is_scheduled"] = True
-    return func.with_attrs(attrs)
+    return func.without_attr("global_symbol").with_attrs(attrs)  # named where it is added
 
 
 def kv_append(spec: CacheSpec, cuda: bool = False) -> tvm.tirx.PrimFunc:
