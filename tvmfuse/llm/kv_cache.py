@@ -29,6 +29,7 @@ from ..errors import CompileError
 from ._graph import var_name
 from .kernels import CacheSpec, cache_attention, kv_append
 
+
 def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int) -> CacheSpec:
     q, k, v = call.args[:3]
     where = f"compile_lm: attention at binding {var_name(var)!r}"

@@ -137,9 +137,6 @@ class CompiledModel:
     """
 
     def __init__(self, path: str | os.PathLike, device: str = "cuda") -> None:
-        import tvm
-        from tvm.runtime.vm import VirtualMachine
-
         self.path = Path(path)
         self.metadata, self.device, self.lib, self.vm = _open(self.path, device)
         self._main = self.vm["main"]
