@@ -12,7 +12,6 @@ transformers = pytest.importorskip("transformers")
 
 import tvmfuse  # noqa: E402
 from tvmfuse.errors import InputError  # noqa: E402
-from tvmfuse.llm import compile_lm  # noqa: E402
 
 STEPS = 32
 MAX_SEQ = 64
@@ -29,7 +28,7 @@ def _llama():
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     model = _llama()
-    lib = compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2, prefill_lengths=[8, 16, 24])
+    lib = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2, prefill_lengths=[8, 16, 24])
     path = lib.export(tmp_path_factory.mktemp("lm") / "lm.so")
     return model, tvmfuse.load(path, device="cpu")
 
@@ -64,3 +63,15 @@ def test_generate_refuses_past_the_cache(llama):
     _, lm = llama
     with pytest.raises(InputError, match="max_seq_len"):
         lm.generate(np.zeros((1, 20), "int64"), max_new_tokens=MAX_SEQ)
+
+
+def test_gpt2_learned_positions():
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=1, prefill_lengths=[16]).load()
+    ids = torch.randint(0, 128, (1, 6))
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
+    got = lm.generate(ids, max_new_tokens=STEPS)
+    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
