@@ -28,7 +28,8 @@ def _llama():
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     model = _llama()
-    lib = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2, prefill_lengths=[8, 16, 24])
+    lib = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2,
+                             prefill_lengths=[8, 16, 24])
     path = lib.export(tmp_path_factory.mktemp("lm") / "lm.so")
     return model, tvmfuse.load(path, device="cpu")
 
@@ -70,7 +71,8 @@ def test_gpt2_learned_positions():
                                   bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
-    lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=1, prefill_lengths=[16]).load()
+    lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=1,
+                            prefill_lengths=[16]).load()
     ids = torch.randint(0, 128, (1, 6))
     ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
     got = lm.generate(ids, max_new_tokens=STEPS)

@@ -15,7 +15,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from ..errors import ModelError
+from ..errors import ModelError, UnsupportedOpError
 from ..frontend.torch_fixes import custom_convert_map
 from ..frontend.torch_import import scan_unsupported
 
@@ -48,8 +48,6 @@ def _from_exported(ep, source: str) -> tvm.IRModule:
         raise ModelError(f"{source}: torch decomposition failed: {err}") from err
     unsupported = scan_unsupported(ep)
     if unsupported:
-        from ..errors import UnsupportedOpError
-
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)
     try:
         return from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
