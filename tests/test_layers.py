@@ -24,6 +24,7 @@ PACKAGE = ROOT / "tvmfuse"
 LAZY_ALLOWED = {
     ("tvmfuse/__init__.py", "tvmfuse.compiler"),
     ("tvmfuse/__init__.py", "tvmfuse.tune"),
+    ("tvmfuse/__init__.py", "tvmfuse.llm"),
     ("tvmfuse/cli.py", "tvmfuse.compiler"),
     ("tvmfuse/cli.py", "tvmfuse.frontend"),
     ("tvmfuse/cli.py", "tvmfuse.report"),

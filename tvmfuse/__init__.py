@@ -27,6 +27,13 @@ def compile(*args, **kwargs):  # noqa: A001
     return _compile(*args, **kwargs)
 
 
+def compile_lm(*args, **kwargs):
+    """See :func:`tvmfuse.llm.compile_lm` (imported lazily, like ``compile``)."""
+    from .llm import compile_lm as _compile_lm
+
+    return _compile_lm(*args, **kwargs)
+
+
 def tune(*args, **kwargs):
     """See :func:`tvmfuse.tune.tune`: MetaSchedule over the fused kernels into a database."""
     from .tune import tune as _tune
@@ -36,5 +43,6 @@ def tune(*args, **kwargs):
 
 __all__ = [
     "CompileError", "CompiledModel", "DeviceError", "InputError", "InputSpecError", "LibraryError",
-    "ModelError", "TvmfuseError", "UnsupportedOpError", "__version__", "compile", "load", "tune",
+    "ModelError", "TvmfuseError", "UnsupportedOpError", "__version__", "compile", "compile_lm", "load",
+    "tune",
 ]

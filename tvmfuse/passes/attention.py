@@ -200,6 +200,8 @@ class _Function:
             return self._const_deps(expr.tuple_value, deps)
         if isinstance(expr, relax.ShapeExpr):
             return all(isinstance(v, tvm.tirx.IntImm) for v in expr.values)
+        if isinstance(expr, tvm.ir.prim.expr.BinaryOpExpr):  # T.Add(1, 8) left by BindSymbolicVars
+            return not tvm.tirx.analysis.undefined_vars(expr)
         return isinstance(expr, (tvm.ir.expr.Constant, tvm.ir.expr.StringImm, tvm.tirx.IntImm,
                                  tvm.tirx.FloatImm))
 

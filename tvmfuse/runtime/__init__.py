@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import DeviceError, InputError, LibraryError
 from ..targets import get_target
+from .lm import LM_FORMAT, LanguageModel
 
 METADATA_SYMBOL = "tvmfuse_metadata"
 
@@ -108,6 +109,26 @@ def _device(kind: str, meta: dict[str, Any], path: Path):
     return dev
 
 
+def _open(path: Path, device: str):
+    """(metadata, device, module, VirtualMachine) of a tvmfuse library."""
+    import tvm
+    from tvm.runtime.vm import VirtualMachine
+
+    _check_file(path)
+    # Metadata and device first: a wrong-arch or missing GPU is named before TVM loads CUDA code.
+    metadata = read_metadata(path)
+    dev = _device(device, metadata, path)
+    try:
+        lib = tvm.runtime.load_module(str(path))
+    except Exception as err:  # TVM raises several error kinds for broken files
+        raise LibraryError(f"cannot load {path}: {type(err).__name__}: {err}") from err
+    try:
+        vm = VirtualMachine(lib, dev)
+    except Exception as err:
+        raise LibraryError(f"cannot start {path} on {device}: {err}") from err
+    return metadata, dev, lib, vm
+
+
 class CompiledModel:
     """A loaded tvmfuse library: ``model(*inputs)`` runs one forward pass.
 
@@ -116,22 +137,8 @@ class CompiledModel:
     """
 
     def __init__(self, path: str | os.PathLike, device: str = "cuda") -> None:
-        import tvm
-        from tvm.runtime.vm import VirtualMachine
-
         self.path = Path(path)
-        _check_file(self.path)
-        # Metadata and device first: a wrong-arch or missing GPU is named before TVM loads CUDA code.
-        self.metadata = read_metadata(self.path)
-        self.device = _device(device, self.metadata, self.path)
-        try:
-            self.lib = tvm.runtime.load_module(str(self.path))
-        except Exception as err:  # TVM raises several error kinds for broken files
-            raise LibraryError(f"cannot load {self.path}: {type(err).__name__}: {err}") from err
-        try:
-            self.vm = VirtualMachine(self.lib, self.device)
-        except Exception as err:
-            raise LibraryError(f"cannot start {self.path} on {device}: {err}") from err
+        self.metadata, self.device, self.lib, self.vm = _open(self.path, device)
         self._main = self.vm["main"]
         self.inputs = self.metadata["inputs"]
         self.output_names = [o["name"] for o in self.metadata["outputs"]]
@@ -265,9 +272,15 @@ def _torch_dtypes(dtypes: list[str]) -> list | None:
     return [getattr(torch, d, None) for d in dtypes]
 
 
-def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel:
-    """Load a library written by ``tvmfuse compile`` / ``Library.export``; returns a callable."""
+def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel | LanguageModel:
+    """Load a library written by ``tvmfuse compile`` / ``Library.export``; returns a callable.
+
+    A ``compile_lm`` library comes back as a :class:`~tvmfuse.runtime.lm.LanguageModel`
+    (``generate``)."""
+    if read_metadata(path).get("format") == LM_FORMAT:
+        meta, dev, _, vm = _open(Path(path), device)
+        return LanguageModel(vm, dev, meta, Path(path))
     return CompiledModel(path, device)
 
 
-__all__ = ["CompiledModel", "load", "read_metadata"]
+__all__ = ["CompiledModel", "LanguageModel", "load", "read_metadata"]

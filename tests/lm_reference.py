@@ -1,0 +1,58 @@
+"""Shared check of generated tokens against torch's greedy tokens (the LLM issue's rule).
+
+Tokens must be equal for every step, except at a step where the reference's top-2 logits differ by
+less than 1e-3 relative (a near tie: either token is right); there, and from there on, the
+teacher-forced logits (both sides fed the reference tokens) must agree within 2e-2 relative.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+TIE_REL = 1e-3
+LOGITS_REL = 2e-2
+
+
+def torch_greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int,
+                 mask: torch.Tensor | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Greedy tokens (B, steps) of a cache-less model and each step's logits (B, V), recomputing
+    the whole sequence each step (positions = cumsum(mask) - 1 for left padding)."""
+    mask = torch.ones_like(ids) if mask is None else mask
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(steps):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            last = out[:, -1].float()
+            logits.append(last.numpy())
+            nxt = last.argmax(-1)
+            tokens.append(nxt.numpy())
+            ids = torch.cat([ids, nxt[:, None]], 1)
+            mask = torch.cat([mask, torch.ones_like(nxt[:, None])], 1)
+    return np.stack(tokens, 1), logits
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
+
+
+def check_tokens(lm, ids: np.ndarray, mask: np.ndarray | None, ref_tokens: np.ndarray,
+                 ref_logits: list[np.ndarray], got: np.ndarray) -> None:
+    """Apply the rule above to ``got`` (B, T + steps) from ``lm.generate``."""
+    t = ids.shape[1]
+    new = got[:, t:]
+    assert new.shape == ref_tokens.shape
+    for step in range(ref_tokens.shape[1]):
+        top2 = np.sort(ref_logits[step], axis=-1)[:, -2:]
+        tie = (top2[:, 1] - top2[:, 0]) < TIE_REL * np.abs(top2[:, 1])
+        differ = new[:, step] != ref_tokens[:, step]
+        assert not (differ & ~tie).any(), (
+            f"step {step}: tokens {new[:, step]} != torch {ref_tokens[:, step]} without a near tie")
+        if differ.any():  # a near tie broke the other way: compare teacher-forced logits from here
+            forced = [lm.prefill(ids, mask)]
+            for s in range(ref_tokens.shape[1] - 1):
+                forced.append(lm.decode(ref_tokens[:, s]))
+            for s, (a, b) in enumerate(zip(forced, ref_logits)):
+                assert _rel(a, b) < LOGITS_REL, f"teacher-forced logits at step {s}: rel {_rel(a, b)}"
+            return

@@ -1,0 +1,79 @@
+"""compile_lm + generate on the cpu target against torch's greedy tokens (tests/lm_reference.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.lm_reference import check_tokens, torch_greedy
+
+transformers = pytest.importorskip("transformers")
+
+import tvmfuse  # noqa: E402
+from tvmfuse.errors import InputError  # noqa: E402
+
+STEPS = 32
+MAX_SEQ = 64
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    model = _llama()
+    lib = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2,
+                             prefill_lengths=[8, 16, 24])
+    path = lib.export(tmp_path_factory.mktemp("lm") / "lm.so")
+    return model, tvmfuse.load(path, device="cpu")
+
+
+@pytest.mark.parametrize("length", [3, 11, 20])  # one per prefill length
+def test_llama_greedy_tokens(llama, length):
+    model, lm = llama
+    torch.manual_seed(length)
+    ids = torch.randint(0, 128, (1, length))
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
+    got = lm.generate(ids, max_new_tokens=STEPS)
+    assert isinstance(got, torch.Tensor) and got.shape == (1, length + STEPS)
+    assert torch.equal(got[:, :length], ids)
+    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+
+
+def test_llama_left_padded_batch(llama):
+    model, lm = llama
+    torch.manual_seed(1)
+    ids = torch.randint(1, 128, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # first prompt has 5 tokens, second 9
+    ids[0, :4] = 0
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS, mask)
+    got = lm.generate(ids.numpy(), max_new_tokens=STEPS, attention_mask=mask.numpy())
+    assert isinstance(got, np.ndarray) and got.shape == (2, 9 + STEPS)
+    assert (got[:, :9] == ids.numpy()).all()  # padding kept
+    check_tokens(lm, ids.numpy(), mask.numpy(), ref_tokens, ref_logits, got)
+
+
+def test_generate_refuses_past_the_cache(llama):
+    _, lm = llama
+    with pytest.raises(InputError, match="max_seq_len"):
+        lm.generate(np.zeros((1, 20), "int64"), max_new_tokens=MAX_SEQ)
+
+
+def test_gpt2_learned_positions():
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=1,
+                            prefill_lengths=[16]).load()
+    ids = torch.randint(0, 128, (1, 6))
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
+    got = lm.generate(ids, max_new_tokens=STEPS)
+    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())

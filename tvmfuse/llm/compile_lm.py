@@ -1,0 +1,121 @@
+"""``tvmfuse.compile_lm``: a cache-less causal LM → a library with prefill/decode entry points.
+
+    import (symbolic B, S) → PositionTables → per entry point: shapes bound (B = max_batch,
+    S = prefill length | 1), canonical passes + FuseAttention, DeriveKVCache, LastTokenLogits →
+    the tvmfuse pipeline (all entry points in one module) → relax.build
+
+Entry points (``Bm`` = max_batch, caches ``(Bm, Hkv, max_seq, D)`` per layer, written in place)::
+
+    prefill{S}(ids (Bm, S), positions (Bm, S), offsets (Bm,), starts (Bm,), k_cache_0, v_cache_0, ...)
+    decode(ids (Bm, 1), positions (Bm, 1), offsets, starts, caches...)        → logits (Bm, V)
+
+The passes after import are static-shape (FuseAttention proves masks causal by evaluating them),
+so the symbolic import is specialised per prefill length; a prompt is left-padded to the next one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from ..build import export_library
+from ..errors import CompileError, InputSpecError
+from ..passes import FuseDecomposedNorms, SimplifyNoOps
+from ..passes.attention import FuseAttention
+from ..passes.canonical import Canonicalize
+from ..pipeline import build, lower
+from ..runtime import load
+from ..runtime.lm import LM_FORMAT
+from ..targets import TargetSpec, get_target
+from ..version import __version__
+from ._graph import bind_shapes
+from .import_lm import import_lm
+from .kv_cache import DeriveKVCache
+from .last_token import LastTokenLogits
+from .positions import PositionTables
+
+
+def default_prefill_lengths(max_seq: int) -> list[int]:
+    """Powers of 4 from 16 below ``max_seq``, and ``max_seq``."""
+    lengths, n = [], 16
+    while n < max_seq:
+        lengths.append(n)
+        n *= 4
+    return lengths + [max_seq]
+
+
+def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, cuda: bool) -> tvm.IRModule:
+    ids = sym.params[0]
+    b, s = ids.ty.shape.values
+    func = bind_shapes(sym, {str(b): batch, str(s): seq}).with_attr("global_symbol", name)
+    mod = tvm.IRModule({name: func})
+    stages = [
+        relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
+        SimplifyNoOps(), Canonicalize(), FuseDecomposedNorms(),
+        FuseAttention(),  # proves each mask causal: the cache rewrite below relies on it
+        DeriveKVCache(max_seq, cuda), LastTokenLogits(), relax.transform.DeadCodeElimination(),
+    ]
+    for stage in stages:
+        mod = stage(mod)
+    return mod
+
+
+@dataclass
+class LMLibrary:
+    """A compiled LM: ``export(path)`` writes the ``.so``; ``load()`` runs it in-process."""
+
+    executable: Any
+    target: TargetSpec
+    metadata: dict[str, Any]
+
+    def export(self, path: str | os.PathLike) -> Path:
+        """Write one ``.so`` (weights embedded; see the report on external weights)."""
+        return export_library(self.executable, path, self.target, self.metadata)
+
+    def load(self, device: str | None = None):
+        path = self.export(Path(tempfile.mkdtemp(prefix="tvmfuse-lm-")) / "lm.so")
+        return load(path, device or ("cuda" if self.target.is_cuda else "cpu"))
+
+
+def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max_batch: int = 1,
+               prefill_lengths: list[int] | None = None, dtype: str | None = None) -> LMLibrary:
+    """Compile a cache-less causal LM (nn.Module, .pt2 or .onnx; ``ids → logits``) for generation.
+
+    ``prefill_lengths``: the prompt lengths compiled (a prompt is left-padded to the next one;
+    default :func:`default_prefill_lengths`). ``dtype``: as in :func:`tvmfuse.compile`.
+    """
+    spec = get_target(target)
+    if max_seq_len < 2 or max_batch < 1:
+        raise InputSpecError(f"max_seq_len must be >= 2 and max_batch >= 1, got {max_seq_len}, "
+                             f"{max_batch}")
+    lengths = sorted(set(prefill_lengths or default_prefill_lengths(max_seq_len)))
+    if lengths[0] < 2 or lengths[-1] > max_seq_len:
+        raise InputSpecError(f"prefill lengths {lengths} must lie in 2..max_seq_len={max_seq_len}")
+    sym = PositionTables(max_seq_len)(import_lm(model, max_seq_len, max_batch))["main"]
+    combined = tvm.IRModule()
+    entries = {f"prefill{n}": n for n in lengths} | {"decode": 1}
+    for name, seq in entries.items():
+        for gv, func in _entry(sym, name, max_batch, seq, max_seq_len, spec.is_cuda).functions.items():
+            combined[gv] = func
+    decode = combined["decode"]
+    caches = [{"shape": [int(d) for d in p.ty.shape.values], "dtype": str(p.ty.dtype)}
+              for p in decode.params[4:]]
+    vocab = int(decode.ret_ty.shape.values[1])
+    lowered = lower(combined, spec, dtype if dtype != "float32" else None)
+    executable = build(lowered, spec)
+    if not caches:
+        raise CompileError("compile_lm: no KV cache was derived")
+    metadata = {
+        "format": LM_FORMAT, "target": spec.name, "sass": [real for _, real in spec.gencode],
+        "dtype": dtype, "max_seq_len": max_seq_len, "max_batch": max_batch,
+        "prefill_lengths": lengths, "vocab": vocab, "caches": caches,
+        "inputs": [{"name": "input_ids", "shape": [max_batch, "S"], "dtype": "int64"}], "outputs": [],
+        "versions": {"tvmfuse": __version__},
+    }
+    return LMLibrary(executable, spec, metadata)

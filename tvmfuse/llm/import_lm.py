@@ -1,0 +1,109 @@
+"""Import a cache-less causal LM (``ids (B, S) → logits (B, S, V)``) with symbolic B and S.
+
+torch: ``torch.export`` with ``dynamic_shapes`` (B in 1..max_batch, S in 2..max_seq; an
+``nn.Module`` whose output is a transformers ``ModelOutput`` or a tuple gives its first field,
+``use_cache=False`` where ``forward`` takes it) and TVM's ``from_exported_program``; ONNX: the
+file's ``dim_param`` axes stay symbolic. The result is ``main(ids: (B, S)) → (logits,)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from ..errors import ModelError, UnsupportedOpError
+from ..frontend.torch_fixes import custom_convert_map
+from ..frontend.torch_import import scan_unsupported
+
+
+def _logits_module(model):
+    import torch
+
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            out = self.model(ids, **kwargs)
+            if hasattr(out, "logits"):
+                return out.logits
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+    return Logits().eval()
+
+
+def _from_exported(ep, source: str) -> tvm.IRModule:
+    from tvm.relax.frontend.torch import from_exported_program
+
+    try:
+        ep = ep.run_decompositions()
+    except Exception as err:
+        raise ModelError(f"{source}: torch decomposition failed: {err}") from err
+    unsupported = scan_unsupported(ep)
+    if unsupported:
+        raise UnsupportedOpError(f"PyTorch ({source})", unsupported)
+    try:
+        return from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
+                                     custom_convert_map=custom_convert_map())
+    except Exception as err:
+        raise ModelError(f"{source}: torch import failed: {type(err).__name__}: {err}") from err
+
+
+def _torch_module(model, max_seq: int, max_batch: int) -> tvm.IRModule:
+    import torch
+    from torch.export import Dim
+
+    module = _logits_module(model.eval())
+    ids = torch.randint(0, 2, (min(2, max_batch) if max_batch > 1 else 1, min(8, max_seq)))
+    dims = {1: Dim("S", min=2, max=max_seq)}
+    if max_batch > 1:
+        dims[0] = Dim("B", min=1, max=max_batch)
+    source = f"nn.Module {type(model).__name__}"
+    try:
+        ep = torch.export.export(module, (ids,), dynamic_shapes=(dims,))
+    except Exception as err:
+        raise ModelError(f"{source}: torch.export with a symbolic sequence length failed: "
+                         f"{type(err).__name__}: {err}") from err
+    return _from_exported(ep, source)
+
+
+def _onnx_module(path: str) -> tvm.IRModule:
+    import onnx
+    from tvm.relax.frontend.onnx import from_onnx
+
+    try:
+        proto = onnx.load(path)
+    except Exception as err:
+        raise ModelError(f"{path}: not a readable ONNX file ({err})") from err
+    try:
+        return from_onnx(proto, keep_params_in_input=False)
+    except Exception as err:
+        raise ModelError(f"{path}: ONNX import failed: {type(err).__name__}: {err}") from err
+
+
+def import_lm(model: Any, max_seq: int, max_batch: int) -> tvm.IRModule:
+    """``main(ids (B, S)) → (logits,)`` with symbolic B and S (see module doc)."""
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if path.endswith(".onnx"):
+            mod = _onnx_module(path)
+        elif path.endswith(".pt2"):
+            import torch
+
+            mod = _from_exported(torch.export.load(path), path)
+        else:
+            raise ModelError(f"compile_lm: {path!r} is neither a .onnx nor a .pt2 file")
+    else:
+        mod = _torch_module(model, max_seq, max_batch)
+    func = mod["main"]
+    if len(func.params) != 1 or func.params[0].ty.ndim != 2:
+        raise ModelError("compile_lm needs a model with one input, token ids (batch, seq); got "
+                         f"{[str(p.ty) for p in func.params]}")
+    return relax.transform.CanonicalizeBindings()(mod)

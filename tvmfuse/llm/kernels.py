@@ -1,0 +1,169 @@
+"""TIR kernels of the derived KV cache: in-place append and attention over the cache.
+
+Shapes (static per entry point; ``M`` = max_seq_len, ``Bm`` = max_batch)::
+
+    k_cache, v_cache   (Bm, Hkv, M, D)      one pair per attention layer, written in place
+    k, v               (Bm, S, Hkv, D)      this call's keys/values (BSHD, after RoPE)
+    q, out             (Bm, S, Hq, D)
+    offsets, starts    (Bm,) int32          slot of this call's first token; first real slot
+
+    append:     cache[b, g, offsets[b] + s, :] = k[b, s, g, :]            (slots < M only)
+    attention:  out[b, s, h] = Σ_j softmax_j(scale · q[b,s,h]·k_cache[b,g,j]) · v_cache[b,g,j]
+                over j in [lo, p], p = offsets[b] + s, lo = min(starts[b], p), g = h // (Hq/Hkv)
+
+Left padding: slots before ``starts[b]`` hold padding and are never read by a real token (a
+padding row sees only itself, so no row is empty). The key loop runs over exactly the visible
+slots (a data-dependent extent); m, l and acc are fp32 scratch of the row (online softmax).
+The llvm variant parallelises over (b, s, h); the CUDA variant binds (b·S + s, h) to blocks and
+runs each row in one thread: correct on the GPU, not fast (the decode kernel replaces it there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+from tvm.script import tirx as T
+
+_LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One attention layer against its cache at one entry point's static shapes."""
+
+    batch: int  # Bm
+    seq: int  # S of this entry point (1 for decode)
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    max_seq: int
+    dtype: str  # q/k/v and cache dtype
+    scale: float
+
+    @property
+    def cache_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.max_seq, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seq, self.kv_heads, self.head_dim)
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seq, self.q_heads, self.head_dim)
+
+
+def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
+    """FuseOps must keep these apart (pattern 8 = opaque); CUDA ones are already scheduled."""
+    attrs = {"op_pattern": 8, "tir.noalias": True}
+    if cuda:
+        attrs["tir.is_scheduled"] = True
+    return func.without_attr("global_symbol").with_attrs(attrs)  # named where it is added
+
+
+def kv_append(spec: CacheSpec, cuda: bool = False) -> tvm.tirx.PrimFunc:
+    """``(k_cache, v_cache, k, v, offsets)``: writes k/v into the caches in place (see module doc)."""
+    Bm, S, Hkv, D, M = spec.batch, spec.seq, spec.kv_heads, spec.head_dim, spec.max_seq
+    cshape, kvshape, dt = spec.cache_shape, spec.kv_shape, spec.dtype
+
+    if cuda:
+
+        @T.prim_func(s_tir=True)
+        def append(kc: T.Buffer(cshape, dt), vc: T.Buffer(cshape, dt), k: T.Buffer(kvshape, dt),
+                   v: T.Buffer(kvshape, dt), offsets: T.Buffer((Bm,), "int32")):
+            for bs in T.thread_binding(Bm * S, thread="blockIdx.x"):
+                for g in T.thread_binding(Hkv, thread="blockIdx.y"):
+                    for d in T.thread_binding(D, thread="threadIdx.x"):
+                        with T.sblock("append"):
+                            T.reads()
+                            T.writes()
+                            p: T.let[T.int32] = offsets[bs // S] + bs % S
+                            if p < M:
+                                kc[bs // S, g, p, d] = k[bs // S, bs % S, g, d]
+                                vc[bs // S, g, p, d] = v[bs // S, bs % S, g, d]
+
+        return _opaque(append, cuda)
+
+    @T.prim_func(s_tir=True)
+    def append(kc: T.Buffer(cshape, dt), vc: T.Buffer(cshape, dt), k: T.Buffer(kvshape, dt),
+               v: T.Buffer(kvshape, dt), offsets: T.Buffer((Bm,), "int32")):
+        for b in T.parallel(Bm):
+            for s, g in T.grid(S, Hkv):
+                with T.sblock("append"):
+                    T.reads()
+                    T.writes()
+                    p: T.let[T.int32] = offsets[b] + s
+                    if p < M:
+                        for d in T.serial(D):
+                            kc[b, g, p, d] = k[b, s, g, d]
+                            vc[b, g, p, d] = v[b, s, g, d]
+
+    return _opaque(append, cuda)
+
+
+def _row_macro(spec: CacheSpec, scope: str):
+    """Online softmax of one (b, s, h) row over its visible cache slots."""
+    D, M, G = spec.head_dim, spec.max_seq, spec.q_heads // spec.kv_heads
+    dt = spec.dtype
+    sc = float(spec.scale * _LOG2E)
+
+    @T.macro
+    def row(q, kc, vc, offsets, starts, out, b, s, h):
+        with T.sblock("row"):
+            T.reads()
+            T.writes()
+            acc = T.sblock_alloc_buffer((D,), "float32", scope=scope)
+            st = T.sblock_alloc_buffer((4,), "float32", scope=scope)  # m, l, score, alpha
+            g: T.let[T.int32] = h // G
+            p: T.let[T.int32] = T.min(offsets[b] + s, M - 1)
+            lo: T.let[T.int32] = T.min(starts[b], p)
+            st[0] = T.float32(-1e30)
+            st[1] = T.float32(0)
+            for d in T.serial(D):
+                acc[d] = T.float32(0)
+            for j in T.serial(lo, p + 1):
+                st[2] = T.float32(0)
+                for d in T.serial(D):
+                    st[2] += T.Cast("float32", q[b, s, h, d]) * T.Cast("float32", kc[b, g, j, d])
+                st[2] = st[2] * sc
+                st[3] = T.exp2(st[0] - T.max(st[0], st[2]))  # rescale of what was summed so far
+                st[0] = T.max(st[0], st[2])
+                st[2] = T.exp2(st[2] - st[0])
+                st[1] = st[1] * st[3] + st[2]
+                for d in T.serial(D):
+                    acc[d] = acc[d] * st[3] + st[2] * T.Cast("float32", vc[b, g, j, d])
+            for d in T.serial(D):
+                out[b, s, h, d] = T.Cast(dt, acc[d] / st[1])
+
+    return row
+
+
+def cache_attention(spec: CacheSpec, cuda: bool = False) -> tvm.tirx.PrimFunc:
+    """``(q, k_cache, v_cache, offsets, starts, out)``: attention over the cache (module doc)."""
+    Bm, S, Hq = spec.batch, spec.seq, spec.q_heads
+    cshape, qshape, dt = spec.cache_shape, spec.q_shape, spec.dtype
+    row = _row_macro(spec, "local" if cuda else "global")
+
+    if cuda:
+
+        @T.prim_func(s_tir=True)
+        def attention(q: T.Buffer(qshape, dt), kc: T.Buffer(cshape, dt), vc: T.Buffer(cshape, dt),
+                      offsets: T.Buffer((Bm,), "int32"), starts: T.Buffer((Bm,), "int32"),
+                      out: T.Buffer(qshape, dt)):
+            for bs in T.thread_binding(Bm * S, thread="blockIdx.x"):
+                for h in T.thread_binding(Hq, thread="threadIdx.x"):
+                    row(q, kc, vc, offsets, starts, out, bs // S, bs % S, h)
+
+        return _opaque(attention, cuda)
+
+    @T.prim_func(s_tir=True)
+    def attention(q: T.Buffer(qshape, dt), kc: T.Buffer(cshape, dt), vc: T.Buffer(cshape, dt),
+                  offsets: T.Buffer((Bm,), "int32"), starts: T.Buffer((Bm,), "int32"),
+                  out: T.Buffer(qshape, dt)):
+        for b in T.parallel(Bm):
+            for s, h in T.grid(S, Hq):
+                row(q, kc, vc, offsets, starts, out, b, s, h)
+
+    return _opaque(attention, cuda)

@@ -1,0 +1,126 @@
+"""Derived KV cache: each ``R.nn.attention`` of a cache-less causal LM reads and writes a cache.
+
+For attention layer l of a function with static shapes (B, S)::
+
+    o = R.nn.attention(q (B,S,Hq,D), k (B,S,Hkv,D), v, scale, causal_mask)
+  →
+    kc_l, vc_l = call_tir_inplace(kv_append, (k_cache_l, v_cache_l, k, v, offsets))   # in place
+    o = call_tir(cache_attention, (q, kc_l, vc_l, offsets, starts))                  # (B,S,Hq,D)
+
+and the function gains the parameters ``offsets`` (B,) int32, ``starts`` (B,) int32 and
+``k_cache_0, v_cache_0, ...`` (B, Hkv, max_seq, D) after its own (kernels and their formulas:
+:mod:`tvmfuse.llm.kernels`). No cache is copied: the append writes the caller's buffers. Only
+causal self-attention is accepted (``causal_mask`` TopLeft, or BottomRight with Sq == Skv; no
+bias, no window: FuseAttention proved the model's mask causal); anything else raises a
+:class:`~tvmfuse.errors.CompileError` naming the binding.
+
+Sits after FuseAttention (it needs R.nn.attention with known q, k, v) and after the positions
+were made per-sequence (:mod:`tvmfuse.llm.positions`), before mixed precision and LegalizeOps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import tvm
+from tvm import relax
+
+from ..errors import CompileError
+from ._graph import var_name
+from .kernels import CacheSpec, cache_attention, kv_append
+
+
+def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int) -> CacheSpec:
+    q, k, v = call.args[:3]
+    where = f"compile_lm: attention at binding {var_name(var)!r}"
+    if len(call.args) > 3:
+        raise CompileError(f"{where} has a bias (padding or data-dependent mask): cannot derive a cache")
+    if call.attrs.window_size is not None:
+        raise CompileError(f"{where} has a sliding window: not supported by the derived cache")
+    qs, ks, vs = ([int(d) for d in x.ty.shape.values] for x in (q, k, v))
+    causal = str(call.attrs.causal_mask) if call.attrs.causal_mask is not None else "none"
+    # one query sees its single key under any mask: decode is causal when the prefills were
+    if (causal not in ("TopLeft", "BottomRight") and qs[1] != 1) or qs[1] != ks[1]:
+        raise CompileError(f"{where} is not causal self-attention (mask {causal}, q {qs}, k {ks}): "
+                           "a derived cache needs a causal LM")
+    if ks != vs or qs[3] != ks[3]:
+        raise CompileError(f"{where}: key {ks} / value {vs} shapes differ")
+    scale = call.attrs.scale
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(qs[3])
+    return CacheSpec(batch=qs[0], seq=qs[1], q_heads=qs[2], kv_heads=ks[2], head_dim=qs[3],
+                     max_seq=max_seq, dtype=str(q.ty.dtype), scale=scale)
+
+
+@relax.expr_functor.mutator
+class _Rewrite(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, max_seq: int, cuda: bool, prefix: str) -> None:
+        super().__init__(mod)
+        self.max_seq, self.cuda, self.prefix = max_seq, cuda, prefix
+        self.caches: list[relax.Var] = []
+        self.specs: list[CacheSpec] = []
+        self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar]] = {}
+        self.offsets = self.starts = None
+
+    def set_batch(self, batch: int) -> None:
+        self.offsets = relax.Var("offsets", relax.TensorType([batch], "int32"))
+        self.starts = relax.Var("starts", relax.TensorType([batch], "int32"))
+
+    def _kernels(self, spec: CacheSpec) -> tuple[relax.GlobalVar, relax.GlobalVar]:
+        if spec not in self.kernels:
+            n = len(self.kernels)
+            append = self.builder_.add_func(kv_append(spec, self.cuda), f"{self.prefix}kv_append{n}")
+            attn = self.builder_.add_func(cache_attention(spec, self.cuda),
+                                          f"{self.prefix}cache_attention{n}")
+            self.kernels[spec] = (append, attn)
+        return self.kernels[spec]
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        call = binding.value
+        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
+                and call.op.name == "relax.nn.attention"):
+            super().visit_var_binding_(binding)
+            return
+        spec = _attention_spec(binding.var, call, self.max_seq)
+        layer = len(self.specs)
+        self.specs.append(spec)
+        ctype = relax.TensorType(list(spec.cache_shape), spec.dtype)
+        kc, vc = relax.Var(f"k_cache_{layer}", ctype), relax.Var(f"v_cache_{layer}", ctype)
+        self.caches += [kc, vc]
+        append, attn = self._kernels(spec)
+        q, k, v = (self.visit_expr(a) for a in call.args[:3])
+        kv = self.builder_.emit(relax.op.call_tir_inplace(
+            append, relax.Tuple([kc, vc, k, v, self.offsets]), [0, 1], [ctype, ctype]),
+            name_hint=f"kv_{layer}")
+        kc2 = self.builder_.emit(relax.TupleGetItem(kv, 0))
+        vc2 = self.builder_.emit(relax.TupleGetItem(kv, 1))
+        out = self.builder_.emit(relax.call_tir(
+            attn, relax.Tuple([q, kc2, vc2, self.offsets, self.starts]), call.ty),
+            name_hint=var_name(binding.var))
+        self.set_var_remap(binding.var, out)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmfuse.llm.DeriveKVCache")
+class DeriveKVCache:
+    """Every Relax function with attention gets the cache parameters (module doc)."""
+
+    def __init__(self, max_seq: int, cuda: bool = False) -> None:
+        self.max_seq, self.cuda = max_seq, cuda
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gv, func in mod.functions.items():
+            if not isinstance(func, relax.Function):
+                continue
+            batch = int(func.params[0].ty.shape.values[0])
+            rw = _Rewrite(out, self.max_seq, self.cuda, prefix=f"{gv.name_hint}_")
+            rw.set_batch(batch)
+            body = rw.visit_expr(func.body)
+            if not rw.specs:
+                raise CompileError(f"compile_lm: function {gv.name_hint!r} has no attention that "
+                                   "FuseAttention recognised: no KV cache to derive (see "
+                                   "`tvmfuse report` for why attention was left alone)")
+            params = [*func.params, rw.offsets, rw.starts, *rw.caches]
+            new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
+            out = rw.builder_.finalize()
+            out[out.get_global_var(gv.name_hint)] = new
+        return out

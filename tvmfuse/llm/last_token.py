@@ -1,0 +1,50 @@
+"""Last-token logits: an entry point returns ``logits[:, S - 1]`` (B, V), not (B, S, V).
+
+Generation reads only the last position's logits; returning them alone keeps the (B, S, V) tensor
+out of the caller's memory. Input: a function whose result is ``logits`` or ``(logits,)`` with
+static shape (B, S, V). Sits after the KV-cache rewrite, before lowering.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from ..errors import CompileError
+
+
+def _last(func: relax.Function, name: str) -> relax.Function:
+    body = func.body
+    result = body.body
+    bb = relax.BlockBuilder()
+    tail: list[relax.VarBinding] = []
+
+    def bind(name: str, value: relax.Expr) -> relax.Var:
+        value = bb.normalize(value)
+        var = relax.Var(name, value.ty)
+        tail.append(relax.VarBinding(var, value))
+        return var
+
+    # (logits,): its field, read outside the dataflow block through the tuple (a block output)
+    one = isinstance(result.ty, relax.TupleType) and len(result.ty.fields) == 1
+    logits = bind("logits", relax.TupleGetItem(result, 0)) if one else result
+    ty = logits.ty
+    if not isinstance(ty, relax.TensorType) or ty.ndim != 3:
+        raise CompileError(f"compile_lm: {name} returns {ty}, expected logits (batch, seq, vocab)")
+    b, s, v = (int(d) for d in ty.shape.values)
+    sliced = bind("last_position", relax.op.strided_slice(logits, [1], [s - 1], [s]))
+    out = bind("last_logits", relax.op.reshape(sliced, [b, v]))
+    new_body = relax.SeqExpr([*body.blocks, relax.BindingBlock(tail)], out)
+    return relax.Function(func.params, new_body, out.ty, func.is_pure, func.attrs)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvmfuse.llm.LastTokenLogits")
+class LastTokenLogits:
+    """Every Relax function returns its last position's logits (module doc)."""
+
+    def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        out = mod.clone()
+        for gv, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                out[gv] = _last(func, gv.name_hint)
+        return out

@@ -1,0 +1,122 @@
+"""Greedy generation with a ``tvmfuse.compile_lm`` library. Needs only the TVM runtime (and numpy).
+
+State per loaded model: one K and one V cache per layer, ``(max_batch, Hkv, max_seq, D)``, allocated
+once on the device and written in place by the library's entry points (no copy per step).
+
+A prompt batch ``(B, T)`` (left-padded, transformers' convention, with ``attention_mask``) is
+left-padded further to the next compiled prefill length ``n``: sequence b's real tokens start at
+slot ``starts[b]``, token at slot t has position ``t - starts[b]`` (transformers' cumsum(mask) - 1),
+and slots before ``starts[b]`` are never attended. Decode step i writes slot ``n + i`` of every
+sequence (``offsets``) and reads slots ``starts[b] .. n + i``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+
+LM_FORMAT = "tvmfuse-lm/1"
+
+
+class LanguageModel:
+    """A loaded LM library: ``generate(input_ids, max_new_tokens=N, attention_mask=None)``."""
+
+    def __init__(self, vm: Any, device: Any, metadata: dict[str, Any], path: Any) -> None:
+        import tvm
+
+        self.vm, self.device, self.metadata, self.path = vm, device, metadata, path
+        self.max_seq = int(metadata["max_seq_len"])
+        self.max_batch = int(metadata["max_batch"])
+        self.prefill_lengths = [int(n) for n in metadata["prefill_lengths"]]
+        self.caches = [tvm.runtime.empty(tuple(c["shape"]), c["dtype"], device)
+                       for c in metadata["caches"]]
+        self._prefill = {n: vm[f"prefill{n}"] for n in self.prefill_lengths}
+        self._decode = vm["decode"]
+        self._starts = np.zeros(self.max_batch, "int32")
+        self._length = 0  # slots written in every sequence's cache
+        self._batch = 0
+        self.timings: dict[str, float] = {}
+
+    def __repr__(self) -> str:
+        return (f"LanguageModel({self.path}, target={self.metadata['target']}, max_batch="
+                f"{self.max_batch}, max_seq_len={self.max_seq})")
+
+    def _run(self, func, ids: np.ndarray, positions: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        import tvm
+
+        args = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
+                for a in (ids, positions, offsets, self._starts)]
+        return func(*args, *self.caches).numpy()
+
+    def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+        """Start sequences from a (B, T) prompt batch; the last position's logits (B, V)."""
+        ids = np.asarray(input_ids, dtype="int64")
+        if ids.ndim != 2 or not 1 <= ids.shape[0] <= self.max_batch or ids.shape[1] < 1:
+            raise InputError(f"input_ids must be (batch <= {self.max_batch}, length >= 1), got "
+                             f"{list(ids.shape)}")
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise InputError(f"attention_mask shape {list(mask.shape)} != input_ids {list(ids.shape)}")
+        batch, length = ids.shape
+        fits = [n for n in self.prefill_lengths if n >= length]
+        if not fits:
+            raise InputError(f"prompt length {length} exceeds the longest compiled prefill length "
+                             f"{self.prefill_lengths[-1]}")
+        n = fits[0]
+        pad = np.zeros((self.max_batch, n), "int64")
+        pad[:batch, n - length:] = ids
+        real = mask.astype(bool)
+        if not real.any(axis=1).all() or (np.diff(real.astype(int), axis=1) < 0).any():
+            raise InputError("attention_mask must be left padding: each row 0...0 1...1 with a 1")
+        self._starts[:] = n - 1
+        self._starts[:batch] = n - real.sum(axis=1)
+        slots = np.arange(n)[None, :]
+        positions = np.maximum(slots - self._starts[:, None], 0)
+        self._length, self._batch = n, batch
+        logits = self._run(self._prefill[n], pad, positions, np.zeros(self.max_batch, "int32"))
+        return logits[:batch]
+
+    def decode(self, tokens: np.ndarray) -> np.ndarray:
+        """Append one token per sequence (B,); the next logits (B, V)."""
+        if self._length >= self.max_seq:
+            raise InputError(f"the cache is full ({self.max_seq} slots)")
+        ids = np.zeros((self.max_batch, 1), "int64")
+        ids[: self._batch, 0] = np.asarray(tokens).reshape(-1)
+        offsets = np.full(self.max_batch, self._length, "int32")
+        positions = (offsets - self._starts)[:, None].astype("int64")
+        self._length += 1
+        return self._run(self._decode, ids, positions, offsets)[: self._batch]
+
+    def generate(self, input_ids: Any, max_new_tokens: int = 16, attention_mask: Any = None) -> Any:
+        """Greedy decoding: (B, T + max_new_tokens) ids, padding kept; torch in → torch out."""
+        is_torch = type(input_ids).__module__.startswith("torch")
+        ids = input_ids.cpu().numpy() if is_torch else np.asarray(input_ids)
+        mask = None
+        if attention_mask is not None:
+            mask = attention_mask.cpu().numpy() if hasattr(attention_mask, "cpu") else attention_mask
+        start = time.perf_counter()
+        logits = self.prefill(ids, mask)
+        if self._length + max_new_tokens - 1 > self.max_seq:
+            raise InputError(f"prompt slots {self._length} + {max_new_tokens} new tokens exceed "
+                             f"max_seq_len {self.max_seq}")
+        prefill_s = time.perf_counter() - start
+        out = [logits.argmax(-1)]
+        start = time.perf_counter()
+        for _ in range(max_new_tokens - 1):
+            out.append(self.decode(out[-1]).argmax(-1))
+        decode_s = time.perf_counter() - start
+        self.timings = {"prefill_ms": prefill_s * 1e3,
+                        "decode_ms_per_token": decode_s * 1e3 / max(1, max_new_tokens - 1)}
+        result = np.concatenate([ids.astype("int64"), np.stack(out, axis=1).astype("int64")], axis=1)
+        if is_torch:
+            import torch
+
+            return torch.from_numpy(result).to(input_ids.device)
+        return result
+
+
+__all__ = ["LM_FORMAT", "LanguageModel"]
