@@ -323,13 +323,14 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
 
 
 def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
-            tuning_db: str | None = None, stock: bool = True) -> dict[str, Any]:
+            tuning_db: str | None = None, stock: bool = True, weights: str = "embedded") -> dict[str, Any]:
     """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema).
 
     ``stock=False`` skips the stock-TVM launch count (a second lowering): ``None`` in the report.
+    ``weights``: as ``tvmfuse.compile``'s (lowered with the weights as parameters or constants).
     """
     capture = _StageCapture()
-    lower(mod, spec, dtype, on_stage=capture, tuning_db=tuning_db)
+    lower(mod, spec, dtype, on_stage=capture, tuning_db=tuning_db, weights=weights)
     unfused = _unfused(_legalize_unfused(mod, spec, dtype))
     fused = _fused(capture.mods)
     return {

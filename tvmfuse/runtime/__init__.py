@@ -15,6 +15,7 @@ from typing import Any
 
 from ..errors import DeviceError, InputError, LibraryError
 from ..targets import get_target
+from .weights import load_weights
 
 METADATA_SYMBOL = "tvmfuse_metadata"
 
@@ -112,7 +113,8 @@ class CompiledModel:
     """A loaded tvmfuse library: ``model(*inputs)`` runs one forward pass.
 
     Inputs are torch tensors (passed zero-copy through DLPack) or numpy arrays; outputs come
-    back as the same kind: one tensor, or a tuple for several outputs.
+    back as the same kind: one tensor, or a tuple for several outputs. ``weights``: the device
+    tensors of an external-weights library (``<name>.safetensors``), in parameter order.
     """
 
     def __init__(self, path: str | os.PathLike, device: str = "cuda") -> None:
@@ -124,6 +126,9 @@ class CompiledModel:
         # Metadata and device first: a wrong-arch or missing GPU is named before TVM loads CUDA code.
         self.metadata = read_metadata(self.path)
         self.device = _device(device, self.metadata, self.path)
+        # External weights (<name>.safetensors): checked, mapped and uploaded once; every call
+        # passes them after the inputs. Empty for a library that embeds its weights.
+        self.weights = load_weights(self.path, self.metadata, self.device)
         try:
             self.lib = tvm.runtime.load_module(str(self.path))
         except Exception as err:  # TVM raises several error kinds for broken files
@@ -196,7 +201,7 @@ class CompiledModel:
         if not kwargs and self._fast_torch(args):
             # tvm-ffi takes torch tensors through DLPack without a copy and hands back torch
             # tensors; a one-output library returns the tensor itself (UnwrapSingleOutput).
-            out = self._main(*args)
+            out = self._main(*args, *self.weights)
             if type(out) is self._torch_tensor:
                 return out
             result = tuple(o if isinstance(o, self._torch_tensor) else self._torch.from_dlpack(o)
@@ -219,7 +224,7 @@ class CompiledModel:
             raise InputError(f"missing input(s) {missing}; the library takes {names}")
         converted = [self._convert(v, s, i) for i, (v, s) in enumerate(zip(values, self.inputs))]
         kinds = {k for _, k in converted}
-        out = self._main(*[t for t, _ in converted])
+        out = self._main(*[t for t, _ in converted], *self.weights)
         outs = list(out) if not hasattr(out, "shape") else [out]
         if "torch" in kinds:
             import torch
@@ -244,4 +249,4 @@ def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel:
     return CompiledModel(path, device)
 
 
-__all__ = ["CompiledModel", "load", "read_metadata"]
+__all__ = ["CompiledModel", "load", "load_weights", "read_metadata"]
