@@ -132,11 +132,15 @@ class WeightsFile:
 
 def check_weights(library: Path, entry: dict[str, Any]) -> WeightsFile:
     """The weights file the metadata ``entry`` describes, checked: present, every parameter there
-    with its dtype and shape, the size and fingerprint of the export."""
-    path = library.parent / entry["file"]
-    if not path.is_file():
-        raise LibraryError(f"{library} keeps its weights in {path}, which does not exist: copy "
-                           f"{entry['file']} (written by export) beside the library")
+    with its dtype and shape, the size and fingerprint of the export.
+
+    Looked up beside the library as ``<library name>.safetensors`` (a renamed pair), else under
+    the name export gave it (a renamed ``.so`` alone)."""
+    candidates = list(dict.fromkeys([weights_path(library), library.parent / entry["file"]]))
+    path = next((c for c in candidates if c.is_file()), None)
+    if path is None:
+        raise LibraryError(f"{library} keeps its weights in {' or '.join(map(str, candidates))}, "
+                           f"which does not exist: copy the .safetensors file export wrote beside it")
     wf = WeightsFile(path)
     for param in entry["params"]:
         name, dtype, shape = param["name"], param["dtype"], tuple(param["shape"])
