@@ -172,7 +172,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # (after the views are made: a reshape feeding the unwrapped output stays a view).
         mod = run("unwrap_single_output", UnwrapSingleOutput(), mod)
         # Weights outside the library: the constants every fold above left (fused layouts) become
-        # parameters; before the VM lowering, which checks them like inputs.
+        # parameters past num_input, before the VM lowering (which checks only the inputs' shapes;
+        # tvmfuse.load checks the weights once against the metadata).
         if min_weight_bytes is not None:
             mod = run("lift_weights", LiftWeights(min_weight_bytes), mod)
         # From here on it is TVM's VM lowering: dataflow removal, memory planning, shapes.

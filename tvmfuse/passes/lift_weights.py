@@ -13,10 +13,11 @@ keep_params_as_input=True)``, ``relax.frontend.detach_params``); ``RewriteCUDAGr
 parameters past ``num_input`` as static, as it treats constants.
 
 Must sit after the last pass that folds or reads constants (``fold_constants``, the schedule
-rules) and before the VM lowering (``ToNonDataflow`` … ``VMShapeLower``), which then checks the
-weights' shapes like any input. ``min_total_bytes``: lift nothing when the liftable constants add
-up to less (``weights="auto"``). :func:`take_weights` removes the ``params`` attributes and
-returns ``[(name, tensor)]`` in parameter order for the export.
+rules) and before the VM lowering (``ToNonDataflow`` … ``VMShapeLower``). ``VMShapeLower`` checks
+only the first ``num_input`` parameters, so the weights cost no check per call; the loader checks
+them once against the library's metadata. ``min_total_bytes``: lift nothing when the liftable
+constants add up to less (``weights="auto"``). :func:`take_weights` removes the ``params``
+attributes and returns ``[(name, tensor)]`` in parameter order for the export.
 """
 
 from __future__ import annotations
