@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,22 @@ def _check_file(path: Path) -> None:
         raise bad("no loadable dynamic segments")
 
 
+def _cuda_device(index: int, path: Path, target: str):
+    """TVM's CUDA device ``index``; DeviceError when TVM's CUDA runtime or the GPU is absent."""
+    import tvm
+
+    _ensure_cuda_runtime()
+    dev = tvm.cuda(index)
+    if not dev.exist:
+        raise DeviceError(f"no CUDA device {index} is visible (library {path} targets {target})")
+    return dev
+
+
+def _compute_capability(dev) -> str:
+    """The GPU's compute capability as ``"major.minor"`` (``"9.0"`` on an H100/H200)."""
+    return dev.compute_version
+
+
 def _device(kind: str, meta: dict[str, Any], path: Path):
     import tvm
 
@@ -94,15 +111,13 @@ def _device(kind: str, meta: dict[str, Any], path: Path):
         raise DeviceError(f"unknown device {kind!r}; use 'cuda', 'cuda:N' or 'cpu'")
     if target == "cpu":
         raise DeviceError(f"{path} was built for target cpu; load it with device='cpu'")
-    _ensure_cuda_runtime()
     index = int(kind.split(":")[1]) if ":" in kind else 0
-    dev = tvm.cuda(index)
-    if not dev.exist:
-        raise DeviceError(f"no CUDA device {index} is visible (library {path} targets {target})")
-    cc = dev.compute_version
+    dev = _cuda_device(index, path, target)
+    cc = _compute_capability(dev)
     if not get_target(target).can_run_on(cc):
+        sass = ", ".join(meta.get("sass") or [target])
         raise DeviceError(
-            f"{path} holds SASS for {meta.get('sass', target)} (target {target}); this GPU "
+            f"{path} holds SASS for {sass} only (target {target}); GPU {index} "
             f"({dev.device_name}) is sm_{cc.replace('.', '')}. Rebuild with the matching --target."
         )
     return dev
@@ -113,6 +128,11 @@ class CompiledModel:
 
     Inputs are torch tensors (passed zero-copy through DLPack) or numpy arrays; outputs come
     back as the same kind: one tensor, or a tuple for several outputs.
+
+    Thread-safe: calls from several threads are serialised. TVM's relax ``VirtualMachine`` keeps
+    its frames, registers and memory pool in the VM object, and two threads in one VM crash it
+    (seen as a segfault in ``StorageObj::AllocTensor``); a VM per thread would copy the weights
+    to the device once per thread.
     """
 
     def __init__(self, path: str | os.PathLike, device: str = "cuda") -> None:
@@ -133,6 +153,7 @@ class CompiledModel:
         except Exception as err:
             raise LibraryError(f"cannot start {self.path} on {device}: {err}") from err
         self._main = self.vm["main"]
+        self._lock = threading.Lock()  # one call in the VM at a time (see the class docstring)
         self.inputs = self.metadata["inputs"]
         self.output_names = [o["name"] for o in self.metadata["outputs"]]
         # The per-call fast path compares against these (no string building, no imports).
@@ -196,7 +217,8 @@ class CompiledModel:
         if not kwargs and self._fast_torch(args):
             # tvm-ffi takes torch tensors through DLPack without a copy and hands back torch
             # tensors; a one-output library returns the tensor itself (UnwrapSingleOutput).
-            out = self._main(*args)
+            with self._lock:
+                out = self._main(*args)
             if type(out) is self._torch_tensor:
                 return out
             result = tuple(o if isinstance(o, self._torch_tensor) else self._torch.from_dlpack(o)
@@ -219,7 +241,8 @@ class CompiledModel:
             raise InputError(f"missing input(s) {missing}; the library takes {names}")
         converted = [self._convert(v, s, i) for i, (v, s) in enumerate(zip(values, self.inputs))]
         kinds = {k for _, k in converted}
-        out = self._main(*[t for t, _ in converted])
+        with self._lock:
+            out = self._main(*[t for t, _ in converted])
         outs = list(out) if not hasattr(out, "shape") else [out]
         if "torch" in kinds:
             import torch
