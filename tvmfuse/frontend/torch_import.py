@@ -6,13 +6,26 @@ Accepted: an ``nn.Module`` with example inputs, a ``.pt2`` file (``torch.export.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 
 from ..errors import InputSpecError, ModelError, UnsupportedOpError
 from .spec import ImportedModel, InputOverride, TensorSpec, check_override_names
 from .torch_fixes import custom_convert_map
+
+
+@contextlib.contextmanager
+def _quiet_torch_internals():
+    """Silence the deprecation torch 2.13 raises against itself: deep-copying an exported
+    program's ``LeafSpec`` (``run_decompositions``, ``ep.module()``) warns "`isinstance(treespec,
+    LeafSpec)` is deprecated" from copyreg, once per CLI command; nothing a user can change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 def _dtype_name(dtype) -> str:
@@ -92,7 +105,8 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     from tvm.relax.frontend.torch import from_exported_program
 
     try:
-        ep = ep.run_decompositions()
+        with _quiet_torch_internals():
+            ep = ep.run_decompositions()
     except Exception as err:
         raise ModelError(f"{source}: torch decomposition failed: {err}") from err
     unsupported = scan_unsupported(ep)
@@ -108,7 +122,8 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     ret = mod["main"].ret_ty
     n_out = len(ret.fields) if hasattr(ret, "fields") else 1
     if reference is None:
-        module = ep.module()
+        with _quiet_torch_internals():
+            module = ep.module()
         reference = _torch_reference(module)
     return ImportedModel(mod, specs, [f"output{i}" for i in range(n_out)], "torch", source, reference)
 
@@ -147,7 +162,8 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
                 new.append(_random_like(ex, ov.shape))
         example_inputs = tuple(new)
     try:
-        ep = torch.export.export(module, example_inputs)
+        with _quiet_torch_internals():
+            ep = torch.export.export(module, example_inputs)
     except Exception as err:
         raise ModelError(f"{source}: torch.export failed: {type(err).__name__}: {err}") from err
     return import_exported(ep, {}, source, reference=_torch_reference(module))
@@ -174,7 +190,8 @@ def import_pt2(path: str, overrides: dict[str, InputOverride]) -> ImportedModel:
     if not os.path.isfile(path):
         raise ModelError(f"PyTorch program {path!r} does not exist")
     try:
-        ep = torch.export.load(path)
+        with _quiet_torch_internals():
+            ep = torch.export.load(path)
     except Exception as err:
         why = f"{type(err).__name__}: {err}"
         raise ModelError(f"{path}: not a readable torch.export .pt2 file ({why})") from err
