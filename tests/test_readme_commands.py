@@ -247,8 +247,13 @@ def test_readme_commands_in_a_fresh_venv(tmp_path):
 def test_readme_gpu_commands(tmp_path):
     """On the GPU machine: every command but installs and the test suite, in the current env."""
     work = _scratch(tmp_path)
+    bin_dir = tmp_path / "bin"  # `python` and `tvmfuse` of this interpreter, installed or not
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    (bin_dir / "tvmfuse").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m tvmfuse.cli "$@"\n')
+    (bin_dir / "tvmfuse").chmod(0o755)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(bin_dir), env.get("PATH", "")])
     for cmd in readme_commands()[0]:
         if not (cmd.is_install or cmd.is_test_suite):
             _run(cmd, work, env, timeout=300)
