@@ -255,6 +255,15 @@ def test_truncated_or_foreign_library(files, tmp_path, kind):
         tvmfuse.load(bad, device="cpu")
 
 
+def test_library_named_by_a_bare_file_name(files, monkeypatch):
+    """``tvmfuse run model.so``: dlopen looks a name without a slash up on the library path, not in
+    the working directory (this failed with "no tvmfuse metadata ... cannot open shared object")."""
+    monkeypatch.chdir(files["dir"])
+    x = np.random.default_rng(4).standard_normal((2, 4)).astype(np.float32)
+    np.testing.assert_allclose(tvmfuse.load(files["cpu"].name, device="cpu")(x)[0], _ort(x)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------- tuning db
 
 def _corrupt(name: str, db: Path) -> str:

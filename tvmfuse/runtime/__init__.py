@@ -42,7 +42,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON metadata a tvmfuse export embedded (signature, target, versions)."""
     _check_file(Path(path))
     try:
-        lib = ctypes.CDLL(os.fspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
+        # absolute: dlopen looks a bare name ("model.so") up on the library path, not in the cwd
+        lib = ctypes.CDLL(os.path.abspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
         raw = ctypes.c_char_p(ctypes.addressof(ctypes.c_char.in_dll(lib, METADATA_SYMBOL))).value
     except (OSError, ValueError) as err:
         raise LibraryError(f"{path}: no tvmfuse metadata ({err}); not a tvmfuse library?") from err
@@ -145,7 +146,7 @@ class CompiledModel:
         self.metadata = read_metadata(self.path)
         self.device = _device(device, self.metadata, self.path)
         try:
-            self.lib = tvm.runtime.load_module(str(self.path))
+            self.lib = tvm.runtime.load_module(str(self.path.absolute()))
         except Exception as err:  # TVM raises several error kinds for broken files
             raise LibraryError(f"cannot load {self.path}: {type(err).__name__}: {err}") from err
         try:
