@@ -133,7 +133,7 @@ def test_failed_export_keeps_existing_library(libs, tmp_path, monkeypatch):
     with pytest.raises(CompileError, match="nvcc failed for target sm90"):
         lib.export(dest)
     assert dest.read_bytes() == before
-    assert not list(tmp_path.glob(".keep.so.tmp*"))
+    assert not list(tmp_path.glob(".keep.so.*"))
 
 
 def test_bool_mask_graph_builds_for_sm90(tmp_path):

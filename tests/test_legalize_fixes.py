@@ -61,3 +61,43 @@ def test_bf16_layer_norm_compiles_with_fp32_statistics():
     assert out.dtype == torch.bfloat16
     err = float((out.double() - ref).norm() / ref.norm())
     assert err < 1e-2, err
+
+
+class LinearRelu(torch.nn.Module):
+    """relu(x·Wᵀ + b): the ReLU legalised alone (cpu) and as the GEMM epilogue (sm90 kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) + torch.relu(x)
+
+
+def test_relu_keeps_nan_like_torch():
+    """topi's relu is max(x, 0), which LLVM (maxnum) and CUDA (fmaxf) turn into 0 for NaN; torch,
+    numpy and onnxruntime give NaN. The override selects ``x < 0 ? 0 : x``."""
+    torch.manual_seed(0)
+    model = LinearRelu().eval()
+    x = torch.randn(4, 16)
+    x[1, 3], x[2, 5], x[3, 0] = float("nan"), float("inf"), float("-inf")
+    out = tvmfuse.compile(model, (x,), target="cpu").load(device="cpu")(x)
+    with torch.no_grad():
+        ref = model(x)
+    assert torch.isnan(ref).any()
+    torch.testing.assert_close(out, ref, equal_nan=True)
+
+
+def test_relu_tir_is_a_select_not_max():
+    from tvm import relax, tirx
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 64), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.nn.relu(x))
+        bb.emit_func_output(y)
+    func = relax.transform.LegalizeOps(legalize_overrides())(bb.get())["relu"]
+    text = func.script()
+    assert "T.Select(" in text and "T.max(" not in text
+    assert isinstance(func, tirx.PrimFunc)

@@ -163,6 +163,22 @@ def test_parse_rpc_and_missing_db(tmp_path: Path):
         tvmfuse.compile(MODEL, target="cpu", tuning_db=tmp_path / "nothing")
 
 
+def test_gpus_without_tornado_names_the_extra(tmp_path: Path, monkeypatch):
+    """--gpus starts TVM's RPC tracker, which imports tornado (the [tune] extra): said up front,
+    before the model is imported; plain tune needs only the base install (psutil, cloudpickle)."""
+    import importlib.util
+
+    import tvmfuse.tune as tune_mod
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(tune_mod.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tornado" else real(name, *a))
+    with pytest.raises(TvmfuseError, match=r"--gpus .* needs tornado: install tvmfuse\[tune\]"):
+        tune_mod.tune("no_such_pkg.mod:factory", db=tmp_path / "db", target="cpu", gpus=2)
+    base = (REPO / "pyproject.toml").read_text().split("[project.optional-dependencies]")[0]
+    assert '"psutil"' in base and '"cloudpickle"' in base
+
+
 def test_cli_tune_then_compile(tmp_path: Path):
     db, lib = tmp_path / "db", tmp_path / "m.so"
     cli = [sys.executable, "-m", "tvmfuse.cli"]

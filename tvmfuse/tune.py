@@ -643,6 +643,10 @@ def tune(
         raise TvmfuseError(f"--trials must be at least 1, not {trials}")
     if rpc and gpus:
         raise TvmfuseError("give either --rpc or --gpus, not both")
+    if gpus and importlib.util.find_spec("tornado") is None:
+        # before any work: the local tracker (python -m tvm.exec.rpc_tracker) would die on import
+        raise TvmfuseError("--gpus starts a local TVM RPC tracker, which needs tornado: "
+                           "install tvmfuse[tune] (pip install -e \".[tune]\")")
     if dtype == "float32":
         dtype = None
     t0 = time.perf_counter()

@@ -40,7 +40,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 
 from .attrs import CONFIG_ATTR, KERNEL_TILE_ATTR, SPEC_ATTR, TUNING_ATTR
-from .errors import CompileError
+from .errors import TVM_ERRORS, CompileError
 from .kernels.attention.flash_sm90 import Sm90FlashConfig, flash_attention_sm90_primfunc
 from .kernels.attention.spec import spec_from_json
 from .kernels.gemm.epilogue import NotHandled
@@ -115,6 +115,31 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
+def _lines(path: Path):
+    """``("FILE:LINE", text)`` for each non-blank line of ``path``."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise CompileError(f"tuning database {path}: not text ({err})") from err
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            yield f"{path}:{number}", line
+
+
+def _check_tasks(tasks: Any, summary: Path) -> None:
+    """Every task summary is an object whose times are numbers (or null)."""
+    if not isinstance(tasks, dict):
+        raise CompileError(f"tuning database {summary}: 'tasks' is a {type(tasks).__name__}, "
+                           "expected an object")
+    for key, task in tasks.items():
+        bad = not isinstance(task, dict) or any(
+            task.get(f) is not None and not isinstance(task.get(f), (int, float))
+            for f in ("default_ms", "tuned_ms"))
+        if bad:
+            raise CompileError(f"tuning database {summary}: task {key!r} is not a summary with "
+                               f"numeric default_ms / tuned_ms: {str(task)[:200]}")
+
+
 @dataclass
 class TuningDatabase:
     """An on-disk tuning database (see the module docstring); ``tasks`` maps key → summary."""
@@ -138,13 +163,15 @@ class TuningDatabase:
                                f"`tvmfuse tune MODEL --db {path}`)")
         try:
             meta = json.loads(summary.read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CompileError(f"tuning database {path}: {TASKS_FILE} is not JSON ({err})") from err
-        if meta.get("format") != FORMAT:
-            raise CompileError(f"tuning database {path}: format {meta.get('format')!r}, "
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise CompileError(f"tuning database {path}: {TASKS_FILE} has format {found!r}, "
                                f"expected {FORMAT!r}")
         db.target, db.provenance, db.tasks = meta.get("target"), meta.get("provenance", {}), \
             meta.get("tasks", {})
+        _check_tasks(db.tasks, summary)
         if (path / WORKLOAD_FILE).is_file() and (path / RECORD_FILE).is_file():
             db._read_records()
         return db
@@ -152,18 +179,26 @@ class TuningDatabase:
     def _read_records(self) -> None:
         """Read the JSONDatabase files line by line, keeping each finished task's record as JSON:
         it is parsed only when ``compile`` wants it (:meth:`tuned_func`), so a record that no
-        longer parses costs only its own kernel, where MetaSchedule's loader fails the database."""
+        longer parses costs only its own kernel, where MetaSchedule's loader fails the database.
+        A line that is not a workload / ``[index, record]`` (a corrupt file) is a CompileError
+        naming the file and line."""
         workloads = []
-        for line in (self.path / WORKLOAD_FILE).read_text().splitlines():
-            if line.strip():
+        for where, line in _lines(self.path / WORKLOAD_FILE):
+            try:
                 wl_json = json.loads(line)
                 wl = ms.database.Workload.from_json(wl_json)
-                workloads.append((wl_json, wl, task_key(wl.mod)))
-        for line in (self.path / RECORD_FILE).read_text().splitlines():
-            if not line.strip():
-                continue
-            index, rec_json = json.loads(line)
-            wl_json, wl, key = workloads[index]
+            except (json.JSONDecodeError, *TVM_ERRORS) as err:
+                raise CompileError(f"tuning database {where}: not a MetaSchedule workload "
+                                   f"({type(err).__name__}: {str(err).strip()[:200]})") from err
+            workloads.append((wl_json, wl, task_key(wl.mod)))
+        for where, line in _lines(self.path / RECORD_FILE):
+            try:
+                index, rec_json = json.loads(line)
+                wl_json, wl, key = workloads[index]
+            except (json.JSONDecodeError, ValueError, TypeError, IndexError) as err:
+                raise CompileError(f"tuning database {where}: not an [index, record] line of "
+                                   f"the {len(workloads)} workloads ({type(err).__name__}: "
+                                   f"{str(err)[:200]})") from err
             if key in self.tasks:  # records of unfinished tasks are ignored
                 self.records[key] = (wl_json, rec_json, wl)
 

@@ -119,13 +119,26 @@ def rewrite_cuda_modules(blob: bytes, compile_source: Callable[[str], bytes]) ->
 def _metadata_c(metadata: dict[str, Any]) -> str:
     data = json.dumps(metadata, sort_keys=True).encode() + b"\0"
     body = ",".join(str(b) for b in data)
-    decl = f'__attribute__((visibility("default"))) const unsigned char {METADATA_SYMBOL}[{len(data)}]'
-    # extern: a C++ compiler would otherwise give a const array internal linkage.
+    decl = f"const unsigned char {METADATA_SYMBOL}[{len(data)}]"
+    # extern: a C++ compiler would otherwise give a const array internal linkage. The visibility
+    # attribute goes on the first declaration (gcc ignores it on a later definition, with a warning).
     return (
         '#ifdef __cplusplus\nextern "C" {\n#endif\n'
-        f"extern {decl};\n{decl} = {{{body}}};\n"
+        f'extern __attribute__((visibility("default"))) {decl};\n{decl} = {{{body}}};\n'
         "#ifdef __cplusplus\n}\n#endif\n"
     )
+
+
+def _reserve_temp(path: Path) -> Path:
+    """An empty temporary file beside ``path`` (same file system, so ``os.replace`` is atomic);
+    a directory that cannot be written fails here, before anything is built."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise CompileError(f"cannot write {path}: {err.strerror} ({err.filename})") from err
+    os.close(fd)
+    return Path(tmp)
 
 
 def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
@@ -135,14 +148,46 @@ def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
     and ``weights`` (``[(name, tensor)]``, the parameters ``main`` takes after its inputs) to
     ``<name>.safetensors`` beside it when given.
 
-    The files are written next to ``path`` and renamed into place, so a failed export never
-    clobbers an existing library.
+    Each file is written to a temporary file in ``path``'s directory and renamed into place,
+    so a failed export (nvcc, a full disk, a read-only directory) never clobbers an existing
+    library. ``workdir`` (default: a temporary directory, removed afterwards) holds the objects.
     """
+    path = Path(path)
+    tmp = _reserve_temp(path)
+    wpath = weights_path(path)
+    wtmp = _reserve_temp(wpath) if weights else None
+    try:
+        if wtmp is not None:
+            metadata = metadata | {"weights": write_weights(weights, wtmp, wpath.name)}
+        if workdir is not None:
+            _export(executable, tmp, path, spec, metadata, workdir)
+        else:
+            with tempfile.TemporaryDirectory(prefix="tvmfuse-export-") as wdir:
+                _export(executable, tmp, path, spec, metadata, wdir)
+        os.chmod(tmp, 0o755)  # mkstemp made it 0600; a library is read by whoever loads it
+        if wtmp is not None:
+            os.chmod(wtmp, 0o644)
+            os.replace(wtmp, wpath)
+        os.replace(tmp, path)
+    except CompileError:
+        raise
+    except OSError as err:  # a full disk, a file system gone read-only
+        raise CompileError(f"exporting {path} failed: {err.strerror or err} "
+                           f"({err.filename or tmp})") from err
+    except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
+        raise CompileError(f"exporting {path} failed: {err}") from err
+    finally:
+        tmp.unlink(missing_ok=True)
+        if wtmp is not None:
+            wtmp.unlink(missing_ok=True)
+    return path
+
+
+def _export(executable, tmp: Path, path: Path, spec: TargetSpec, metadata: dict[str, Any],
+            workdir: str) -> None:
+    """``executable.export_library`` into ``tmp`` with the fatbin rewrite and the metadata."""
     import tvm
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    workdir = workdir or tempfile.mkdtemp(prefix="tvmfuse-export-")
     stats: dict[str, int] = {"cuda_modules": 0}
 
     def pack_imports(mod, is_system_lib: bool, prefix: str, wdir: str) -> str:
@@ -157,27 +202,9 @@ def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
         obj.write_to_file(out)
         return out
 
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    wpath = weights_path(path)
-    wtmp = wpath.with_name(f".{wpath.name}.tmp{os.getpid()}")
-    try:
-        if weights:
-            metadata = metadata | {"weights": write_weights(weights, wtmp, wpath.name)}
-        meta_c = Path(workdir) / "tvmfuse_metadata.c"
-        meta_c.write_text(_metadata_c(metadata))
-        executable.export_library(str(tmp), fpack_imports=pack_imports, addons=[str(meta_c)],
-                                  workspace_dir=workdir)
-        if spec.is_cuda and stats["cuda_modules"] == 0:
-            raise CompileError("export found no CUDA module to compile; nothing would run on GPU")
-        if weights:
-            os.replace(wtmp, wpath)
-        os.replace(tmp, path)
-    except CompileError:
-        raise
-    except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
-        raise CompileError(f"exporting {path} failed: {err}") from err
-    finally:
-        for leftover in (tmp, wtmp):
-            if leftover.exists():
-                leftover.unlink()
-    return path
+    meta_c = Path(workdir) / "tvmfuse_metadata.c"
+    meta_c.write_text(_metadata_c(metadata))
+    executable.export_library(str(tmp), fpack_imports=pack_imports, addons=[str(meta_c)],
+                              workspace_dir=workdir)
+    if spec.is_cuda and stats["cuda_modules"] == 0:
+        raise CompileError(f"exporting {path}: no CUDA module to compile; nothing would run on GPU")

@@ -25,11 +25,47 @@ def _load(model: Any, source: str):
         raise ModelError(f"ONNX model {source!r} does not exist")
     try:
         proto = onnx.load(os.fspath(model))
+    except onnx.checker.ValidationError as err:  # external data: a tensor's data file is missing
+        raise ModelError(f"{source}: cannot read the model's external data: {err}") from err
     except (DecodeError, ValueError, RuntimeError, OSError) as err:
         raise ModelError(f"{source}: not a readable ONNX model ({type(err).__name__}: {err})") from err
     if not proto.graph.node and not proto.graph.output:
         raise ModelError(f"{source}: ONNX file holds an empty graph (corrupt or not ONNX)")
     return proto
+
+
+def check_opset(proto, source: str) -> None:
+    """Refuse a default-domain opset newer than the installed onnx defines: what its operators
+    mean there is unknown, so converting them with an older opset's semantics could be wrong."""
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    for imp in proto.opset_import:
+        if imp.domain in ("", "ai.onnx") and imp.version > newest:
+            raise ModelError(
+                f"{source}: the model imports ONNX opset {imp.version}; the installed onnx "
+                f"{onnx.__version__} knows opsets up to {newest} (re-export with opset <= {newest} "
+                "or upgrade onnx)"
+            )
+
+
+def check_defined_inputs(graph, source: str, outer: frozenset[str] = frozenset()) -> None:
+    """Every node input is a graph input, an initializer, an earlier node's output or (in a
+    subgraph) a name of an enclosing graph; otherwise name the node and the missing tensor."""
+    known = set(outer) | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    known |= {t.values.name for t in graph.sparse_initializer}
+    for i, node in enumerate(graph.node):
+        for name in node.input:
+            if name and name not in known:
+                raise ModelError(
+                    f"{source}: node {node.name or f'#{i}'!r} (op {node.op_type}) reads tensor "
+                    f"{name!r}, which is no graph input, initializer or earlier node's output "
+                    "(a missing initializer?)"
+                )
+        for attr in node.attribute:
+            for sub in [attr.g] * attr.HasField("g") + list(attr.graphs):
+                check_defined_inputs(sub, source, frozenset(known))
+        known.update(node.output)
 
 
 def scan_unsupported(graph) -> list[tuple[str, str]]:
@@ -154,6 +190,8 @@ def import_onnx(model: Any, overrides: dict[str, InputOverride],
 
     source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else "<onnx.ModelProto>"
     proto = _load(model, source)
+    check_opset(proto, source)
+    check_defined_inputs(proto.graph, source)
     unsupported = scan_unsupported(proto.graph)
     if unsupported:
         raise UnsupportedOpError(f"ONNX ({source})", unsupported)

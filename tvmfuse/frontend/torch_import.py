@@ -6,14 +6,27 @@ Accepted: an ``nn.Module`` with example inputs, a ``.pt2`` file (``torch.export.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+import warnings
 
 from ..errors import InputSpecError, ModelError, UnsupportedOpError
 from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
 from .symbolic import bound_symbols
 from .torch_fixes import custom_convert_map
+
+
+@contextlib.contextmanager
+def _quiet_torch_internals():
+    """Silence the deprecation torch 2.13 raises against itself: deep-copying an exported
+    program's ``LeafSpec`` (``run_decompositions``, ``ep.module()``) warns "`isinstance(treespec,
+    LeafSpec)` is deprecated" from copyreg, once per CLI command; nothing a user can change."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        yield
 
 
 def _dtype_name(dtype) -> str:
@@ -118,7 +131,8 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
 
     dynamic = dynamic or {}
     try:
-        ep = ep.run_decompositions()
+        with _quiet_torch_internals():
+            ep = ep.run_decompositions()
     except Exception as err:
         raise ModelError(f"{source}: torch decomposition failed: {err}") from err
     unsupported = scan_unsupported(ep)
@@ -134,7 +148,8 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     ret = mod["main"].ret_ty
     n_out = len(ret.fields) if hasattr(ret, "fields") else 1
     if reference is None:
-        module = ep.module()
+        with _quiet_torch_internals():
+            module = ep.module()
         reference = _torch_reference(module)
     return ImportedModel(mod, specs, [f"output{i}" for i in range(n_out)], "torch", source, reference,
                          dynamic)
@@ -169,7 +184,8 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
     example_inputs, dynamic_shapes = _dynamic_examples(module, example_inputs, overrides, dynamic,
                                                        source)
     try:
-        ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
+        with _quiet_torch_internals():
+            ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
     except Exception as err:
         raise ModelError(f"{source}: torch.export failed: {type(err).__name__}: {err}") from err
     from torch.export.graph_signature import InputKind
@@ -233,7 +249,8 @@ def import_pt2(path: str, overrides: dict[str, InputOverride],
     if not os.path.isfile(path):
         raise ModelError(f"PyTorch program {path!r} does not exist")
     try:
-        ep = torch.export.load(path)
+        with _quiet_torch_internals():
+            ep = torch.export.load(path)
     except Exception as err:
         why = f"{type(err).__name__}: {err}"
         raise ModelError(f"{path}: not a readable torch.export .pt2 file ({why})") from err

@@ -85,8 +85,22 @@ def _layer_norm(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                       primfunc_name_hint="layer_norm")
 
 
+def _relu_nan_propagating(x: te.Tensor) -> te.Tensor:
+    """relu(x) = x < 0 ? 0 : x, so relu(NaN) = NaN as in torch, numpy and onnxruntime."""
+    zero = tirx.const(0, x.dtype)
+    return te.compute(x.shape, lambda *i: tirx.Select(x(*i) < zero, zero, x(*i)), name="compute",
+                      tag="elemwise")
+
+
+def _relu(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """Float ReLU that keeps NaN; integers: the stock rule."""
+    if not str(call.args[0].ty.dtype).startswith(("float", "bfloat")):
+        return tvm.ir.Op.get("relax.nn.relu").get_attr("FLegalize")(bb, call)
+    return bb.call_te(_relu_nan_propagating, call.args[0], primfunc_name_hint="relu")
+
+
 def legalize_overrides() -> dict:
     """``{op name: legalize function}`` for ``relax.transform.LegalizeOps``."""
     return {"relax.full": _full(False), "relax.full_like": _full(True), "relax.nn.softmax": _softmax,
             "relax.nn.attention": legalize_attention, "relax.nn.attention_bias": legalize_attention,
-            "relax.nn.layer_norm": _layer_norm}
+            "relax.nn.layer_norm": _layer_norm, "relax.nn.relu": _relu}

@@ -10,6 +10,7 @@ import ctypes
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON metadata a tvmfuse export embedded (signature, target, versions)."""
     _check_file(Path(path))
     try:
-        lib = ctypes.CDLL(os.fspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
+        # absolute: dlopen looks a bare name ("model.so") up on the library path, not in the cwd
+        lib = ctypes.CDLL(os.path.abspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
         raw = ctypes.c_char_p(ctypes.addressof(ctypes.c_char.in_dll(lib, METADATA_SYMBOL))).value
     except (OSError, ValueError) as err:
         raise LibraryError(f"{path}: no tvmfuse metadata ({err}); not a tvmfuse library?") from err
@@ -84,6 +86,22 @@ def _check_file(path: Path) -> None:
         raise bad("no loadable dynamic segments")
 
 
+def _cuda_device(index: int, path: Path, target: str):
+    """TVM's CUDA device ``index``; DeviceError when TVM's CUDA runtime or the GPU is absent."""
+    import tvm
+
+    _ensure_cuda_runtime()
+    dev = tvm.cuda(index)
+    if not dev.exist:
+        raise DeviceError(f"no CUDA device {index} is visible (library {path} targets {target})")
+    return dev
+
+
+def _compute_capability(dev) -> str:
+    """The GPU's compute capability as ``"major.minor"`` (``"9.0"`` on an H100/H200)."""
+    return dev.compute_version
+
+
 def _device(kind: str, meta: dict[str, Any], path: Path):
     import tvm
 
@@ -96,15 +114,13 @@ def _device(kind: str, meta: dict[str, Any], path: Path):
         raise DeviceError(f"unknown device {kind!r}; use 'cuda', 'cuda:N' or 'cpu'")
     if target == "cpu":
         raise DeviceError(f"{path} was built for target cpu; load it with device='cpu'")
-    _ensure_cuda_runtime()
     index = int(kind.split(":")[1]) if ":" in kind else 0
-    dev = tvm.cuda(index)
-    if not dev.exist:
-        raise DeviceError(f"no CUDA device {index} is visible (library {path} targets {target})")
-    cc = dev.compute_version
+    dev = _cuda_device(index, path, target)
+    cc = _compute_capability(dev)
     if not get_target(target).can_run_on(cc):
+        sass = ", ".join(meta.get("sass") or [target])
         raise DeviceError(
-            f"{path} holds SASS for {meta.get('sass', target)} (target {target}); this GPU "
+            f"{path} holds SASS for {sass} only (target {target}); GPU {index} "
             f"({dev.device_name}) is sm_{cc.replace('.', '')}. Rebuild with the matching --target."
         )
     return dev
@@ -120,7 +136,7 @@ def _open(path: Path, device: str):
     metadata = read_metadata(path)
     dev = _device(device, metadata, path)
     try:
-        lib = tvm.runtime.load_module(str(path))
+        lib = tvm.runtime.load_module(str(path.absolute()))
     except Exception as err:  # TVM raises several error kinds for broken files
         raise LibraryError(f"cannot load {path}: {type(err).__name__}: {err}") from err
     try:
@@ -136,6 +152,11 @@ class CompiledModel:
     Inputs are torch tensors (passed zero-copy through DLPack) or numpy arrays; outputs come
     back as the same kind: one tensor, or a tuple for several outputs. ``weights``: the device
     tensors of an external-weights library (``<name>.safetensors``), in parameter order.
+
+    Thread-safe: calls from several threads are serialised. TVM's relax ``VirtualMachine`` keeps
+    its frames, registers and memory pool in the VM object, and two threads in one VM crash it
+    (seen as a segfault in ``StorageObj::AllocTensor``); a VM per thread would copy the weights
+    to the device once per thread.
     """
 
     def __init__(self, path: str | os.PathLike, device: str = "cuda") -> None:
@@ -145,6 +166,7 @@ class CompiledModel:
         # passes them after the inputs. Empty for a library that embeds its weights.
         self.weights = load_weights(self.path, self.metadata, self.device)
         self._main = self.vm["main"]
+        self._lock = threading.Lock()  # one call in the VM at a time (see the class docstring)
         self.inputs = self.metadata["inputs"]
         self.output_names = [o["name"] for o in self.metadata["outputs"]]
         # The per-call fast path compares against these (no string building, no imports).
@@ -232,7 +254,8 @@ class CompiledModel:
         if not kwargs and self._fast_torch(args):
             # tvm-ffi takes torch tensors through DLPack without a copy and hands back torch
             # tensors; a one-output library returns the tensor itself (UnwrapSingleOutput).
-            out = self._main(*args, *self.weights)
+            with self._lock:
+                out = self._main(*args, *self.weights)
             if type(out) is self._torch_tensor:
                 return out
             result = tuple(o if isinstance(o, self._torch_tensor) else self._torch.from_dlpack(o)
@@ -257,7 +280,8 @@ class CompiledModel:
         if self.dynamic:
             self._check_shapes([tuple(t.shape) for t, _ in converted])
         kinds = {k for _, k in converted}
-        out = self._main(*[t for t, _ in converted], *self.weights)
+        with self._lock:
+            out = self._main(*[t for t, _ in converted], *self.weights)
         outs = list(out) if not hasattr(out, "shape") else [out]
         if "torch" in kinds:
             import torch
