@@ -7,9 +7,10 @@ Every node test of the installed onnx (``onnx.backend.test.loader.load_model_tes
 materialised in memory; no data is checked in) is compiled with ``tvmfuse.compile(model,
 target="cpu", inputs=...)`` (declared dynamic dims fixed to the test's concrete input shapes),
 loaded with ``.load("cpu")`` and called with the test's numpy inputs. Floats are compared with
-rtol 1e-3 / atol 1e-4 (or the test's own looser tolerance), ints and bools exactly; shapes and
-dtypes must match. Each test runs in a forked child (the parent has imported and warmed up TVM
-once) under a timeout, so a segfault or hang is recorded instead of killing the run.
+rtol 1e-3 / atol 1e-4 (or the test's own looser tolerance; 4 ulps for fp16/bf16 outputs), ints
+and bools exactly; shapes and dtypes must match. Each test runs in a forked child (the parent
+has imported and warmed up TVM once) under a timeout, so a segfault or hang is recorded
+instead of killing the run.
 
 A test's status is ``pass``, ``wrong`` (ran, different answer), ``refused`` (a tvmfuse error) or
 ``crash`` (any other exception, a signal, a timeout). Tests a tensor compiler cannot be asked to
@@ -75,8 +76,16 @@ def load_cases() -> list[Case]:
     cases = []
     for t in sorted(tests, key=lambda t: t.name):
         ins, outs = t.data_sets[0]
-        cases.append(Case(t.name, t.model, list(ins), list(outs), t.rtol, t.atol))
+        cases.append(Case(t.name, t.model, [_array(x) for x in ins], [_array(x) for x in outs],
+                          t.rtol, t.atol))
     return cases
+
+
+def _array(value: Any) -> Any:
+    """A test's TensorProto as numpy (as onnx's backend runner does); anything else unchanged."""
+    from onnx import TensorProto, numpy_helper
+
+    return numpy_helper.to_array(value) if isinstance(value, TensorProto) else value
 
 
 def _nodes(graph):
@@ -129,7 +138,7 @@ def _overrides(case: Case) -> dict[str, tuple[int, ...]]:
         ttype = value.type.tensor_type
         static = ttype.HasField("shape") and all(
             d.HasField("dim_value") and d.dim_value > 0 for d in ttype.shape.dim)
-        if not static and isinstance(array, np.ndarray) and array.size > 0:
+        if not static and isinstance(array, (np.ndarray, np.generic)):
             result[value.name] = tuple(array.shape)
     return result
 
@@ -146,7 +155,7 @@ def _compare(got: list, want: list, rtol: float, atol: float) -> str | None:
             return f"output {i}: shape {g.shape}, expected {w.shape}"
         if g.dtype != w.dtype:
             return f"output {i}: dtype {g.dtype}, expected {w.dtype}"
-        if w.dtype.kind in "fc":
+        if w.dtype.kind in "fc" or w.dtype.name == "bfloat16":
             gf, wf = g.astype(np.float64), w.astype(np.float64)
             if not np.allclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True):
                 bad = int((~np.isclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True)).sum())
@@ -154,6 +163,18 @@ def _compare(got: list, want: list, rtol: float, atol: float) -> str | None:
         elif not np.array_equal(g, w):
             return f"output {i}: {int((g != w).sum())}/{w.size} elements differ"
     return None
+
+
+def _tolerance(case: Case) -> tuple[float, float]:
+    """rtol 1e-3 / atol 1e-4, the test's own if looser, and 4 ulps of a half-precision output
+    (one fp16 ulp is 1e-3 relative, one bf16 ulp 8e-3: a single rounding apart would fail)."""
+    rtol, atol = max(case.rtol, RTOL), max(case.atol, ATOL)
+    for out in case.outputs:
+        name = getattr(getattr(out, "dtype", None), "name", "")
+        if name in ("float16", "bfloat16"):
+            ulp = 2.0 ** -10 if name == "float16" else 2.0 ** -7
+            rtol, atol = max(rtol, 4 * ulp), max(atol, 4 * ulp)
+    return rtol, atol
 
 
 def run_case(case: Case, workdir: str) -> tuple[str, str]:
@@ -171,7 +192,8 @@ def run_case(case: Case, workdir: str) -> tuple[str, str]:
         tb = traceback.extract_tb(err.__traceback__)[-1]
         return "crash", f"{type(err).__name__}: {err} (at {Path(tb.filename).name}:{tb.lineno})"
     outs = list(out) if isinstance(out, tuple) else [out]
-    why = _compare(outs, case.outputs, max(case.rtol, RTOL), max(case.atol, ATOL))
+    rtol, atol = _tolerance(case)
+    why = _compare(outs, case.outputs, rtol, atol)
     return ("wrong", why) if why else ("pass", "")
 
 

@@ -32,6 +32,8 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as stock
 
 from ..relax_shapes import shape_expr, static_shape
+from .onnx_nodes import construct_nodes
+from .onnx_ops import OVERRIDES as OP_OVERRIDES
 
 _ATTENTION_INPUTS = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen"]
 _ATTENTION_OUTPUTS = ["Y", "present_key", "present_value", "qk_matmul_output"]
@@ -138,22 +140,27 @@ class Unsqueeze(stock.Unsqueeze):
         return super()._impl_v13(bb, inputs, attr, params)
 
 
-OVERRIDES: dict[str, type] = {"Attention": Attention, "Unsqueeze": Unsqueeze}
+OVERRIDES: dict[str, type] = {"Attention": Attention, "Unsqueeze": Unsqueeze, **OP_OVERRIDES}
 
 
 @contextmanager
 def converters() -> Iterator[None]:
-    """TVM's ONNX converter map with :data:`OVERRIDES`, while the block runs."""
+    """TVM's ONNX converter map with :data:`OVERRIDES`, and its node loop run node by node
+    (:func:`~tvmfuse.frontend.onnx_nodes.construct_nodes`), while the block runs."""
     original = stock._get_convert_map
+    importer = stock.ONNXGraphImporter
+    original_nodes = importer._construct_nodes
 
     def patched() -> dict[str, Any]:
         return {**original(), **OVERRIDES}
 
     stock._get_convert_map = patched
+    importer._construct_nodes = construct_nodes(original_nodes)
     try:
         yield
     finally:
         stock._get_convert_map = original
+        importer._construct_nodes = original_nodes
 
 
 def node_refusals(graph) -> list[tuple[str, str]]:
