@@ -34,6 +34,7 @@ from tvm.relax.frontend.onnx import onnx_frontend as stock
 from ..relax_shapes import shape_expr, static_shape
 from .onnx_nodes import construct_nodes
 from .onnx_ops import OVERRIDES as OP_OVERRIDES
+from .onnx_ops import refusals
 
 _ATTENTION_INPUTS = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen"]
 _ATTENTION_OUTPUTS = ["Y", "present_key", "present_value", "qk_matmul_output"]
@@ -164,7 +165,8 @@ def converters() -> Iterator[None]:
 
 
 def node_refusals(graph) -> list[tuple[str, str]]:
-    """``(node, what)`` for every standard ``Attention`` node :func:`attention_refusals` refuses."""
+    """``(node, what)`` for every standard ``Attention`` node :func:`attention_refusals` refuses,
+    and every op / attribute :func:`~tvmfuse.frontend.onnx_ops.refusals.refusals` refuses."""
     from onnx import helper
 
     found = []
@@ -173,7 +175,7 @@ def node_refusals(graph) -> list[tuple[str, str]]:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             for why in attention_refusals(attrs, list(node.input), list(node.output)):
                 found.append((node.name or f"node#{i}", f"Attention {why}"))
-    return found
+    return found + refusals(graph)
 
 
 __all__ = ["OVERRIDES", "Attention", "Unsqueeze", "attention_refusals", "converters", "node_refusals"]

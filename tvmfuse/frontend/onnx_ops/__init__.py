@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+from .elementwise import BitShift, Dropout, IsInf, Mod
 from .layer_norm import LayerNormalization
+from .refusals import refusals
 
-OVERRIDES: dict[str, type] = {"LayerNormalization": LayerNormalization}
+OVERRIDES: dict[str, type] = {"BitShift": BitShift, "Dropout": Dropout, "IsInf": IsInf,
+                              "LayerNormalization": LayerNormalization, "Mod": Mod}
 
-__all__ = ["OVERRIDES"]
+__all__ = ["OVERRIDES", "refusals"]
