@@ -73,9 +73,10 @@ class Mod(stock.Mod):
             return super()._impl_v10(bb, inputs, attr, params)
         r = bb.normalize(relax.op.mod(x, y))  # truncated: the dividend's sign
         zero = _const(0.0, dtype)
+        # logical_xor: not_equal of two bool tensors miscompiles on llvm (fcmp on i1)
         flip = relax.op.logical_and(relax.op.not_equal(r, zero),
-                                    relax.op.not_equal(relax.op.less(r, zero),
-                                                       relax.op.less(y, zero)))
+                                    relax.op.logical_xor(relax.op.less(r, zero),
+                                                         relax.op.less(y, zero)))
         return relax.op.where(flip, relax.op.add(r, y), r)
 
 
