@@ -32,6 +32,9 @@ from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as stock
 
 from ..relax_shapes import shape_expr, static_shape
+from .onnx_nodes import construct_nodes
+from .onnx_ops import OVERRIDES as OP_OVERRIDES
+from .onnx_ops import refusals
 
 _ATTENTION_INPUTS = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen"]
 _ATTENTION_OUTPUTS = ["Y", "present_key", "present_value", "qk_matmul_output"]
@@ -138,26 +141,32 @@ class Unsqueeze(stock.Unsqueeze):
         return super()._impl_v13(bb, inputs, attr, params)
 
 
-OVERRIDES: dict[str, type] = {"Attention": Attention, "Unsqueeze": Unsqueeze}
+OVERRIDES: dict[str, type] = {"Attention": Attention, "Unsqueeze": Unsqueeze, **OP_OVERRIDES}
 
 
 @contextmanager
 def converters() -> Iterator[None]:
-    """TVM's ONNX converter map with :data:`OVERRIDES`, while the block runs."""
+    """TVM's ONNX converter map with :data:`OVERRIDES`, and its node loop run node by node
+    (:func:`~tvmfuse.frontend.onnx_nodes.construct_nodes`), while the block runs."""
     original = stock._get_convert_map
+    importer = stock.ONNXGraphImporter
+    original_nodes = importer._construct_nodes
 
     def patched() -> dict[str, Any]:
         return {**original(), **OVERRIDES}
 
     stock._get_convert_map = patched
+    importer._construct_nodes = construct_nodes(original_nodes)
     try:
         yield
     finally:
         stock._get_convert_map = original
+        importer._construct_nodes = original_nodes
 
 
 def node_refusals(graph) -> list[tuple[str, str]]:
-    """``(node, what)`` for every standard ``Attention`` node :func:`attention_refusals` refuses."""
+    """``(node, what)`` for every standard ``Attention`` node :func:`attention_refusals` refuses,
+    and every op / attribute :func:`~tvmfuse.frontend.onnx_ops.refusals.refusals` refuses."""
     from onnx import helper
 
     found = []
@@ -166,7 +175,7 @@ def node_refusals(graph) -> list[tuple[str, str]]:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             for why in attention_refusals(attrs, list(node.input), list(node.output)):
                 found.append((node.name or f"node#{i}", f"Attention {why}"))
-    return found
+    return found + refusals(graph)
 
 
 __all__ = ["OVERRIDES", "Attention", "Unsqueeze", "attention_refusals", "converters", "node_refusals"]

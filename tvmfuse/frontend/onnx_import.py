@@ -10,9 +10,10 @@ from .onnx_fixes import converters, node_refusals
 from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
 from .symbolic import bound_symbols, symbol_vars
 
-# ONNX TensorProto elem_type -> dtype name
-_ONNX_DTYPES = {1: "float32", 10: "float16", 16: "bfloat16", 11: "float64", 7: "int64",
-                6: "int32", 3: "int8", 2: "uint8", 9: "bool"}
+# ONNX TensorProto elem_type -> dtype name: every element type numpy and TVM both hold
+_ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32",
+                7: "int64", 9: "bool", 10: "float16", 11: "float64", 12: "uint32", 13: "uint64",
+                16: "bfloat16"}
 
 
 def _load(model: Any, source: str):
@@ -122,6 +123,15 @@ def fold_scalar_constant_of_shape(proto) -> int:
     return count
 
 
+def _elem_name(elem_type: int) -> str:
+    from onnx import TensorProto
+
+    try:
+        return TensorProto.DataType.Name(elem_type)
+    except ValueError:
+        return f"elem_type {elem_type}"
+
+
 def _input_specs(proto, overrides: dict[str, InputOverride], dynamic: Ranges,
                  source: str) -> list[TensorSpec]:
     """Each graph input's shape: the model's dims, ``--input`` overrides (ints or symbols) and the
@@ -134,7 +144,8 @@ def _input_specs(proto, overrides: dict[str, InputOverride], dynamic: Ranges,
         ttype = inp.type.tensor_type
         dtype = _ONNX_DTYPES.get(ttype.elem_type)
         if dtype is None:
-            raise ModelError(f"{source}: input {inp.name!r} has unsupported elem_type {ttype.elem_type}")
+            raise ModelError(f"{source}: input {inp.name!r} has element type "
+                             f"{_elem_name(ttype.elem_type)}, which tvmfuse cannot take as input")
         dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else (d.dim_param or "?")
                 for d in ttype.shape.dim]
         if inp.name in overrides:

@@ -12,7 +12,8 @@ from typing import Any
 
 from ..errors import InputSpecError
 
-_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"}
+_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint64",
+           "uint32", "uint16", "uint8", "bool"}
 _SYMBOL = r"[A-Za-z_][A-Za-z0-9_]*"
 
 Dim = int | str  # a static length or a symbol name

@@ -231,12 +231,15 @@ class CompiledModel:
                     f"{want}:{self.device.index}"
                 )
             return tvm.runtime.from_dlpack(value.contiguous()), "torch"
+        if isinstance(value, np.generic):  # a numpy scalar: the 0-d array it stands for
+            value = np.asarray(value)
         if isinstance(value, np.ndarray):
             if str(value.dtype) != dtype:
                 raise InputError(f"{where}: expected dtype {dtype}, got {value.dtype}")
             if not self.dynamic and value.shape != shape:
                 raise InputError(f"{where}: expected shape {list(shape)}, got {list(value.shape)}")
-            return tvm.runtime.tensor(np.ascontiguousarray(value), self.device), "numpy"
+            # np.ascontiguousarray would make a 0-d array 1-d; np.require keeps the rank
+            return tvm.runtime.tensor(np.require(value, requirements="C"), self.device), "numpy"
         raise InputError(f"{where}: expected a torch.Tensor or numpy.ndarray, got {type(value).__name__}")
 
     def _fast_torch(self, args: tuple) -> bool:

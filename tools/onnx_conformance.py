@@ -1,0 +1,434 @@
+"""ONNX backend node tests through tvmfuse's public API on the cpu target.
+
+    python tools/onnx_conformance.py [--only SUBSTR] [--subset ci|full] [-j N] [--timeout S]
+                                     [--update] [--report OUT.json]
+
+Every node test of the installed onnx (``onnx.backend.test.loader.load_model_tests(kind="node")``,
+materialised in memory; no data is checked in) is compiled with ``tvmfuse.compile(model,
+target="cpu", inputs=...)`` (declared dynamic dims fixed to the test's concrete input shapes),
+loaded with ``.load("cpu")`` and called with the test's numpy inputs. Floats are compared with
+rtol 1e-3 / atol 1e-4 (or the test's own looser tolerance; 4 ulps for fp16/bf16 outputs), ints
+and bools exactly; shapes and dtypes must match. Each test runs in a forked child (the parent
+has imported and warmed up TVM once) under a timeout, so a segfault or hang is recorded
+instead of killing the run.
+
+A test's status is ``pass``, ``wrong`` (ran, different answer), ``refused`` (a tvmfuse error) or
+``crash`` (any other exception, a signal, a timeout). Tests a tensor compiler cannot be asked to
+pass carry an ``excluded`` reason (:func:`exclusion`) and do not count toward the pass rate; they
+still must not crash or answer wrongly.
+
+``--update`` rewrites the expected-status file ``tests/data/onnx_node_status.json`` and the
+coverage table ``docs/onnx_coverage.md`` from the run (full set only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import select
+import signal
+import sys
+import time
+import traceback
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STATUS_FILE = ROOT / "tests" / "data" / "onnx_node_status.json"
+COVERAGE_FILE = ROOT / "docs" / "onnx_coverage.md"
+RTOL, ATOL = 1e-3, 1e-4
+STATUSES = ("pass", "wrong", "crash", "refused")
+
+# TensorProto elem types a tensor compiler is not asked to hold at the model boundary.
+_EXCLUDED_ELEM = {8: "string", 14: "complex64", 15: "complex128", 17: "float8e4m3fn",
+                  18: "float8e4m3fnuz", 19: "float8e5m2", 20: "float8e5m2fnuz", 21: "uint4",
+                  22: "int4", 23: "float4e2m1", 24: "float8e8m0", 25: "uint2", 26: "int2"}
+_RANDOM_OPS = {"Bernoulli", "RandomNormal", "RandomNormalLike", "RandomUniform",
+               "RandomUniformLike", "Multinomial"}
+_EXPANDED = re.compile(r"_expanded(_ver\d+)?$")
+
+
+@dataclass
+class Case:
+    """One node test: its name, model and a single data set."""
+
+    name: str
+    model: Any  # onnx.ModelProto
+    inputs: list
+    outputs: list
+    rtol: float
+    atol: float
+
+
+def load_cases() -> list[Case]:
+    """The installed onnx's node tests, in name order."""
+    from onnx.backend.test.loader import load_model_tests
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tests = load_model_tests(kind="node")
+    cases = []
+    for t in sorted(tests, key=lambda t: t.name):
+        ins, outs = t.data_sets[0]
+        cases.append(Case(t.name, t.model, [_array(x) for x in ins], [_array(x) for x in outs],
+                          t.rtol, t.atol))
+    return cases
+
+
+def _array(value: Any) -> Any:
+    """A test's TensorProto as numpy (as onnx's backend runner does); anything else unchanged."""
+    from onnx import TensorProto, numpy_helper
+
+    return numpy_helper.to_array(value) if isinstance(value, TensorProto) else value
+
+
+def _nodes(graph):
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            if attr.HasField("g"):
+                yield from _nodes(attr.g)
+            for g in attr.graphs:
+                yield from _nodes(g)
+
+
+def exclusion(case: Case) -> str | None:
+    """Why the issue's definition leaves ``case`` out of the pass rate, or None when it counts."""
+    graph = case.model.graph
+    for node in _nodes(graph):
+        if node.domain not in ("", "ai.onnx"):
+            return f"non-default domain {node.domain}"
+        if node.op_type in _RANDOM_OPS:
+            return f"random output ({node.op_type})"
+    for value in list(graph.input) + list(graph.output):
+        kind = value.type.WhichOneof("value")
+        if kind != "tensor_type":
+            return f"non-tensor {'input' if value in graph.input else 'output'} ({kind})"
+        elem = value.type.tensor_type.elem_type
+        if elem in _EXCLUDED_ELEM:
+            return f"{_EXCLUDED_ELEM[elem]} I/O"
+    return None
+
+
+def op_of(case: Case, by_name: dict[str, Case]) -> str:
+    """The operator a test is about: its one node, or the op of its non-expanded twin."""
+    base = _EXPANDED.sub("", case.name)
+    if base != case.name and base in by_name:
+        return op_of(by_name[base], by_name)
+    ops = [n.op_type for n in case.model.graph.node]
+    if len(set(ops)) == 1:
+        return ops[0]
+    return ops[-1] if ops else "?"
+
+
+def _overrides(case: Case) -> dict[str, tuple[int, ...]]:
+    """Concrete shapes for inputs whose declared shape has a dynamic or missing dimension."""
+    import numpy as np
+
+    init = {t.name for t in case.model.graph.initializer}
+    graph_inputs = [i for i in case.model.graph.input if i.name not in init]
+    result = {}
+    for value, array in zip(graph_inputs, case.inputs):
+        ttype = value.type.tensor_type
+        static = ttype.HasField("shape") and all(
+            d.HasField("dim_value") and d.dim_value > 0 for d in ttype.shape.dim)
+        if not static and isinstance(array, (np.ndarray, np.generic)):
+            result[value.name] = tuple(array.shape)
+    return result
+
+
+def _compare(got: list, want: list, rtol: float, atol: float) -> str | None:
+    """None when every output matches, else what differs first."""
+    import numpy as np
+
+    if len(got) != len(want):
+        return f"{len(got)} outputs, expected {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape:
+            return f"output {i}: shape {g.shape}, expected {w.shape}"
+        if g.dtype != w.dtype:
+            return f"output {i}: dtype {g.dtype}, expected {w.dtype}"
+        if w.dtype.kind in "fc" or w.dtype.name == "bfloat16":
+            gf, wf = g.astype(np.float64), w.astype(np.float64)
+            if not np.allclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True):
+                bad = int((~np.isclose(gf, wf, rtol=rtol, atol=atol, equal_nan=True)).sum())
+                return f"output {i}: {bad}/{w.size} elements differ beyond rtol {rtol} atol {atol}"
+        elif not np.array_equal(g, w):
+            return f"output {i}: {int((g != w).sum())}/{w.size} elements differ"
+    return None
+
+
+def _tolerance(case: Case) -> tuple[float, float]:
+    """rtol 1e-3 / atol 1e-4, the test's own if looser, and 4 ulps of a half-precision output
+    (one fp16 ulp is 1e-3 relative, one bf16 ulp 8e-3: a single rounding apart would fail)."""
+    rtol, atol = max(case.rtol, RTOL), max(case.atol, ATOL)
+    for out in case.outputs:
+        name = getattr(getattr(out, "dtype", None), "name", "")
+        if name in ("float16", "bfloat16"):
+            ulp = 2.0 ** -10 if name == "float16" else 2.0 ** -7
+            rtol, atol = max(rtol, 4 * ulp), max(atol, 4 * ulp)
+    return rtol, atol
+
+
+def run_case(case: Case, workdir: str) -> tuple[str, str]:
+    """(status, detail) of one test, run in this process."""
+    import tvmfuse
+    from tvmfuse.errors import TvmfuseError
+
+    try:
+        lib = tvmfuse.compile(case.model, target="cpu", inputs=_overrides(case) or None)
+        model = lib.load("cpu", workdir=workdir)
+        out = model(*case.inputs)
+    except TvmfuseError as err:
+        return "refused", f"{type(err).__name__}: {err}"
+    except BaseException as err:  # noqa: BLE001 - anything else is what this run looks for
+        tb = traceback.extract_tb(err.__traceback__)[-1]
+        return "crash", f"{type(err).__name__}: {err} (at {Path(tb.filename).name}:{tb.lineno})"
+    outs = list(out) if isinstance(out, tuple) else [out]
+    rtol, atol = _tolerance(case)
+    why = _compare(outs, case.outputs, rtol, atol)
+    return ("wrong", why) if why else ("pass", "")
+
+
+def _warm_up() -> None:
+    """Import and exercise the compiler once, so forked children start warm."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    import tvmfuse
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])
+    g = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "warm", [x],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    model = helper.make_model(g, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tvmfuse.compile(model, target="cpu").export(Path(tmp) / "warm.so")
+    np.zeros(1)
+
+
+def _fork(case: Case, workdir: str) -> tuple[int, int]:
+    """Start ``case`` in a child; returns (pid, read end of its result pipe)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        code = 0
+        try:
+            sys.stdout.flush()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            result = run_case(case, workdir)
+            with os.fdopen(w, "wb") as f:
+                f.write(pickle.dumps(result))
+        except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
+            code = 1
+        os._exit(code)
+    os.close(w)
+    return pid, r
+
+
+def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0,
+              progress: bool = False) -> dict[str, dict[str, str]]:
+    """Run ``cases`` forked, ``jobs`` at a time; name → {"status", "detail"}."""
+    import tempfile
+
+    _warm_up()
+    results: dict[str, dict[str, str]] = {}
+    pending = list(reversed(cases))
+    running: dict[int, tuple[Case, int, float, bytearray]] = {}  # fd → case, pid, start, data
+    with tempfile.TemporaryDirectory(prefix="tvmfuse-onnx-") as tmp:
+        while pending or running:
+            while pending and len(running) < jobs:
+                case = pending.pop()
+                workdir = os.path.join(tmp, case.name)
+                os.makedirs(workdir)
+                pid, fd = _fork(case, workdir)
+                running[fd] = (case, pid, time.monotonic(), bytearray())
+            ready, _, _ = select.select(list(running), [], [], 0.5)
+            now = time.monotonic()
+            for fd in list(running):
+                case, pid, start, data = running[fd]
+                if fd in ready:
+                    chunk = os.read(fd, 1 << 16)
+                    if chunk:
+                        data += chunk
+                        continue
+                    status, detail = _reap(pid, data)
+                elif now - start > timeout:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    status, detail = "crash", f"timeout after {timeout:.0f} s"
+                else:
+                    continue
+                os.close(fd)
+                del running[fd]
+                results[case.name] = {"status": status, "detail": detail[:300]}
+                if progress:
+                    print(f"{len(results):5d}/{len(cases)} {status:8s} {case.name} "
+                          f"({now - start:.1f} s) {detail[:120]}", flush=True)
+    return results
+
+
+def _reap(pid: int, data: bytearray) -> tuple[str, str]:
+    _, code = os.waitpid(pid, 0)
+    if data:
+        return pickle.loads(bytes(data))
+    if os.WIFSIGNALED(code):
+        return "crash", f"killed by signal {signal.Signals(os.WTERMSIG(code)).name}"
+    return "crash", f"child exited with status {os.WEXITSTATUS(code)} without a result"
+
+
+def ci_subset(cases: list[Case]) -> list[Case]:
+    """Deterministic stratified subset: per op, its first test of each recorded status.
+
+    Every op is run at least once, and every (op, status) class once, so a regression in any
+    op or a change of any kind of outcome shows.
+    """
+    by_name = {c.name: c for c in cases}
+    expected = load_expected()
+    seen: set[tuple[str, str]] = set()
+    chosen = []
+    for case in cases:
+        key = (op_of(case, by_name), expected.get(case.name, {}).get("status", "?"))
+        if key not in seen:
+            seen.add(key)
+            chosen.append(case)
+    return chosen
+
+
+def load_expected() -> dict[str, dict[str, str]]:
+    if not STATUS_FILE.exists():
+        return {}
+    return json.loads(STATUS_FILE.read_text())["tests"]
+
+
+def _short(detail: str) -> str:
+    """A refusal/crash reason without paths and numbers that vary between runs."""
+    first = detail.strip().splitlines()[0] if detail.strip() else ""
+    if "unsupported operators" in first and "\n" in detail:
+        first = detail.strip().splitlines()[1].strip()
+    first = re.sub(r"/\S+", "<path>", first)
+    first = re.sub(r"<onnx\.ModelProto>:?\s*", "", first)
+    return first[:160]
+
+
+def summarise(results: dict[str, dict[str, str]], cases: list[Case]) -> dict[str, Any]:
+    """Counts over the counted tests and over all, plus the pass rate."""
+    counted = Counter(r["status"] for n, r in results.items() if not r.get("excluded"))
+    every = Counter(r["status"] for r in results.values())
+    total = sum(counted.values())
+    return {"tests": len(results), "counted": total, "counted_status": dict(counted),
+            "all_status": dict(every),
+            "pass_rate": round(counted.get("pass", 0) / total, 4) if total else 0.0}
+
+
+def annotate(results: dict[str, dict[str, str]], cases: list[Case]) -> None:
+    """Add each test's op and exclusion reason to its result (in place)."""
+    by_name = {c.name: c for c in cases}
+    for name, r in results.items():
+        case = by_name[name]
+        r["op"] = op_of(case, by_name)
+        why = exclusion(case)
+        if why:
+            r["excluded"] = why
+
+
+def write_status(results: dict[str, dict[str, str]], cases: list[Case]) -> None:
+    """The expected-status file: name → status, op, exclusion and (non-pass) reason."""
+    import onnx
+
+    tests = {}
+    for name in sorted(results):
+        r = results[name]
+        entry = {"status": r["status"], "op": r["op"]}
+        if r.get("excluded"):
+            entry["excluded"] = r["excluded"]
+        if r["status"] != "pass":
+            entry["reason"] = _short(r["detail"])
+        tests[name] = entry
+    doc = {"onnx": onnx.__version__, "summary": summarise(results, cases), "tests": tests}
+    STATUS_FILE.parent.mkdir(parents=True, exist_ok=True)
+    STATUS_FILE.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+
+
+def write_coverage(results: dict[str, dict[str, str]], cases: list[Case]) -> None:
+    """docs/onnx_coverage.md: per op, pass count and the reasons of the rest."""
+    import onnx
+
+    by_op: dict[str, list[tuple[str, dict[str, str]]]] = defaultdict(list)
+    for name, r in results.items():
+        by_op[r["op"]].append((name, r))
+    s = summarise(results, cases)
+    c = s["counted_status"]
+    lines = [
+        "# ONNX operator coverage (cpu target)",
+        "",
+        f"Generated by `python tools/onnx_conformance.py --update` from the onnx {onnx.__version__} "
+        "backend node tests; do not edit by hand. Counted tests exclude non-default domains, "
+        "non-tensor or string/complex/fp8/fp4/int4/int2 I/O and random outputs.",
+        "",
+        f"Counted: {s['counted']} of {s['tests']} tests; pass {c.get('pass', 0)} "
+        f"({100 * s['pass_rate']:.1f}%), wrong {c.get('wrong', 0)}, crash {c.get('crash', 0)}, "
+        f"refused {c.get('refused', 0)}.",
+        "",
+        "| op | pass / counted | excluded | not passing (reason, first test) |",
+        "|---|---|---|---|",
+    ]
+    for op in sorted(by_op):
+        rows = by_op[op]
+        counted = [(n, r) for n, r in rows if not r.get("excluded")]
+        passed = sum(r["status"] == "pass" for _, r in counted)
+        excluded = sorted({r["excluded"] for _, r in rows if r.get("excluded")})
+        reasons: dict[str, str] = {}
+        for n, r in sorted(counted):
+            if r["status"] != "pass":
+                reasons.setdefault(f"{r['status']}: {_short(r['detail'])}", n)
+        why = "<br>".join(f"{k.replace('|', '/')} (`{n}`)" for k, n in list(reasons.items())[:3])
+        lines.append(f"| {op} | {passed} / {len(counted)} | {', '.join(excluded) or ''} | {why} |")
+    COVERAGE_FILE.parent.mkdir(parents=True, exist_ok=True)
+    COVERAGE_FILE.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", help="run the tests whose name contains this")
+    parser.add_argument("--subset", choices=["ci", "full"], default="full")
+    parser.add_argument("-j", "--jobs", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--update", action="store_true",
+                        help="rewrite tests/data/onnx_node_status.json and docs/onnx_coverage.md")
+    parser.add_argument("--report", help="write the raw results (JSON) here")
+    parser.add_argument("-q", "--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    cases = load_cases()
+    if args.subset == "ci":
+        cases = ci_subset(cases)
+    if args.only:
+        cases = [c for c in cases if args.only in c.name]
+    start = time.monotonic()
+    results = run_cases(cases, args.jobs, args.timeout, progress=not args.quiet)
+    annotate(results, cases)
+    print(json.dumps(summarise(results, cases)), f"in {time.monotonic() - start:.0f} s")
+    if args.report:
+        Path(args.report).write_text(json.dumps(results, indent=1) + "\n")
+    if args.update:
+        if args.only or args.subset != "full":
+            parser.error("--update needs the full set (no --only, --subset full)")
+        write_status(results, cases)
+        write_coverage(results, cases)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

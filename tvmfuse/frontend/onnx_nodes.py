@@ -1,0 +1,137 @@
+"""TVM 0.27's ONNX node loop, one node at a time (:func:`construct_nodes`).
+
+``ONNXGraphImporter._construct_nodes`` converts the whole graph in one loop; wrapped here it is
+called once per node so that, around each node,
+
+* a failure becomes a :class:`~tvmfuse.errors.ModelError` naming the node and its op, instead of
+  a bare ``AttributeError`` / ``AssertionError`` from inside a converter;
+* a shape value (``Shape``'s ``R.shape([...])``) reaching an op that takes only tensors becomes
+  an int64 tensor — a constant when every dimension is known — where 0.27 raises
+  "cannot handle ShapeExpr inputs" (its own comment promises the conversion);
+* a graph output that is a shape value is returned as that int64 tensor;
+* a node whose inputs are all constants (a static shape value counts) is evaluated at import by
+  onnx's reference evaluator at the model's opset and becomes constants (:func:`fold_node`):
+  the shape arithmetic of exported and function-expanded graphs then reaches ``Reshape``,
+  ``Reduce*`` axes, ``Pad`` pads and the like as the constants their converters require. A
+  ``Concat`` that mixes shape values with tensors gets tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+
+from ..errors import ModelError, TvmfuseError
+
+_FOLD_LIMIT = 1 << 20  # elements: constant inputs beyond this are left to the converters
+_RANDOM_OPS = {"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
+               "RandomUniformLike"}
+# The ops whose 0.27 converters take a shape value (the list in ``_construct_nodes``).
+_SHAPE_OPS = {"Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand",
+              "Concat", "Equal", "Where", "Cast", "CastLike", "Squeeze"}
+
+
+@dataclass
+class _OneNode:
+    """What ``_construct_nodes`` reads of a graph: its nodes."""
+
+    node: list
+
+
+def node_label(node) -> str:
+    """A node's name, or its first output's when the node is unnamed."""
+    return node.name or (f"<output {node.output[0]}>" if node.output else "<unnamed>")
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, relax.Expr) and isinstance(value.ty, relax.ShapeType)
+
+
+def shape_tensor(bb: relax.BlockBuilder, value: relax.Expr) -> relax.Expr:
+    """A shape value as an int64 tensor of its dims (a constant when all are known)."""
+    values = getattr(value, "values", None)
+    if values is not None and all(isinstance(v, tirx.IntImm) for v in values):
+        return relax.const(np.array([int(v) for v in values], dtype="int64"), "int64")
+    return bb.normalize(relax.op.shape_to_tensor(value))
+
+
+def _constant(value: Any) -> np.ndarray | None:
+    """The numpy value of a constant or static shape value, else None."""
+    if isinstance(value, tvm.ir.GenericConst):
+        return value.value.numpy()
+    values = getattr(value, "values", None) if _is_shape(value) else None
+    if values is not None and all(isinstance(v, tirx.IntImm) for v in values):
+        return np.array([int(v) for v in values], dtype="int64")
+    return None
+
+
+def fold_node(node, nodes: dict[str, Any], opset: int) -> dict[str, relax.Expr] | None:
+    """``node``'s outputs as constants when all its inputs are constant, else None."""
+    if (node.domain not in ("", "ai.onnx") or node.op_type in _RANDOM_OPS
+            or any(a.HasField("g") or a.graphs for a in node.attribute)):
+        return None
+    feeds = {}
+    for name in node.input:
+        if name:
+            value = _constant(nodes.get(name))
+            if value is None:
+                return None
+            feeds[name] = value
+    if sum(v.size for v in feeds.values()) > _FOLD_LIMIT:
+        return None
+    from onnx.reference import ReferenceEvaluator
+
+    try:
+        results = ReferenceEvaluator(node, opsets={"": opset}).run(None, feeds)
+    except Exception:  # noqa: BLE001 - the reference cannot run it: leave it to the converter
+        return None
+    folded = {}
+    for name, value in zip(node.output, results):
+        if not name:
+            continue
+        if not isinstance(value, np.ndarray | np.generic) or value.dtype.kind not in "biuf":
+            return None
+        value = np.asarray(value)
+        folded[name] = relax.const(value, value.dtype.name)
+    return folded
+
+
+def construct_nodes(original: Callable) -> Callable:
+    """``ONNXGraphImporter._construct_nodes`` run node by node (see the module docstring)."""
+
+    def run(self, graph) -> None:
+        for node in graph.node:
+            folded = fold_node(node, self._nodes, self.opset)
+            if folded is not None:
+                self._nodes.update(folded)
+                continue
+            saved = {}
+            shapes = [self._nodes.get(n) for n in node.input if _is_shape(self._nodes.get(n))]
+            mixed = node.op_type == "Concat" and len(shapes) < len([n for n in node.input if n])
+            if node.op_type not in _SHAPE_OPS or mixed:
+                for name in node.input:
+                    if _is_shape(self._nodes.get(name)):
+                        saved[name] = self._nodes[name]
+                        self._nodes[name] = shape_tensor(self.bb, saved[name])
+            try:
+                original(self, _OneNode([node]))
+            except TvmfuseError:
+                raise
+            except Exception as err:  # converters raise every kind; name the node and op
+                raise ModelError(f"ONNX node {node_label(node)!r} (op {node.op_type}): "
+                                 f"{type(err).__name__}: {err}") from err
+            finally:
+                self._nodes.update(saved)  # shape-taking consumers still see the shape value
+        for out in getattr(graph, "output", ()):
+            if _is_shape(self._nodes.get(out.name)):
+                self._nodes[out.name] = shape_tensor(self.bb, self._nodes[out.name])
+
+    return run
+
+
+__all__ = ["construct_nodes", "node_label", "shape_tensor"]

@@ -1,0 +1,15 @@
+"""ONNX converters tvmfuse adds to or replaces in TVM 0.27's ``from_onnx``, one op per file.
+
+:data:`OVERRIDES` maps op type → converter class; ``onnx_fixes.converters()`` installs them.
+"""
+
+from __future__ import annotations
+
+from .elementwise import BitShift, Dropout, IsInf, Mod
+from .layer_norm import LayerNormalization
+from .refusals import refusals
+
+OVERRIDES: dict[str, type] = {"BitShift": BitShift, "Dropout": Dropout, "IsInf": IsInf,
+                              "LayerNormalization": LayerNormalization, "Mod": Mod}
+
+__all__ = ["OVERRIDES", "refusals"]
