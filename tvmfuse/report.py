@@ -223,9 +223,9 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
             ops, kinds = groups[source]
         else:
             callee = fuse_ops_fns.get(name)
-            attrs = callee.attrs if callee is not None else None
+            cattrs = callee.attrs if callee is not None else None
             ops = [op_name(name)]
-            kinds = [int(attrs["op_pattern"])] if attrs and "op_pattern" in attrs else [-1]
+            kinds = [int(cattrs["op_pattern"])] if cattrs and "op_pattern" in cattrs else [-1]
         unscheduled = fuse_tir_fns.get(str(merged[0]) if merged is not None else source) or final[name]
         rule = str(attrs[RULE_ATTR]) if attrs and RULE_ATTR in attrs else None
         kernels.append(KernelInfo(name, "gemv" if rule == "gemv" else classify(ops, kinds), ops,
