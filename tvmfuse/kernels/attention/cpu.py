@@ -1,6 +1,8 @@
 """CPU attention kernel: tiled online softmax, one query row at a time (llvm target).
 
-For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys::
+For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys (causal / sliding window:
+only the tiles from the one holding the row's first visible key to its diagonal's,
+:func:`.spec.band_tiles`)::
 
     s_j   = (scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · log2 e      j in tile, visible(i, j)
     m'    = max(m, max_j s_j);   α = 2^(m − m');   l = α·l + Σ_j 2^(s_j − m')
@@ -21,17 +23,10 @@ import math
 import tvm
 from tvm.script import tirx as T
 
-from .spec import AttentionSpec, at
+from .spec import AttentionSpec, at, band_tiles, visible
 
 _KV_TILE = 32
 _LOG2E = math.log2(math.e)
-
-
-def causal_offset(spec: AttentionSpec) -> int | None:
-    """Key j is visible to query i iff ``j <= i + offset``; None when not causal."""
-    if spec.causal == "none":
-        return None
-    return 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
 
 
 def bias_strides(spec: AttentionSpec) -> tuple[int, int, int]:
@@ -59,12 +54,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     odt = spec.result_dtype
     has_bias = spec.bias_shape is not None
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
-    off = causal_offset(spec)
-    # a non-causal call gets an offset no key index reaches
-    cmax = 0 if off is not None else Skv
-    off = off or 0
     TK = min(_KV_TILE, Skv)
-    n_tiles = (Skv + TK - 1) // TK
     sc = float(spec.scale * _LOG2E)
     l2e = float(_LOG2E)
     neg_inf = float("-inf")
@@ -85,12 +75,14 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
             st[1] = T.float32(0)
             for d in T.serial(D):
                 acc[d] = T.float32(0)
-            for t in T.serial(n_tiles):
+            t0: T.let[T.int32] = band_tiles(spec, i, i, TK)[0]
+            for tt in T.serial(band_tiles(spec, i, i, TK)[3] - t0):
+                t: T.let[T.int32] = t0 + tt
                 st[2] = st[0]
                 for jj in T.serial(TK):
                     j: T.let[T.int32] = t * TK + jj
                     s[jj] = neg_inf
-                    if j < Skv and j <= i + off + cmax:
+                    if visible(spec, i, j):
                         s[jj] = T.float32(0)
                         for d in T.serial(D):
                             s[jj] += T.Cast("float32", q[at(QKV_L, b, i, h, d)]) * T.Cast(
