@@ -172,8 +172,11 @@ def band_tiles(spec: AttentionSpec, first_row, last_row, tile: int) -> tuple:
     if spec.window is None:
         return 0, 0, hi(full_end, end), end
     w = spec.window
-    # start: the tile of the first row's first key; full_start: the first tile wholly right of
-    # the last row's first key (ceil division of a value that may be negative)
-    start = hi(lo(first_row + off - w + 1, 0) // tile, end)
+    # start: the tile of the first row's first key (none past Skv: no tile); full_start: the first
+    # tile wholly right of the last row's first key (ceil division of a value that may be negative)
+    first = first_row + off - w + 1
+    start = hi(lo(first, 0) // tile, end)
+    if spec.q_len + off - w >= spec.kv_len:  # TopLeft, Sq ≥ Skv + w: the last rows see no key
+        start = tirx.if_then_else(first < spec.kv_len, start, end)
     full_start = clamp(lo(last_row + off - w + 1 + tile - 1, 0) // tile, start, end)
     return start, full_start, clamp(full_end, full_start, end), end
