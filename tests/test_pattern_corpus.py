@@ -45,7 +45,7 @@ KERNELS: dict[str, int] = {
     "attn_gqa_repeat_interleave": 1,
     "attn_gqa_expand_reshape": 1,
     "attn_bshd_inputs": 1,
-    "attn_sliding_window_band": 4,
+    "attn_sliding_window_band": 1,
     "attn_fp32_module_as_fp16": 3,
     "sdpa_causal_bhsd": 1,
     "sdpa_causal_bshd": 1,
