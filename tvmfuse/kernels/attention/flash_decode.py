@@ -13,7 +13,8 @@
 
 Causal with Sq == 1: TopLeft sees key 0 only, BottomRight every key; a sliding window of ``w``
 keys (BottomRight) the last ``w``: the chunks cover only the visible keys ``kbase .. Skv − 1``.
-CUDA-core FMAs: at D=128 the kernel moves 2·D·2 bytes per key and head group and is meant to run at HBM bandwidth.
+CUDA-core FMAs: at D=128 the kernel moves 2·D·2 bytes per key and head group and is meant to run
+at HBM bandwidth.
 """
 
 from __future__ import annotations
