@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 
 import tvm
+from tvm import tirx
 from tvm.script import tirx as T
 
-from .spec import AttentionSpec, at, band_tiles, visible
+from .spec import AttentionSpec, at, band_tiles, causal_offset
 
 _KV_TILE = 32
 _LOG2E = math.log2(math.e)
@@ -54,11 +55,23 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     odt = spec.result_dtype
     has_bias = spec.bias_shape is not None
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
+    off = causal_offset(spec)
+    # a non-causal call gets an offset no key index reaches
+    cmax = 0 if off is not None else Skv
+    off = off or 0
     TK = min(_KV_TILE, Skv)
+    n_tiles = (Skv + TK - 1) // TK
     sc = float(spec.scale * _LOG2E)
     l2e = float(_LOG2E)
     neg_inf = float("-inf")
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
+
+    def keep(i, j):
+        # key j is in range and visible to row i (window: not left of the band)
+        conds = [j < Skv, j <= i + off + cmax]
+        if spec.window is not None:
+            conds.append(j > i + off - spec.window)
+        return tirx.all(*conds)
 
     @T.macro
     def row(q, k, v, bias, out, bh, i):
@@ -75,14 +88,19 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
             st[1] = T.float32(0)
             for d in T.serial(D):
                 acc[d] = T.float32(0)
-            t0: T.let[T.int32] = band_tiles(spec, i, i, TK)[0]
-            for tt in T.serial(band_tiles(spec, i, i, TK)[3] - t0):
-                t: T.let[T.int32] = t0 + tt
+            if spec.window is None:  # every tile (Python values: nothing emitted)
+                t0 = T.meta_var(0)
+                n_it = T.meta_var(n_tiles)
+            else:  # the band's tiles only
+                t0: T.let[T.int32] = band_tiles(spec, i, i, TK)[0]
+                n_it = T.meta_var(band_tiles(spec, i, i, TK)[3] - t0)
+            for t in T.serial(n_it):
+                kt = T.meta_var(t0 + t)  # the KV tile
                 st[2] = st[0]
                 for jj in T.serial(TK):
-                    j: T.let[T.int32] = t * TK + jj
+                    j: T.let[T.int32] = kt * TK + jj
                     s[jj] = neg_inf
-                    if visible(spec, i, j):
+                    if keep(i, j):
                         s[jj] = T.float32(0)
                         for d in T.serial(D):
                             s[jj] += T.Cast("float32", q[at(QKV_L, b, i, h, d)]) * T.Cast(
@@ -104,7 +122,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                 for jj in T.serial(TK):
                     if s[jj] > T.float32(0):
                         for d in T.serial(D):
-                            acc[d] += s[jj] * T.Cast("float32", v[at(QKV_L, b, t * TK + jj, g, d)])
+                            acc[d] += s[jj] * T.Cast("float32", v[at(QKV_L, b, kt * TK + jj, g, d)])
                 st[0] = st[2]
             for d in T.serial(D):
                 out[at(OUT_L, b, i, h, d)] = T.Cast(

@@ -28,7 +28,7 @@ import tvm
 from tvm.script import tirx as T
 
 from .cpu import bias_strides
-from .spec import AttentionSpec, at, band_tiles, causal_offset, visible
+from .spec import AttentionSpec, at, band_tiles, causal_offset, full_tiles, masked, tile_end
 
 _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
@@ -129,7 +129,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                 )
 
     @T.macro
-    def kv_step(j, masked, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i, l_i, st,
+    def kv_step(j, mask, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i, l_i, st,
                 b, h, g, m0, n_end, warp, lane, tx):
         # ring: wait until tile j is in shared, refill the stage tile j−1 used
         T.tvm_storage_sync("shared")
@@ -179,8 +179,8 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                     if has_bias:
                         s_acc[si] = s_acc[si] * sc + T.Cast("float32", bias[
                             b * fb, h * fh, T.min(row, Sq - 1) * fi, T.min(col, Skv - 1)]) * l2e
-                    if masked:
-                        if not visible(spec, row, col):
+                    if mask:
+                        if masked(spec, row, col):
                             s_acc[si] = T.float32(_NEG_INF)
         # online softmax: each thread holds 2 rows per m tile (lane/4 and lane/4 + 8)
         for mt in T.unroll(MT):
@@ -239,10 +239,18 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                             o_acc[(mt * ND + dn2 * 2 + half) * 4 + 2],
                             o_acc[(mt * ND + dn2 * 2 + half) * 4 + 3])
 
-    def tiles_of(m0):
-        # KV tiles [start, end) hold a key visible to some row of the tile starting at m0,
-        # [lo, hi) only keys visible to every row (no mask); see spec.band_tiles
-        return band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN)
+    def n_end_of(m0):
+        # KV tiles that hold a key visible to some row of the tile starting at m0
+        return tile_end(spec, T.min(m0 + BM, Sq) - 1, BN)
+
+    def band_of(m0, n_end):
+        # KV tiles [n_start, n_end) hold a key visible to some row of the tile, [n_lo, n_full)
+        # only keys visible to every row (no mask); see spec.band_tiles
+        return band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)
+
+    def stage(t):
+        # ring stage of the prologue's tile t = n_start + p (without a window t = p < NS − 1)
+        return t if spec.window is None else t % NS
 
     @T.macro
     def body(q, k, v, bias, out):
@@ -263,17 +271,22 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
         lane: T.let[T.int32] = tx % 32
         g: T.let[T.int32] = h // G
         m0: T.let[T.int32] = (r_base + r_sign * bx) * BM
-        n_start: T.let[T.int32] = tiles_of(m0)[0]
-        n_lo: T.let[T.int32] = tiles_of(m0)[1]
-        n_full: T.let[T.int32] = tiles_of(m0)[2]
-        n_end: T.let[T.int32] = tiles_of(m0)[3]
+        n_end: T.let[T.int32] = n_end_of(m0)
+        if spec.window is None:  # every tile from 0 (Python 0s: nothing emitted)
+            n_start = T.meta_var(0)
+            n_lo = T.meta_var(0)
+            n_full: T.let[T.int32] = T.min(full_tiles(spec, m0, BN), n_end)
+        else:
+            n_start: T.let[T.int32] = band_of(m0, n_end)[0]
+            n_lo: T.let[T.int32] = band_of(m0, n_end)[1]
+            n_full: T.let[T.int32] = band_of(m0, n_end)[2]
         # prologue: Q and KV tiles n_start .. n_start + NS−2 in flight (stage = tile % NS)
         load_tile(smem, q, m0, Sq, q_off, b, h, tx, n_q_loads)
         for p in T.unroll(NS - 1):
             if n_start + p < n_end:
-                load_tile(smem, k, (n_start + p) * BN, Skv, k_off + ((n_start + p) % NS) * BN * D,
+                load_tile(smem, k, (n_start + p) * BN, Skv, k_off + stage(n_start + p) * BN * D,
                           b, g, tx, n_kv_loads)
-                load_tile(smem, v, (n_start + p) * BN, Skv, v_off + ((n_start + p) % NS) * BN * D,
+                load_tile(smem, v, (n_start + p) * BN, Skv, v_off + stage(n_start + p) * BN * D,
                           b, g, tx, n_kv_loads)
             T.ptx["cp.async.commit_group"]()
         T.ptx["cp.async.wait_group"](NS - 2)

@@ -37,7 +37,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
-from .spec import AttentionSpec, at, band_tiles, causal_offset, spec_json, visible
+from .spec import AttentionSpec, at, band_tiles, causal_offset, masked, spec_json, tile_end
 
 _LOG2E = math.log2(math.e)
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
@@ -155,10 +155,6 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         return T.call_packed("runtime.cuTensorMapEncodeTiled", tmap, in_dt, 4, buf.data, *dims,
                              *strides, *box, 1, 1, 1, 1, 0, SW128, 2, 0)
 
-    def masked_tile(jj, n_mask, n_edge):
-        # the jj-th tile needs the element mask: diagonal / ragged, or (window) at the band's edge
-        return jj < n_mask if spec.window is None else tirx.Or(jj < n_mask, jj >= n_edge)
-
     def tile_row(bid):
         # causal: the longest query tiles first; the heads and batches of one tile run side by side
         return last_tile - bid // heads_batch if causal else bid // heads_batch
@@ -221,12 +217,19 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         b = (bid % heads_batch) // Hq
         h = bid % Hq
         g = h // G
-        # KV tiles [n_start, n_end) hold a key visible to some row of the tile, [n_lo, n_hi) only
-        # keys visible to every row; processed from the right: jj-th tile is j = n_end − 1 − jj
-        n_start, n_lo, n_hi, n_end = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN)
-        n_it = n_end - n_start
-        n_mask = n_end - n_hi  # diagonal / ragged tiles: jj < n_mask
-        n_edge = n_end - n_lo  # window-edge tiles: jj ≥ n_edge
+        # KV tiles [n_start, n_end) hold a key visible to some row of the tile, [n_lo, n_full)
+        # only keys visible to every row (spec.band_tiles; no window: n_start = n_lo = 0);
+        # processed from the right: the jj-th of n_it tiles is j = n_end − 1 − jj
+        n_end = tile_end(spec, T.min(m0 + BM, Sq) - 1, BN)
+        n_full = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[2]
+        n_mask = n_end - n_full  # diagonal / ragged tiles: jj < n_mask
+        if spec.window is None:
+            n_it = T.meta_var(n_end)
+        else:
+            n_start = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[0]
+            n_lo = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[1]
+            n_it = n_end - n_start
+            n_edge = n_end - n_lo  # window-edge tiles: jj ≥ n_edge
         if tx == 0:
             T.ptx.mbarrier.init.shared.b64(to_shared(q_full.ptr_to([0])), T.uint32(1))
             for s in T.unroll(NS):
@@ -300,14 +303,23 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 T.ptx.wgmma.commit_group.sync.aligned()
 
             @T.inline
+            def mask_tile(j):
+                # keys past Skv, (causal) right of the diagonal, (window) left of the band
+                for jn in T.unroll(BN // 8):
+                    for x in T.unroll(4):
+                        col = j * BN + jn * 8 + col0 + x % 2
+                        if masked(spec, row0 + (x // 2) * 8, col):
+                            s_acc[jn * 4 + x] = T.float32("-inf")
+
+            @T.inline
             def mask(jj, j):
-                # keys past Skv, (causal) right of the diagonal, (window) left of the band: only
-                # the first n_mask tiles and (window) the last from n_edge on
-                if masked_tile(jj, n_mask, n_edge):
-                    for jn in T.unroll(BN // 8):
-                        for x in T.unroll(4):
-                            if not visible(spec, row0 + (x // 2) * 8, j * BN + jn * 8 + col0 + x % 2):
-                                s_acc[jn * 4 + x] = T.float32("-inf")
+                # only the first n_mask tiles and (window) the last ones, from n_edge on
+                if spec.window is None:
+                    if jj < n_mask:
+                        mask_tile(j)
+                else:
+                    if jj < n_mask or jj >= n_edge:
+                        mask_tile(j)
 
             @T.inline
             def rescale():

@@ -138,40 +138,58 @@ def causal_offset(spec: AttentionSpec) -> int | None:
     return 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
 
 
-def visible(spec: AttentionSpec, row, col):
-    """TIR condition: key ``col`` is visible to query ``row`` (in range, causal, in the window)."""
-    conds = [col < spec.kv_len]
+def masked(spec: AttentionSpec, row, col):
+    """TIR condition: key ``col`` is hidden from query ``row``: past Skv, (causal) right of the
+    diagonal, (window) left of the band."""
+    conds = [col >= spec.kv_len]
     off = causal_offset(spec)
     if off is not None:
-        conds.append(col <= row + off)
+        conds.append(col > row + off)
         if spec.window is not None:
-            conds.append(col > row + off - spec.window)
-    return tirx.all(*conds)
+            conds.append(col <= row + off - spec.window)
+    return tirx.any(*conds)
 
 
-def band_tiles(spec: AttentionSpec, first_row, last_row, tile: int) -> tuple:
+def tile_end(spec: AttentionSpec, last_row, tile: int):
+    """KV tiles of ``tile`` keys ``[0, end)`` hold every key visible to the rows up to
+    ``last_row``: past the tile of its diagonal key (causal), all ``ceil(Skv / tile)`` otherwise."""
+    n_kv = (spec.kv_len + tile - 1) // tile
+    off = causal_offset(spec)
+    if off is None:
+        return n_kv
+    return tirx.max(tirx.min(n_kv, (last_row + off) // tile + 1), 0)
+
+
+def full_tiles(spec: AttentionSpec, first_row, tile: int):
+    """Leading KV tiles that hold no key past Skv nor (causal) right of ``first_row``'s diagonal."""
+    off = causal_offset(spec)
+    if off is None:
+        return spec.kv_len // tile
+    return tirx.max(tirx.min(spec.kv_len // tile, (first_row + off + 1) // tile), 0)
+
+
+def band_tiles(spec: AttentionSpec, first_row, last_row, tile: int, end=None) -> tuple:
     """KV tiles of ``tile`` keys for the query rows ``first_row..last_row`` (TIR or int values):
     ``(start, full_start, full_end, end)`` with ``start ≤ full_start ≤ full_end ≤ end``.
 
     Tiles ``[start, end)`` hold a key visible to some row (the rest are skipped, never loaded);
     ``[full_start, full_end)`` hold only keys visible to every row (no mask needed); the others
-    need the element mask :func:`visible`. Not causal: every tile, ``Skv // tile`` full.
+    need the element mask :func:`masked`. Not causal: every tile, ``Skv // tile`` full. Without a
+    window ``start = full_start = 0``. ``end`` (default :func:`tile_end`) may be a variable the
+    kernel bound it to; the other bounds are then written in terms of it.
     """
-    n_kv = (spec.kv_len + tile - 1) // tile
-    off = causal_offset(spec)
-    if off is None:
-        return 0, 0, spec.kv_len // tile, n_kv
+    end = tile_end(spec, last_row, tile) if end is None else end
     lo, hi = tirx.max, tirx.min
+    full_end = full_tiles(spec, first_row, tile)
+    if causal_offset(spec) is None:
+        return 0, 0, full_end, end
+    if spec.window is None:
+        return 0, 0, hi(full_end, end), end
+    off, w = causal_offset(spec), spec.window
 
     def clamp(x, a, b):
         return hi(lo(x, a), b)
 
-    # end: past the tile of the last row's diagonal key; full_end: tiles left of the first row's
-    end = lo(hi(n_kv, (last_row + off) // tile + 1), 0)
-    full_end = lo(hi(spec.kv_len // tile, (first_row + off + 1) // tile), 0)
-    if spec.window is None:
-        return 0, 0, hi(full_end, end), end
-    w = spec.window
     # start: the tile of the first row's first key (none past Skv: no tile); full_start: the first
     # tile wholly right of the last row's first key (ceil division of a value that may be negative)
     first = first_row + off - w + 1
