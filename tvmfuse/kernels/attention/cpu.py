@@ -1,8 +1,8 @@
 """CPU attention kernel: tiled online softmax, one query row at a time (llvm target).
 
-For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys (causal / sliding window:
-only the tiles from the one holding the row's first visible key to its diagonal's,
-:func:`.spec.band_tiles`)::
+For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys, every tile (causal: keys
+right of the diagonal masked) or, with a sliding window, only the tiles from the one holding the
+row's first visible key to its diagonal's (:func:`.spec.band_tiles`)::
 
     s_j   = (scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · log2 e      j in tile, visible(i, j)
     m'    = max(m, max_j s_j);   α = 2^(m − m');   l = α·l + Σ_j 2^(s_j − m')
