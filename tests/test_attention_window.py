@@ -212,6 +212,36 @@ def test_window_without_causal_is_an_error():
         lower(bb.get(), get_target("cpu"), None)
 
 
+@pytest.mark.parametrize("gate_on", [False, True], ids=["default", "gpu_window_attention"])
+def test_cuda_window_kernels_gated(gate_on: bool):
+    """``R.nn.attention(window_size=w)`` lowered for sm90: the window kernel only with
+    ``Options(gpu_window_attention=True)``; by default the call is decomposed (no attention kernel,
+    the band as a constant mask)."""
+    import json
+
+    from tvmfuse.options import Options, use_options
+    from tvmfuse.passes.legalize_fixes import legalize_overrides
+    from tvmfuse.targets import get_target
+
+    q = relax.Var("q", relax.TensorType((1, 256, 4, 64), "float16"))
+    k, v = (relax.Var(n, relax.TensorType((1, 256, 2, 64), "float16")) for n in "kv")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            o = bb.emit_output(relax.op.nn.attention(q, k, v, causal_mask="BottomRight",
+                                                     window_size=100))
+        bb.emit_func_output(o)
+    with get_target("sm90").tvm_target(), use_options(Options(gpu_window_attention=gate_on)):
+        mod = relax.transform.LegalizeOps(legalize_overrides())(bb.get())
+    specs = [json.loads(str(f.attrs["tvmfuse.attention_spec"])) for f in mod.functions.values()
+             if isinstance(f, tvm.tirx.PrimFunc) and "tvmfuse.attention_spec" in f.attrs]
+    if gate_on:
+        assert [s.get("window") for s in specs] == [100], specs
+    else:  # the decomposition: softmax over the (B, H, Sq, Skv) scores
+        assert specs == []
+        assert any("softmax" in gv.name_hint for gv in mod.functions), list(mod.functions)
+
+
 # --- CUDA builds (nvcc, no GPU) -------------------------------------------------------------------
 
 CUDA_BUILDS = {

@@ -5,7 +5,8 @@ the ONNX file of either exporter) and compiled for the cpu target. Checked per f
 ``R.nn.attention`` after ``fuse_attention`` with a "fused" decision, no (S, S) tensor allocated
 after ``finalize``, and the output against the module run by torch in float64 (fp16 tolerance;
 torch's own fp16 error printed beside it). A sliding-window band (every spelling of
-``forms.WINDOW_FORMS``) becomes one ``R.nn.attention`` with ``window_size``; what cannot be proved
+``forms.WINDOW_FORMS``) becomes one ``R.nn.attention`` with ``window_size`` (on CUDA targets only
+with ``Options(gpu_window_attention=True)``: the gated kernels); what cannot be proved
 stays unfused with its reason, and still computes the right numbers.
 """
 
@@ -18,12 +19,14 @@ import tvm
 from tvm import relax
 
 from tests import attention_forms as forms
+from tvmfuse.options import Options
 from tvmfuse.passes.attention import attention_decisions
 
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 5e-3}  # relative, vs float64
 
 
-def _compile(model, inputs: tuple | None, target: str = "cpu", dtype: str | None = None):
+def _compile(model, inputs: tuple | None, target: str = "cpu", dtype: str | None = None,
+             options: Options | None = None):
     """(lowered module, IR after each stage, executable) of ``model`` as ``tvmfuse compile`` does it."""
     from tvmfuse.frontend import import_model
     from tvmfuse.pipeline import build, lower
@@ -32,7 +35,8 @@ def _compile(model, inputs: tuple | None, target: str = "cpu", dtype: str | None
     imported = import_model(model, inputs)
     stages: dict[str, tvm.IRModule] = {}
     spec = get_target(target)
-    lowered = lower(imported.mod, spec, dtype, on_stage=lambda n, m: stages.__setitem__(n, m))
+    lowered = lower(imported.mod, spec, dtype, on_stage=lambda n, m: stages.__setitem__(n, m),
+                    options=options)
     return lowered, stages, (build(lowered, spec) if target == "cpu" else None)
 
 
@@ -166,12 +170,27 @@ def test_sliding_window_onnx_fp16(how: str, dynamo: bool, tmp_path):
     _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
 
 
+def test_sliding_window_left_on_cuda_by_default():
+    """The CUDA window kernels are gated (not GPU-verified yet): on sm90 and sm80 the band stays
+    unfused with a reason naming the option."""
+    module, inputs = forms.sliding_window(head_dim=64)
+    for target in ("sm90", "sm80"):
+        _, stages, _ = _compile(module, inputs, target=target)
+        fused = stages["fuse_attention"]
+        assert _attention_calls(fused) == 0
+        (decision,) = attention_decisions(fused)
+        assert decision["status"] == "left", decision
+        assert f"sliding-window band (each query sees its last {forms.WINDOW} keys)" in \
+            decision["reason"] and "gpu_window_attention" in decision["reason"], decision
+
+
 def test_sliding_window_one_kernel_sm90():
-    """On sm90 the band runs in the wgmma flash kernel with the window in its spec (no fallback)."""
+    """Gate on: on sm90 the band runs in the wgmma flash kernel with the window in its spec."""
     import json
 
     module, inputs = forms.sliding_window(head_dim=64)
-    _, stages, _ = _compile(module, inputs, target="sm90")
+    _, stages, _ = _compile(module, inputs, target="sm90",
+                            options=Options(gpu_window_attention=True))
     kernels = [f for f in stages["legalize"].functions.values()
                if isinstance(f, tvm.tirx.PrimFunc) and "tvmfuse.rule" in f.attrs]
     assert [str(f.attrs["tvmfuse.rule"]) for f in kernels] == ["flash_attention_sm90"]
@@ -234,11 +253,12 @@ def test_sliding_window_gpu_matches_torch(how: str, target: str, tmp_path):
     import tvmfuse
 
     module, inputs = forms.sliding_window(how, head_dim=64)
-    _, stages, _ = _compile(module, inputs, target=target)
+    options = Options(gpu_window_attention=True)
+    _, stages, _ = _compile(module, inputs, target=target, options=options)
     (kernel,) = [f for gv, f in stages["legalize"].functions.items()
                  if gv.name_hint in ("attention", "flash_attention")]
     assert "tvmfuse.fallback" not in kernel.attrs, kernel.attrs["tvmfuse.fallback"]
-    lib = tvmfuse.compile(module, inputs, target=target)
+    lib = tvmfuse.compile(module, inputs, target=target, options=options)
     model = tvmfuse.load(lib.export(tmp_path / f"{how}.so"), device="cuda")
     got = model(*[x.cuda() for x in inputs])
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()

@@ -32,7 +32,9 @@ Masks are accepted only when the equivalence is proved:
   exactly 0 beside any visible score above -2^99), every query row sees at least one key, and the visible set
   is exactly ``tril(k=0)`` (TopLeft) or ``tril(k=Skv-Sq)`` (BottomRight) or everything, or a
   sliding-window band of one of them, ``tril(k=off) & triu(k=off-w+1)``, which becomes
-  ``window_size=w`` (each query sees its last w keys; BottomRight preferred when both fit);
+  ``window_size=w`` (each query sees its last w keys; BottomRight preferred when both fit). On
+  a CUDA target the band stays unfused with its reason unless ``Options(gpu_window_attention=True)``
+  (the CUDA window kernels are not GPU-verified yet; ``attention_lower.gpu_window_gate``);
 * a mask that depends on model inputs becomes the additive ``bias`` when it is constant along the
   query axis (a padding mask, (B|1, H|1, 1, Skv)); ``where(and(C, P), a, b)`` with a constant
   all-true C (HF's broadcast padding mask) is reduced to ``where(P, a, b)`` first;
@@ -60,6 +62,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ._util import last_axis_only, scalar_value, shape_expr, static_shape
+from .attention_lower import gpu_window_gate
 from .legalize_fixes import legalize_overrides
 
 DECISIONS_ATTR = "tvmfuse.attention_decisions"
@@ -739,6 +742,8 @@ class _Matcher:
         if not rows_ok:
             raise _Reject("the constant mask leaves query rows with no visible key")
         causal, window = _causal_kind(masks.visible, qs[1], ks[1])
+        if why := gpu_window_gate(window):
+            raise _Reject(f"a sliding-window band (each query sees its last {window} keys): {why}")
         may_mask_rows = bool(masks.biases) and not masks.finite_biases
         if guard == "isnan" and may_mask_rows:
             raise _Reject("IsNaN guard after a data-dependent mask that may be -inf: a fully masked "

@@ -12,8 +12,11 @@ raise ValueError otherwise) the call is decomposed back into Relax ops, GQA and 
 (sliding-window attention) is the spec's ``window``: key j visible to query i iff
 ``i + off − w < j ≤ i + off`` (``off`` the causal offset; FlashAttention's / TVM's CUTLASS meaning,
 see ``kernels/attention/spec.py``); the kernels skip the KV tiles outside the band. A window without
-a causal mask is an error (TVM gives it no meaning). Calls the spec cannot describe (symbolic
-shapes, value head dim != query head dim) go to the stock rule, which rejects GQA itself.
+a causal mask is an error (TVM gives it no meaning). On CUDA targets the window kernels are gated
+(:func:`gpu_window_gate`: written and nvcc-built, not yet run on a GPU): unless
+``Options(gpu_window_attention=True)``, a call with a window is decomposed as above. Calls the
+spec cannot describe (symbolic shapes, value head dim != query head dim) go to the stock rule, which
+rejects GQA itself.
 
 Also repairs ``ToMixedPrecision`` for attention: 0.27's ``FInferMixedPrecision`` of both ops
 rebuilds the call as ``attention(q, k, v)``, silently dropping bias, scale and causal mask.
@@ -32,6 +35,7 @@ from tvm.relax.transform.legalize_ops import nn as stock
 
 from ..errors import CompileError
 from ..kernels.attention.spec import AttentionSpec
+from ..options import current_options
 from ..rules.attention import attention_primfunc
 from ._util import static_shape
 
@@ -68,11 +72,25 @@ def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                                f"static shapes: {call.op.name} with q {call.args[0].ty}")
         rule = stock._nn_attention_bias if len(call.args) > 3 else stock._nn_attention
         return rule(bb, call)
-    func = attention_kernel(spec)
-    if func is None:  # no kernel for this dtype / head dim on target
+    func = None if gpu_window_gate(spec.window) else attention_kernel(spec)
+    if func is None:  # no kernel for this dtype / head dim (or window) on target
         return _decomposed(call, spec)
     gvar = bb.add_func(func, "attention")  # the report classifies kernels by this name
     return relax.call_tir(gvar, list(call.args), call.ty)
+
+
+def gpu_window_gate(window: int | None) -> str | None:
+    """Why a sliding window of ``window`` keys gets no attention kernel on the current target, or
+    None. The CUDA window kernels (flash sm90a / sm80, split-KV decode, the CUDA-core fallback) were
+    written and nvcc-built without a GPU run: CUDA targets use them only with
+    ``Options(gpu_window_attention=True)``; the cpu kernel always."""
+    target = tvm.target.Target.current(allow_none=True)
+    if window is None or target is None or target.kind.name != "cuda":
+        return None
+    if current_options().gpu_window_attention:
+        return None
+    return ("the CUDA sliding-window kernels are not verified on a GPU yet "
+            "(Options(gpu_window_attention=True) enables them)")
 
 
 def attention_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc | None:
