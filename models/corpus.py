@@ -354,7 +354,7 @@ FORMULATIONS: list[Formulation] = [
        attention=1),
     _f("attn_gqa_expand_reshape", "attention", _attn(GQA("expand"), hkv=HKV // 2), attention=1),
     _f("attn_bshd_inputs", "attention", _attn(BSHD(float("-inf")), bshd=True), attention=1),
-    _f("attn_sliding_window_band", "attention", _attn(SlidingWindow()), left="sliding-window"),
+    _f("attn_sliding_window_band", "attention", _attn(SlidingWindow()), attention=1),
     _f("attn_fp32_module_as_fp16", "attention", _attn(MaskedFill(float("-inf")), torch.float32),
        attention=1, dtype="float16"),
     _f("sdpa_causal_bhsd", "attention", _attn(SDPA()), attention=1),

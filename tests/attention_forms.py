@@ -78,16 +78,44 @@ class AdditiveMask(nn.Module):
 
 
 class SlidingWindow(nn.Module):
-    """A causal band of width ``WINDOW`` (Mistral's sliding window) from a bool buffer."""
+    """A causal band of width ``WINDOW`` (Mistral's sliding window), spelled ``how``:
 
-    def __init__(self) -> None:
+    ``masked_fill_bool``  bool buffer (True = masked), ``masked_fill(-inf)``
+    ``tril_triu_float``   ``torch.ones(S, S).tril().triu(1 - w)`` float buffer, ``== 0`` filled
+    ``where_finfo_min``   ``torch.where(keep, s, finfo.min)`` with a bool keep buffer
+    ``additive``          ``s + zeros.masked_fill(~keep, -inf)`` (module dtype), fp32 softmax
+    ``sdpa_bool``         ``F.scaled_dot_product_attention(attn_mask=keep)``
+    ``sdpa_float``        ``F.scaled_dot_product_attention(attn_mask=0 / -inf float mask)``
+    """
+
+    def __init__(self, how: str = "masked_fill_bool") -> None:
         super().__init__()
-        band = _causal_true_masked() | torch.ones(S, S, dtype=torch.bool).tril(-WINDOW)
-        self.register_buffer("mask", band, persistent=False)
+        self.how = how
+        keep = torch.ones(S, S, dtype=torch.bool).tril().triu(1 - WINDOW)
+        self.register_buffer("keep", keep, persistent=False)
+        self.register_buffer("band", torch.ones(S, S).tril().triu(1 - WINDOW), persistent=False)
 
     def forward(self, q, k, v):
+        if self.how == "sdpa_bool":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self.keep)
+        if self.how == "sdpa_float":
+            mask = torch.zeros(S, S, dtype=q.dtype).masked_fill(~self.keep, float("-inf"))
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         s = (q @ k.transpose(-1, -2)) * D**-0.5
-        return torch.softmax(s.masked_fill(self.mask, float("-inf")), -1) @ v
+        if self.how == "masked_fill_bool":
+            s = s.masked_fill(~self.keep, float("-inf"))
+        elif self.how == "tril_triu_float":
+            s = s.masked_fill(self.band == 0, float("-inf"))
+        elif self.how == "where_finfo_min":
+            s = torch.where(self.keep, s, torch.finfo(s.dtype).min)
+        else:
+            s = s + torch.zeros(S, S, dtype=q.dtype).masked_fill(~self.keep, float("-inf"))
+            return F.softmax(s, dim=-1, dtype=torch.float32).type_as(q) @ v
+        return torch.softmax(s, -1) @ v
+
+
+WINDOW_FORMS = ("masked_fill_bool", "tril_triu_float", "where_finfo_min", "additive", "sdpa_bool",
+                "sdpa_float")
 
 
 class PaddingMask(nn.Module):
@@ -269,8 +297,9 @@ def build(name: str, dtype: torch.dtype = torch.float16, seed: int = 0, head_dim
     return factory().to(dtype).eval(), tuple(inputs)
 
 
-def sliding_window(dtype: torch.dtype = torch.float16):
-    """The sliding-window form (left unfused: no attention kernel honours a window)."""
+def sliding_window(how: str = "masked_fill_bool", dtype: torch.dtype = torch.float16,
+                   head_dim: int = D):
+    """``(module, inputs)`` of the sliding-window form ``how`` (:data:`WINDOW_FORMS`)."""
     g = torch.Generator().manual_seed(0)
-    return SlidingWindow().to(dtype).eval(), tuple(torch.randn(B, H, S, D, generator=g).to(dtype)
-                                                   for _ in range(3))
+    return SlidingWindow(how).to(dtype).eval(), tuple(
+        torch.randn(B, H, S, head_dim, generator=g).to(dtype) for _ in range(3))

@@ -34,6 +34,8 @@ def reference(q, k, v, bias, spec: AttentionSpec) -> np.ndarray:
         i = np.arange(spec.q_len)[:, None]
         j = np.arange(spec.kv_len)[None]
         s = np.where(j <= i + off, s, -np.inf)
+        if spec.window is not None:  # sliding window: the last ``window`` keys up to the diagonal
+            s = np.where(j > i + off - spec.window, s, -np.inf)
     m = s.max(-1, keepdims=True)
     seen = np.isfinite(m)
     p = np.where(seen, np.exp(s - np.where(seen, m, 0)), 0.0)

@@ -441,8 +441,79 @@ def _add_const(values: np.ndarray):
 
 
 def test_left_alone_non_causal_constant_mask():
-    band = np.where(np.tril(np.ones((8, 8), bool)) & ~np.tril(np.ones((8, 8), bool), -3), 0, -np.inf)
+    """A two-sided band |i - j| < 3 is neither causal nor a causal sliding window."""
+    i = np.arange(8)
+    band = np.where(np.abs(i[:, None] - i[None, :]) < 3, 0, -np.inf)
     assert_left(_scores_module(_add_const(band)), "constant mask is not causal")
+
+
+@pytest.mark.parametrize("sq, skv, window, kind", [(8, 8, 3, "BottomRight"), (4, 8, 2, "BottomRight"),
+                                                   (8, 5, 4, "TopLeft"), (8, 8, 1, "BottomRight")])
+def test_sliding_window_band_constant(sq: int, skv: int, window: int, kind: str):
+    """A constant causal band ``off - w < j - i <= off`` becomes ``window_size=w``."""
+    off = skv - sq if kind == "BottomRight" else 0
+    ones = np.ones((sq, skv), bool)
+    band = np.where(np.tril(ones, off) & np.triu(ones, off - window + 1), 0, -np.inf)
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((2, 4, sq, 16), "float32"))
+    k, v = (relax.Var(n, relax.TensorType((2, 4, skv, 16), "float32")) for n in "kv")
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            s = bb.emit(relax.op.matmul(q, bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))))
+            s = bb.emit(relax.op.add(relax.op.multiply(s, relax.const(0.25, "float32")),
+                                     relax.const(band.astype("float32"))))
+            o = bb.emit_output(relax.op.matmul(relax.op.nn.softmax(s, axis=-1), v))
+        bb.emit_func_output(o)
+    before = bb.get()
+    after = fuse(before)
+    (d,) = decisions(after)
+    assert d["status"] == "fused" and d["causal"] == kind and d["window"] == str(window), d
+    (call,) = [b.value for b in after["main"].body.blocks[0].bindings
+               if getattr(b.value, "op", None) == tvm.ir.Op.get("relax.nn.attention")]
+    assert int(call.attrs.window_size) == window and call.attrs.causal_mask == kind
+    assert_same_numerics(before, after)
+
+
+# --- sliding window: Mistral's band, triu(-inf, 1) + tril(-inf, -w), added ------------------------
+
+
+@I.ir_module
+class WindowBand:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 4, 8, 16), "float32"),
+             v: R.Tensor((2, 4, 8, 16), "float32")) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            kt = R.permute_dims(k, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            full = R.full(R.shape([8, 8]), R.const(float("-inf"), "float32"), dtype="float32")
+            mask = R.add(R.triu(full, 1), R.tril(full, -3))
+            s3 = R.add(s2, mask)
+            p = R.nn.softmax(s3, axis=-1)
+            o = R.matmul(p, v)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class WindowBandExpected:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 4, 8, 16), "float32"),
+             v: R.Tensor((2, 4, 8, 16), "float32")) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            q1 = R.permute_dims(q, axes=[0, 2, 1, 3])
+            k1 = R.permute_dims(k, axes=[0, 2, 1, 3])
+            v1 = R.permute_dims(v, axes=[0, 2, 1, 3])
+            a = R.nn.attention(q1, k1, v1, scale=T.float32(0.25), causal_mask="BottomRight",
+                               window_size=3)
+            o = R.permute_dims(a, axes=[0, 2, 1, 3])
+            R.output(o)
+        return o
+
+
+def test_sliding_window_band_additive():
+    after = assert_fused(WindowBand, WindowBandExpected, causal="BottomRight", window="3")
+    assert_same_numerics(WindowBand, after)
 
 
 def test_left_alone_constant_bias_values():

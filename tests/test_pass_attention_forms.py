@@ -4,8 +4,10 @@ Each form is a plain fp16 torch module, imported the way ``tvmfuse compile`` doe
 the ONNX file of either exporter) and compiled for the cpu target. Checked per form: exactly one
 ``R.nn.attention`` after ``fuse_attention`` with a "fused" decision, no (S, S) tensor allocated
 after ``finalize``, and the output against the module run by torch in float64 (fp16 tolerance;
-torch's own fp16 error printed beside it). What cannot be proved (a sliding-window band) stays
-unfused with its reason, and still computes the right numbers.
+torch's own fp16 error printed beside it). A sliding-window band (every spelling of
+``forms.WINDOW_FORMS``) becomes one ``R.nn.attention`` with ``window_size`` (on CUDA targets only
+with ``Options(gpu_window_attention=True)``: the gated kernels); what cannot be proved
+stays unfused with its reason, and still computes the right numbers.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import tvm
 from tvm import relax
 
 from tests import attention_forms as forms
+from tvmfuse.options import Options
 from tvmfuse.passes.attention import attention_decisions
 
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2, torch.float32: 5e-3}  # relative, vs float64
 
 
-def _compile(model, inputs: tuple | None, target: str = "cpu", dtype: str | None = None):
+def _compile(model, inputs: tuple | None, target: str = "cpu", dtype: str | None = None,
+             options: Options | None = None):
     """(lowered module, IR after each stage, executable) of ``model`` as ``tvmfuse compile`` does it."""
     from tvmfuse.frontend import import_model
     from tvmfuse.pipeline import build, lower
@@ -31,7 +35,8 @@ def _compile(model, inputs: tuple | None, target: str = "cpu", dtype: str | None
     imported = import_model(model, inputs)
     stages: dict[str, tvm.IRModule] = {}
     spec = get_target(target)
-    lowered = lower(imported.mod, spec, dtype, on_stage=lambda n, m: stages.__setitem__(n, m))
+    lowered = lower(imported.mod, spec, dtype, on_stage=lambda n, m: stages.__setitem__(n, m),
+                    options=options)
     return lowered, stages, (build(lowered, spec) if target == "cpu" else None)
 
 
@@ -124,15 +129,73 @@ def test_fp32_minus_1e4_left_with_reason():
     _check_numerics(module, inputs, _run(exe, inputs), torch.float32)
 
 
-def test_sliding_window_left_with_reason():
-    module, inputs = forms.sliding_window()
+def _check_window(stages: dict[str, tvm.IRModule], lowered: tvm.IRModule) -> None:
+    """One fused attention with ``window_size = WINDOW`` (causal band, Sq == Skv: BottomRight)."""
+    decision = _check_fused(stages, lowered)
+    assert decision["window"] == str(forms.WINDOW) and decision["causal"] == "BottomRight", decision
+    (call,) = [b.value for f in stages["fuse_attention"].functions.values()
+               if isinstance(f, relax.Function) for block in f.body.blocks for b in block.bindings
+               if isinstance(b.value, relax.Call)
+               and getattr(b.value.op, "name", "") == "relax.nn.attention"]
+    assert int(call.attrs.window_size) == forms.WINDOW
+
+
+@pytest.mark.parametrize("how", forms.WINDOW_FORMS)
+def test_sliding_window_torch_export_fp16(how: str):
+    module, inputs = forms.sliding_window(how)
     lowered, stages, exe = _compile(module, inputs)
-    fused = stages["fuse_attention"]
-    assert _attention_calls(fused) == 0
-    (decision,) = attention_decisions(fused)
-    assert decision["status"] == "left", decision
-    assert f"sliding-window band (each query sees its last {forms.WINDOW} keys)" in decision["reason"]
+    _check_window(stages, lowered)
     _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+@pytest.mark.parametrize("how", ["masked_fill_bool", "sdpa_bool"])
+def test_sliding_window_fp32_module_as_float16(how: str):
+    module, inputs = forms.sliding_window(how, torch.float32)
+    lowered, stages, exe = _compile(module, inputs, dtype="float16")
+    _check_window(stages, lowered)
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
+@pytest.mark.parametrize("how", ["masked_fill_bool", "additive", "sdpa_bool"])
+def test_sliding_window_onnx_fp16(how: str, dynamo: bool, tmp_path):
+    from models.export_onnx import export_onnx
+
+    module, inputs = forms.sliding_window(how)
+    path = export_onnx(module, inputs, tmp_path / f"{how}.onnx",
+                       input_names=[f"input{i}" for i in range(3)], output_names=["output"],
+                       opset=18 if dynamo else 17, dynamo=dynamo)
+    lowered, stages, exe = _compile(str(path), None)
+    _check_window(stages, lowered)
+    _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
+
+
+def test_sliding_window_left_on_cuda_by_default():
+    """The CUDA window kernels are gated (not GPU-verified yet): on sm90 and sm80 the band stays
+    unfused with a reason naming the option."""
+    module, inputs = forms.sliding_window(head_dim=64)
+    for target in ("sm90", "sm80"):
+        _, stages, _ = _compile(module, inputs, target=target)
+        fused = stages["fuse_attention"]
+        assert _attention_calls(fused) == 0
+        (decision,) = attention_decisions(fused)
+        assert decision["status"] == "left", decision
+        assert f"sliding-window band (each query sees its last {forms.WINDOW} keys)" in \
+            decision["reason"] and "gpu_window_attention" in decision["reason"], decision
+
+
+def test_sliding_window_one_kernel_sm90():
+    """Gate on: on sm90 the band runs in the wgmma flash kernel with the window in its spec."""
+    import json
+
+    module, inputs = forms.sliding_window(head_dim=64)
+    _, stages, _ = _compile(module, inputs, target="sm90",
+                            options=Options(gpu_window_attention=True))
+    kernels = [f for f in stages["legalize"].functions.values()
+               if isinstance(f, tvm.tirx.PrimFunc) and "tvmfuse.rule" in f.attrs]
+    assert [str(f.attrs["tvmfuse.rule"]) for f in kernels] == ["flash_attention_sm90"]
+    assert "tvmfuse.fallback" not in kernels[0].attrs
+    assert json.loads(str(kernels[0].attrs["tvmfuse.attention_spec"]))["window"] == forms.WINDOW
 
 
 ONNX_FORMS = ["hand_written", "padding_masked_fill", "gqa_repeat_interleave", "sdpa_is_causal"]
@@ -180,6 +243,26 @@ def test_form_one_kernel_sm90(name: str):
     names = [gv.name_hint for gv, f in stages["fuse_tir"].functions.items()
              if isinstance(f, tvm.tirx.PrimFunc)]
     assert not [n for n in names if any(op in n for op in ("matmul", "softmax", "where"))], names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+@pytest.mark.parametrize("how", ["masked_fill_bool", "sdpa_bool"])
+def test_sliding_window_gpu_matches_torch(how: str, target: str, tmp_path):
+    """The band on the GPU flash kernels (head dim 64, window honoured): output against torch."""
+    import tvmfuse
+
+    module, inputs = forms.sliding_window(how, head_dim=64)
+    options = Options(gpu_window_attention=True)
+    _, stages, _ = _compile(module, inputs, target=target, options=options)
+    (kernel,) = [f for gv, f in stages["legalize"].functions.items()
+                 if gv.name_hint in ("attention", "flash_attention")]
+    assert "tvmfuse.fallback" not in kernel.attrs, kernel.attrs["tvmfuse.fallback"]
+    lib = tvmfuse.compile(module, inputs, target=target, options=options)
+    model = tvmfuse.load(lib.export(tmp_path / f"{how}.so"), device="cuda")
+    got = model(*[x.cuda() for x in inputs])
+    got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
+    _check_numerics(module, inputs, got, torch.float16)
 
 
 BIAS_FORMS = ["padding_masked_fill"]  # a data-dependent padding mask: an additive bias operand

@@ -59,6 +59,11 @@ class Options:
     small_m_gemv: bool = False
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
+    # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV
+    # decode) were written and nvcc-built without a GPU run. Off: on CUDA targets a proved band
+    # stays unfused with its reason (and an R.nn.attention with window_size is decomposed), as
+    # before; the cpu target always fuses it into the windowed cpu kernel
+    gpu_window_attention: bool = False
     # device properties for tile and cost decisions: a name of device_props.DEVICES or a
     # DeviceProperties; None: TVMFUSE_DEVICE, else the GPU present, else the target's table entry
     device: Any = None

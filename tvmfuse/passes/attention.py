@@ -7,7 +7,8 @@ Exporters write attention as separate ops; this pass finds
     S = (Q · Kᵀ) [· c | / c] [+ mask | where(cond, ·, fill)] ...   (any order of scale and mask)
 
 and rewrites ``O`` (heads-major, (B, H, Sq, D)) into
-``permute_dims(R.nn.attention(q, k, v, bias?, scale, causal_mask), [0, 2, 1, 3])`` where
+``permute_dims(R.nn.attention(q, k, v, bias?, scale, causal_mask, window_size?), [0, 2, 1, 3])``
+where
 q (B, Sq, Hq, D), k/v (B, Skv, Hkv, D) are taken from *before* the exporters' layout ops:
 
 * permutes of Q, Kᵀ and V are composed and folded into the BSNH operand (usually the
@@ -29,7 +30,11 @@ Masks are accepted only when the equivalence is proved:
   constant matrix, ...) is evaluated at compile time and checked entry by entry: every visible
   entry is exactly 0, every masked one is -inf or <= -2^100 (fp16: -2^10; exp underflows to
   exactly 0 beside any visible score above -2^99), every query row sees at least one key, and the visible set
-  is exactly ``tril(k=0)`` (TopLeft) or ``tril(k=Skv-Sq)`` (BottomRight) or everything;
+  is exactly ``tril(k=0)`` (TopLeft) or ``tril(k=Skv-Sq)`` (BottomRight) or everything, or a
+  sliding-window band of one of them, ``tril(k=off) & triu(k=off-w+1)``, which becomes
+  ``window_size=w`` (each query sees its last w keys; BottomRight preferred when both fit). On
+  a CUDA target the band stays unfused with its reason unless ``Options(gpu_window_attention=True)``
+  (the CUDA window kernels are not GPU-verified yet; ``attention_lower.gpu_window_gate``);
 * a mask that depends on model inputs becomes the additive ``bias`` when it is constant along the
   query axis (a padding mask, (B|1, H|1, 1, Skv)); ``where(and(C, P), a, b)`` with a constant
   all-true C (HF's broadcast padding mask) is reduced to ``where(P, a, b)`` first;
@@ -57,6 +62,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ._util import last_axis_only, scalar_value, shape_expr, static_shape
+from .attention_lower import gpu_window_gate
 from .legalize_fixes import legalize_overrides
 
 DECISIONS_ATTR = "tvmfuse.attention_decisions"
@@ -737,7 +743,9 @@ class _Matcher:
         rows_ok = masks.visible is None or bool(masks.visible.any(axis=1).all())
         if not rows_ok:
             raise _Reject("the constant mask leaves query rows with no visible key")
-        causal = _causal_kind(masks.visible, qs[1], ks[1])
+        causal, window = _causal_kind(masks.visible, qs[1], ks[1])
+        if why := gpu_window_gate(window):
+            raise _Reject(f"a sliding-window band (each query sees its last {window} keys): {why}")
         may_mask_rows = bool(masks.biases) and not masks.finite_biases
         if guard == "isnan" and may_mask_rows:
             raise _Reject("IsNaN guard after a data-dependent mask that may be -inf: a fully masked "
@@ -763,7 +771,10 @@ class _Matcher:
             bias = b if bias is None else relax.op.add(bias, b)
         scale = factor * q.scale * k.scale
         attn = relax.op.nn.attention(q.bshd(), k.bshd(), v.bshd(), bias, scale=scale,
-                                     causal_mask=None if causal == "none" else causal)
+                                     causal_mask=None if causal == "none" else causal,
+                                     window_size=window)
+        if window is not None:
+            info["window"] = str(window)
         result = relax.op.permute_dims(attn, [0, 2, 1, 3])
         out_dtype = str(out.ty.dtype)
         if out_dtype != dtypes.pop():
@@ -778,34 +789,38 @@ def labels_pos(labels: list[str]) -> str:
     return "Q" if "Q" in labels else "K"
 
 
-def _causal_kind(visible: np.ndarray | None, sq: int, skv: int) -> str:
+def _causal_kind(visible: np.ndarray | None, sq: int, skv: int) -> tuple[str, int | None]:
+    """``(causal_mask, window_size)`` of ``R.nn.attention`` equal to the constant mask ``visible``."""
     if visible is None or visible.all():
-        return "none"
+        return "none", None
     if visible.shape != (sq, skv):
         visible = np.broadcast_to(visible, (sq, skv))
     if np.array_equal(visible, np.tril(np.ones((sq, skv), bool), 0)):
-        return "TopLeft"
+        return "TopLeft", None
     if np.array_equal(visible, np.tril(np.ones((sq, skv), bool), skv - sq)):
-        return "BottomRight"
-    window = _band_window(visible)
-    if window is not None:
-        raise _Reject(f"constant mask is not causal: a sliding-window band (each query sees its last "
-                      f"{window} keys); no tvmfuse attention kernel honours R.nn.attention's "
-                      "window_size, so it stays unfused")
+        return "BottomRight", None
+    band = _band_window(visible)
+    if band is not None:
+        return band
     wrong = np.argwhere(visible != np.tril(np.ones((sq, skv), bool), 0))[0]
     raise _Reject(f"constant mask is not causal: entry {tuple(int(x) for x in wrong)} is "
                   f"{'visible' if visible[tuple(wrong)] else 'masked'}")
 
 
-def _band_window(visible: np.ndarray) -> int | None:
-    """``w`` when ``visible`` is a causal band ``i - w < j <= i + (Skv - Sq)`` narrower than causal."""
+def _band_window(visible: np.ndarray) -> tuple[str, int] | None:
+    """``(causal kind, w)`` when ``visible`` is a causal band ``off - w < j - i <= off`` (the
+    meaning of ``R.nn.attention``'s ``window_size``, kernels/attention/spec.py), else None.
+
+    BottomRight is tried first (TVM's CUTLASS codegen takes windows only with it; the same as
+    TopLeft when Sq == Skv).
+    """
     sq, skv = visible.shape
-    window = int(visible[-1].sum())  # the last query row sees exactly w keys in a band
     ones = np.ones((sq, skv), bool)
-    for offset in (0, skv - sq):
+    window = int(visible.sum(axis=1).max())  # rows not clipped by key 0 or Skv see exactly w keys
+    for kind, offset in (("BottomRight", skv - sq), ("TopLeft", 0)):
         band = np.tril(ones, offset) & np.triu(ones, offset - window + 1)
         if window > 0 and np.array_equal(visible, band):
-            return window
+            return kind, window
     return None
 
 

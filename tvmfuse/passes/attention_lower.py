@@ -8,9 +8,15 @@ Stock 0.27 legalisation writes the Sq×Skv scores, masks them with ``trilu`` and
 with the spec read off the call's types and attributes (scale defaults to 1/sqrt(D) as in TVM).
 Where no kernel covers the spec (the CUDA kernels take fp16/bf16 with head dim 64/128 only; they
 raise ValueError otherwise) the call is decomposed back into Relax ops, GQA and causal mask kept
-(:func:`_decomposed`; this one writes S to memory, like the graph it came from). Calls the spec
-cannot describe (symbolic shapes, value head dim != query head dim, sliding window) go to the stock
-rule, which rejects GQA and windows itself.
+(:func:`_decomposed`; this one writes S to memory, like the graph it came from). ``window_size``
+(sliding-window attention) is the spec's ``window``: key j visible to query i iff
+``i + off − w < j ≤ i + off`` (``off`` the causal offset; FlashAttention's / TVM's CUTLASS meaning,
+see ``kernels/attention/spec.py``); the kernels skip the KV tiles outside the band. A window without
+a causal mask is an error (TVM gives it no meaning). On CUDA targets the window kernels are gated
+(:func:`gpu_window_gate`: written and nvcc-built, not yet run on a GPU): unless
+``Options(gpu_window_attention=True)``, a call with a window is decomposed as above. Calls the
+spec cannot describe (symbolic shapes, value head dim != query head dim) go to the stock rule, which
+rejects GQA itself.
 
 Also repairs ``ToMixedPrecision`` for attention: 0.27's ``FInferMixedPrecision`` of both ops
 rebuilds the call as ``attention(q, k, v)``, silently dropping bias, scale and causal mask.
@@ -29,6 +35,7 @@ from tvm.relax.transform.legalize_ops import nn as stock
 
 from ..errors import CompileError
 from ..kernels.attention.spec import AttentionSpec
+from ..options import current_options
 from ..rules.attention import attention_primfunc
 from ._util import static_shape
 
@@ -41,32 +48,49 @@ def attention_spec(call: relax.Call):
     bias = static_shape(call.args[3]) if len(call.args) > 3 else None
     if None in (q, k, v) or (len(call.args) > 3 and bias is None) or v[3] != q[3]:
         return None
-    if call.attrs.window_size is not None:
-        return None
+    window = call.attrs.window_size
+    causal = call.attrs.causal_mask or "none"
+    if window is not None and (causal == "none" or int(window) < 1):
+        raise CompileError(f"{call.op.name}: window_size {window} needs causal_mask TopLeft or "
+                           f"BottomRight and a window >= 1 (causal_mask is {causal!r}), q {q}")
     scale = call.attrs.scale
     scale = float(scale.value) if scale is not None else 1.0 / math.sqrt(q[3])
     return AttentionSpec(
         batch=q[0], q_len=q[1], kv_len=k[1], q_heads=q[2], kv_heads=k[2], head_dim=q[3],
-        dtype=str(call.args[0].ty.dtype), scale=scale, causal=call.attrs.causal_mask or "none",
+        dtype=str(call.args[0].ty.dtype), scale=scale, causal=causal,
         bias_shape=tuple(bias) if bias is not None else None,
         bias_dtype=str(call.args[3].ty.dtype) if bias is not None else None,
-        out_dtype=str(call.ty.dtype))
+        out_dtype=str(call.ty.dtype), window=int(window) if window is not None else None)
 
 
 def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """``LegalizeOps`` rule for both attention ops (see the module docstring)."""
     spec = attention_spec(call)
     if spec is None:
-        if call.attrs.window_size is not None:
-            raise CompileError(f"sliding-window attention (window {call.attrs.window_size}) is not "
-                               f"supported: {call.op.name} with q {call.args[0].ty}")
+        if call.attrs.window_size is not None:  # the stock rule asserts on windows
+            raise CompileError(f"sliding-window attention (window {call.attrs.window_size}) needs "
+                               f"static shapes: {call.op.name} with q {call.args[0].ty}")
         rule = stock._nn_attention_bias if len(call.args) > 3 else stock._nn_attention
         return rule(bb, call)
-    func = attention_kernel(spec)
-    if func is None:  # no kernel for this dtype / head dim on target
+    func = None if gpu_window_gate(spec.window) else attention_kernel(spec)
+    if func is None:  # no kernel for this dtype / head dim (or window) on target
         return _decomposed(call, spec)
     gvar = bb.add_func(func, "attention")  # the report classifies kernels by this name
     return relax.call_tir(gvar, list(call.args), call.ty)
+
+
+def gpu_window_gate(window: int | None) -> str | None:
+    """Why a sliding window of ``window`` keys gets no attention kernel on the current target, or
+    None. The CUDA window kernels (flash sm90a / sm80, split-KV decode, the CUDA-core fallback) were
+    written and nvcc-built without a GPU run: CUDA targets use them only with
+    ``Options(gpu_window_attention=True)``; the cpu kernel always."""
+    target = tvm.target.Target.current(allow_none=True)
+    if window is None or target is None or target.kind.name != "cuda":
+        return None
+    if current_options().gpu_window_attention:
+        return None
+    return ("the CUDA sliding-window kernels are not verified on a GPU yet "
+            "(Options(gpu_window_attention=True) enables them)")
 
 
 def attention_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc | None:
@@ -94,6 +118,8 @@ def _decomposed(call: relax.Call, spec) -> relax.Expr:
     if spec.causal != "none":
         offset = 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
         visible = np.tril(np.ones((spec.q_len, spec.kv_len), bool), offset)
+        if spec.window is not None:
+            visible &= np.triu(np.ones_like(visible), offset - spec.window + 1)
         s = relax.op.where(relax.const(visible), s, relax.const(float("-inf"), "float32"))
     p = relax.op.nn.softmax(s, axis=-1)
     if spec.bias_shape is not None or spec.kv_len < spec.q_len:  # rows may see no key: 0, not NaN

@@ -1,6 +1,8 @@
 """CPU attention kernel: tiled online softmax, one query row at a time (llvm target).
 
-For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys::
+For each (b, h, i) the key axis is walked in tiles of ``_KV_TILE`` keys, every tile (causal: keys
+right of the diagonal masked) or, with a sliding window, only the tiles from the one holding the
+row's first visible key to its diagonal's (:func:`.spec.band_tiles`)::
 
     s_j   = (scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · log2 e      j in tile, visible(i, j)
     m'    = max(m, max_j s_j);   α = 2^(m − m');   l = α·l + Σ_j 2^(s_j − m')
@@ -19,19 +21,13 @@ from __future__ import annotations
 import math
 
 import tvm
+from tvm import tirx
 from tvm.script import tirx as T
 
-from .spec import AttentionSpec, at
+from .spec import AttentionSpec, at, band_tiles, causal_offset
 
 _KV_TILE = 32
 _LOG2E = math.log2(math.e)
-
-
-def causal_offset(spec: AttentionSpec) -> int | None:
-    """Key j is visible to query i iff ``j <= i + offset``; None when not causal."""
-    if spec.causal == "none":
-        return None
-    return 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
 
 
 def bias_strides(spec: AttentionSpec) -> tuple[int, int, int]:
@@ -70,6 +66,13 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     neg_inf = float("-inf")
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
 
+    def keep(i, j):
+        # key j is in range and visible to row i (window: not left of the band)
+        conds = [j < Skv, j <= i + off + cmax]
+        if spec.window is not None:
+            conds.append(j > i + off - spec.window)
+        return tirx.all(*conds)
+
     @T.macro
     def row(q, k, v, bias, out, bh, i):
         with T.sblock("row"):
@@ -85,12 +88,19 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
             st[1] = T.float32(0)
             for d in T.serial(D):
                 acc[d] = T.float32(0)
-            for t in T.serial(n_tiles):
+            if spec.window is None:  # every tile (Python values: nothing emitted)
+                t0 = T.meta_var(0)
+                n_it = T.meta_var(n_tiles)
+            else:  # the band's tiles only
+                t0: T.let[T.int32] = band_tiles(spec, i, i, TK)[0]
+                n_it = T.meta_var(band_tiles(spec, i, i, TK)[3] - t0)
+            for t in T.serial(n_it):
+                kt = T.meta_var(t0 + t)  # the KV tile
                 st[2] = st[0]
                 for jj in T.serial(TK):
-                    j: T.let[T.int32] = t * TK + jj
+                    j: T.let[T.int32] = kt * TK + jj
                     s[jj] = neg_inf
-                    if j < Skv and j <= i + off + cmax:
+                    if keep(i, j):
                         s[jj] = T.float32(0)
                         for d in T.serial(D):
                             s[jj] += T.Cast("float32", q[at(QKV_L, b, i, h, d)]) * T.Cast(
@@ -112,7 +122,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                 for jj in T.serial(TK):
                     if s[jj] > T.float32(0):
                         for d in T.serial(D):
-                            acc[d] += s[jj] * T.Cast("float32", v[at(QKV_L, b, t * TK + jj, g, d)])
+                            acc[d] += s[jj] * T.Cast("float32", v[at(QKV_L, b, kt * TK + jj, g, d)])
                 st[0] = st[2]
             for d in T.serial(D):
                 out[at(OUT_L, b, i, h, d)] = T.Cast(

@@ -11,8 +11,10 @@
              written to a float32 workspace allocated inside the PrimFunc.
     combine  grid (B·Hq), D threads:  M = max_c m_c;  out = Σ_c 2^(m_c−M)·acc_c / Σ_c 2^(m_c−M)·l_c
 
-Causal with Sq == 1: TopLeft sees key 0 only, BottomRight every key. CUDA-core FMAs: at D=128
-the kernel moves 2·D·2 bytes per key and head group and is meant to run at HBM bandwidth.
+Causal with Sq == 1: TopLeft sees key 0 only, BottomRight every key; a sliding window of ``w``
+keys (BottomRight) the last ``w``: the chunks cover only the visible keys ``kbase .. Skv − 1``.
+CUDA-core FMAs: at D=128 the kernel moves 2·D·2 bytes per key and head group and is meant to run
+at HBM bandwidth.
 """
 
 from __future__ import annotations
@@ -81,8 +83,13 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
     LPR = D // vec  # lanes per key row
     NG = _THREADS // LPR  # key rows in flight per unroll step
     U = cfg.unroll
-    # Sq == 1: TopLeft sees key 0 only; BottomRight (j ≤ Skv − 1) and none see all keys
+    # Sq == 1: TopLeft sees key 0 only; BottomRight (j ≤ Skv − 1) and none see all keys; a window
+    # of w keys starts at key kbase = Skv − w (BottomRight). kv_eff keys from kbase are visible
     kv_eff = 1 if spec.causal == "TopLeft" else Skv
+    kbase = 0
+    if spec.window is not None:
+        kbase = max(kv_eff - spec.window, 0)
+        kv_eff -= kbase
     per_iter = NG * U
     n_split = _split_count(spec, cfg, B * Hkv * HC, kv_eff, per_iter, device_properties(target).sms)
     L = (kv_eff + n_split - 1) // n_split
@@ -128,7 +135,8 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                     acc[hh * vec + e] = T.float32(0)
             for it in T.serial(n_iter):
                 for u in T.unroll(U):
-                    jl: T.let[T.int32] = T.min(j0 + it * per_iter + u * NG + grp, kv_eff - 1)
+                    jl: T.let[T.int32] = kbase + T.min(j0 + it * per_iter + u * NG + grp,
+                                                       kv_eff - 1)
                     kr[T.ramp(u * vec, 1, vec)] = k[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
                     vr[T.ramp(u * vec, 1, vec)] = v[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
                 for u in T.unroll(U):
@@ -147,7 +155,7 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                     for hh in T.unroll(GC):
                         if has_bias:
                             s[u * GC + hh] = s[u * GC + hh] + T.Cast("float32", bias[
-                                b * fb, (h0 + hh) * fh, 0, T.min(j, kv_eff - 1)]) * l2e
+                                b * fb, (h0 + hh) * fh, 0, kbase + T.min(j, kv_eff - 1)]) * l2e
                         if j >= T.min(j0 + L, kv_eff):
                             s[u * GC + hh] = T.float32(_NEG_INF)
                 for hh in T.unroll(GC):

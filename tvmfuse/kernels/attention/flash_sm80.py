@@ -4,10 +4,11 @@ One thread block per (query tile of ``BM`` rows, query head, batch); ``NW`` warp
 ``MT`` m16 row slices of the tile (``BM = 16·MT·NW``). Per block::
 
     Q tile  (BM × D)  → shared (cp.async) → registers (ldmatrix), once
-    for each KV tile n (BN keys; causal: only tiles left of the diagonal):
+    for each KV tile n (BN keys; causal: only tiles left of the diagonal; sliding window: from the
+                        tile of the first key in the band, tiles left of it never loaded):
         K_n, V_n  → shared, NS-stage cp.async ring (tile n+NS−1 loads while n computes)
         S  = Q·K_nᵀ                      mma.sync m16n8k16, fp32 accumulators in registers
-        S  = S·scale·log2e (+ bias·log2e), −inf where masked (diagonal/ragged tiles only)
+        S  = S·scale·log2e (+ bias·log2e), −inf where masked (diagonal/ragged/window-edge tiles only)
         m' = max(m, rowmax S);  α = 2^(m − m');  P = 2^(S − m');  l = α·l + rowsum P
         O  = α·O + P·V_n                 P re-packed to fp16/bf16 as the A operand in registers
     out = O / l                                              (rows that see no key: 0)
@@ -26,8 +27,8 @@ from dataclasses import dataclass
 import tvm
 from tvm.script import tirx as T
 
-from .cpu import bias_strides, causal_offset
-from .spec import AttentionSpec, at
+from .cpu import bias_strides
+from .spec import AttentionSpec, at, band_tiles, causal_offset, full_tiles, masked, tile_end
 
 _LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
@@ -94,14 +95,11 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     KN = BN // 16  # k16 steps of P·V
     ND = D // 8  # n8 tiles of O
     n_m = (Sq + BM - 1) // BM
-    n_kv = (Skv + BN - 1) // BN
     has_bias = spec.bias_shape is not None
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
     bdt = spec.bias_dtype or dt
-    off = causal_offset(spec)
-    causal = off is not None
-    off = off or 0
+    causal = causal_offset(spec) is not None
     sc = float(spec.scale * _LOG2E)
     # with a bias S is scaled before the max; otherwise the scale rides the exp2's FFMA
     s_mul = 1.0 if has_bias else sc
@@ -131,7 +129,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                 )
 
     @T.macro
-    def kv_step(j, masked, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i, l_i, st,
+    def kv_step(j, mask, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i, l_i, st,
                 b, h, g, m0, n_end, warp, lane, tx):
         # ring: wait until tile j is in shared, refill the stage tile j−1 used
         T.tvm_storage_sync("shared")
@@ -181,13 +179,9 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                     if has_bias:
                         s_acc[si] = s_acc[si] * sc + T.Cast("float32", bias[
                             b * fb, h * fh, T.min(row, Sq - 1) * fi, T.min(col, Skv - 1)]) * l2e
-                    if masked:
-                        if causal:
-                            if col >= Skv or col > row + off:
-                                s_acc[si] = T.float32(_NEG_INF)
-                        else:
-                            if col >= Skv:
-                                s_acc[si] = T.float32(_NEG_INF)
+                    if mask:
+                        if masked(spec, row, col):
+                            s_acc[si] = T.float32(_NEG_INF)
         # online softmax: each thread holds 2 rows per m tile (lane/4 and lane/4 + 8)
         for mt in T.unroll(MT):
             for rh in T.unroll(2):
@@ -247,15 +241,16 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
 
     def n_end_of(m0):
         # KV tiles that hold a key visible to some row of the tile starting at m0
-        if causal:
-            return T.max(T.min(n_kv, (T.min(m0 + BM, Sq) - 1 + off) // BN + 1), 0)
-        return n_kv
+        return tile_end(spec, T.min(m0 + BM, Sq) - 1, BN)
 
-    def n_full_of(m0):
-        # leading KV tiles visible to every row of the tile: no mask needed
-        if causal:
-            return T.max(T.min(T.min(n_kv, Skv // BN), (m0 + off + 1) // BN), 0)
-        return Skv // BN
+    def band_of(m0, n_end):
+        # KV tiles [n_start, n_end) hold a key visible to some row of the tile, [n_lo, n_full)
+        # only keys visible to every row (no mask); see spec.band_tiles
+        return band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)
+
+    def stage(t):
+        # ring stage of the prologue's tile t = n_start + p (without a window t = p < NS − 1)
+        return t if spec.window is None else t % NS
 
     @T.macro
     def body(q, k, v, bias, out):
@@ -277,13 +272,22 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
         g: T.let[T.int32] = h // G
         m0: T.let[T.int32] = (r_base + r_sign * bx) * BM
         n_end: T.let[T.int32] = n_end_of(m0)
-        n_full: T.let[T.int32] = T.min(n_full_of(m0), n_end)
-        # prologue: Q and KV tiles 0 .. NS−2 in flight
+        if spec.window is None:  # every tile from 0 (Python 0s: nothing emitted)
+            n_start = T.meta_var(0)
+            n_lo = T.meta_var(0)
+            n_full: T.let[T.int32] = T.min(full_tiles(spec, m0, BN), n_end)
+        else:
+            n_start: T.let[T.int32] = band_of(m0, n_end)[0]
+            n_lo: T.let[T.int32] = band_of(m0, n_end)[1]
+            n_full: T.let[T.int32] = band_of(m0, n_end)[2]
+        # prologue: Q and KV tiles n_start .. n_start + NS−2 in flight (stage = tile % NS)
         load_tile(smem, q, m0, Sq, q_off, b, h, tx, n_q_loads)
         for p in T.unroll(NS - 1):
-            if p < n_end:
-                load_tile(smem, k, p * BN, Skv, k_off + p * BN * D, b, g, tx, n_kv_loads)
-                load_tile(smem, v, p * BN, Skv, v_off + p * BN * D, b, g, tx, n_kv_loads)
+            if n_start + p < n_end:
+                load_tile(smem, k, (n_start + p) * BN, Skv, k_off + stage(n_start + p) * BN * D,
+                          b, g, tx, n_kv_loads)
+                load_tile(smem, v, (n_start + p) * BN, Skv, v_off + stage(n_start + p) * BN * D,
+                          b, g, tx, n_kv_loads)
             T.ptx["cp.async.commit_group"]()
         T.ptx["cp.async.wait_group"](NS - 2)
         T.tvm_storage_sync("shared")
@@ -301,9 +305,13 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
         for i in T.unroll(MT * 2):
             m_i[i] = T.float32(_NEG_INF)
             l_i[i] = T.float32(0)
-        for j in T.serial(n_full):
-            kv_step(j, False, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i, l_i,
-                    st, b, h, g, m0, n_end, warp, lane, tx)
+        if spec.window is not None:  # the band's left edge: masked
+            for j in T.serial(n_lo - n_start):
+                kv_step(j + n_start, True, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag,
+                        m_i, l_i, st, b, h, g, m0, n_end, warp, lane, tx)
+        for j in T.serial(n_full - n_lo):
+            kv_step(j + n_lo, False, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag, m_i,
+                    l_i, st, b, h, g, m0, n_end, warp, lane, tx)
         for j in T.serial(n_end - n_full):
             kv_step(j + n_full, True, smem, k, v, bias, s_acc, o_acc, q_frag, kb_frag, p_frag,
                     m_i, l_i, st, b, h, g, m0, n_end, warp, lane, tx)

@@ -8,9 +8,11 @@ warpgroups (warp specialisation)::
                                          layout, 128-byte swizzle, OOB rows = 0)
                                          into an NS-stage ring guarded by full/empty mbarriers
     warpgroup w ≥ 1 (consumer, 64 rows) for each KV tile j (causal: diagonal tiles first, tiles
-                                         right of the diagonal skipped):
+                                         right of the diagonal skipped; sliding window: the
+                                         loop starts at the tile of the tile's first visible
+                                         key, tiles left of the band are never loaded):
         S  = Q·K_jᵀ                      wgmma m64n{BN}k16, A and B from shared (SS), fp32
-        S  masked (−inf) on diagonal / ragged tiles only
+        S  masked (−inf) on diagonal / ragged / window-edge tiles only
         m' = max(m, rowmax S·c);  α = 2^(m − m');  P = 2^(S·c − m');  l = α·l + rowsum P
                                          (c = scale·log2e folded into one FFMA)
         O  = α·O + P·V_j                 wgmma m64n{D}k16, A = P from registers (RS), B = V
@@ -20,7 +22,7 @@ warpgroups (warp specialisation)::
 S and P stay in registers. The kernel is a ``@T.prim_func`` with ``@T.inline`` helpers (closures
 over the spec and config; loops unrolled at generation time emit through the IR builder), tagged
 ``tvmfuse.tirx`` so :func:`.gemm_sm90.uses_tirx` sends the build through the hybrid pipeline.
-Covers fp16 / bf16, head dim 64 / 128, causal kinds, GQA / MQA, any Sq / Skv (D·2 bytes is a
+Covers fp16 / bf16, head dim 64 / 128, causal kinds, sliding windows, GQA / MQA, any Sq / Skv (D·2 bytes is a
 multiple of 16, so TMA strides are legal). Not covered (the caller falls back to the sm80-style
 kernel, see :func:`check`): an additive bias.
 """
@@ -35,8 +37,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
-from .cpu import causal_offset
-from .spec import AttentionSpec, at, spec_json
+from .spec import AttentionSpec, at, band_tiles, causal_offset, masked, spec_json, tile_end
 
 _LOG2E = math.log2(math.e)
 _PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
@@ -122,11 +123,8 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     ab = _PTX_TYPE[in_dt]
     BM, BN, NS, NC = cfg.block_m, cfg.block_n, cfg.stages, cfg.consumers
     DC = D // 64  # 64-element (128-byte) chunks per row: one TMA box / swizzle atom column each
-    n_m, n_kv = _cdiv(Sq, BM), _cdiv(Skv, BN)
-    n_kv_full = Skv // BN
-    off = causal_offset(spec)
-    causal = off is not None
-    off = off or 0
+    n_m = _cdiv(Sq, BM)
+    causal = causal_offset(spec) is not None
     c_log2 = float(spec.scale * _LOG2E)
     # shared layout (elements): Q [DC][BM][64] | K [NS][DC][BN][64] | V [NS][DC][BN][64]
     q_chunk, kv_chunk = BM * 64, BN * 64
@@ -219,14 +217,19 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         b = (bid % heads_batch) // Hq
         h = bid % Hq
         g = h // G
-        if causal:
-            # KV tiles holding a key visible to some row (n_end) / to every row (n_full) of the tile
-            n_end = T.max(T.min(n_kv, (T.min(m0 + BM, Sq) - 1 + off) // BN + 1), 0)
-            n_full = T.min(T.max(T.min(n_kv_full, (m0 + off + 1) // BN), 0), n_end)
+        # KV tiles [n_start, n_end) hold a key visible to some row of the tile, [n_lo, n_full)
+        # only keys visible to every row (spec.band_tiles; no window: n_start = n_lo = 0);
+        # processed from the right: the jj-th of n_it tiles is j = n_end − 1 − jj
+        n_end = tile_end(spec, T.min(m0 + BM, Sq) - 1, BN)
+        n_full = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[2]
+        n_mask = n_end - n_full  # diagonal / ragged tiles: jj < n_mask
+        if spec.window is None:
+            n_it = T.meta_var(n_end)
         else:
-            n_end = n_kv
-            n_full = n_kv_full
-        n_mask = n_end - n_full
+            n_start = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[0]
+            n_lo = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[1]
+            n_it = n_end - n_start
+            n_edge = n_end - n_lo  # window-edge tiles: jj ≥ n_edge
         if tx == 0:
             T.ptx.mbarrier.init.shared.b64(to_shared(q_full.ptr_to([0])), T.uint32(1))
             for s in T.unroll(NS):
@@ -253,7 +256,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                              full.ptr_to([s]))
 
                 # KV tiles in processing order: jj-th tile is j = n_end − 1 − jj (masked tiles first)
-                for jj in T.serial(n_end):
+                for jj in T.serial(n_it):
                     s = jj % NS
                     j = n_end - 1 - jj
                     load_kv(K_map, k_full, k_empty, k_off, jj, s, j)
@@ -300,18 +303,23 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 T.ptx.wgmma.commit_group.sync.aligned()
 
             @T.inline
+            def mask_tile(j):
+                # keys past Skv, (causal) right of the diagonal, (window) left of the band
+                for jn in T.unroll(BN // 8):
+                    for x in T.unroll(4):
+                        col = j * BN + jn * 8 + col0 + x % 2
+                        if masked(spec, row0 + (x // 2) * 8, col):
+                            s_acc[jn * 4 + x] = T.float32("-inf")
+
+            @T.inline
             def mask(jj, j):
-                # keys past Skv and (causal) right of the diagonal; only the first n_mask tiles
-                if jj < n_mask:
-                    for jn in T.unroll(BN // 8):
-                        for x in T.unroll(4):
-                            col = j * BN + jn * 8 + col0 + x % 2
-                            if causal:
-                                if col >= Skv or col > row0 + (x // 2) * 8 + off:
-                                    s_acc[jn * 4 + x] = T.float32("-inf")
-                            else:
-                                if col >= Skv:
-                                    s_acc[jn * 4 + x] = T.float32("-inf")
+                # only the first n_mask tiles and (window) the last ones, from n_edge on
+                if spec.window is None:
+                    if jj < n_mask:
+                        mask_tile(j)
+                else:
+                    if jj < n_mask or jj >= n_edge:
+                        mask_tile(j)
 
             @T.inline
             def rescale():
@@ -366,7 +374,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 if wg == 1:  # warpgroup 0 goes first
                     T.ptx["bar.arrive"](T.uint32(1), T.uint32(two_wg))
             if not cfg.overlap:
-                for jj in T.serial(n_end):
+                for jj in T.serial(n_it):
                     s = jj % NS
                     ph = (jj // NS) % 2
                     j = n_end - 1 - jj
@@ -388,7 +396,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
             else:
                 # FA3 intra-warpgroup overlap: S_jj = Q·K_jjᵀ and O += P_{jj−1}·V_{jj−1} in flight
                 # together; the softmax of S_jj runs while the P·V wgmma still executes
-                if n_end > 0:
+                if n_it > 0:
                     T.cuda.mbarrier_wait(k_full.ptr_to([0]), 0)
                     turn_wait()
                     T.ptx.wgmma.fence.sync.aligned()
@@ -399,7 +407,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                     mask(0, n_end - 1)
                     softmax(False)
                     to_p()
-                for jj in T.serial(1, n_end):
+                for jj in T.serial(1, n_it):
                     s = jj % NS
                     sp = (jj + ns_m1) % NS
                     j = n_end - 1 - jj
@@ -418,9 +426,9 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                     T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sp])))
                     rescale()
                     to_p()
-                if n_end > 0:
-                    sl = (n_end - 1) % NS
-                    T.cuda.mbarrier_wait(v_full.ptr_to([sl]), ((n_end - 1) // NS) % 2)
+                if n_it > 0:
+                    sl = (n_it - 1) % NS
+                    T.cuda.mbarrier_wait(v_full.ptr_to([sl]), ((n_it - 1) // NS) % 2)
                     T.ptx.wgmma.fence.sync.aligned()
                     issue_pv(sl)
                     T.ptx.wgmma.wait_group.sync.aligned(0)

@@ -14,6 +14,13 @@ TVM's ``R.nn.attention`` layout::
 ``causal``: ``"none"``, ``"TopLeft"`` (key j visible to query i iff j ≤ i) or ``"BottomRight"``
 (iff j ≤ i + Skv − Sq; the KV-cache alignment). Both are the same when Sq == Skv.
 
+``window`` (sliding-window attention, ``R.nn.attention``'s ``window_size``; needs a causal kind):
+key j is visible to query i iff ``i + off − window < j ≤ i + off`` (``off`` the causal offset
+above), each query sees its last ``window`` keys up to its diagonal. That is FlashAttention's
+``window_size_left = window − 1, window_size_right = 0`` which TVM's CUTLASS codegen passes for
+the attribute, and ``topi.testing.attention_python``'s ``triu(·, 1 − window)`` when Sq == Skv.
+Kernels skip the KV tiles wholly outside the band (:func:`band_tiles`).
+
 Fully masked rows: a query row whose every score is −inf (it sees no key: BottomRight with
 Sq > Skv, or a −inf bias on every visible key) yields ``out = 0``, not NaN, in every
 implementation (cpu, flash sm80 / sm90a, split-KV decode, the CUDA-core fallback and the
@@ -35,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+
+from tvm import tirx
 
 CAUSAL_KINDS = ("none", "TopLeft", "BottomRight")
 LAYOUTS = ("BSHD", "BHSD")
@@ -64,10 +73,14 @@ class AttentionSpec:
     out_dtype: str | None = None  # defaults to dtype
     qkv_layout: str = "BSHD"  # memory layout of q, k and v: one of LAYOUTS
     out_layout: str = "BSHD"  # memory layout of out
+    window: int | None = None  # sliding window: each query sees its last ``window`` keys
 
     def __post_init__(self) -> None:
         if self.causal not in CAUSAL_KINDS:
             raise ValueError(f"causal must be one of {CAUSAL_KINDS}, not {self.causal!r}")
+        if self.window is not None and (self.causal == "none" or self.window < 1):
+            raise ValueError(f"window {self.window} needs a causal kind and window >= 1 "
+                             f"(causal is {self.causal!r})")
         for name in ("qkv_layout", "out_layout"):
             if getattr(self, name) not in LAYOUTS:
                 raise ValueError(f"{name} must be one of {LAYOUTS}, not {getattr(self, name)!r}")
@@ -105,6 +118,8 @@ def spec_json(spec: AttentionSpec) -> str:
     for name in ("qkv_layout", "out_layout"):  # the default is left out: older records stay valid
         if fields[name] == "BSHD":
             del fields[name]
+    if fields["window"] is None:
+        del fields["window"]
     return json.dumps(fields, sort_keys=True)
 
 
@@ -114,3 +129,72 @@ def spec_from_json(text: str) -> AttentionSpec:
     if fields.get("bias_shape") is not None:
         fields["bias_shape"] = tuple(fields["bias_shape"])
     return AttentionSpec(**fields)
+
+
+def causal_offset(spec: AttentionSpec) -> int | None:
+    """Key j is visible to query i iff ``j <= i + offset``; None when not causal."""
+    if spec.causal == "none":
+        return None
+    return 0 if spec.causal == "TopLeft" else spec.kv_len - spec.q_len
+
+
+def masked(spec: AttentionSpec, row, col):
+    """TIR condition: key ``col`` is hidden from query ``row``: past Skv, (causal) right of the
+    diagonal, (window) left of the band."""
+    conds = [col >= spec.kv_len]
+    off = causal_offset(spec)
+    if off is not None:
+        conds.append(col > row + off)
+        if spec.window is not None:
+            conds.append(col <= row + off - spec.window)
+    return tirx.any(*conds)
+
+
+def tile_end(spec: AttentionSpec, last_row, tile: int):
+    """KV tiles of ``tile`` keys ``[0, end)`` hold every key visible to the rows up to
+    ``last_row``: past the tile of its diagonal key (causal), all ``ceil(Skv / tile)`` otherwise."""
+    n_kv = (spec.kv_len + tile - 1) // tile
+    off = causal_offset(spec)
+    if off is None:
+        return n_kv
+    return tirx.max(tirx.min(n_kv, (last_row + off) // tile + 1), 0)
+
+
+def full_tiles(spec: AttentionSpec, first_row, tile: int):
+    """Leading KV tiles that hold no key past Skv nor (causal) right of ``first_row``'s diagonal."""
+    off = causal_offset(spec)
+    if off is None:
+        return spec.kv_len // tile
+    return tirx.max(tirx.min(spec.kv_len // tile, (first_row + off + 1) // tile), 0)
+
+
+def band_tiles(spec: AttentionSpec, first_row, last_row, tile: int, end=None) -> tuple:
+    """KV tiles of ``tile`` keys for the query rows ``first_row..last_row`` (TIR or int values):
+    ``(start, full_start, full_end, end)`` with ``start ≤ full_start ≤ full_end ≤ end``.
+
+    Tiles ``[start, end)`` hold a key visible to some row (the rest are skipped, never loaded);
+    ``[full_start, full_end)`` hold only keys visible to every row (no mask needed); the others
+    need the element mask :func:`masked`. Not causal: every tile, ``Skv // tile`` full. Without a
+    window ``start = full_start = 0``. ``end`` (default :func:`tile_end`) may be a variable the
+    kernel bound it to; the other bounds are then written in terms of it.
+    """
+    end = tile_end(spec, last_row, tile) if end is None else end
+    lo, hi = tirx.max, tirx.min
+    full_end = full_tiles(spec, first_row, tile)
+    if causal_offset(spec) is None:
+        return 0, 0, full_end, end
+    if spec.window is None:
+        return 0, 0, hi(full_end, end), end
+    off, w = causal_offset(spec), spec.window
+
+    def clamp(x, a, b):
+        return hi(lo(x, a), b)
+
+    # start: the tile of the first row's first key (none past Skv: no tile); full_start: the first
+    # tile wholly right of the last row's first key (ceil division of a value that may be negative)
+    first = first_row + off - w + 1
+    start = hi(lo(first, 0) // tile, end)
+    if spec.q_len + off - w >= spec.kv_len:  # TopLeft, Sq ≥ Skv + w: the last rows see no key
+        start = tirx.if_then_else(first < spec.kv_len, start, end)
+    full_start = clamp(lo(last_row + off - w + 1 + tile - 1, 0) // tile, start, end)
+    return start, full_start, clamp(full_end, full_start, end), end
