@@ -26,6 +26,7 @@ from tvm import relax
 
 from ..build import export_library
 from ..errors import CompileError, InputSpecError
+from ..frontend.torch_import import load_factory
 from ..passes import FuseDecomposedNorms, SimplifyNoOps
 from ..passes.attention import FuseAttention
 from ..passes.canonical import Canonicalize
@@ -39,6 +40,11 @@ from .import_lm import import_lm
 from .kv_cache import DeriveKVCache
 from .last_token import LastTokenLogits
 from .positions import PositionTables
+
+
+def _is_factory(spec: str) -> bool:
+    """``package.module:factory`` (not a file path)."""
+    return ":" in spec and not os.path.exists(spec) and not spec.endswith((".onnx", ".pt2"))
 
 
 def default_prefill_lengths(max_seq: int) -> list[int]:
@@ -85,7 +91,8 @@ class LMLibrary:
 
 def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max_batch: int = 1,
                prefill_lengths: list[int] | None = None, dtype: str | None = None) -> LMLibrary:
-    """Compile a cache-less causal LM (nn.Module, .pt2 or .onnx; ``ids → logits``) for generation.
+    """Compile a cache-less causal LM (nn.Module, .pt2, .onnx or ``package.module:factory``
+    returning ``(module, example_inputs)``; ``ids → logits``) for generation.
 
     ``prefill_lengths``: the prompt lengths compiled (a prompt is left-padded to the next one;
     default :func:`default_prefill_lengths`). ``dtype``: as in :func:`tvmfuse.compile`.
@@ -97,6 +104,8 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
     lengths = sorted(set(prefill_lengths or default_prefill_lengths(max_seq_len)))
     if lengths[0] < 2 or lengths[-1] > max_seq_len:
         raise InputSpecError(f"prefill lengths {lengths} must lie in 2..max_seq_len={max_seq_len}")
+    if isinstance(model, str) and _is_factory(model):
+        model, _ = load_factory(model)
     sym = PositionTables(max_seq_len)(import_lm(model, max_seq_len, max_batch))["main"]
     combined = tvm.IRModule()
     entries = {f"prefill{n}": n for n in lengths} | {"decode": 1}

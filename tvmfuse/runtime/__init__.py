@@ -42,7 +42,8 @@ def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The JSON metadata a tvmfuse export embedded (signature, target, versions)."""
     _check_file(Path(path))
     try:
-        lib = ctypes.CDLL(os.fspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
+        # absolute: dlopen searches the library path for a bare name like 'lm.so'
+        lib = ctypes.CDLL(os.path.abspath(path), mode=ctypes.RTLD_LOCAL | getattr(os, "RTLD_LAZY", 1))
         raw = ctypes.c_char_p(ctypes.addressof(ctypes.c_char.in_dll(lib, METADATA_SYMBOL))).value
     except (OSError, ValueError) as err:
         raise LibraryError(f"{path}: no tvmfuse metadata ({err}); not a tvmfuse library?") from err
