@@ -17,6 +17,7 @@ import numpy as np
 
 from .errors import TvmfuseError
 from .runtime import load, read_metadata
+from .runtime.weights import weights_path
 from .targets import get_target
 
 
@@ -86,6 +87,10 @@ _DYNAMIC = click.option(
               help="Tuning database written by `tvmfuse tune` (tuned kernels where faster).")
 @click.option("--check", is_flag=True,
               help="Also build for cpu and compare with onnxruntime/torch on random inputs.")
+@click.option("--weights", type=click.Choice(["auto", "external", "embedded"]), default="auto",
+              show_default=True,
+              help="external: weights in LIB.safetensors beside LIB.so; auto: external from 256 MB "
+                   "(--lm libraries: always external).")
 @click.option("--lm", is_flag=True,
               help="MODEL is a cache-less causal LM (ids -> logits): build prefill/decode entry "
                    "points with a derived KV cache, for `tvmfuse generate`.")
@@ -96,25 +101,29 @@ _DYNAMIC = click.option(
 @click.option("--prefill-lengths", default=None, metavar="N,N,...",
               help="With --lm: prompt lengths compiled (a prompt is padded to the next one).")
 def compile(model: str, output: str, target: str, dtype: str | None, inputs: tuple[str, ...],
-            dynamic: tuple[str, ...], tuning_db: str | None, check: bool, lm: bool,
+            dynamic: tuple[str, ...], tuning_db: str | None, check: bool, weights: str, lm: bool,
             max_seq_len: int, max_batch: int, prefill_lengths: str | None) -> None:  # noqa: A001
     """Compile MODEL (.onnx, .pt2 or package.module:factory) into LIB.so."""
     from .compiler import compile as tvmfuse_compile
 
     t0 = time.perf_counter()
     if lm:
-        if inputs or dynamic or tuning_db or check:
-            raise TvmfuseError("--lm takes no --input, --dynamic, --tuning-db or --check (the LM's "
-                               "shapes come from --max-seq-len, --max-batch and --prefill-lengths)")
+        if inputs or dynamic or tuning_db or check or weights == "embedded":
+            raise TvmfuseError("--lm takes no --input, --dynamic, --tuning-db, --check or --weights "
+                               "embedded (the LM's shapes come from --max-seq-len, --max-batch and "
+                               "--prefill-lengths; its weights are always external)")
         _compile_lm(model, output, target, dtype, max_seq_len, max_batch,
                     _int_list(prefill_lengths, "--prefill-lengths") if prefill_lengths else None, t0)
         return
     lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs), tuning_db=tuning_db,
-                          dynamic=list(dynamic))
+                          dynamic=list(dynamic), weights=weights)
     path = lib.export(output)
     sig = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.model.inputs)
     outs = ", ".join(f"{s.name}:{s.dtype}{list(s.shape)}" for s in lib.outputs)
     click.echo(f"wrote {path} (target {target}, {time.perf_counter() - t0:.1f} s)")
+    if lib.weights:
+        wpath = weights_path(path)
+        click.echo(f"  weights: {wpath} ({len(lib.weights)} tensors, {wpath.stat().st_size} bytes)")
     click.echo(f"  inputs:  {sig}\n  outputs: {outs}")
     if lib.model.dynamic:
         ranges = ", ".join(f"{k}={lo}..{hi}" for k, (lo, hi) in lib.model.dynamic.items())
@@ -233,16 +242,18 @@ def run(library: str, inputs_path: str, output_path: str | None, device: str | N
               help="JSON {kernel name: measured ms} from a benchmark run, placed on the plot.")
 @click.option("--tuning-db", type=click.Path(file_okay=False), default=None,
               help="Apply a `tvmfuse tune` database and mark the kernels that use a tuned schedule.")
+@click.option("--weights", type=click.Choice(["auto", "external", "embedded"]), default="embedded",
+              show_default=True, help="Lower as `compile --weights` does (the kernels are the same).")
 def report(model: str, target: str, dtype: str | None, inputs: tuple[str, ...],
            dynamic: tuple[str, ...], as_json: bool,
-           plot: str | None, times: str | None, tuning_db: str | None) -> None:
+           plot: str | None, times: str | None, tuning_db: str | None, weights: str) -> None:
     """Kernels after fusion, with FLOPs and HBM bytes against the unfused graph."""
     from .frontend import dynamic_ranges, import_model, input_overrides
     from .report import analyze, format_table, plot_roofline
 
     imported = import_model(model, None, input_overrides(list(inputs)), dynamic_ranges(list(dynamic)))
     result = analyze(imported.mod, get_target(target), dtype if dtype != "float32" else None,
-                     tuning_db=tuning_db)
+                     tuning_db=tuning_db, weights=weights)
     times_ms = json.loads(Path(times).read_text()) if times else None
     if times_ms:
         for k in result["kernels"]:

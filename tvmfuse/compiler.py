@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ from .build import export_library
 from .errors import InputSpecError
 from .frontend import ImportedModel, TensorSpec, dynamic_ranges, import_model, input_overrides
 from .options import Options
+from .passes.lift_weights import WEIGHT_MODES, take_weights
 from .pipeline import build, lower
 from .runtime import load
 from .targets import TargetSpec, get_target
@@ -55,6 +56,8 @@ class Library:
     dtype: str | None
     outputs: list[TensorSpec]
     tuning: dict[str, Any] | None = None  # with --tuning-db: the database and its use per kernel
+    # external weights: (name, tensor) in the order main takes them after the inputs; [] embedded
+    weights: list[tuple[str, Any]] = field(default_factory=list)
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -73,8 +76,9 @@ class Library:
         } | ({"tuning": self.tuning} if self.tuning else {})
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write one self-contained ``.so`` (fatbin inside for CUDA targets)."""
-        return export_library(self.executable, path, self.target, self.metadata)
+        """Write the ``.so`` (fatbin inside for CUDA targets); with external weights also
+        ``<name>.safetensors`` beside it, which ``tvmfuse.load`` maps and checks."""
+        return export_library(self.executable, path, self.target, self.metadata, weights=self.weights)
 
     def load(self, device: str | None = None, workdir: str | None = None):
         """Export to a temporary file and load it (``tvmfuse.load``)."""
@@ -93,6 +97,7 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     tuning_db: str | os.PathLike | None = None,
     options: Options | None = None,
     dynamic: dict[str, Any] | list[str] | None = None,
+    weights: str = "auto",
 ) -> Library:
     """Compile ``model`` (ONNX path/proto, .pt2 path, ``pkg.mod:factory`` or nn.Module).
 
@@ -104,17 +109,23 @@ def compile(  # noqa: A001 - the public name mirrors torch.compile / tvm.compile
     without an ``inputs`` entry). ``tuning_db``: a ``tvmfuse tune`` database; a kernel
     uses its tuned schedule only where that measured faster than the default rule.
     ``options``: the kernels' switches and the device (:class:`tvmfuse.options.Options`).
+    ``weights``: "external" writes the weights to ``<name>.safetensors`` beside the exported
+    ``.so``, "embedded" keeps them inside it, "auto" is external from 256 MB of weights on
+    (``tvmfuse.passes.lift_weights.AUTO_EXTERNAL_BYTES``). The kernels are the same either way.
     """
     spec = get_target(target)
     if dtype not in (None, "float32", "float16", "bfloat16"):
         raise InputSpecError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
+    if weights not in WEIGHT_MODES:
+        raise InputSpecError(f"weights must be one of {', '.join(WEIGHT_MODES)}, not {weights!r}")
     overrides = input_overrides(inputs)
     imported = import_model(model, example_inputs, overrides, dynamic_ranges(dynamic))
     lowered = lower(imported.mod, spec, dtype if dtype != "float32" else None, tuning_db=tuning_db,
-                    options=options)
+                    options=options, weights=weights)
+    lowered, params = take_weights(lowered)
     outputs = _output_specs(imported.mod, imported.output_names)
     executable = build(lowered, spec, options)
     tuning = None
     if tuning_db is not None:
         tuning = tuning_summary(tuning_db, lowered)
-    return Library(executable, spec, imported, dtype, outputs, tuning)
+    return Library(executable, spec, imported, dtype, outputs, tuning, params)

@@ -34,6 +34,7 @@ from .passes.attention import FuseAttention
 from .passes.attention_layout import FoldAttentionLayout
 from .passes.canonical import Canonicalize
 from .passes.legalize_fixes import legalize_overrides
+from .passes.lift_weights import LiftWeights, lift_threshold
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
 from .rules import gpu_rules
@@ -92,13 +93,17 @@ def _stage_error(name: str, pass_: tvm.transform.Pass, mod: tvm.IRModule, err: E
 def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
           on_stage: Callable[[str, tvm.IRModule], None] | None = None,
           tuning_db: str | os.PathLike | None = None,
-          options: Options | None = None) -> tvm.IRModule:
+          options: Options | None = None, weights: str = "embedded") -> tvm.IRModule:
     """Run every tvmfuse stage on ``mod`` for ``spec``; the result goes to ``relax.build``.
 
     ``on_stage(name, mod)`` sees the module after each named stage (the report uses it).
     ``tuning_db``: a ``tvmfuse tune`` database; kernels with a faster tuned record use it.
     ``options``: the passes' and rules' switches (None: the ones in effect).
+    ``weights``: "external" makes the weights trailing parameters of ``main`` (``num_input`` and
+    ``params`` attributes; :func:`tvmfuse.passes.lift_weights.take_weights` takes them out),
+    "auto" does so from ``AUTO_EXTERNAL_BYTES`` of weights on, "embedded" keeps them constants.
     """
+    min_weight_bytes = lift_threshold(weights)
     target = spec.tvm_target()
     run = _Stages(on_stage)
     register_tvm_patches()  # rules below check their schedules with TVM's (patched) passes
@@ -170,6 +175,11 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # One-output models return the tensor, not a 1-tuple: less host work on every call
         # (after the views are made: a reshape feeding the unwrapped output stays a view).
         mod = run("unwrap_single_output", UnwrapSingleOutput(), mod)
+        # Weights outside the library: the constants every fold above left (fused layouts) become
+        # parameters past num_input, before the VM lowering (which checks only the inputs' shapes;
+        # tvmfuse.load checks the weights once against the metadata).
+        if min_weight_bytes is not None:
+            mod = run("lift_weights", LiftWeights(min_weight_bytes), mod)
         # From here on it is TVM's VM lowering: dataflow removal, memory planning, shapes.
         mod = run("dataflow_lower", tvm.transform.Sequential([
             relax.transform.ToNonDataflow(),

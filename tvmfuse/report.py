@@ -347,28 +347,29 @@ def stock_kernel_count(mod: tvm.IRModule, spec: TargetSpec) -> int | None:
 
 def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             tuning_db: str | None = None, stock: bool = True,
-            sizes: dict[str, int] | None = None) -> dict[str, Any]:
+            sizes: dict[str, int] | None = None, weights: str = "embedded") -> dict[str, Any]:
     """Lower ``mod`` for ``spec`` and return the report object (DESIGN.md schema).
 
     ``stock=False`` skips the stock-TVM launch count (a second lowering): ``None`` in the report.
     A model with symbolic dims is lowered as it is (the kernels the library runs); bytes and FLOPs
     are counted at ``sizes`` (default: each symbol's upper bound), reported as ``sizes``.
+    ``weights``: as ``tvmfuse.compile``'s (lowered with the weights as parameters or constants).
     """
     bounds = (mod["main"].attrs or {}).get("tir_var_upper_bound", {})
     sizes = {str(k): int(v) for k, v in dict(bounds).items()} | dict(sizes or {})
     _SIZES.clear()
     _SIZES.update(sizes)
     try:
-        result = _analyze(mod, spec, dtype, tuning_db, stock and not sizes)
+        result = _analyze(mod, spec, dtype, tuning_db, stock and not sizes, weights)
     finally:
         _SIZES.clear()
     return result | ({"sizes": sizes} if sizes else {})
 
 
 def _analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None, tuning_db: str | None,
-             stock: bool) -> dict[str, Any]:
+             stock: bool, weights: str) -> dict[str, Any]:
     capture = _StageCapture()
-    lower(mod, spec, dtype, on_stage=capture, tuning_db=tuning_db)
+    lower(mod, spec, dtype, on_stage=capture, tuning_db=tuning_db, weights=weights)
     unfused = _unfused(_legalize_unfused(mod, spec, dtype))
     fused = _fused(capture.mods)
     return {

@@ -60,5 +60,5 @@ echo "== done at $SECONDS s on $ngpu GPU(s)"
 cat "$R/tests/pytest.log" 2>/dev/null; tail -1 "$R/tests/tests.log"
 for d in "$R"/req/*; do [[ -d $d ]] && { echo "== $d"; tail -30 "$d/log.txt" | cut -c1-250; }; done
 for f in "$R"/bench/*.log; do echo "== $f"; grep -A40 "^workload" "$f" | cut -c1-220; done
-find "$R" -name "*.so" -delete
+find "$R" \( -name "*.so" -o -name "*.safetensors" \) -delete  # libraries and their weights stay there
 tar -C "$R" -czf /tmp/closing.tgz . && rm -rf "$R" && mv /tmp/closing.tgz "$OUT/"

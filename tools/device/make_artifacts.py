@@ -1,6 +1,7 @@
 """Build libraries on this CPU machine for the runtime-only check on the GPU machine.
 
-Writes ``DIR/{name}_{target}.so``, ``DIR/{name}.in.npz`` (random inputs) and ``DIR/{name}.ref.npz``
+Writes ``DIR/{name}_{target}.so`` (and ``{name}_sm90_external.so`` + ``.safetensors``: weights
+outside the library), ``DIR/{name}.in.npz`` (random inputs) and ``DIR/{name}.ref.npz``
 (torch fp32 outputs on the CPU). Usage: ``python tools/device/make_artifacts.py .artifacts``.
 """
 
@@ -35,10 +36,12 @@ def main() -> None:
             ref = module(*inputs)
         np.savez(args.out / f"{name}.in.npz", x=inputs[0].numpy())
         np.savez(args.out / f"{name}.ref.npz", output0=ref.numpy())
-        for target in ("sm80", "sm90"):
-            lib = tvmfuse.compile(module, example, target=target)
-            path = lib.export(args.out / f"{name}_{target}.so")
-            manifest.append({"model": name, "target": target, "lib": path.name})
+        # the last one keeps its weights in {name}_sm90_external.safetensors beside the .so
+        for target, weights in (("sm80", "embedded"), ("sm90", "embedded"), ("sm90", "external")):
+            lib = tvmfuse.compile(module, example, target=target, weights=weights)
+            suffix = "_external" if weights == "external" else ""
+            path = lib.export(args.out / f"{name}_{target}{suffix}.so")
+            manifest.append({"model": name, "target": target, "weights": weights, "lib": path.name})
             print(f"built {path} ({path.stat().st_size} bytes)")
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 

@@ -6,6 +6,9 @@ it at load, which needs a compiler where the model runs. Here the import blob th
 ``fmt = "fatbin"`` and ``code`` = an nvcc-built fatbin (SASS for the target's archs). The runtime's
 ``ffi.Module.load_from_bytes.cuda`` then loads it with ``cuModuleLoadData``: no nvcc, no NVRTC.
 A C symbol ``tvmfuse_metadata`` holds the signature, target and versions as JSON.
+
+With external weights (``weights=``, from ``LiftWeights``) the tensors go to ``<name>.safetensors``
+beside the ``.so`` (:mod:`tvmfuse.build.weights`) and the metadata's ``"weights"`` entry names it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from typing import Any
 
 from ..errors import CompileError
 from ..runtime import METADATA_SYMBOL  # one name, defined where the loader reads it
+from ..runtime.weights import weights_path
 from ..targets import TargetSpec
 from .nvcc import compile_fatbin
+from .weights import Weights, write_weights
 
 
 class BlobReader:
@@ -124,10 +129,13 @@ def _metadata_c(metadata: dict[str, Any]) -> str:
 
 
 def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
-                   metadata: dict[str, Any], workdir: str | None = None) -> Path:
-    """Write ``executable`` (a ``relax.VMExecutable``) to ``path`` as one self-contained ``.so``.
+                   metadata: dict[str, Any], workdir: str | None = None,
+                   weights: Weights | None = None) -> Path:
+    """Write ``executable`` (a ``relax.VMExecutable``) to ``path`` as one self-contained ``.so``,
+    and ``weights`` (``[(name, tensor)]``, the parameters ``main`` takes after its inputs) to
+    ``<name>.safetensors`` beside it when given.
 
-    The file is written next to ``path`` and renamed into place, so a failed export never
+    The files are written next to ``path`` and renamed into place, so a failed export never
     clobbers an existing library.
     """
     import tvm
@@ -149,20 +157,27 @@ def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
         obj.write_to_file(out)
         return out
 
-    meta_c = Path(workdir) / "tvmfuse_metadata.c"
-    meta_c.write_text(_metadata_c(metadata))
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    wpath = weights_path(path)
+    wtmp = wpath.with_name(f".{wpath.name}.tmp{os.getpid()}")
     try:
+        if weights:
+            metadata = metadata | {"weights": write_weights(weights, wtmp, wpath.name)}
+        meta_c = Path(workdir) / "tvmfuse_metadata.c"
+        meta_c.write_text(_metadata_c(metadata))
         executable.export_library(str(tmp), fpack_imports=pack_imports, addons=[str(meta_c)],
                                   workspace_dir=workdir)
         if spec.is_cuda and stats["cuda_modules"] == 0:
             raise CompileError("export found no CUDA module to compile; nothing would run on GPU")
+        if weights:
+            os.replace(wtmp, wpath)
         os.replace(tmp, path)
     except CompileError:
         raise
     except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
         raise CompileError(f"exporting {path} failed: {err}") from err
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        for leftover in (tmp, wtmp):
+            if leftover.exists():
+                leftover.unlink()
     return path

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import DeviceError, InputError, LibraryError
 from ..targets import get_target
 from .lm import LM_FORMAT, LanguageModel
+from .weights import load_weights
 
 METADATA_SYMBOL = "tvmfuse_metadata"
 
@@ -134,12 +135,16 @@ class CompiledModel:
     """A loaded tvmfuse library: ``model(*inputs)`` runs one forward pass.
 
     Inputs are torch tensors (passed zero-copy through DLPack) or numpy arrays; outputs come
-    back as the same kind: one tensor, or a tuple for several outputs.
+    back as the same kind: one tensor, or a tuple for several outputs. ``weights``: the device
+    tensors of an external-weights library (``<name>.safetensors``), in parameter order.
     """
 
     def __init__(self, path: str | os.PathLike, device: str = "cuda") -> None:
         self.path = Path(path)
         self.metadata, self.device, self.lib, self.vm = _open(self.path, device)
+        # External weights (<name>.safetensors): checked, mapped and uploaded once; every call
+        # passes them after the inputs. Empty for a library that embeds its weights.
+        self.weights = load_weights(self.path, self.metadata, self.device)
         self._main = self.vm["main"]
         self.inputs = self.metadata["inputs"]
         self.output_names = [o["name"] for o in self.metadata["outputs"]]
@@ -228,7 +233,7 @@ class CompiledModel:
         if not kwargs and self._fast_torch(args):
             # tvm-ffi takes torch tensors through DLPack without a copy and hands back torch
             # tensors; a one-output library returns the tensor itself (UnwrapSingleOutput).
-            out = self._main(*args)
+            out = self._main(*args, *self.weights)
             if type(out) is self._torch_tensor:
                 return out
             result = tuple(o if isinstance(o, self._torch_tensor) else self._torch.from_dlpack(o)
@@ -253,7 +258,7 @@ class CompiledModel:
         if self.dynamic:
             self._check_shapes([tuple(t.shape) for t, _ in converted])
         kinds = {k for _, k in converted}
-        out = self._main(*[t for t, _ in converted])
+        out = self._main(*[t for t, _ in converted], *self.weights)
         outs = list(out) if not hasattr(out, "shape") else [out]
         if "torch" in kinds:
             import torch
@@ -284,4 +289,4 @@ def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel | Langu
     return CompiledModel(path, device)
 
 
-__all__ = ["CompiledModel", "LanguageModel", "load", "read_metadata"]
+__all__ = ["CompiledModel", "LanguageModel", "load", "load_weights", "read_metadata"]
