@@ -104,6 +104,9 @@ def test_compile_lm_then_generate(tmp_path):
     ids = torch.tensor([prompt])
     ref_tokens, ref_logits = torch_greedy(model, ids, 16)
     check_tokens(load(lib, device="cpu"), ids.numpy(), None, ref_tokens, ref_logits, got)
+    np.savez(tmp_path / "in.npz", ids=ids.numpy())
+    res = tvmfuse("run", str(lib), "--inputs", str(tmp_path / "in.npz"))
+    assert res.returncode == 1 and "run it with `tvmfuse generate`" in res.stderr
 
 
 def test_generate_refuses_a_plain_library(mlp_pt2, tmp_path):

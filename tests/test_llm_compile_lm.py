@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cuda_tools import needs_nvcc
 from tests.lm_reference import check_tokens, torch_greedy
 
 transformers = pytest.importorskip("transformers")
 
 import tvmfuse  # noqa: E402
 from tvmfuse.errors import InputError  # noqa: E402
+from tvmfuse.runtime import read_metadata  # noqa: E402
 
 STEPS = 32
 MAX_SEQ = 64
@@ -107,6 +109,36 @@ def test_llama_lm_module(dtype):
     assert lm.metadata["caches"][0]["dtype"] == str(dtype).removeprefix("torch.")
     torch.manual_seed(7)
     ids = torch.randint(0, 256, (1, 7))
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
+    got = lm.generate(ids, max_new_tokens=STEPS)
+    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+
+
+def _sm90_fp16_llama(path):
+    model = _llama().half()
+    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=MAX_SEQ, max_batch=2, prefill_lengths=[16])
+    return model, lib.export(path)
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_sm90_lowers_and_builds_with_nvcc(tmp_path):
+    """The fp16 Llama for sm90: every entry point lowers, nvcc builds the fatbin (export refuses a
+    library without CUDA code), the weights go to lm.safetensors once."""
+    model, path = _sm90_fp16_llama(tmp_path / "lm.so")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert params <= path.with_suffix(".safetensors").stat().st_size <= params + 2 * MAX_SEQ * 16 * 2 + 16384
+    meta = read_metadata(path)
+    assert meta["target"] == "sm90" and meta["caches"][0]["dtype"] == "float16"
+
+
+@pytest.mark.gpu
+def test_sm90_generate_on_the_gpu(tmp_path):
+    """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU)."""
+    model, path = _sm90_fp16_llama(tmp_path / "lm.so")
+    lm = tvmfuse.load(path, device="cuda")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 128, (2, 9))
     ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
     got = lm.generate(ids, max_new_tokens=STEPS)
     check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())

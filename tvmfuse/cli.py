@@ -16,7 +16,7 @@ import click
 import numpy as np
 
 from .errors import TvmfuseError
-from .runtime import load, read_metadata
+from .runtime import LanguageModel, load, read_metadata
 from .runtime.weights import weights_path
 from .targets import get_target
 
@@ -171,8 +171,6 @@ def _compile_lm(model: str, output: str, target: str, dtype: str | None, max_seq
               help="Default: cuda for GPU targets, cpu for the cpu target.")
 def generate(library: str, prompt_ids: str, max_new_tokens: int, device: str | None) -> None:
     """Greedy generation with a `compile --lm` LIBRARY: prints the new tokens and the times."""
-    from .runtime import LanguageModel
-
     ids = _int_list(prompt_ids, "--prompt-ids")
     if not ids:
         raise TvmfuseError("--prompt-ids is empty")
@@ -215,6 +213,8 @@ def run(library: str, inputs_path: str, output_path: str | None, device: str | N
     except Exception as err:
         raise TvmfuseError(f"{inputs_path}: not a readable .npz ({err})") from err
     model = load(library, device=_device(library, device))
+    if isinstance(model, LanguageModel):
+        raise TvmfuseError(f"{library} is a language-model library: run it with `tvmfuse generate`")
     names = [i["name"] for i in model.inputs]
     missing = [n for n in names if n not in data]
     if missing:
