@@ -7,6 +7,8 @@ teacher-forced logits (both sides fed the reference tokens) must agree within 2e
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 
@@ -17,13 +19,20 @@ LOGITS_REL = 2e-2
 def torch_greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int,
                  mask: torch.Tensor | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Greedy tokens (B, steps) of a cache-less model and each step's logits (B, V), recomputing
-    the whole sequence each step (positions = cumsum(mask) - 1 for left padding)."""
+    the whole sequence each step (positions = cumsum(mask) - 1 for left padding). ``model``: a
+    transformers causal LM, or a module whose ``forward(ids)`` returns logits."""
+    plain = "attention_mask" not in inspect.signature(model.forward).parameters
+    if plain and mask is not None:
+        raise ValueError("a model whose forward takes only ids has no left padding")
     mask = torch.ones_like(ids) if mask is None else mask
     tokens, logits = [], []
     with torch.no_grad():
         for _ in range(steps):
             pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+            if plain:  # ids → logits, like models/llama_lm.py
+                out = model(ids)
+            else:
+                out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
             last = out[:, -1].float()
             logits.append(last.numpy())
             nxt = last.argmax(-1)

@@ -77,3 +77,50 @@ def test_compile_unknown_format_is_one_line_error(tmp_path):
 def test_help_lists_commands():
     res = tvmfuse("--help")
     assert res.returncode == 0 and "compile" in res.stdout and "run" in res.stdout
+
+
+@pytest.mark.slow
+def test_compile_lm_then_generate(tmp_path):
+    """`compile --lm` + `generate` on models/llama_lm.py's fp16 `small` (RoPE tables of 32 rows)
+    against torch's greedy tokens (tests/lm_reference.py's rule)."""
+    from models import llama_lm
+    from tests.lm_reference import check_tokens, torch_greedy
+    from tvmfuse.runtime import load
+
+    lib = tmp_path / "lm.so"
+    res = tvmfuse("compile", "models.llama_lm:small", "--lm", "--target", "cpu", "--max-seq-len", "32",
+                  "--prefill-lengths", "8", "-o", str(lib))
+    assert res.returncode == 0, res.stderr
+    assert "2 KV-cache layers, prefill lengths [8]" in res.stdout
+    prompt = [5, 77, 3, 250, 9]
+    res = tvmfuse("generate", str(lib), "--prompt-ids", ",".join(map(str, prompt)),
+                  "--max-new-tokens", "16")
+    assert res.returncode == 0, res.stderr
+    tokens = [line for line in res.stdout.splitlines() if line.startswith("tokens: ")]
+    got = np.array([prompt + [int(t) for t in tokens[0].split()[1].split(",")]])
+    assert got.shape == (1, 5 + 16)
+    assert "prefill:" in res.stdout and "ms/token (15 steps)" in res.stdout
+    model, _ = llama_lm.small()
+    ids = torch.tensor([prompt])
+    ref_tokens, ref_logits = torch_greedy(model, ids, 16)
+    check_tokens(load(lib, device="cpu"), ids.numpy(), None, ref_tokens, ref_logits, got)
+    np.savez(tmp_path / "in.npz", ids=ids.numpy())
+    res = tvmfuse("run", str(lib), "--inputs", str(tmp_path / "in.npz"))
+    assert res.returncode == 1 and "run it with `tvmfuse generate`" in res.stderr
+
+
+def test_generate_refuses_a_plain_library(mlp_pt2, tmp_path):
+    path, _, _ = mlp_pt2
+    lib = tmp_path / "m.so"
+    assert tvmfuse("compile", str(path), "-o", str(lib), "--target", "cpu").returncode == 0
+    res = tvmfuse("generate", str(lib), "--prompt-ids", "1,2")
+    assert res.returncode == 1 and "not a language-model library" in res.stderr
+    res = tvmfuse("generate", str(lib), "--prompt-ids", "1,x")
+    assert res.returncode == 1 and "--prompt-ids must be comma-separated integers" in res.stderr
+
+
+def test_compile_lm_refuses_input_overrides(tmp_path):
+    res = tvmfuse("compile", "models.llama_lm:small", "--lm", "--target", "cpu", "--input", "ids:1x8",
+                  "-o", str(tmp_path / "x.so"))
+    assert res.returncode == 1 and "--lm takes no --input" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -27,6 +27,7 @@ LAZY_ALLOWED = {
     ("tvmfuse/__init__.py", "tvmfuse.llm"),
     ("tvmfuse/cli.py", "tvmfuse.compiler"),
     ("tvmfuse/cli.py", "tvmfuse.frontend"),
+    ("tvmfuse/cli.py", "tvmfuse.llm"),  # compile --lm
     ("tvmfuse/cli.py", "tvmfuse.report"),
     ("tvmfuse/cli.py", "tvmfuse.tune"),
 }

@@ -6,12 +6,14 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cuda_tools import needs_nvcc
 from tests.lm_reference import check_tokens, torch_greedy
 
 transformers = pytest.importorskip("transformers")
 
 import tvmfuse  # noqa: E402
 from tvmfuse.errors import InputError  # noqa: E402
+from tvmfuse.runtime import read_metadata  # noqa: E402
 
 STEPS = 32
 MAX_SEQ = 64
@@ -26,7 +28,7 @@ def _llama():
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama(tmp_path_factory):  # compiles 4 entry points: ~20 s on CI's 2 cores
     model = _llama()
     lib = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2,
                              prefill_lengths=[8, 16, 24])
@@ -34,6 +36,21 @@ def llama(tmp_path_factory):
     return model, tvmfuse.load(path, device="cpu")
 
 
+def test_weights_external_and_shared(llama):
+    """lm.safetensors beside lm.so holds each weight once for the 4 entry points (3 prefill lengths
+    and decode fold the same transposes / fused QKV): its size is the model's parameter bytes plus
+    the RoPE tables, not 4 times that; the .so does not hold them."""
+    model, lm = llama
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    tables = 2 * MAX_SEQ * (64 // 4) * 4  # cos and sin, (max_seq, head_dim) fp32
+    weights = lm.path.with_suffix(".safetensors")
+    assert lm.metadata["weights"]["file"] == "lm.safetensors" and len(lm.weights) > 0
+    assert params <= weights.stat().st_size <= params + tables + 16384  # + header
+    row = model.model.embed_tokens.weight[3].detach().numpy().tobytes()  # gathered as is
+    assert row in weights.read_bytes() and row not in lm.path.read_bytes()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [3, 11, 20])  # one per prefill length
 def test_llama_greedy_tokens(llama, length):
     model, lm = llama
@@ -66,6 +83,7 @@ def test_generate_refuses_past_the_cache(llama):
         lm.generate(np.zeros((1, 20), "int64"), max_new_tokens=MAX_SEQ)
 
 
+@pytest.mark.slow
 def test_gpt2_learned_positions():
     cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
                                   bos_token_id=0, eos_token_id=0)
@@ -74,6 +92,53 @@ def test_gpt2_learned_positions():
     lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=1,
                             prefill_lengths=[16]).load()
     ids = torch.randint(0, 128, (1, 6))
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
+    got = lm.generate(ids, max_new_tokens=STEPS)
+    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_llama_lm_module(dtype):
+    """models/llama_lm.py as a user writes it (fused QKV, cos/sin buffers sliced [:S], GQA by
+    repeat_interleave, SDPA), fp32 and fp16 as the model is (no dtype= conversion)."""
+    from models.llama_lm import build
+
+    model, _ = build(dtype=dtype, seq=MAX_SEQ)  # RoPE tables of MAX_SEQ rows
+    lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, prefill_lengths=[16]).load()
+    assert lm.metadata["caches"][0]["dtype"] == str(dtype).removeprefix("torch.")
+    torch.manual_seed(7)
+    ids = torch.randint(0, 256, (1, 7))
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
+    got = lm.generate(ids, max_new_tokens=STEPS)
+    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+
+
+def _sm90_fp16_llama(path):
+    model = _llama().half()
+    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=MAX_SEQ, max_batch=2, prefill_lengths=[16])
+    return model, lib.export(path)
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_sm90_lowers_and_builds_with_nvcc(tmp_path):
+    """The fp16 Llama for sm90: every entry point lowers, nvcc builds the fatbin (export refuses a
+    library without CUDA code), the weights go to lm.safetensors once."""
+    model, path = _sm90_fp16_llama(tmp_path / "lm.so")
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert params <= path.with_suffix(".safetensors").stat().st_size <= params + 2 * MAX_SEQ * 16 * 2 + 16384
+    meta = read_metadata(path)
+    assert meta["target"] == "sm90" and meta["caches"][0]["dtype"] == "float16"
+
+
+@pytest.mark.gpu
+def test_sm90_generate_on_the_gpu(tmp_path):
+    """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU)."""
+    model, path = _sm90_fp16_llama(tmp_path / "lm.so")
+    lm = tvmfuse.load(path, device="cuda")
+    torch.manual_seed(3)
+    ids = torch.randint(0, 128, (2, 9))
     ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
     got = lm.generate(ids, max_new_tokens=STEPS)
     check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())

@@ -276,3 +276,39 @@ def test_torch_export_fp16_module():
         ref = module(*inputs).float().numpy()
     out = _run_tuple(after, [t.numpy() for t in inputs])[0].astype(np.float32)
     assert np.abs(out - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
+@I.ir_module
+class BroadcastWeight:
+    """A Linear on (2, 3, 16) as torch.export writes it with a symbolic batch bound to 2: the
+    reshapes to 3-D are gone, the weight is broadcast over the batch."""
+
+    @R.function
+    def main(x: R.Tensor((2, 3, 16), "float32"),
+             w: R.Tensor((8, 16), "float32")) -> R.Tensor((2, 3, 8), "float32"):
+        with R.dataflow():
+            wt = R.permute_dims(w, axes=[1, 0])
+            xb = R.broadcast_to(x, R.shape([2, 3, 16]))
+            wb = R.broadcast_to(wt, R.shape([2, 16, 8]))
+            y = R.matmul(xb, wb, out_dtype="float32")
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class BroadcastWeightExpected:
+    @R.function
+    def main(x: R.Tensor((2, 3, 16), "float32"),
+             w: R.Tensor((8, 16), "float32")) -> R.Tensor((2, 3, 8), "float32"):
+        with R.dataflow():
+            wt = R.permute_dims(w, axes=[1, 0])
+            xb = R.broadcast_to(x, R.shape([2, 3, 16]))
+            y = R.matmul(xb, wt, out_dtype="float32")
+            R.output(y)
+        return y
+
+
+def test_weight_broadcast_over_the_batch_dropped():
+    after = relax.transform.DeadCodeElimination()(canonical(BroadcastWeight))
+    tvm.ir.assert_structural_equal(after, BroadcastWeightExpected)
+    assert_same_numerics(BroadcastWeight, after, rtol=1e-6)

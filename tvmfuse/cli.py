@@ -16,7 +16,7 @@ import click
 import numpy as np
 
 from .errors import TvmfuseError
-from .runtime import load, read_metadata
+from .runtime import LanguageModel, load, read_metadata
 from .runtime.weights import weights_path
 from .targets import get_target
 
@@ -89,14 +89,32 @@ _DYNAMIC = click.option(
               help="Also build for cpu and compare with onnxruntime/torch on random inputs.")
 @click.option("--weights", type=click.Choice(["auto", "external", "embedded"]), default="auto",
               show_default=True,
-              help="external: weights in LIB.safetensors beside LIB.so; auto: external from 256 MB.")
+              help="external: weights in LIB.safetensors beside LIB.so; auto: external from 256 MB "
+                   "(--lm libraries: always external).")
+@click.option("--lm", is_flag=True,
+              help="MODEL is a cache-less causal LM (ids -> logits): build prefill/decode entry "
+                   "points with a derived KV cache, for `tvmfuse generate`.")
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=2048, show_default=True,
+              help="With --lm: KV cache slots per sequence (prompt + generated tokens).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --lm: sequences generated together.")
+@click.option("--prefill-lengths", default=None, metavar="N,N,...",
+              help="With --lm: prompt lengths compiled (a prompt is padded to the next one).")
 def compile(model: str, output: str, target: str, dtype: str | None, inputs: tuple[str, ...],
-            dynamic: tuple[str, ...], tuning_db: str | None, check: bool,
-            weights: str) -> None:  # noqa: A001
+            dynamic: tuple[str, ...], tuning_db: str | None, check: bool, weights: str, lm: bool,
+            max_seq_len: int, max_batch: int, prefill_lengths: str | None) -> None:  # noqa: A001
     """Compile MODEL (.onnx, .pt2 or package.module:factory) into LIB.so."""
     from .compiler import compile as tvmfuse_compile
 
     t0 = time.perf_counter()
+    if lm:
+        if inputs or dynamic or tuning_db or check or weights == "embedded":
+            raise TvmfuseError("--lm takes no --input, --dynamic, --tuning-db, --check or --weights "
+                               "embedded (the LM's shapes come from --max-seq-len, --max-batch and "
+                               "--prefill-lengths; its weights are always external)")
+        _compile_lm(model, output, target, dtype, max_seq_len, max_batch,
+                    _int_list(prefill_lengths, "--prefill-lengths") if prefill_lengths else None, t0)
+        return
     lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs), tuning_db=tuning_db,
                           dynamic=list(dynamic), weights=weights)
     path = lib.export(output)
@@ -123,6 +141,61 @@ def compile(model: str, output: str, target: str, dtype: str | None, inputs: tup
             sys.exit(3)
 
 
+def _int_list(text: str, option: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError as err:
+        raise TvmfuseError(f"{option} must be comma-separated integers, got {text!r}") from err
+
+
+def _compile_lm(model: str, output: str, target: str, dtype: str | None, max_seq_len: int,
+                max_batch: int, prefill_lengths: list[int] | None, t0: float) -> None:
+    from .llm import compile_lm
+
+    lib = compile_lm(model, target=target, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
+                     prefill_lengths=prefill_lengths)
+    path = lib.export(output)
+    meta = lib.metadata
+    click.echo(f"wrote {path} (target {target}, LM, {time.perf_counter() - t0:.1f} s)")
+    click.echo(f"  max_seq_len {meta['max_seq_len']}, max_batch {meta['max_batch']}, vocab "
+               f"{meta['vocab']}, {len(meta['caches']) // 2} KV-cache layers, prefill lengths "
+               f"{meta['prefill_lengths']}")
+
+
+@main.command()
+@click.argument("library", type=click.Path(dir_okay=False))
+@click.option("--prompt-ids", required=True, metavar="ID,ID,...",
+              help="The prompt's token ids, comma-separated.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
+              help="Default: cuda for GPU targets, cpu for the cpu target.")
+def generate(library: str, prompt_ids: str, max_new_tokens: int, device: str | None) -> None:
+    """Greedy generation with a `compile --lm` LIBRARY: prints the new tokens and the times."""
+    ids = _int_list(prompt_ids, "--prompt-ids")
+    if not ids:
+        raise TvmfuseError("--prompt-ids is empty")
+    model = load(library, device=_device(library, device))
+    if not isinstance(model, LanguageModel):
+        raise TvmfuseError(f"{library} is not a language-model library (build it with "
+                           "`tvmfuse compile MODEL --lm`)")
+    out = model.generate(np.asarray([ids], "int64"), max_new_tokens=max_new_tokens)
+    t = model.timings
+    click.echo("tokens: " + ",".join(str(int(x)) for x in out[0, len(ids):]))
+    click.echo(f"prefill: {t['prefill_ms']:.2f} ms ({len(ids)} tokens), decode: "
+               f"{t['decode_ms_per_token']:.3f} ms/token ({max_new_tokens - 1} steps)")
+
+
+def _device(library: str, device: str | None) -> str:
+    """``device``, or cuda/cpu from the library's target."""
+    if device is not None:
+        return device
+    import tvm  # noqa: F401  (read_metadata needs TVM's symbols)
+
+    if not Path(library).is_file():
+        raise TvmfuseError(f"library {library} does not exist")
+    return "cpu" if read_metadata(library)["target"] == "cpu" else "cuda"
+
+
 @main.command()
 @click.argument("library", type=click.Path(dir_okay=False))
 @click.option("--inputs", "inputs_path", required=True, type=click.Path(dir_okay=False),
@@ -139,13 +212,9 @@ def run(library: str, inputs_path: str, output_path: str | None, device: str | N
         data = dict(np.load(inputs_path))
     except Exception as err:
         raise TvmfuseError(f"{inputs_path}: not a readable .npz ({err})") from err
-    if device is None:
-        import tvm  # noqa: F401  (read_metadata needs TVM's symbols)
-
-        if not Path(library).is_file():
-            raise TvmfuseError(f"library {library} does not exist")
-        device = "cpu" if read_metadata(library)["target"] == "cpu" else "cuda"
-    model = load(library, device=device)
+    model = load(library, device=_device(library, device))
+    if isinstance(model, LanguageModel):
+        raise TvmfuseError(f"{library} is a language-model library: run it with `tvmfuse generate`")
     names = [i["name"] for i in model.inputs]
     missing = [n for n in names if n not in data]
     if missing:

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import relax
 from tvm.sym import Analyzer
 
+from ..errors import CompileError
 from ..passes.legalize_fixes import legalize_overrides
+
+# a CompileError raised inside one of these passes crosses TVM's pass machinery as itself (else
+# tvm_ffi turns it into a RuntimeError with the same text)
+tvm_ffi.register_error("CompileError", CompileError)
 
 
 def bindings(func: relax.Function) -> dict[relax.Var, relax.Expr]:

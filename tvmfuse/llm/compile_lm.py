@@ -9,6 +9,9 @@ Entry points (``Bm`` = max_batch, caches ``(Bm, Hkv, max_seq, D)`` per layer, wr
     prefill{S}(ids (Bm, S), positions (Bm, S), offsets (Bm,), starts (Bm,), k_cache_0, v_cache_0, ...)
     decode(ids (Bm, 1), positions (Bm, 1), offsets, starts, caches...)        → logits (Bm, V)
 
+each followed by the same weights ``w_0 … w_{k-1}`` (``LiftWeights``: equal folded constants of
+the entry points are one parameter), which ``export`` writes to ``<name>.safetensors``.
+
 The passes after import are static-shape (FuseAttention proves masks causal by evaluating them),
 so the symbolic import is specialised per prefill length; a prompt is left-padded to the next one.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +29,11 @@ from tvm import relax
 
 from ..build import export_library
 from ..errors import CompileError, InputSpecError
+from ..frontend.torch_import import load_factory
 from ..passes import FuseDecomposedNorms, SimplifyNoOps
 from ..passes.attention import FuseAttention
 from ..passes.canonical import Canonicalize
+from ..passes.lift_weights import take_weights
 from ..pipeline import build, lower
 from ..runtime import load
 from ..runtime.lm import LM_FORMAT
@@ -39,6 +44,11 @@ from .import_lm import import_lm
 from .kv_cache import DeriveKVCache
 from .last_token import LastTokenLogits
 from .positions import PositionTables
+
+
+def _is_factory(spec: str) -> bool:
+    """``package.module:factory`` (not a file path)."""
+    return ":" in spec and not os.path.exists(spec) and not spec.endswith((".onnx", ".pt2"))
 
 
 def default_prefill_lengths(max_seq: int) -> list[int]:
@@ -68,15 +78,19 @@ def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, c
 
 @dataclass
 class LMLibrary:
-    """A compiled LM: ``export(path)`` writes the ``.so``; ``load()`` runs it in-process."""
+    """A compiled LM: ``export(path)`` writes the ``.so`` and ``<name>.safetensors``; ``load()``
+    runs it in-process."""
 
     executable: Any
     target: TargetSpec
     metadata: dict[str, Any]
+    # (name, tensor) in the order every entry point takes them after its caches
+    weights: list[tuple[str, Any]] = field(default_factory=list)
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write one ``.so`` (weights embedded; see the report on external weights)."""
-        return export_library(self.executable, path, self.target, self.metadata)
+        """Write the ``.so`` and its weights, ``<name>.safetensors`` beside it (always external:
+        one copy shared by every entry point)."""
+        return export_library(self.executable, path, self.target, self.metadata, weights=self.weights)
 
     def load(self, device: str | None = None):
         path = self.export(Path(tempfile.mkdtemp(prefix="tvmfuse-lm-")) / "lm.so")
@@ -85,7 +99,8 @@ class LMLibrary:
 
 def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max_batch: int = 1,
                prefill_lengths: list[int] | None = None, dtype: str | None = None) -> LMLibrary:
-    """Compile a cache-less causal LM (nn.Module, .pt2 or .onnx; ``ids → logits``) for generation.
+    """Compile a cache-less causal LM (nn.Module, .pt2, .onnx or ``package.module:factory``
+    returning ``(module, example_inputs)``; ``ids → logits``) for generation.
 
     ``prefill_lengths``: the prompt lengths compiled (a prompt is left-padded to the next one;
     default :func:`default_prefill_lengths`). ``dtype``: as in :func:`tvmfuse.compile`.
@@ -97,6 +112,8 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
     lengths = sorted(set(prefill_lengths or default_prefill_lengths(max_seq_len)))
     if lengths[0] < 2 or lengths[-1] > max_seq_len:
         raise InputSpecError(f"prefill lengths {lengths} must lie in 2..max_seq_len={max_seq_len}")
+    if isinstance(model, str) and _is_factory(model):
+        model, _ = load_factory(model)
     sym = PositionTables(max_seq_len)(import_lm(model, max_seq_len, max_batch))["main"]
     combined = tvm.IRModule()
     entries = {f"prefill{n}": n for n in lengths} | {"decode": 1}
@@ -107,7 +124,10 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
     caches = [{"shape": [int(d) for d in p.ty.shape.values], "dtype": str(p.ty.dtype)}
               for p in decode.params[4:]]
     vocab = int(decode.ret_ty.shape.values[1])
-    lowered = lower(combined, spec, dtype if dtype != "float32" else None)
+    # weights external: the entry points fold the same weights (transposes, fused QKV), LiftWeights
+    # makes equal constants one parameter, so the file holds each weight once for all of them
+    lowered = lower(combined, spec, dtype if dtype != "float32" else None, weights="external")
+    lowered, weights = take_weights(lowered)
     executable = build(lowered, spec)
     if not caches:
         raise CompileError("compile_lm: no KV cache was derived")
@@ -118,4 +138,4 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
         "inputs": [{"name": "input_ids", "shape": [max_batch, "S"], "dtype": "int64"}], "outputs": [],
         "versions": {"tvmfuse": __version__},
     }
-    return LMLibrary(executable, spec, metadata)
+    return LMLibrary(executable, spec, metadata, weights)

@@ -29,10 +29,16 @@ from ..errors import CompileError
 from ._graph import var_name
 from .kernels import CacheSpec, cache_attention, kv_append
 
+# every form FuseAttention may leave: the ones with a bias or packed lengths are refused, never
+# left in place (they would attend over this call's keys only)
+_ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias", "relax.nn.attention_var_len")
+
 
 def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int) -> CacheSpec:
     q, k, v = call.args[:3]
     where = f"compile_lm: attention at binding {var_name(var)!r}"
+    if call.op.name == "relax.nn.attention_var_len":
+        raise CompileError(f"{where} is variable-length (packed sequences): cannot derive a cache")
     if len(call.args) > 3:
         raise CompileError(f"{where} has a bias (padding or data-dependent mask): cannot derive a cache")
     if call.attrs.window_size is not None:
@@ -77,7 +83,7 @@ class _Rewrite(relax.PyExprMutator):
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         call = binding.value
         if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
-                and call.op.name == "relax.nn.attention"):
+                and call.op.name in _ATTENTION_OPS):
             super().visit_var_binding_(binding)
             return
         spec = _attention_spec(binding.var, call, self.max_seq)

@@ -47,4 +47,4 @@ class LastTokenLogits:
         for gv, func in mod.functions.items():
             if isinstance(func, relax.Function):
                 out[gv] = _last(func, gv.name_hint)
-        return out
+        return relax.transform.Normalize()(out)  # the new SeqExpr gets its type

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.sym import Analyzer
 
 from ..errors import CompileError
 from ._graph import bindings, evaluate, param_free, users, var_name
@@ -52,8 +53,18 @@ def _gather(table: np.ndarray, axis: int, positions: relax.Var, batch, seq) -> r
     return relax.op.reshape(g, [batch] + dims[1:axis] + [seq] + dims[axis + 1:])
 
 
-def position_frontier(func: relax.Function, seq: tvm.tirx.Var) -> list[tuple[relax.Var, int, int]]:
-    """``(var, S axis, reader rank)`` of each position table the model's data reads (see module doc)."""
+def position_frontier(func: relax.Function, seq: tvm.tirx.Var,
+                      max_seq: int) -> list[tuple[relax.Var, int, int]]:
+    """``(var, S axis, reader rank)`` of each position table the model's data reads (see module doc).
+
+    A dim equal to S for every S in 1..``max_seq`` counts as S (``cos[:S]`` of a table of
+    ``max_seq`` rows has ``min(S, max_seq)`` rows)."""
+    analyzer = Analyzer()
+    analyzer.bind(seq, tvm.ir.Range(1, max_seq + 1))
+
+    def is_seq(d) -> bool:
+        return d.same_as(seq) or analyzer.can_prove_equal(d, seq)
+
     table = bindings(func)
     free = param_free(table)
     readers = users(table, func.body.body)
@@ -67,10 +78,10 @@ def position_frontier(func: relax.Function, seq: tvm.tirx.Var) -> list[tuple[rel
                     if any(v.same_as(seq) for v in tvm.tirx.analysis.undefined_vars(d))]
         if not outside or not uses_seq:
             continue
-        if len(uses_seq) == 2 and all(dims[i].same_as(seq) for i in uses_seq):
+        if len(uses_seq) == 2 and all(is_seq(dims[i]) for i in uses_seq):
             continue  # (.., S, S): a mask; the attention rewrite checks it is causal
         axis = uses_seq[0]
-        if len(uses_seq) != 1 or not dims[axis].same_as(seq):
+        if len(uses_seq) != 1 or not is_seq(dims[axis]):
             raise _refuse(var, "has S inside a shape product or on several axes")
         if any(not isinstance(d, tvm.tirx.IntImm) for i, d in enumerate(dims) if i != axis):
             raise _refuse(var, "has a symbolic dimension besides S (e.g. the batch)")
@@ -80,7 +91,7 @@ def position_frontier(func: relax.Function, seq: tvm.tirx.Var) -> list[tuple[rel
             if not (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
                     and value.op.name in _ELEMENTWISE):
                 raise _refuse(var, "is read by something other than a broadcasting elementwise op")
-            ranks.add(len(_dims(user)))
+            ranks.add(user.ty.ndim)  # its shape may be unknown (S against min(S, M))
         if len(ranks) != 1:
             raise _refuse(var, f"is read at several ranks {sorted(ranks)}")
         found.append((var, axis, ranks.pop()))
@@ -98,7 +109,7 @@ class PositionTables:
         func = mod["main"]
         ids = func.params[0]
         batch, seq = _dims(ids)
-        frontier = position_frontier(func, seq)
+        frontier = position_frontier(func, seq, self.max_seq)
         out = mod.clone()
         positions = relax.Var("positions", relax.TensorType([batch, seq], "int64"))
         if not frontier:

@@ -311,7 +311,7 @@ def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel | Langu
     (``generate``)."""
     if read_metadata(path).get("format") == LM_FORMAT:
         meta, dev, _, vm = _open(Path(path), device)
-        return LanguageModel(vm, dev, meta, Path(path))
+        return LanguageModel(vm, dev, meta, Path(path), load_weights(Path(path), meta, dev))
     return CompiledModel(path, device)
 
 

@@ -1,7 +1,8 @@
 """Greedy generation with a ``tvmfuse.compile_lm`` library. Needs only the TVM runtime (and numpy).
 
 State per loaded model: one K and one V cache per layer, ``(max_batch, Hkv, max_seq, D)``, allocated
-once on the device and written in place by the library's entry points (no copy per step).
+once on the device and written in place by the library's entry points (no copy per step), and the
+weights (``<name>.safetensors``, uploaded once), passed to every entry point after the caches.
 
 A prompt batch ``(B, T)`` (left-padded, transformers' convention, with ``attention_mask``) is
 left-padded further to the next compiled prefill length ``n``: sequence b's real tokens start at
@@ -25,10 +26,12 @@ LM_FORMAT = "tvmfuse-lm/1"
 class LanguageModel:
     """A loaded LM library: ``generate(input_ids, max_new_tokens=N, attention_mask=None)``."""
 
-    def __init__(self, vm: Any, device: Any, metadata: dict[str, Any], path: Any) -> None:
+    def __init__(self, vm: Any, device: Any, metadata: dict[str, Any], path: Any,
+                 weights: list | None = None) -> None:
         import tvm
 
         self.vm, self.device, self.metadata, self.path = vm, device, metadata, path
+        self.weights = weights or []  # <name>.safetensors on the device, after the caches
         self.max_seq = int(metadata["max_seq_len"])
         self.max_batch = int(metadata["max_batch"])
         self.prefill_lengths = [int(n) for n in metadata["prefill_lengths"]]
@@ -50,7 +53,7 @@ class LanguageModel:
 
         args = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
                 for a in (ids, positions, offsets, self._starts)]
-        return func(*args, *self.caches).numpy()
+        return func(*args, *self.caches, *self.weights).numpy()
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
         """Start sequences from a (B, T) prompt batch; the last position's logits (B, V)."""

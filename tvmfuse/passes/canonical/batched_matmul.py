@@ -13,6 +13,11 @@ no-op (to its own shape) and the broadcast tensor otherwise. Shapes: a (*batch, 
 b (*batch, K, N), batch of rank ≥ 1, static. The 3-D matmul and its cast must have no other user
 (else the product would be computed twice); N-D × 2-D products (a Linear) are left alone.
 
+With one batch dim the reshapes are no-ops and vanish (compile_lm binds a symbolic batch), which
+leaves a Linear as ``matmul(a, broadcast_to(w, (B, K, N)))`` with ``w`` (K, N) and ``a``
+(B, M, K): that becomes ``matmul(a, w)`` (matmul broadcasts the 2-D operand), so the weight is not
+copied per batch row (a folded constant B times the weight's size, read B times per call).
+
 Runs in the canonicalisation stage, before any pattern pass (attention matches Q·Kᵀ and P·V on
 the N-D products).
 """
@@ -86,9 +91,27 @@ def _fold(func: relax.Function) -> relax.Function:
     return rewrite_call(pattern, rewrite, func)
 
 
+def _unbroadcast_weight(func: relax.Function) -> relax.Function:
+    """``matmul(a, broadcast_to(w, (*batch, K, N)))`` → ``matmul(a, w)`` for a 2-D ``w`` (K, N)
+    when ``a`` has the batch dims itself (module doc)."""
+    a, w = wildcard(), wildcard()
+    rhs = is_op("relax.broadcast_to")(w, wildcard())
+    pattern = is_op("relax.matmul")(a, rhs)
+
+    def rewrite(expr: relax.Call, m) -> relax.Expr:
+        ws, bs, as_ = static_shape(m[w]), static_shape(m[rhs]), static_shape(m[a])
+        if ws is None or bs is None or as_ is None or len(ws) != 2 or len(bs) < 3:
+            return expr
+        if bs[-2:] != ws or as_[:-2] != bs[:-2]:
+            return expr
+        return relax.op.matmul(m[a], m[w], out_dtype=expr.attrs.out_dtype)
+
+    return rewrite_call(pattern, rewrite, func)
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.CanonicalizeBatchedMatmul")
 class CanonicalizeBatchedMatmul:
     """``reshape(matmul(reshape(a), reshape(b)))`` over merged batch dims → ``matmul(a, b)``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, _fold)  # copies mod before assigning
+        return rewrite_functions(mod, lambda f: _unbroadcast_weight(_fold(f)))  # copies mod first

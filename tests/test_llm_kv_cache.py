@@ -1,0 +1,177 @@
+"""DeriveKVCache (tvmfuse/llm/kv_cache.py) and its TIR kernels (tvmfuse/llm/kernels.py).
+
+Each R.nn.attention becomes an in-place append of this call's K/V into its layer's caches plus
+attention over the cache; the function gains ``offsets, starts, k_cache_i, v_cache_i``. Checked
+structurally, against the Before module's numerics (a prefill from slot 0 is the causal attention
+itself), and the kernels on llvm against numpy: the append writes only slots
+``offsets[b] .. offsets[b] + S - 1`` (below max_seq), the attention reads slots
+``min(starts[b], p) .. p`` of query position ``p = offsets[b] + s``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from tests.relax_util import apply_pass, run_llvm
+from tvmfuse.errors import CompileError
+from tvmfuse.llm.kernels import CacheSpec, cache_attention, kv_append
+from tvmfuse.llm.kv_cache import DeriveKVCache
+
+MAX_SEQ = 16
+
+
+@I.ir_module
+class TwoLayers:
+    """Two causal self-attentions (the second reads the first's output as its query)."""
+
+    @R.function
+    def main(q: R.Tensor((2, 8, 4, 16), "float32"), k: R.Tensor((2, 8, 4, 16), "float32"),
+             v: R.Tensor((2, 8, 4, 16), "float32")) -> R.Tensor((2, 8, 4, 16), "float32"):
+        with R.dataflow():
+            a = R.nn.attention(q, k, v, causal_mask="TopLeft")
+            b = R.nn.attention(a, k, v, causal_mask="BottomRight")
+            out = R.add(a, b)
+            R.output(out)
+        return out
+
+
+def _calls(func: relax.Function) -> list[tuple[str, relax.Call]]:
+    found = []
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.Op):
+            found.append((e.op.name, e))
+
+    relax.analysis.post_order_visit(func.body, visit)
+    return found
+
+
+def test_each_attention_becomes_append_and_cache_attention():
+    after = apply_pass(DeriveKVCache(MAX_SEQ), TwoLayers)
+    func = after["main"]
+    names = [str(p.name) for p in func.params]
+    assert names == ["q", "k", "v", "offsets", "starts", "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1"]
+    for p in func.params[5:]:
+        assert [int(d) for d in p.ty.shape.values] == [2, 4, MAX_SEQ, 16] and p.ty.dtype == "float32"
+    for p in func.params[3:5]:
+        assert [int(d) for d in p.ty.shape.values] == [2] and p.ty.dtype == "int32"
+    ops = [name for name, _ in _calls(func)]
+    assert "relax.nn.attention" not in ops
+    assert ops.count("relax.call_tir_inplace") == 2 and ops.count("relax.call_tir") == 2
+    for _, call in _calls(func):
+        if call.op.name == "relax.call_tir_inplace":  # writes the two caches it is given, in place
+            assert [int(i) for i in call.attrs.inplace_indices] == [0, 1]
+            assert [str(a.name) for a in call.args[1].fields[:2]] in (
+                ["k_cache_0", "v_cache_0"], ["k_cache_1", "v_cache_1"])
+    # both layers have the same shapes: one append and one attention kernel shared
+    prims = [gv.name_hint for gv, f in after.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert sorted(prims) == ["main_cache_attention0", "main_kv_append0"]
+
+
+def test_prefill_from_slot_zero_equals_causal_attention():
+    after = apply_pass(DeriveKVCache(MAX_SEQ), TwoLayers)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 8, 4, 16)).astype("float32") for _ in range(3))
+    ref = run_llvm(TwoLayers, q, k, v)
+    zeros = np.zeros(2, "int32")
+    caches = [rng.standard_normal((2, 4, MAX_SEQ, 16)).astype("float32") for _ in range(4)]
+    out = run_llvm(after, q, k, v, zeros, zeros, *caches)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@I.ir_module
+class NotCausal:
+    @R.function
+    def main(q: R.Tensor((1, 8, 2, 16), "float32"), k: R.Tensor((1, 8, 2, 16), "float32"),
+             v: R.Tensor((1, 8, 2, 16), "float32")) -> R.Tensor((1, 8, 2, 16), "float32"):
+        with R.dataflow():
+            bidirectional = R.nn.attention(q, k, v)
+            R.output(bidirectional)
+        return bidirectional
+
+
+@I.ir_module
+class WithBias:
+    @R.function
+    def main(q: R.Tensor((1, 8, 2, 16), "float32"), k: R.Tensor((1, 8, 2, 16), "float32"),
+             v: R.Tensor((1, 8, 2, 16), "float32"),
+             bias: R.Tensor((1, 2, 8, 8), "float32")) -> R.Tensor((1, 8, 2, 16), "float32"):
+        with R.dataflow():
+            biased = R.nn.attention(q, k, v, bias, causal_mask="TopLeft")
+            R.output(biased)
+        return biased
+
+
+@I.ir_module
+class NoAttention:
+    @R.function
+    def main(x: R.Tensor((1, 8), "float32")) -> R.Tensor((1, 8), "float32"):
+        with R.dataflow():
+            y = R.add(x, x)
+            R.output(y)
+        return y
+
+
+@pytest.mark.parametrize("mod, message", [
+    (NotCausal, "attention at binding 'bidirectional' is not causal self-attention"),
+    (WithBias, "attention at binding 'biased' has a bias"),
+    (NoAttention, "function 'main' has no attention"),
+])
+def test_refuses_with_a_compile_error_naming_the_binding(mod, message):
+    with pytest.raises(CompileError, match=message):
+        apply_pass(DeriveKVCache(MAX_SEQ), mod)
+
+
+SPEC = CacheSpec(batch=3, seq=4, q_heads=4, kv_heads=2, head_dim=8, max_seq=MAX_SEQ, dtype="float32",
+                 scale=0.3)
+
+
+def _build(prim: tvm.tirx.PrimFunc):
+    return tvm.compile(tvm.IRModule({"main": prim.with_attr("global_symbol", "main")}), target="llvm")
+
+
+def test_append_writes_only_the_new_slots():
+    """Offsets 0, 5 and 14 (the last one runs past max_seq: slots 14, 15 written, 2 dropped)."""
+    rng = np.random.default_rng(1)
+    kc, vc = (rng.standard_normal(SPEC.cache_shape).astype("float32") for _ in range(2))
+    k, v = (rng.standard_normal(SPEC.kv_shape).astype("float32") for _ in range(2))
+    offsets = np.array([0, 5, 14], "int32")
+    args = [tvm.runtime.tensor(a) for a in (kc, vc, k, v, offsets)]
+    _build(kv_append(SPEC))(*args)
+    ref_k, ref_v = kc.copy(), vc.copy()
+    for b, off in enumerate(offsets):
+        for s in range(SPEC.seq):
+            if off + s < MAX_SEQ:
+                ref_k[b, :, off + s] = k[b, s]
+                ref_v[b, :, off + s] = v[b, s]
+    np.testing.assert_array_equal(args[0].numpy(), ref_k)
+    np.testing.assert_array_equal(args[1].numpy(), ref_v)
+    assert not np.array_equal(ref_k, kc)  # something was written
+
+
+def test_cache_attention_reads_the_visible_slots():
+    """GQA (2 query heads per KV head), per-sequence offsets and starts (left padding)."""
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal(SPEC.q_shape).astype("float32")
+    kc, vc = (rng.standard_normal(SPEC.cache_shape).astype("float32") for _ in range(2))
+    offsets = np.array([0, 6, 11], "int32")
+    starts = np.array([0, 3, 9], "int32")
+    out = tvm.runtime.empty(SPEC.q_shape, "float32")
+    _build(cache_attention(SPEC))(*[tvm.runtime.tensor(a) for a in (q, kc, vc, offsets, starts)], out)
+    ref = np.zeros(SPEC.q_shape, "float32")
+    group = SPEC.q_heads // SPEC.kv_heads
+    for b in range(SPEC.batch):
+        for s in range(SPEC.seq):
+            p = offsets[b] + s
+            lo = min(starts[b], p)
+            for h in range(SPEC.q_heads):
+                keys, vals = kc[b, h // group, lo:p + 1], vc[b, h // group, lo:p + 1]
+                scores = SPEC.scale * keys @ q[b, s, h]
+                w = np.exp(scores - scores.max())
+                ref[b, s, h] = (w / w.sum()) @ vals
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
