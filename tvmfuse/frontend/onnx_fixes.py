@@ -138,7 +138,67 @@ class Unsqueeze(stock.Unsqueeze):
         return super()._impl_v13(bb, inputs, attr, params)
 
 
-OVERRIDES: dict[str, type] = {"Attention": Attention, "Unsqueeze": Unsqueeze}
+class Reshape(stock.Reshape):
+    """TVM's ``Reshape`` that also takes a scalar shape value (a PrimExpr such as ``S + 1``).
+
+    The dynamo exporter reshapes ``size(1) + 1`` to ``[1]`` / ``[-1]`` / ``[]`` while building a
+    causal mask; 0.27 hands the PrimExpr to ``R.reshape``, which needs a tensor. One element
+    stays a shape value (``ShapeExpr([v])`` or the PrimExpr); anything else is a 0-d tensor.
+    """
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data = inputs[0]
+        if tvm.ir.is_prim_expr(data):
+            target = stock.get_constant(inputs[1], params)
+            if isinstance(target, tvm.ir.GenericConst):
+                dims = [int(d) for d in target.value.numpy().reshape(-1)]
+                if not dims:
+                    return data
+                if len(dims) == 1 and dims[0] in (1, -1):
+                    return relax.ShapeExpr([data])
+            data = bb.normalize(relax.op.full(relax.ShapeExpr([]), data, _prim_dtype(data)))
+            inputs = [data, *inputs[1:]]
+        return super()._impl_v13(bb, inputs, attr, params)
+
+
+def _prim_dtype(x: tvm.ir.PrimExpr) -> str:
+    return str(getattr(x, "dtype", None) or x.ty)  # a tirx.Var's dtype is its type's
+
+
+def _int_scalar(x: Any, params: Any) -> int | tvm.ir.PrimExpr | None:
+    """An int or integer PrimExpr from a Range input (a constant or a shape value); else None."""
+    x = stock.get_constant(x, params)
+    if isinstance(x, tvm.ir.GenericConst):
+        value = x.value.numpy()
+        return int(value.reshape(-1)[0]) if value.size == 1 and value.dtype.kind in "iu" else None
+    return x if tvm.ir.is_prim_expr(x) and _prim_dtype(x).startswith("int") else None
+
+
+class Range(stock.Range):
+    """TVM's ``Range`` with a symbolic integer bound kept in the output shape.
+
+    ``Range(0, S, 1)`` (``torch.arange(seq)``): 0.27 computes the count as a tensor and gives the
+    result a fresh length ``range_len_0``, unrelated to ``S``, so every shape built from it stops
+    matching the model's. With integer ``start`` / ``limit`` (constants or shape values) and a
+    positive constant ``delta`` this is ``R.arange(start, limit, delta)``: length
+    ``ceil((limit - start) / delta)`` in the symbols.
+    """
+
+    @classmethod
+    def _impl_v12(cls, bb, inputs, attr, params):
+        start, limit, delta = (_int_scalar(x, params) for x in inputs[:3])
+        symbolic = any(tvm.ir.is_prim_expr(x) for x in (start, limit))
+        if symbolic and None not in (start, limit) and isinstance(delta, int) and delta > 0:
+            dtype = str(inputs[0].ty.dtype) if hasattr(inputs[0].ty, "dtype") else "int64"
+            if not dtype.startswith("int"):
+                dtype = "int64"
+            return relax.op.arange(start, limit, delta, dtype)
+        return super()._impl_v12(bb, inputs, attr, params)
+
+
+OVERRIDES: dict[str, type] = {"Attention": Attention, "Range": Range, "Reshape": Reshape,
+                               "Unsqueeze": Unsqueeze}
 
 
 @contextmanager
@@ -169,4 +229,5 @@ def node_refusals(graph) -> list[tuple[str, str]]:
     return found
 
 
-__all__ = ["OVERRIDES", "Attention", "Unsqueeze", "attention_refusals", "converters", "node_refusals"]
+__all__ = ["OVERRIDES", "Attention", "Range", "Reshape", "Unsqueeze", "attention_refusals", "converters",
+           "node_refusals"]
