@@ -197,8 +197,65 @@ class Range(stock.Range):
         return super()._impl_v12(bb, inputs, attr, params)
 
 
-OVERRIDES: dict[str, type] = {"Attention": Attention, "Range": Range, "Reshape": Reshape,
-                               "Unsqueeze": Unsqueeze}
+class Gather(stock.Gather):
+    """TVM's ``Gather`` that keeps one dimension of a shape value symbolic for a 1-element index.
+
+    ``Gather(Shape(x), [i])`` (the legacy exporter's ``x.size(i)``): 0.27 turns the shape into a
+    tensor and gathers at run time, so a slice bound computed from it (``x[..., : d // 2]``) has
+    no static length and every shape after it is lost. Here it is the dimension itself, a PrimExpr
+    (a 1-element shape value: the importer's arithmetic and ``Slice`` take those, and
+    :class:`Concat` below).
+    """
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data, index = inputs[0], stock.get_constant(inputs[1], params)
+        if isinstance(data, relax.ShapeExpr) and isinstance(index, tvm.ir.GenericConst):
+            idx = index.value.numpy()
+            if idx.shape == (1,) and attr.get("axis", 0) == 0:
+                return data.values[int(idx[0])]
+        return super()._impl_v13(bb, inputs, attr, params)
+
+
+class Concat(stock.Concat):
+    """TVM's ``Concat`` that takes a scalar shape value (PrimExpr) as a 1-element shape part."""
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        if any(tvm.ir.is_prim_expr(x) for x in inputs):
+            inputs = [relax.ShapeExpr([x]) if tvm.ir.is_prim_expr(x) else x for x in inputs]
+        return super()._impl_v13(bb, inputs, attr, params)
+
+
+class Tile(stock.Tile):
+    """TVM's ``Tile`` with constant repeats as a Relax op instead of ``emit_te(topi.tile)``::
+
+        Tile(x, reps)  →  broadcast_to(x, shape · reps)   every repeated axis of x has length 1
+                       →  R.tile(x, reps)                  otherwise
+
+    The legacy exporter writes ``repeat_interleave(k, n, dim=1)`` (GQA) as ``Unsqueeze`` →
+    ``Tile`` over the new length-1 axis → ``Reshape``: as a broadcast it is the KV repetition
+    FuseAttention knows. ``emit_te`` needs a known shape (0.27 fails with "emit_te now only
+    supports Tensor that has ShapeExpr shape" otherwise) and leaves a PrimFunc behind; the Relax
+    ops take symbolic shapes.
+    """
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data, reps = inputs[0], stock.get_constant(inputs[1], params)
+        shape = data.ty.shape if isinstance(data.ty, relax.TensorType) else None
+        if not isinstance(reps, tvm.ir.GenericConst) or not isinstance(shape, relax.ShapeExpr):
+            return super()._impl_v13(bb, inputs, attr, params)
+        reps = [int(r) for r in reps.value.numpy().reshape(-1)]
+        dims = list(shape.values)
+        if len(reps) == len(dims) and all(r == 1 or (isinstance(d, tvm.tirx.IntImm) and int(d) == 1)
+                                          for d, r in zip(dims, reps)):
+            return relax.op.broadcast_to(data, relax.ShapeExpr([d * r for d, r in zip(dims, reps)]))
+        return relax.op.tile(data, reps)
+
+
+OVERRIDES: dict[str, type] = {"Attention": Attention, "Concat": Concat, "Gather": Gather, "Range": Range,
+                               "Reshape": Reshape, "Tile": Tile, "Unsqueeze": Unsqueeze}
 
 
 @contextmanager
@@ -229,5 +286,5 @@ def node_refusals(graph) -> list[tuple[str, str]]:
     return found
 
 
-__all__ = ["OVERRIDES", "Attention", "Range", "Reshape", "Unsqueeze", "attention_refusals", "converters",
-           "node_refusals"]
+__all__ = ["OVERRIDES", "Attention", "Concat", "Gather", "Range", "Reshape", "Tile", "Unsqueeze",
+           "attention_refusals", "converters", "node_refusals"]
