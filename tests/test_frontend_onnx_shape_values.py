@@ -115,7 +115,20 @@ def test_size_arithmetic_slice_and_concat(tmp_path):
     _check(_model(nodes, [_x([2, "S", 16])]), tmp_path, [2, "S", 16], "[2, S * 8]")
 
 
-@pytest.mark.parametrize("target", [[1], [-1], []], ids=["to-1", "to-minus1", "to-scalar"])
+def test_size_times_a_wide_constant(tmp_path):
+    """``x.size(1) * [1, 2]`` (a 1-element shape value against a 2-element constant, as BERT's
+    legacy export writes) is a 2-element tensor."""
+    nodes = [
+        _const("i1", [1]), _const("w", [1, 2]),
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "i1"], ["s"], axis=0),
+        helper.make_node("Mul", ["s", "w"], ["m"]),
+        helper.make_node("Cast", ["m"], ["y"], to=TensorProto.FLOAT),
+    ]
+    _check(_model(nodes, [_x([2, "S"])]), tmp_path, [2, "S"], "[2]")
+
+
+@pytest.mark.parametrize("target", [[1], [-1], [], [1, 1]], ids=["to-1", "to-minus1", "to-scalar", "to-1x1"])
 def test_reshape_of_a_scalar_shape_value(tmp_path, target):
     """The dynamo exporter reshapes ``x.size(1)`` (a scalar shape value) while building a mask."""
     nodes = [

@@ -143,7 +143,8 @@ class Reshape(stock.Reshape):
 
     The dynamo exporter reshapes ``size(1) + 1`` to ``[1]`` / ``[-1]`` / ``[]`` while building a
     causal mask; 0.27 hands the PrimExpr to ``R.reshape``, which needs a tensor. One element
-    stays a shape value (``ShapeExpr([v])`` or the PrimExpr); anything else is a 0-d tensor.
+    stays a shape value (``ShapeExpr([v])`` or the PrimExpr); other targets reshape a 1-element
+    tensor.
     """
 
     @classmethod
@@ -157,13 +158,19 @@ class Reshape(stock.Reshape):
                     return data
                 if len(dims) == 1 and dims[0] in (1, -1):
                     return relax.ShapeExpr([data])
-            data = bb.normalize(relax.op.full(relax.ShapeExpr([]), data, _prim_dtype(data)))
-            inputs = [data, *inputs[1:]]
+            inputs = [_prim_tensor(bb, data), *inputs[1:]]
         return super()._impl_v13(bb, inputs, attr, params)
 
 
 def _prim_dtype(x: tvm.ir.PrimExpr) -> str:
     return str(getattr(x, "dtype", None) or x.ty)  # a tirx.Var's dtype is its type's
+
+
+def _prim_tensor(bb: relax.BlockBuilder, x: tvm.ir.PrimExpr) -> relax.Expr:
+    """A scalar shape value as a 1-element tensor of its dtype."""
+    t = bb.normalize(relax.op.shape_to_tensor(relax.ShapeExpr([tvm.tirx.Cast("int64", x)])))
+    dtype = _prim_dtype(x)
+    return t if dtype == "int64" else bb.normalize(relax.op.astype(t, dtype))
 
 
 def _int_scalar(x: Any, params: Any) -> int | tvm.ir.PrimExpr | None:
@@ -254,8 +261,34 @@ class Tile(stock.Tile):
         return relax.op.tile(data, reps)
 
 
+def _prims_as_tensors(base: type) -> type:
+    """``base`` (an elementwise ONNX converter) with scalar shape values (PrimExprs) made 1-element
+    int64 tensors when another input is a constant of several elements: 0.27 folds a PrimExpr with
+    constants through numpy and fails ("can only convert an array of size 1") when the result has
+    more than one element. A 1-element shape value meets such a constant once :class:`Gather`
+    keeps ``x.size(i)`` symbolic (BERT's legacy export multiplies it into a constant shape)."""
+
+    class PrimsAsTensors(base):
+        @classmethod
+        def get_converter(cls, opset):
+            impl = super().get_converter(opset)
+
+            def convert(bb, inputs, attr, params):
+                wide = any(isinstance(x, tvm.ir.GenericConst) and x.value.numpy().size > 1 for x in inputs)
+                if wide and any(tvm.ir.is_prim_expr(x) for x in inputs):
+                    inputs = [_prim_tensor(bb, x) if tvm.ir.is_prim_expr(x) else x for x in inputs]
+                return impl(bb, inputs, attr, params)
+
+            return convert
+
+    PrimsAsTensors.__name__ = PrimsAsTensors.__qualname__ = base.__name__
+    return PrimsAsTensors
+
+
 OVERRIDES: dict[str, type] = {"Attention": Attention, "Concat": Concat, "Gather": Gather, "Range": Range,
-                               "Reshape": Reshape, "Tile": Tile, "Unsqueeze": Unsqueeze}
+                               "Reshape": Reshape, "Tile": Tile, "Unsqueeze": Unsqueeze,
+                               **{op: _prims_as_tensors(getattr(stock, op))
+                                  for op in ("Add", "Sub", "Mul", "Div")}}
 
 
 @contextmanager
