@@ -17,17 +17,17 @@ when the machine is shared; the whole file took 580 s there.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tests.lm_reference import check_tokens, tiny_lm, torch_greedy
 
 pytest.importorskip("transformers")
-pytest.importorskip("onnx")
+onnx = pytest.importorskip("onnx")
 
 import tvmfuse  # noqa: E402
-
-pytestmark = pytest.mark.slow
+from tvmfuse.errors import ModelError  # noqa: E402
 
 STEPS = 32
 MAX_SEQ = 64
@@ -89,12 +89,14 @@ def _check_generate(model: torch.nn.Module, lm, batch: int, length: int, seed: i
     check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
 
 
+@pytest.mark.slow
 def test_onnx_greedy_tokens(onnx_lm):
     model, lm = onnx_lm
     _check_generate(model, lm, batch=2, length=5, seed=1)   # prefill8
     _check_generate(model, lm, batch=1, length=13, seed=2)  # prefill16
 
 
+@pytest.mark.slow
 def test_pt2_greedy_tokens(tmp_path):
     """``torch.export.save`` of the Llama wrapper with a dynamic batch and sequence length."""
     from torch.export import Dim
@@ -108,3 +110,24 @@ def test_pt2_greedy_tokens(tmp_path):
                             prefill_lengths=PREFILLS).load()
     _check_generate(model, lm, batch=2, length=5, seed=1)
     _check_generate(model, lm, batch=1, length=13, seed=2)
+
+
+def _ids_model(shape: list) -> onnx.ModelProto:
+    """ids → Gather from a (128, 8) embedding: enough of an LM for the input checks."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(np.ones((128, 8), np.float32), "table")
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"])], "g",
+                              [helper.make_tensor_value_info("ids", TensorProto.INT64, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [table])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("shape, message", [([1, 8], "static sequence length 8"),
+                                            ([1, "seq"], "static batch 1, not max_batch=2")])
+def test_onnx_ids_axes_refused(tmp_path, shape, message):
+    path = tmp_path / "ids.onnx"
+    onnx.save(_ids_model(shape), path)
+    with pytest.raises(ModelError, match=message) as err:
+        tvmfuse.compile_lm(str(path), target="cpu", max_seq_len=MAX_SEQ, max_batch=MAX_BATCH)
+    assert str(path) in str(err.value)

@@ -2,8 +2,11 @@
 
 torch: ``torch.export`` with ``dynamic_shapes`` (B in 1..max_batch, S in 2..max_seq; an
 ``nn.Module`` whose output is a transformers ``ModelOutput`` or a tuple gives its first field,
-``use_cache=False`` where ``forward`` takes it) and TVM's ``from_exported_program``; ONNX: the
-file's ``dim_param`` axes stay symbolic. The result is ``main(ids: (B, S)) → (logits,)``.
+``use_cache=False`` where ``forward`` takes it) and TVM's ``from_exported_program``; ``.pt2``: the
+saved program with its own symbols; ONNX: tvmfuse's ONNX import (with its converter fixes for
+shape values) with the ids input's axes named B (1..max_batch; a static batch must equal
+max_batch) and S (2..max_seq), whatever the file's ``dim_param``s. The result is
+``main(ids: (B, S)) → (logits,)``.
 """
 
 from __future__ import annotations
@@ -77,9 +80,9 @@ def _torch_module(model, max_seq: int, max_batch: int) -> tvm.IRModule:
 
 def _onnx_module(path: str, max_seq: int, max_batch: int) -> tvm.IRModule:
     """The ONNX file with its token-id axes named ``B`` and ``S`` (whatever its ``dim_param``s)."""
-    from ..frontend.onnx_import import _load, import_onnx
+    from ..frontend.onnx_import import import_onnx, load_onnx
 
-    proto = _load(path, path)
+    proto = load_onnx(path, path)
     inits = {t.name for t in proto.graph.initializer}
     inputs = [i for i in proto.graph.input if i.name not in inits]
     if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 2:
@@ -95,7 +98,7 @@ def _onnx_module(path: str, max_seq: int, max_batch: int) -> tvm.IRModule:
                          f"not max_batch={max_batch}; export a dynamic batch axis or match it")
     dynamic = {"S": (2, max_seq)} | ({} if batch else {"B": (1, max_batch)})
     shape = (batch or "B", "S")
-    return import_onnx(proto, {inputs[0].name: InputOverride(shape, "int64")}, dynamic).mod
+    return import_onnx(proto, {inputs[0].name: InputOverride(shape, "int64")}, dynamic, source=path).mod
 
 
 def import_lm(model: Any, max_seq: int, max_batch: int) -> tvm.IRModule:
