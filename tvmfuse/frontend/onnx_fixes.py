@@ -18,6 +18,12 @@
 * ``Unsqueeze`` (opset 13) with a 0-d ``axes`` constant: the dynamo exporter writes one for
   ``F.scaled_dot_product_attention(..., enable_gqa=True)``; 0.27 iterates the axes and fails
   with "'int' object is not iterable". The axes become a 1-element list first.
+* Shape values with symbolic lengths (an LM exported with a dynamic sequence axis ``S``), where
+  0.27 computes at run time and so loses every shape after: ``Range`` with a symbolic bound,
+  ``Reshape`` / ``Concat`` of a scalar shape value, ``Gather`` of one shape dim, scalar shape
+  values against multi-element constants in ``Add`` / ``Sub`` / ``Mul`` / ``Div``, and ``Tile``
+  (the legacy exporter's GQA ``repeat_interleave``) as a broadcast / ``R.tile``. Each class says
+  which exporter writes what.
 """
 
 from __future__ import annotations
