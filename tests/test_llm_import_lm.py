@@ -11,8 +11,8 @@ The legacy exporter cannot export the plain wrapper of transformers 5.x: with no
 the model checks position ids for packed sequences with ``torch.diff``, which it has no ONNX
 symbolic for; that case is skipped with the exporter's error. Passing an all-ones
 ``attention_mask`` (the ``legacy-ones-mask`` wrapper) avoids the check, and that export is tested.
-Marked slow: a compile takes ~20 s alone on the 2-core machine (prefill8, prefill16, decode), 60-145 s
-when the machine is shared; the whole file took 580 s there.
+The compiling tests are marked slow: a compile (prefill8, prefill16, decode) takes 20-30 s on the
+2-core machine, the file ~190 s (580 s when the machine was shared with other jobs).
 """
 
 from __future__ import annotations
