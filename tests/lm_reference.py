@@ -65,3 +65,19 @@ def check_tokens(lm, ids: np.ndarray, mask: np.ndarray | None, ref_tokens: np.nd
             for s, (a, b) in enumerate(zip(forced, ref_logits)):
                 assert _rel(a, b) < LOGITS_REL, f"teacher-forced logits at step {s}: rel {_rel(a, b)}"
             return
+
+
+def tiny_lm(name: str) -> torch.nn.Module:
+    """transformers ``llama`` (4 query / 2 KV heads) or ``gpt2`` at random init: 2 layers, hidden 64,
+    vocab 128."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                       max_position_embeddings=256)
+        return transformers.LlamaForCausalLM(cfg).eval()
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()

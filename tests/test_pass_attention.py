@@ -339,6 +339,52 @@ def test_gqa_repeat_kv_and_scale_folded_into_q_and_k():
     assert_same_numerics(Gqa, after)
 
 
+# --- GQA at one query (decode): Kᵀ's transpose next to the length-1 axis is part of the reshape ---
+
+
+@I.ir_module
+class GqaDecode:
+    """(B, Hkv, 1, D) keys repeated and viewed as Kᵀ (B, H, D, 1) by one reshape: what
+    CollapseViewChains leaves of repeat_kv → reshape → transpose when S = 1 (ONNX exports)."""
+
+    @R.function
+    def main(q: R.Tensor((2, 4, 1, 16), "float32"), k: R.Tensor((2, 2, 1, 16), "float32"),
+             v: R.Tensor((2, 2, 1, 16), "float32")) -> R.Tensor((2, 4, 1, 16), "float32"):
+        with R.dataflow():
+            ke = R.expand_dims(k, axis=[2])
+            kb = R.broadcast_to(ke, R.shape([2, 2, 2, 1, 16]))
+            kt = R.reshape(kb, R.shape([2, 4, 16, 1]))
+            ve = R.expand_dims(v, axis=[2])
+            vb = R.broadcast_to(ve, R.shape([2, 2, 2, 1, 16]))
+            vr = R.reshape(vb, R.shape([2, 4, 1, 16]))
+            s = R.matmul(q, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            p = R.nn.softmax(s2, axis=-1)
+            o = R.matmul(p, vr)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class GqaDecodeExpected:
+    @R.function
+    def main(q: R.Tensor((2, 4, 1, 16), "float32"), k: R.Tensor((2, 2, 1, 16), "float32"),
+             v: R.Tensor((2, 2, 1, 16), "float32")) -> R.Tensor((2, 4, 1, 16), "float32"):
+        with R.dataflow():
+            q1 = R.permute_dims(q, axes=[0, 2, 1, 3])
+            k1 = R.permute_dims(k, axes=[0, 2, 1, 3])
+            v1 = R.permute_dims(v, axes=[0, 2, 1, 3])
+            a = R.nn.attention(q1, k1, v1, scale=T.float32(0.25))
+            o = R.permute_dims(a, axes=[0, 2, 1, 3])
+            R.output(o)
+        return o
+
+
+def test_gqa_decode_repeat_with_unit_axis_moved():
+    after = assert_fused(GqaDecode, GqaDecodeExpected, group="2")
+    assert_same_numerics(GqaDecode, after)
+
+
 # --- MQA through R.repeat -------------------------------------------------------------------------
 
 

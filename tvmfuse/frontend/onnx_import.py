@@ -16,7 +16,9 @@ _ONNX_DTYPES = {1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6:
                 16: "bfloat16"}
 
 
-def _load(model: Any, source: str):
+def load_onnx(model: Any, source: str):
+    """``model`` as an ``onnx.ModelProto`` (a path is read; a proto passes through); unreadable or
+    empty files raise :class:`~tvmfuse.errors.ModelError` naming ``source``."""
     import onnx
     from google.protobuf.message import DecodeError
 
@@ -194,13 +196,15 @@ def _ort_reference(proto):
 
 
 def import_onnx(model: Any, overrides: dict[str, InputOverride],
-                dynamic: Ranges | None = None) -> ImportedModel:
+                dynamic: Ranges | None = None, source: str | None = None) -> ImportedModel:
     """Import an ONNX file or ModelProto; shapes come from the model or ``overrides``; the symbols
-    that ``dynamic`` names (``dim_param``s or symbols of ``overrides``) stay symbolic."""
+    that ``dynamic`` names (``dim_param``s or symbols of ``overrides``) stay symbolic. ``source``
+    names the model in errors (default: the path)."""
     from tvm.relax.frontend.onnx import from_onnx
 
-    source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else "<onnx.ModelProto>"
-    proto = _load(model, source)
+    if source is None:
+        source = os.fspath(model) if isinstance(model, (str, os.PathLike)) else "<onnx.ModelProto>"
+    proto = load_onnx(model, source)
     check_opset(proto, source)
     check_defined_inputs(proto.graph, source)
     unsupported = scan_unsupported(proto.graph)

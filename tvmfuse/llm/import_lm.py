@@ -2,8 +2,11 @@
 
 torch: ``torch.export`` with ``dynamic_shapes`` (B in 1..max_batch, S in 2..max_seq; an
 ``nn.Module`` whose output is a transformers ``ModelOutput`` or a tuple gives its first field,
-``use_cache=False`` where ``forward`` takes it) and TVM's ``from_exported_program``; ONNX: the
-file's ``dim_param`` axes stay symbolic. The result is ``main(ids: (B, S)) → (logits,)``.
+``use_cache=False`` where ``forward`` takes it) and TVM's ``from_exported_program``; ``.pt2``: the
+saved program with its own symbols; ONNX: tvmfuse's ONNX import (with its converter fixes for
+shape values) with the ids input's axes named B (1..max_batch; a static batch must equal
+max_batch) and S (2..max_seq), whatever the file's ``dim_param``s. The result is
+``main(ids: (B, S)) → (logits,)``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import tvm
 from tvm import relax
 
 from ..errors import ModelError, UnsupportedOpError
+from ..frontend.spec import InputOverride
 from ..frontend.torch_fixes import custom_convert_map
 from ..frontend.torch_import import scan_unsupported
 
@@ -74,18 +78,27 @@ def _torch_module(model, max_seq: int, max_batch: int) -> tvm.IRModule:
     return _from_exported(ep, source)
 
 
-def _onnx_module(path: str) -> tvm.IRModule:
-    import onnx
-    from tvm.relax.frontend.onnx import from_onnx
+def _onnx_module(path: str, max_seq: int, max_batch: int) -> tvm.IRModule:
+    """The ONNX file with its token-id axes named ``B`` and ``S`` (whatever its ``dim_param``s)."""
+    from ..frontend.onnx_import import import_onnx, load_onnx
 
-    try:
-        proto = onnx.load(path)
-    except Exception as err:
-        raise ModelError(f"{path}: not a readable ONNX file ({err})") from err
-    try:
-        return from_onnx(proto, keep_params_in_input=False)
-    except Exception as err:
-        raise ModelError(f"{path}: ONNX import failed: {type(err).__name__}: {err}") from err
+    proto = load_onnx(path, path)
+    inits = {t.name for t in proto.graph.initializer}
+    inputs = [i for i in proto.graph.input if i.name not in inits]
+    if len(inputs) != 1 or len(inputs[0].type.tensor_type.shape.dim) != 2:
+        raise ModelError(f"compile_lm: {path} must have one input, token ids (batch, seq); got "
+                         f"{[i.name for i in inputs]}")
+    batch, seq = (d.dim_value if d.HasField("dim_value") else None
+                  for d in inputs[0].type.tensor_type.shape.dim)
+    if seq is not None:
+        raise ModelError(f"compile_lm: {path}: input {inputs[0].name!r} has a static sequence length "
+                         f"{seq}; export it with a dynamic sequence axis (dynamic_shapes / dynamic_axes)")
+    if batch is not None and batch != max_batch:
+        raise ModelError(f"compile_lm: {path}: input {inputs[0].name!r} has a static batch {batch}, "
+                         f"not max_batch={max_batch}; export a dynamic batch axis or match it")
+    dynamic = {"S": (2, max_seq)} | ({} if batch else {"B": (1, max_batch)})
+    shape = (batch or "B", "S")
+    return import_onnx(proto, {inputs[0].name: InputOverride(shape, "int64")}, dynamic, source=path).mod
 
 
 def import_lm(model: Any, max_seq: int, max_batch: int) -> tvm.IRModule:
@@ -93,7 +106,7 @@ def import_lm(model: Any, max_seq: int, max_batch: int) -> tvm.IRModule:
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if path.endswith(".onnx"):
-            mod = _onnx_module(path)
+            mod = _onnx_module(path, max_seq, max_batch)
         elif path.endswith(".pt2"):
             import torch
 

@@ -393,13 +393,16 @@ class _Matcher:
         rep = self._repeat_kv(src, shape)
         if rep is None:
             return None
-        axis, n, base = rep
+        axis, n, base, moved = rep
+        labels = [labels[i] for i in moved]
         if labels[axis] != "H":
             raise _Reject("key/value repetition along a non-head axis")
         return base, labels, n
 
     def _repeat_kv(self, wide_expr: relax.Expr, shape: list[int]):
-        """``broadcast_to(expand_dims(x, e), ..n..)`` viewed as ``shape`` = merge(e-1, e) → (e-1, n, x)."""
+        """``broadcast_to(expand_dims(x, e), ..n..)`` viewed as ``shape`` = merge(e-1, e), up to moved
+        size-1 axes (a transpose next to a length-1 axis collapses into the reshape: decode's Kᵀ)
+        → (e-1, n, x, the axis of ``shape`` each merged axis went to)."""
         bc = self.fn.call(wide_expr, "relax.broadcast_to")
         if bc is None:
             return None
@@ -414,8 +417,10 @@ class _Matcher:
         n = wide[e]
         if e == 0 or wide[:e] + wide[e + 1:] != src:
             return None
-        if src[: e - 1] + [src[e - 1] * n] + src[e:] == shape:
-            return e - 1, n, ex.args[0]
+        merged = src[: e - 1] + [src[e - 1] * n] + src[e:]
+        moved = _unit_axes_moved(merged, shape)
+        if moved is not None:
+            return e - 1, n, ex.args[0], moved
         if e < 4 and src[:e] + [n * src[e]] + src[e + 1:] == shape:
             raise _Reject("key/value heads repeated by tiling (head h reads KV head h % Hkv); the "
                           "attention op groups query heads as h // group")
@@ -787,6 +792,16 @@ class _Matcher:
 def labels_pos(labels: list[str]) -> str:
     """The position label of an operand: Q for queries, K for keys/values."""
     return "Q" if "Q" in labels else "K"
+
+
+def _unit_axes_moved(src: list[int], dst: list[int]) -> list[int] | None:
+    """Where each axis of ``src`` lands in ``dst`` when a reshape only moves size-1 axes (the other
+    axes keep their order); None when the reshape does more than that."""
+    if len(src) != len(dst) or [d for d in src if d != 1] != [d for d in dst if d != 1]:
+        return None
+    big = iter(i for i, d in enumerate(dst) if d != 1)
+    unit = iter(i for i, d in enumerate(dst) if d == 1)
+    return [next(unit) if d == 1 else next(big) for d in src]
 
 
 def _causal_kind(visible: np.ndarray | None, sq: int, skv: int) -> tuple[str, int | None]:
