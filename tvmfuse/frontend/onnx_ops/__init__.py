@@ -6,10 +6,12 @@
 from __future__ import annotations
 
 from .elementwise import BitShift, Dropout, IsInf, Mod
+from .expand import Expand
 from .layer_norm import LayerNormalization
 from .refusals import refusals
 
-OVERRIDES: dict[str, type] = {"BitShift": BitShift, "Dropout": Dropout, "IsInf": IsInf,
+OVERRIDES: dict[str, type] = {"BitShift": BitShift, "Dropout": Dropout, "Expand": Expand,
+                              "IsInf": IsInf,
                               "LayerNormalization": LayerNormalization, "Mod": Mod}
 
 __all__ = ["OVERRIDES", "refusals"]
