@@ -4,7 +4,8 @@
 called once per node so that, around each node,
 
 * a failure becomes a :class:`~tvmfuse.errors.ModelError` naming the node and its op, instead of
-  a bare ``AttributeError`` / ``AssertionError`` from inside a converter;
+  a bare ``AttributeError`` / ``AssertionError`` from inside a converter (and without 0.27's
+  "Error converting operator ..." line on stdout);
 * a shape value (``Shape``'s ``R.shape([...])``) reaching an op that takes only tensors becomes
   an int64 tensor — a constant when every dimension is known — where 0.27 raises
   "cannot handle ShapeExpr inputs" (its own comment promises the conversion);
@@ -21,6 +22,8 @@ called once per node so that, around each node,
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +129,9 @@ def construct_nodes(original: Callable) -> Callable:
                         saved[name] = self._nodes[name]
                         self._nodes[name] = shape_tensor(self.bb, saved[name])
             try:
-                original(self, _OneNode([node]))
+                # 0.27 prints "Error converting operator ..." before re-raising: the error says it
+                with contextlib.redirect_stdout(io.StringIO()):
+                    original(self, _OneNode([node]))
             except TvmfuseError:
                 raise
             except Exception as err:  # converters raise every kind; name the node and op
