@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ..errors import InputSpecError, ModelError, TvmfuseError, UnsupportedOpError
-from .onnx_fixes import converters, node_refusals
+from .onnx_fixes import OVERRIDES, converters, node_refusals
 from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
 from .symbolic import bound_symbols, symbol_vars
 
@@ -93,7 +93,7 @@ def scan_unsupported(graph) -> list[tuple[str, str]]:
     every use of an op that its converter refuses (an ONNX Attention attribute, say)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
-    supported = set(_get_convert_map()) | {"Constant", "If"}
+    supported = set(_get_convert_map()) | set(OVERRIDES) | {"Constant", "If"}
     found: list[tuple[str, str]] = []
 
     def visit(g, prefix: str) -> None:
