@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
+from .bitcast import BitCast
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .refusals import refusals
 
-OVERRIDES: dict[str, type] = {"BitShift": BitShift, "Dropout": Dropout, "Expand": Expand,
+OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
                               "LayerNormalization": LayerNormalization, "Mod": Mod,
                               "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
