@@ -101,3 +101,26 @@ def test_relu_tir_is_a_select_not_max():
     text = func.script()
     assert "T.Select(" in text and "T.max(" not in text
     assert isinstance(func, tirx.PrimFunc)
+
+
+
+def test_max_min_of_infinite_rows_are_infinite():
+    """topi starts max at the lowest finite float: a row of all -inf gave -3.4e38, and the ONNX
+    Attention guard ``Equal(ReduceMax(bias), -inf)`` missed fully-masked rows (NaN output)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("ReduceMax", ["x"], ["hi"], axes=[-1], keepdims=1),
+             helper.make_node("ReduceMin", ["x"], ["lo"], axes=[0, 2], keepdims=0)]
+    graph = helper.make_graph(
+        nodes, "extrema", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 5])],
+        [helper.make_tensor_value_info("hi", TensorProto.FLOAT, [3, 4, 1]),
+         helper.make_tensor_value_info("lo", TensorProto.FLOAT, [4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.random.default_rng(0).standard_normal((3, 4, 5)).astype(np.float32)
+    x[1, 2, :] = -np.inf
+    x[:, 3, :] = np.inf
+    hi, lo = tvmfuse.compile(model, target="cpu").load(device="cpu")(x)
+    assert np.asarray(hi)[1, 2, 0] == -np.inf and np.asarray(lo)[3] == np.inf
+    np.testing.assert_array_equal(np.asarray(hi), x.max(axis=-1, keepdims=True))
+    np.testing.assert_array_equal(np.asarray(lo), x.min(axis=(0, 2)))

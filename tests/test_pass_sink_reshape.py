@@ -144,3 +144,27 @@ def test_reshapes_inside_an_elementwise_chain_cancel():
     after = tvm.relax.transform.DeadCodeElimination()(after)
     tvm.ir.assert_structural_equal(after, TanhGeluFlat)
     assert_same_numerics(TanhGeluHops, after)
+
+
+@I.ir_module
+class OuterDifference:
+    """ONNX Trilu with a runtime k: ``arange(n)`` as a row minus itself as a column, (n, n)."""
+
+    @R.function
+    def main(k: R.Tensor((), "int64")) -> R.Tensor((3, 3), "bool"):
+        with R.dataflow():
+            idx = R.arange(0, 3, 1, dtype="int64")
+            row = R.reshape(idx, R.shape([1, 3]))
+            col = R.reshape(idx, R.shape([3, 1]))
+            diff = R.subtract(row, col)
+            y = R.less_equal(diff, k)
+            R.output(y)
+        return y
+
+
+def test_reshapes_broadcast_against_each_other_stay():
+    """Both operands are reshapes of one tensor to different shapes: the op broadcasts them to
+    (3, 3), so sinking one reshape (to (1, 3)) would change the result."""
+    after = apply_pass(SinkReshape(), OuterDifference)
+    tvm.ir.assert_structural_equal(after, OuterDifference)
+    assert_same_numerics(OuterDifference, after)

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ..errors import InputSpecError, ModelError, TvmfuseError, UnsupportedOpError
-from .onnx_fixes import converters, node_refusals
+from .onnx_fixes import OVERRIDES, converters, node_refusals
 from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
 from .symbolic import bound_symbols, symbol_vars
 
@@ -71,12 +71,31 @@ def check_defined_inputs(graph, source: str, outer: frozenset[str] = frozenset()
         known.update(node.output)
 
 
+def output_refusals(graph) -> list[tuple[str, str]]:
+    """``(node, what)`` for each graph output tvmfuse cannot return: a sequence, optional or map
+    (0.27 flattens a sequence into separate tensors: wrong arity and shapes), or a tensor of an
+    element type outside :data:`_ONNX_DTYPES` (fp8, int4, ...). ``node`` is its producer."""
+    producer = {out: node for node in graph.node for out in node.output}
+    found = []
+    for out in graph.output:
+        kind = out.type.WhichOneof("value")
+        if kind == "tensor_type" and out.type.tensor_type.elem_type in _ONNX_DTYPES:
+            continue
+        what = (f"element type {_elem_name(out.type.tensor_type.elem_type)}"
+                if kind == "tensor_type" else kind.removesuffix("_type"))
+        node = producer.get(out.name)
+        label = (node.name or f"<output {out.name}>") if node is not None else out.name
+        op = node.op_type if node is not None else "graph output"
+        found.append((label, f"{op} output {out.name!r} of {what}, which tvmfuse cannot return"))
+    return found
+
+
 def scan_unsupported(graph) -> list[tuple[str, str]]:
     """Every node (subgraphs included) whose op has no Relax converter, as (node, op_type), and
     every use of an op that its converter refuses (an ONNX Attention attribute, say)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
-    supported = set(_get_convert_map()) | {"Constant", "If"}
+    supported = set(_get_convert_map()) | set(OVERRIDES) | {"Constant", "If"}
     found: list[tuple[str, str]] = []
 
     def visit(g, prefix: str) -> None:
@@ -91,7 +110,7 @@ def scan_unsupported(graph) -> list[tuple[str, str]]:
                     visit(attr.g, f"{name}/{attr.name}")
 
     visit(graph, "node")
-    return found
+    return found + output_refusals(graph)
 
 
 def fold_scalar_constant_of_shape(proto) -> int:

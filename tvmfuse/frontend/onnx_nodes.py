@@ -4,7 +4,8 @@
 called once per node so that, around each node,
 
 * a failure becomes a :class:`~tvmfuse.errors.ModelError` naming the node and its op, instead of
-  a bare ``AttributeError`` / ``AssertionError`` from inside a converter;
+  a bare ``AttributeError`` / ``AssertionError`` from inside a converter (and without 0.27's
+  "Error converting operator ..." line on stdout);
 * a shape value (``Shape``'s ``R.shape([...])``) reaching an op that takes only tensors becomes
   an int64 tensor — a constant when every dimension is known — where 0.27 raises
   "cannot handle ShapeExpr inputs" (its own comment promises the conversion);
@@ -13,11 +14,16 @@ called once per node so that, around each node,
   onnx's reference evaluator at the model's opset and becomes constants (:func:`fold_node`):
   the shape arithmetic of exported and function-expanded graphs then reaches ``Reshape``,
   ``Reduce*`` axes, ``Pad`` pads and the like as the constants their converters require. A
-  ``Concat`` that mixes shape values with tensors gets tensors.
+  ``Concat`` that mixes shape values with tensors gets tensors;
+* a shape-like input a converter needs constant (``Reduce*`` axes, ``Pad`` pads, ``TopK`` k, …)
+  that is a runtime tensor is refused naming the node, the op and the input
+  (:mod:`~tvmfuse.frontend.onnx_ops.static_inputs`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +32,8 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from ..errors import ModelError, TvmfuseError
+from ..errors import ModelError, TvmfuseError, UnsupportedOpError
+from .onnx_ops.static_inputs import runtime_refusals
 
 _FOLD_LIMIT = 1 << 20  # elements: constant inputs beyond this are left to the converters
 _RANDOM_OPS = {"Bernoulli", "Multinomial", "RandomNormal", "RandomNormalLike", "RandomUniform",
@@ -110,6 +117,9 @@ def construct_nodes(original: Callable) -> Callable:
             if folded is not None:
                 self._nodes.update(folded)
                 continue
+            refused = runtime_refusals(node, self._nodes, self.opset)
+            if refused:
+                raise UnsupportedOpError("ONNX", [(node_label(node), "; ".join(refused))])
             saved = {}
             shapes = [self._nodes.get(n) for n in node.input if _is_shape(self._nodes.get(n))]
             mixed = node.op_type == "Concat" and len(shapes) < len([n for n in node.input if n])
@@ -119,7 +129,9 @@ def construct_nodes(original: Callable) -> Callable:
                         saved[name] = self._nodes[name]
                         self._nodes[name] = shape_tensor(self.bb, saved[name])
             try:
-                original(self, _OneNode([node]))
+                # 0.27 prints "Error converting operator ..." before re-raising: the error says it
+                with contextlib.redirect_stdout(io.StringIO()):
+                    original(self, _OneNode([node]))
             except TvmfuseError:
                 raise
             except Exception as err:  # converters raise every kind; name the node and op

@@ -12,9 +12,18 @@ exp2 and one reciprocal per row (half the SASS instructions of topi's fp32 softm
 ``relax.nn.layer_norm`` on bf16: topi's accepts fp32 and fp16 only ("layer_norm: only support float32
 and float16"), so a bf16 LayerNorm that is not folded into a GEMM failed to compile. Ours upcasts x, γ
 and β in the kernel and runs topi's fp32 LayerNorm, then casts back: one kernel, fp32 statistics.
+
+``relax.max`` / ``relax.min`` on floats: topi starts the reduction at the lowest / highest finite
+value, so a row of all −inf reduces to −3.4e38 and ``max(row) == -inf`` (ONNX Attention's
+fully-masked-row guard, ``Equal(ReduceMax(bias), -inf) → Where``) is false. Ours starts at ∓inf,
+as numpy, torch and onnxruntime::
+
+    max(x, axes) = reduce(max, x, init=−inf);  min(x, axes) = reduce(min, x, init=+inf)
 """
 
 from __future__ import annotations
+
+import math
 
 import tvm
 from tvm import relax, te, tirx, topi
@@ -99,8 +108,56 @@ def _relu(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(_relu_nan_propagating, call.args[0], primfunc_name_hint="relu")
 
 
+def _infinite_reducer(is_max: bool):
+    def identity(dtype: str) -> tirx.PrimExpr:
+        return tirx.const(-math.inf if is_max else math.inf, dtype)
+
+    def combine(a: tirx.PrimExpr, b: tirx.PrimExpr) -> tirx.PrimExpr:
+        return tirx.max(a, b) if is_max else tirx.min(a, b)
+
+    return te.comm_reducer(combine, identity,
+                           name="max_inf" if is_max else "min_inf")
+
+
+def _reduce_from_inf(x: te.Tensor, axes: list[int], keepdims: bool, is_max: bool) -> te.Tensor:
+    """max / min of ``x`` over ``axes`` (normalised, sorted) with ∓inf as the identity."""
+    reducer = _infinite_reducer(is_max)
+    raxes = {a: te.reduce_axis((0, x.shape[a]), name=f"k{a}") for a in axes}
+    shape = [1 if d in raxes else x.shape[d] for d in range(len(x.shape)) if keepdims or d not in raxes]
+
+    def body(*out):
+        pos, index = 0, []
+        for d in range(len(x.shape)):
+            if d in raxes:
+                index.append(raxes[d])
+                pos += keepdims
+            else:
+                index.append(out[pos])
+                pos += 1
+        return reducer(x[tuple(index)], axis=list(raxes.values()))
+
+    return te.compute(shape, body, name="max_red" if is_max else "min_red")
+
+
+def _extremum(is_max: bool):
+    op = "relax.max" if is_max else "relax.min"
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        x = call.args[0]
+        if not str(x.ty.dtype).startswith(("float", "bfloat")):
+            return tvm.ir.Op.get(op).get_attr("FLegalize")(bb, call)
+        ndim = x.ty.ndim
+        axes = sorted({int(a) % ndim for a in call.attrs.axis} if call.attrs.axis is not None
+                      else range(ndim))
+        return bb.call_te(_reduce_from_inf, x, axes, bool(call.attrs.keepdims), is_max,
+                          primfunc_name_hint="max" if is_max else "min")
+
+    return legalize
+
+
 def legalize_overrides() -> dict:
     """``{op name: legalize function}`` for ``relax.transform.LegalizeOps``."""
     return {"relax.full": _full(False), "relax.full_like": _full(True), "relax.nn.softmax": _softmax,
             "relax.nn.attention": legalize_attention, "relax.nn.attention_bias": legalize_attention,
-            "relax.nn.layer_norm": _layer_norm, "relax.nn.relu": _relu}
+            "relax.nn.layer_norm": _layer_norm, "relax.nn.relu": _relu,
+            "relax.max": _extremum(True), "relax.min": _extremum(False)}

@@ -9,6 +9,9 @@ takes elementwise consumers). Rewrites, for elementwise ``op``:
     op(reshape(a, s), c)         → reshape(op(a, reshape(c, a.shape)), s)   c.shape == s
     op(reshape(a, s), reshape(c, s)) → reshape(op(a, c), s)         a.shape == c.shape
 
+each only when ``op``'s result has shape ``s`` (a binary op that broadcasts two reshapes against
+each other, ``arange(n)`` as (1, n) minus (n, 1), keeps its reshapes).
+
     reshape(reshape(a, s1), s2)  → reshape(a, s2);   reshape(a, a.shape) → a
 
 The moved reshape ends up after the fused kernel, where RewriteDataflowReshape makes it a view;
@@ -88,9 +91,12 @@ def _sink(func: relax.Function) -> relax.Function:
         a_shape, s, o_shape = static_shape(inner), static_shape(target), static_shape(other)
         if None in (a_shape, s, o_shape) or str(inner.ty.dtype) != str(other.ty.dtype):
             return expr
+        if static_shape(expr) != s:
+            return expr  # the op broadcasts beyond the reshape's shape: moving it changes the result
         if _is_call(other, "relax.reshape"):
             source = other.args[0]
-            if static_shape(source) == a_shape and str(source.ty.dtype) == str(inner.ty.dtype):
+            same = o_shape == s and static_shape(source) == a_shape
+            if same and str(source.ty.dtype) == str(inner.ty.dtype):
                 # both sides reshaped from one shape: the op runs on the originals
                 args = [source, inner] if expr.args[0].same_as(other) else [inner, source]
                 return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])

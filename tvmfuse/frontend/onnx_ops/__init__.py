@@ -5,11 +5,17 @@
 
 from __future__ import annotations
 
+from .bitcast import BitCast
 from .elementwise import BitShift, Dropout, IsInf, Mod
+from .expand import Expand
 from .layer_norm import LayerNormalization
+from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .refusals import refusals
 
-OVERRIDES: dict[str, type] = {"BitShift": BitShift, "Dropout": Dropout, "IsInf": IsInf,
-                              "LayerNormalization": LayerNormalization, "Mod": Mod}
+OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout": Dropout, "Expand": Expand,
+                              "IsInf": IsInf,
+                              "LayerNormalization": LayerNormalization, "Mod": Mod,
+                              "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
+                              "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss}
 
 __all__ = ["OVERRIDES", "refusals"]
