@@ -59,6 +59,14 @@ def _is_shape(value: Any) -> bool:
     return isinstance(value, relax.Expr) and isinstance(value.ty, relax.ShapeType)
 
 
+def _shape_like(value: Any) -> bool:
+    """A shape value, one dim of one (a PrimExpr), or an int64 vector constant."""
+    if _is_shape(value) or tvm.ir.is_prim_expr(value):
+        return True
+    return (isinstance(value, tvm.ir.GenericConst) and value.ty.ndim == 1
+            and str(value.ty.dtype) == "int64")
+
+
 def shape_tensor(bb: relax.BlockBuilder, value: relax.Expr) -> relax.Expr:
     """A shape value as an int64 tensor of its dims (a constant when all are known)."""
     values = getattr(value, "values", None)
@@ -121,8 +129,10 @@ def construct_nodes(original: Callable) -> Callable:
             if refused:
                 raise UnsupportedOpError("ONNX", [(node_label(node), "; ".join(refused))])
             saved = {}
-            shapes = [self._nodes.get(n) for n in node.input if _is_shape(self._nodes.get(n))]
-            mixed = node.op_type == "Concat" and len(shapes) < len([n for n in node.input if n])
+            # a Concat of shape values (ShapeExprs, the dims onnx_fixes.Gather keeps as PrimExprs)
+            # and int64 constants stays a shape value; with a runtime tensor it concatenates tensors
+            mixed = node.op_type == "Concat" and not all(
+                _shape_like(self._nodes.get(n)) for n in node.input if n)
             if node.op_type not in _SHAPE_OPS or mixed:
                 for name in node.input:
                     if _is_shape(self._nodes.get(name)):
