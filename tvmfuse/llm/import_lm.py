@@ -19,6 +19,7 @@ import tvm
 from tvm import relax
 
 from ..errors import ModelError, UnsupportedOpError
+from ..frontend.onnx_import import import_onnx, load_onnx
 from ..frontend.spec import InputOverride
 from ..frontend.torch_fixes import custom_convert_map
 from ..frontend.torch_import import scan_unsupported
@@ -80,8 +81,6 @@ def _torch_module(model, max_seq: int, max_batch: int) -> tvm.IRModule:
 
 def _onnx_module(path: str, max_seq: int, max_batch: int) -> tvm.IRModule:
     """The ONNX file with its token-id axes named ``B`` and ``S`` (whatever its ``dim_param``s)."""
-    from ..frontend.onnx_import import import_onnx, load_onnx
-
     proto = load_onnx(path, path)
     inits = {t.name for t in proto.graph.initializer}
     inputs = [i for i in proto.graph.input if i.name not in inits]
