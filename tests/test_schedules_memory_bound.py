@@ -304,8 +304,8 @@ def test_rules_decline_cpu_targets():
 
 def test_gpu_rules_order():
     names = [type(r).__name__ for r in gpu_rules()]
-    assert names[:7] == ["GemmSimtRowStats", "GemmSM80", "Matmul", "GEMV", "RowNorm", "RowStats",
-                         "Elementwise"]
+    assert names[:8] == ["GemmSimtRowStats", "Gemv", "GemmSM80", "Matmul", "GEMV", "RowNorm",
+                         "RowStats", "Elementwise"]
     assert names[-1] == "Fallback"
 
 

@@ -400,13 +400,13 @@ def format_table(report: dict[str, Any]) -> str:
              f"(unfused graph: {report['unfused_kernel_count']}, stock TVM pipeline: "
              f"{stock if stock is not None else 'n/a'})", ""]
     bw, peak = report["ceilings"]["bandwidth_Bps"], report["ceilings"]["fp16_flops"]
-    lines.append(f"{'#':>3} {'pattern':<14} {'MB':>9} {'GFLOP':>9} {'floor us':>9}  {'rule':<14}ops")
+    lines.append(f"{'#':>3} {'pattern':<14} {'MB':>9} {'GFLOP':>9} {'floor us':>9}  {'rule':<16} ops")
     for i, k in enumerate(report["kernels"]):
         floor = max(k["bytes"] / bw, k["flops"] / peak) * 1e6
         ops = ",".join(k["ops"])
         tuned = "  [tuned]" if k.get("tuning") == "tuned" else ""
         lines.append(f"{i:>3} {k['pattern']:<14} {k['bytes'] / 1e6:>9.3f} {k['flops'] / 1e9:>9.3f} "
-                     f"{floor:>9.2f}  {k.get('rule') or '-':<14}{ops[:70]}{tuned}")
+                     f"{floor:>9.2f}  {k.get('rule') or '-':<16} {ops[:70]}{tuned}")
     uf, f = report["hbm_bytes_unfused"], report["hbm_bytes_fused"]
     lines += ["", f"HBM bytes unfused {uf / 1e6:.3f} MB → fused {f / 1e6:.3f} MB "
                   f"({uf / max(f, 1):.2f}x less); memory floor {f / bw * 1e6:.1f} us "
