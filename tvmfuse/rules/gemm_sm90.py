@@ -30,7 +30,7 @@ from tvm.s_tir import ScheduleError
 
 from ..attrs import CONFIG_ATTR, FALLBACK_ATTR, KERNEL_TILE_ATTR, RULE_ATTR, TIRX_ATTR, TUNING_ATTR
 from ..device_props import device_properties
-from ..kernels.gemm.epilogue import NotHandled, analyze, expr_value, top_blocks
+from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value, top_blocks
 from ..kernels.gemm.opmath import fast_math16, opmath
 from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
 from ..kernels.tir_util import Load, strip_cast
@@ -108,6 +108,48 @@ class InLoopStats:
         return [i for i in (self.mean, self.rstd) if i is not None]
 
 
+def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b_transposed: bool,
+                     in_loop: InLoopStats | None):
+    """What a generated GEMM kernel replacing ``func`` takes, shared by the GEMM generators' rules:
+    ``(buffers, (a, b, out) positions, store_value, pair_value)``.
+
+    buffers: ``func``'s parameters renamed ``p<i>``, 16-byte aligned, B as (N, K) when
+    ``b_transposed`` turns an "nn" read around, without the row-statistics parameters that
+    ``in_loop`` computes. ``store_value(acc, row, col, stats)`` / ``pair_value(acc, acc_odd, row,
+    col, stats)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at one output.
+    """
+    params = list(func.params)
+    shapes = [tuple(int(d) for d in b.shape) for b in params]
+    if b_transposed and g.layout == "nn":
+        shapes[g.b] = shapes[g.b][::-1]
+    new = [tirx.decl_buffer(shape, str(b.dtype), name=f"p{i}", data_alignment=16)
+           for i, (b, shape) in enumerate(zip(params, shapes))]
+    row_values, positions, kept = [], (g.a, g.b, g.out), list(range(len(params)))
+    if in_loop is not None:
+        for i in in_loop.dropped:
+            if i in positions or (shapes[i], str(params[i].dtype)) != ((g.m, 1), "float32"):
+                raise NotHandled(f"parameter {i} is not an (M, 1) fp32 row statistic")
+        row_values = [(params[i], k) for k, i in enumerate((in_loop.mean, in_loop.rstd))
+                      if i is not None]
+        kept = [i for i in kept if i not in in_loop.dropped]
+        positions = tuple(kept.index(i) for i in positions)
+    buffers = [(params[i], new[i]) for i in kept]
+
+    def build(names: list, stats) -> tvm.ir.Expr:
+        loads = (g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop is not None else None
+        return expr_value(expr, names, buffers, loads)
+
+    def store_value(acc, row, col, stats):
+        return build([(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], stats)
+
+    def pair_value(acc, acc_odd, row, col, stats):
+        return build([(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row), (g.dims[1], col)],
+                     stats)
+
+    return [new[i] for i in kept], positions, store_value, (
+        pair_value if g.acc_odd is not None else None)
+
+
 def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
                  b_transposed: bool = False, in_loop: InLoopStats | None = None) -> tirx.PrimFunc:
     """The TIRx kernel replacing ``func``; raises :class:`NotHandled` with the reason.
@@ -131,42 +173,12 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         reason = f"pair epilogue with N/2={g.n // 2} odd (pairs of outputs are stored together)"
     if reason:
         raise NotHandled(reason)
-    params = list(func.params)
-    # the kernel's parameters: the function's, renamed p<i>, 16-byte aligned (B as (N, K) when the
-    # caller drops B's transpose); without the statistics parameters it computes itself
-    shapes = [tuple(int(d) for d in b.shape) for b in params]
-    if b_transposed:
-        shapes[g.b] = shapes[g.b][::-1]
-    new = [tirx.decl_buffer(shape, str(b.dtype), name=f"p{i}", data_alignment=16)
-           for i, (b, shape) in enumerate(zip(params, shapes))]
-    row_values, positions, kept = [], (g.a, g.b, g.out), list(range(len(params)))
-    if in_loop is not None:
-        for i in in_loop.dropped:
-            if i in positions or (shapes[i], str(params[i].dtype)) != ((g.m, 1), "float32"):
-                raise NotHandled(f"parameter {i} is not an (M, 1) fp32 row statistic")
-        row_values = [(params[i], k) for k, i in enumerate((in_loop.mean, in_loop.rstd))
-                      if i is not None]
-        kept = [i for i in kept if i not in in_loop.dropped]
-        positions = tuple(kept.index(i) for i in positions)
-
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
     if cfg.fast_math16 and g.out_dtype in ("float16", "bfloat16"):
         expr = fast_math16(expr)
-    buffers = [(params[i], new[i]) for i in kept]
-
-    def build(names: list, stats) -> tvm.ir.Expr:
-        loads = (g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop is not None else None
-        return expr_value(expr, names, buffers, loads)
-
-    def store_value(acc, row, col, stats):
-        return build([(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], stats)
-
-    def pair_value(acc, acc_odd, row, col, stats):
-        return build([(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row), (g.dims[1], col)],
-                     stats)
-
-    kernel = gemm_kernel(problem, cfg, [new[i] for i in kept], *positions, store_value,
-                         pair_value if g.acc_odd is not None else None,
+    buffers, positions, store_value, pair_value = kernel_signature(func, g, expr, b_transposed,
+                                                                   in_loop)
+    kernel = gemm_kernel(problem, cfg, buffers, *positions, store_value, pair_value,
                          row_stats=in_loop.stats if in_loop is not None else None)
     attrs = {"tirx.is_scheduled": True, RULE_ATTR: NAME, TIRX_ATTR: True,
              KERNEL_TILE_ATTR: f"{cfg.bm}x{cfg.bn}x64 stages={cfg.stages}"}

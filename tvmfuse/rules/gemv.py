@@ -35,12 +35,12 @@ from tvm.target import Target
 
 from ..attrs import FALLBACK_ATTR, IN_LOOP_ATTR, REPLACES_ATTR, RULE_ATTR, TILE_ATTR
 from ..device_props import device_properties
-from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value
+from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze
 from ..kernels.gemm.gemv import MAX_M, GemvConfig, GemvProblem, check, gemv_kernel, pick_config
 from ..kernels.gemm.opmath import opmath
 from ..options import current_options
 from .gemm_sm80 import _sm
-from .gemm_sm90 import InLoopStats, _looks_like_gemm
+from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
 
 NAME = "gemv"
@@ -86,37 +86,10 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
     reason = check(problem, cfg, in_loop.stats if in_loop is not None else None)
     if reason:
         raise NotHandled(reason)
-    params = list(func.params)
-    shapes = [tuple(int(d) for d in b.shape) for b in params]
-    if b_transposed and g.layout == "nn":
-        shapes[g.b] = shapes[g.b][::-1]
-    new = [tirx.decl_buffer(shape, str(b.dtype), name=f"p{i}", data_alignment=16)
-           for i, (b, shape) in enumerate(zip(params, shapes))]
-    kept, positions, row_values = list(range(len(params))), (g.a, g.b, g.out), []
-    if in_loop is not None:
-        for i in in_loop.dropped:
-            if i in positions or (shapes[i], str(params[i].dtype)) != ((g.m, 1), "float32"):
-                raise NotHandled(f"parameter {i} is not an (M, 1) fp32 row statistic")
-        row_values = [(params[i], k) for k, i in enumerate((in_loop.mean, in_loop.rstd))
-                      if i is not None]
-        kept = [i for i in kept if i not in in_loop.dropped]
-        positions = tuple(kept.index(i) for i in positions)
     expr = opmath(g.expr, g.out_dtype)  # the chain in fp32 on the sum, one rounding
-    buffers = [(params[i], new[i]) for i in kept]
-
-    def build(names: list, stats) -> tvm.ir.Expr:
-        loads = (g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop is not None else None
-        return expr_value(expr, names, buffers, loads)
-
-    def store_value(acc, row, col, stats):
-        return build([(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], stats)
-
-    def pair_value(acc, acc_odd, row, col, stats):
-        return build([(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row), (g.dims[1], col)],
-                     stats)
-
-    kernel = gemv_kernel(problem, cfg, [new[i] for i in kept], *positions, store_value,
-                         pair_value if problem.pair else None,
+    buffers, positions, store_value, pair_value = kernel_signature(func, g, expr, b_transposed,
+                                                                   in_loop)
+    kernel = gemv_kernel(problem, cfg, buffers, *positions, store_value, pair_value,
                          row_stats=in_loop.stats if in_loop is not None else None)
     return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
 
