@@ -136,6 +136,29 @@ def test_sass(m, n, k, pair, tmp_path):
         assert all(s == "0" for s in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+_ELEM_BYTES = {"half": 2, "nv_bfloat16": 2, "float": 4, "uint4": 16, "uint2": 8, "uint1": 4}
+
+
+@pytest.mark.parametrize("m, n, k", [(16, 4096, 4096), (64, 1000, 1024), (32, 688, 128)])
+def test_mma_operands_stay_inside_their_arrays(m, n, k):
+    """Every ``mma.sync`` operand ``((unsigned *)(buf + off))[i]`` reads inside ``buf``'s
+    declaration. Session 7's kernel passed W's registers by pointer into an array TVM retyped as
+    ``uint4[]``, so the offsets (counted in halves) landed 8× too far: NaN on the H200."""
+    cfg = pick_config(GemvProblem(m, n, k, "float16", "float16"), 132)
+    assert cfg.mma
+    with codegen_scope():
+        source = cuda_source(tvm.compile(tvm.IRModule({"main": standalone(
+            GemvProblem(m, n, k, "float16", "float16"), cfg)}), target=SM90.tvm_target()))
+    arrays = {name: (ctype, int(size)) for ctype, name, size in
+              re.findall(r"alignas\(\d+\) (\w+) (\w+)\[(\d+)\];", source)}
+    operands = re.findall(r"\(\((unsigned|float) \*\)\((\w+) \+ (\d+)\)\)\[(\d+)\]", source)
+    assert operands, "no mma operands found"
+    for _ctype, name, off, idx in operands:
+        decl, size = arrays[name]
+        end = int(off) * _ELEM_BYTES[decl] + (int(idx) + 1) * 4
+        assert end <= size * _ELEM_BYTES[decl], f"{name} ({decl}[{size}]) read at byte {end}"
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU numerics (device)
 

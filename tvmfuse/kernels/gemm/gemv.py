@@ -214,6 +214,10 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
             bv = T.alloc_buffer((unroll * nt * VEC,), in_dtype, scope="local", align=16)
             av = T.alloc_buffer((unroll * mt * 2 * VEC,), in_dtype, scope="local", align=16)
             afrag = T.alloc_buffer((mt * 2 * VEC,), in_dtype, scope="local", align=16)
+            # B fragments copied element-wise out of bv: were bv only read through the mma's
+            # pointer, TVM would retype it as uint4[] and the pointer offsets (in halves) would
+            # land 8× too far (NaN on the H200, session 8)
+            bfrag = T.alloc_buffer((nt * 4,), in_dtype, scope="local", align=16)
         else:
             acc = T.alloc_buffer((p.m * rows,), "float32", scope="local")
             bv = T.alloc_buffer((unroll * rows * VEC,), in_dtype, scope="local", align=16)
@@ -281,11 +285,14 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                                     for e in T.unroll(2):
                                         afrag[i * 8 + r * 4 + h * 2 + e] = av[
                                             ((u * mt + i) * 2 + h) * VEC + s * 4 + r * 2 + e]
+                        for j in T.unroll(nt):
+                            for e in T.unroll(4):
+                                bfrag[j * 4 + e] = bv[(u * nt + j) * VEC + s * 4 + e]
                         for i in T.unroll(mt):
                             for j in T.unroll(nt):
                                 T.evaluate(T.ptx_legacy.mma(
                                     "m16n8k16", "row", "col", mma_ty, mma_ty, "fp32",
-                                    afrag.data, i * 8, bv.data, (u * nt + j) * VEC + s * 4,
+                                    afrag.data, i * 8, bfrag.data, j * 4,
                                     acc.data, (i * nt + j) * 4, False, dtype="float32"))
             else:
                 for u in T.unroll(unroll):
