@@ -8,6 +8,7 @@ Entry points (``Bm`` = max_batch, caches ``(Bm, Hkv, max_seq, D)`` per layer, wr
 
     prefill{S}(ids (Bm, S), positions (Bm, S), offsets (Bm,), starts (Bm,), k_cache_0, v_cache_0, ...)
     decode(ids (Bm, 1), positions (Bm, 1), offsets, starts, caches...)        → logits (Bm, V)
+    advance(logits, ids, positions, offsets, history (Bm, max_seq + 1))   greedy step in place
 
 each followed by the same weights ``w_0 … w_{k-1}`` (``LiftWeights``: equal folded constants of
 the entry points are one parameter), which ``export`` writes to ``<name>.safetensors``.
@@ -40,6 +41,7 @@ from ..runtime.lm import LM_FORMAT
 from ..targets import TargetSpec, get_target
 from ..version import __version__
 from ._graph import bind_shapes
+from .greedy import advance_module
 from .import_lm import import_lm
 from .kv_cache import DeriveKVCache
 from .last_token import LastTokenLogits
@@ -124,6 +126,11 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
     caches = [{"shape": [int(d) for d in p.ty.shape.values], "dtype": str(p.ty.dtype)}
               for p in decode.params[4:]]
     vocab = int(decode.ret_ty.shape.values[1])
+    # greedy steps on the device: decode + advance on the same tensors, capturable as a CUDA graph
+    logits_dtype = dtype if dtype in ("float16", "bfloat16") else str(decode.ret_ty.dtype)
+    for gv, func in advance_module(max_batch, vocab, max_seq_len + 1, logits_dtype,
+                                   spec.is_cuda).functions.items():
+        combined[gv] = func
     # weights external: the entry points fold the same weights (transposes, fused QKV), LiftWeights
     # makes equal constants one parameter, so the file holds each weight once for all of them
     lowered = lower(combined, spec, dtype if dtype != "float32" else None, weights="external")
@@ -134,7 +141,7 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
     metadata = {
         "format": LM_FORMAT, "target": spec.name, "sass": [real for _, real in spec.gencode],
         "dtype": dtype, "max_seq_len": max_seq_len, "max_batch": max_batch,
-        "prefill_lengths": lengths, "vocab": vocab, "caches": caches,
+        "prefill_lengths": lengths, "vocab": vocab, "caches": caches, "device_greedy": True,
         "inputs": [{"name": "input_ids", "shape": [max_batch, "S"], "dtype": "int64"}], "outputs": [],
         "versions": {"tvmfuse": __version__},
     }
