@@ -64,7 +64,7 @@ def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
     """FuseOps must keep these apart (pattern 8 = opaque); CUDA ones are already scheduled."""
     attrs = {"op_pattern": 8, "tir.noalias": True}
     if cuda:
-        attrs["tir.is_scheduled"] = True
+        attrs["tirx.is_scheduled"] = True  # the schedule stage (rules/fallback.py) skips it
     return func.without_attr("global_symbol").with_attrs(attrs)  # named where it is added
 
 
