@@ -12,7 +12,9 @@ the ``(node, what)`` pairs :class:`~tvmfuse.errors.UnsupportedOpError` reports, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
+
+from ...errors import UnsupportedOpError
 
 # op → [(attribute, accepted(value), why)] ; an absent attribute is always accepted
 _ATTRIBUTES: dict[str, list[tuple[str, Callable[[Any], bool], str]]] = {
@@ -84,3 +86,9 @@ def refusals(graph) -> list[tuple[str, str]]:
                     value = _type_name(value) if name == "to" else value
                     found.append((label, f"{node.op_type} attribute {name}={value!r} ({why})"))
     return found
+
+
+def refuse(attr: dict[str, Any], what: str) -> NoReturn:
+    """Raise :class:`UnsupportedOpError` for the node a converter is converting (``attr`` is the
+    converter's attribute dict; its ``tvm_custom`` names the node): ``what`` says op and why."""
+    raise UnsupportedOpError("ONNX", [(attr["tvm_custom"]["name"] or "<unnamed>", what)])
