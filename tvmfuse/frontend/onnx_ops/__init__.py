@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from .attention import Attention
 from .bitcast import BitCast
 from .causal_conv import CausalConvWithState
 from .elementwise import BitShift, Dropout, IsInf, Mod
@@ -19,7 +20,8 @@ from .swish import Swish
 from .tensor_scatter import TensorScatter
 
 OVERRIDES: dict[str, type] = {
-    "BitCast": BitCast, "BitShift": BitShift, "CausalConvWithState": CausalConvWithState,
+    "Attention": Attention, "BitCast": BitCast, "BitShift": BitShift,
+    "CausalConvWithState": CausalConvWithState,
     "Dropout": Dropout, "Expand": Expand, "IsInf": IsInf, "LayerNormalization": LayerNormalization,
     "Mod": Mod, "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
     "RMSNormalization": RMSNormalization, "RotaryEmbedding": RotaryEmbedding,
