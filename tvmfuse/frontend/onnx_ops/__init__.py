@@ -11,6 +11,7 @@ from .causal_conv import CausalConvWithState
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
+from .linear_attention import LinearAttention
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .refusals import refusals
 from .rms_norm import RMSNormalization
@@ -21,9 +22,9 @@ from .tensor_scatter import TensorScatter
 
 OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BitCast": BitCast, "BitShift": BitShift,
-    "CausalConvWithState": CausalConvWithState,
-    "Dropout": Dropout, "Expand": Expand, "IsInf": IsInf, "LayerNormalization": LayerNormalization,
-    "Mod": Mod, "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
+    "CausalConvWithState": CausalConvWithState, "Dropout": Dropout, "Expand": Expand, "IsInf": IsInf,
+    "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,
+    "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
     "RMSNormalization": RMSNormalization, "RotaryEmbedding": RotaryEmbedding,
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SwiGLU": SwiGLU, "Swish": Swish,
     "TensorScatter": TensorScatter}
