@@ -36,6 +36,8 @@ class RMSNormalization(stock.RMSNormalization):
         inner = shape[axis:]
         n = math.prod(inner)
         x2 = relax.op.reshape(x, shape_expr([math.prod(shape[:axis]), n]))
-        w = relax.op.reshape(relax.op.broadcast_to(scale, shape_expr(inner)), shape_expr([n]))
+        if static_shape(scale) != inner:
+            scale = relax.op.broadcast_to(scale, shape_expr(inner))
+        w = relax.op.reshape(scale, shape_expr([n]))
         y = super()._impl_v23(bb, [bb.normalize(x2), bb.normalize(w)], {**attr, "axis": -1}, params)
         return relax.op.reshape(y, shape_expr(shape))
