@@ -350,3 +350,41 @@ def test_dynamo_export_sdpa_opset23_attention(causal: bool, gqa: bool, tmp_path)
     ref = module(*inputs).numpy()
     err = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert err <= 1e-4, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["past_causal_mask", "nonpad_causal", "softcap_qk"])
+def test_fp16_forms_on_sm90(form: str, tmp_path):
+    """The KV-cache forms (one flash kernel with a bias) and the decomposed form, fp16, head dim 64,
+    built for sm90 and run on the GPU: close to the ONNX reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm90 library needs an sm_90 GPU")
+    from onnx.reference import ReferenceEvaluator
+
+    d, f16 = 64, "float16"
+    inputs = {"q": ((B, HQ, SQ, d), f16), "k": ((B, HKV, SQ, d), f16), "v": ((B, HKV, SQ, d), f16)}
+    names, outputs, attrs = ["q", "k", "v"], ["y"], {"is_causal": 1}
+    if form == "past_causal_mask":
+        inputs |= {"mask": ((SQ, PAST + SQ), f16), "past_key": ((B, HKV, PAST, d), f16),
+                   "past_value": ((B, HKV, PAST, d), f16)}
+        names, outputs = list(inputs), ["y", "present_key", "present_value"]
+    elif form == "nonpad_causal":
+        inputs["nonpad"] = ((B,), "int64")
+        names = [*names, "", "", "", "nonpad"]
+    else:
+        attrs, outputs = {"softcap": 20.0, "qk_matmul_output_mode": 1}, ["y", "", "", "qk"]
+    model = _model(inputs, outputs, attrs, node_inputs=names)
+    onnx.save(model, tmp_path / "m.onnx")
+    tvmfuse.compile(str(tmp_path / "m.onnx"), target="sm90").export(tmp_path / "m.so")
+    arrays = _inputs(model)
+    if form == "nonpad_causal":
+        arrays[-1] = np.minimum(arrays[-1], SQ)
+    got = tvmfuse.load(tmp_path / "m.so", device="cuda")(*[torch.from_numpy(a).cuda() for a in arrays])
+    got = list(got) if isinstance(got, tuple | list) else [got]
+    f32 = [a.astype("float32") if a.dtype == np.float16 else a for a in arrays]
+    ref_model = _model({n: (s, "float32" if t == f16 else t) for n, (s, t) in inputs.items()},
+                       outputs, attrs, node_inputs=names)
+    refs = ReferenceEvaluator(ref_model).run(None, {i.name: a for i, a in zip(ref_model.graph.input, f32)})
+    for o, r in zip(got, refs):
+        o = o.float().cpu().numpy()
+        assert np.linalg.norm(o - r) / np.linalg.norm(r) <= 5e-3
