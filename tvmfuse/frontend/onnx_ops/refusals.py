@@ -2,6 +2,8 @@
 
 Each entry names the attribute (or input) and why; :func:`refusals` turns a graph's offenders into
 the ``(node, what)`` pairs :class:`~tvmfuse.errors.UnsupportedOpError` reports, before conversion.
+A converter that finds a form it cannot do right only while converting (it needs the input
+shapes) refuses it with :func:`refuse`, naming the node the same way.
 
 * ``Cast`` to an 8-bit float or a 4-/2-bit integer: 0.27 rounds fp8 without ONNX's saturation
   and NaN rules (wrong answers) and cannot allocate sub-byte tensors (a crash in the VM).
