@@ -6,13 +6,15 @@
 from __future__ import annotations
 
 from .bitcast import BitCast
+from .constant_of_shape import ConstantOfShape
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .refusals import refusals
 
-OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout": Dropout, "Expand": Expand,
+OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
+                              "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
                               "LayerNormalization": LayerNormalization, "Mod": Mod,
                               "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
