@@ -12,8 +12,10 @@ from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .refusals import refusals
+from .windows import BlackmanWindow, HammingWindow, HannWindow
 
-OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
+OVERRIDES: dict[str, type] = {"BlackmanWindow": BlackmanWindow, "HammingWindow": HammingWindow,
+                              "HannWindow": HannWindow, "BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
                               "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
                               "LayerNormalization": LayerNormalization, "Mod": Mod,

@@ -36,6 +36,7 @@ def runtime_shape(bb: relax.BlockBuilder, value: relax.Expr, ndim: int, name: st
     it legalize with symbolic extents, where a bare shape variable leaves them unlowered."""
     if isinstance(value, relax.ShapeExpr):
         return value
+    value = bb.normalize(value)
     if isinstance(value.ty, relax.TensorType):
         if str(value.ty.dtype) != "int64":
             value = relax.op.astype(value, "int64")
