@@ -6,16 +6,19 @@
 from __future__ import annotations
 
 from .bitcast import BitCast
+from .celu import Celu, Elu
 from .constant_of_shape import ConstantOfShape
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
+from .pow import Pow
 from .refusals import refusals
 from .windows import BlackmanWindow, HammingWindow, HannWindow
 
 OVERRIDES: dict[str, type] = {"BlackmanWindow": BlackmanWindow, "HammingWindow": HammingWindow,
-                              "HannWindow": HannWindow, "BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
+                              "HannWindow": HannWindow, "Celu": Celu, "Elu": Elu, "Pow": Pow,
+                              "BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
                               "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
                               "LayerNormalization": LayerNormalization, "Mod": Mod,
