@@ -13,11 +13,13 @@ from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .pow import Pow
+from .recurrent import GRU, LSTM, RNN
 from .refusals import refusals
 from .windows import BlackmanWindow, HammingWindow, HannWindow
 
 OVERRIDES: dict[str, type] = {"BlackmanWindow": BlackmanWindow, "HammingWindow": HammingWindow,
                               "HannWindow": HannWindow, "Celu": Celu, "Elu": Elu, "Pow": Pow,
+                              "GRU": GRU, "LSTM": LSTM, "RNN": RNN,
                               "BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
                               "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
