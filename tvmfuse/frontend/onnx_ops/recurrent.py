@@ -60,6 +60,11 @@ def _row(x: relax.Expr, i: int) -> relax.Expr:
     return relax.op.squeeze(_part(x, 0, i, i + 1), [0])
 
 
+def _initial(bb, value: relax.Expr | None, d: int, batch: int, hidden: int, dtype: str) -> relax.Expr:
+    """Direction ``d``'s initial state (B, H): ``value[d]``, zeros when absent."""
+    return bb.normalize(_row(value, d) if value is not None else relax.op.zeros((batch, hidden), dtype))
+
+
 def _input(inputs: list, i: int) -> relax.Expr | None:
     return inputs[i] if len(inputs) > i and inputs[i] is not None else None
 
@@ -81,7 +86,8 @@ class _Recurrent(stock.OnnxOpConverter):
             raise refuse(attr, cls.cell.op, f"attribute activations={names!r} (expected {n * directions})")
         unknown = [a for a in names if a.lower() not in _ACTIVATIONS]
         if unknown:
-            raise refuse(attr, cls.cell.op, f"attribute activations={names!r} ({unknown[0]} is not supported)")
+            raise refuse(attr, cls.cell.op,
+                         f"attribute activations={names!r} ({unknown[0]} is not supported)")
         fns = [_ACTIVATIONS[a.lower()] for a in names]
         return [fns[d * n:(d + 1) * n] for d in range(directions)]
 
@@ -131,10 +137,9 @@ class _Recurrent(stock.OnnxOpConverter):
                 xw = relax.op.add(xw, _part(bd, 0, 0, gh))
                 rb = bb.normalize(_part(bd, 0, gh, 2 * gh))
             xw = bb.normalize(xw)
-            state = {"h": bb.normalize(_row(h0, d)) if h0 is not None else
-                     relax.op.zeros((batch, hidden), dtype)}
+            state = {"h": _initial(bb, h0, d, batch, hidden, dtype)}
             if op == "LSTM":
-                state["c"] = bb.normalize(_row(c0, d)) if c0 is not None else relax.op.zeros((batch, hidden), dtype)
+                state["c"] = _initial(bb, c0, d, batch, hidden, dtype)
             p = None if peep is None else bb.normalize(_row(peep, d))
             step = _Step(bb, cls.cell, acts[d], rd, rb, p, hidden, clip, attr.get("linear_before_reset", 0))
             outs: list = [None] * seq
