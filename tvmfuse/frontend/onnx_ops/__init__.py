@@ -8,18 +8,22 @@ from __future__ import annotations
 from .bitcast import BitCast
 from .celu import Celu, Elu
 from .constant_of_shape import ConstantOfShape
+from .conv_integer import ConvInteger
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .pow import Pow
+from .qlinear_conv import QLinearConv
+from .qlinear_matmul import QLinearMatMul
 from .recurrent import GRU, LSTM, RNN
 from .refusals import refusals
 from .windows import BlackmanWindow, HammingWindow, HannWindow
 
 OVERRIDES: dict[str, type] = {"BlackmanWindow": BlackmanWindow, "HammingWindow": HammingWindow,
                               "HannWindow": HannWindow, "Celu": Celu, "Elu": Elu, "Pow": Pow,
-                              "GRU": GRU, "LSTM": LSTM, "RNN": RNN,
+                              "ConvInteger": ConvInteger, "QLinearConv": QLinearConv,
+                              "QLinearMatMul": QLinearMatMul, "GRU": GRU, "LSTM": LSTM, "RNN": RNN,
                               "BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
                               "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
