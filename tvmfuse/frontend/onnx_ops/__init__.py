@@ -9,6 +9,7 @@ from .bitcast import BitCast
 from .celu import Celu, Elu
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
+from .dft import DFT
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
@@ -22,7 +23,7 @@ from .windows import BlackmanWindow, HammingWindow, HannWindow
 
 OVERRIDES: dict[str, type] = {"BlackmanWindow": BlackmanWindow, "HammingWindow": HammingWindow,
                               "HannWindow": HannWindow, "Celu": Celu, "Elu": Elu, "Pow": Pow,
-                              "ConvInteger": ConvInteger, "QLinearConv": QLinearConv,
+                              "ConvInteger": ConvInteger, "DFT": DFT, "QLinearConv": QLinearConv,
                               "QLinearMatMul": QLinearMatMul, "GRU": GRU, "LSTM": LSTM, "RNN": RNN,
                               "BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
                               "Dropout": Dropout, "Expand": Expand,
