@@ -20,19 +20,19 @@ from .qlinear_conv import QLinearConv
 from .qlinear_matmul import QLinearMatMul
 from .recurrent import GRU, LSTM, RNN
 from .refusals import refusals
+from .reverse_sequence import ReverseSequence
 from .trilu import Trilu
 from .windows import BlackmanWindow, HammingWindow, HannWindow
 
-OVERRIDES: dict[str, type] = {"BlackmanWindow": BlackmanWindow, "HammingWindow": HammingWindow,
-                              "HannWindow": HannWindow, "Celu": Celu, "Elu": Elu, "Pow": Pow,
-                              "ConvInteger": ConvInteger, "DFT": DFT, "EyeLike": EyeLike, "Trilu": Trilu,
-                              "QLinearConv": QLinearConv,
-                              "QLinearMatMul": QLinearMatMul, "GRU": GRU, "LSTM": LSTM, "RNN": RNN,
-                              "BitCast": BitCast, "BitShift": BitShift, "ConstantOfShape": ConstantOfShape,
-                              "Dropout": Dropout, "Expand": Expand,
-                              "IsInf": IsInf,
-                              "LayerNormalization": LayerNormalization, "Mod": Mod,
-                              "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
-                              "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss}
+OVERRIDES: dict[str, type] = {
+    "BitCast": BitCast, "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "Celu": Celu,
+    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT, "Dropout": Dropout,
+    "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU, "HammingWindow": HammingWindow,
+    "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM, "LayerNormalization": LayerNormalization,
+    "Mod": Mod, "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "Pow": Pow,
+    "QLinearConv": QLinearConv, "QLinearMatMul": QLinearMatMul, "RNN": RNN,
+    "ReverseSequence": ReverseSequence, "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss,
+    "Trilu": Trilu
+}
 
 __all__ = ["OVERRIDES", "refusals"]
