@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from .batch_norm import BatchNormalization
 from .bitcast import BitCast
 from .celu import Celu, Elu
 from .constant_of_shape import ConstantOfShape
@@ -25,14 +26,14 @@ from .trilu import Trilu
 from .windows import BlackmanWindow, HammingWindow, HannWindow
 
 OVERRIDES: dict[str, type] = {
-    "BitCast": BitCast, "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "Celu": Celu,
-    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT, "Dropout": Dropout,
-    "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU, "HammingWindow": HammingWindow,
-    "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM, "LayerNormalization": LayerNormalization,
-    "Mod": Mod, "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "Pow": Pow,
-    "QLinearConv": QLinearConv, "QLinearMatMul": QLinearMatMul, "RNN": RNN,
-    "ReverseSequence": ReverseSequence, "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss,
-    "Trilu": Trilu
+    "BatchNormalization": BatchNormalization, "BitCast": BitCast, "BitShift": BitShift,
+    "BlackmanWindow": BlackmanWindow, "Celu": Celu, "ConstantOfShape": ConstantOfShape,
+    "ConvInteger": ConvInteger, "DFT": DFT, "Dropout": Dropout, "Elu": Elu, "Expand": Expand,
+    "EyeLike": EyeLike, "GRU": GRU, "HammingWindow": HammingWindow, "HannWindow": HannWindow,
+    "IsInf": IsInf, "LSTM": LSTM, "LayerNormalization": LayerNormalization, "Mod": Mod,
+    "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "Pow": Pow, "QLinearConv": QLinearConv,
+    "QLinearMatMul": QLinearMatMul, "RNN": RNN, "ReverseSequence": ReverseSequence,
+    "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "Trilu": Trilu
 }
 
 __all__ = ["OVERRIDES", "refusals"]
