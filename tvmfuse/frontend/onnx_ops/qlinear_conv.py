@@ -22,7 +22,8 @@ class QLinearConv(stock.OnnxOpConverter):
         acc = integer_conv(bb, x, w, x_zp, w_zp, attr, params)
         spatial = x.ty.ndim - 2
         if bias is not None:
-            acc = relax.op.add(acc, relax.op.reshape(bb.normalize(relax.op.astype(bias, F64)), [-1] + [1] * spatial))
+            wide = bb.normalize(relax.op.astype(bias, F64))
+            acc = relax.op.add(acc, relax.op.reshape(wide, [-1] + [1] * spatial))
         if w_s.ty.ndim == 1:
             w_s = relax.op.reshape(w_s, [-1] + [1] * spatial)
         return requantize(acc, scale_ratio(x_s, w_s, y_s), y_zp, out_dtype(y_zp, x))
