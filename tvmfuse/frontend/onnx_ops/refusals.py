@@ -20,7 +20,6 @@ from ...errors import UnsupportedOpError
 
 # op → [(attribute, accepted(value), why)] ; an absent attribute is always accepted
 _ATTRIBUTES: dict[str, list[tuple[str, Callable[[Any], bool], str]]] = {
-    "BatchNormalization": [("training_mode", lambda v: v == 0, "training statistics")],
     "ConvTranspose": [("output_shape", lambda v: False, "output_shape is ignored by the converter")],
     "RoiAlign": [("mode", lambda v: v in (b"avg", "avg"), "only mode=avg")],
     "SpaceToDepth": [("mode", lambda v: v in (b"DCR", "DCR"), "only the DCR ordering")],

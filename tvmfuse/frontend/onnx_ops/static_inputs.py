@@ -2,7 +2,8 @@
 
 ``Reduce*`` ``axes``, ``Resize`` ``scales`` / ``sizes``, ``Pad`` ``pads`` / ``constant_value`` /
 ``axes``, ``TopK`` ``K``, ``Split`` ``split``, ``OneHot`` ``depth``, ``CumSum`` ``axis``,
-``Reshape`` ``shape``, ``AffineGrid`` ``size``, ``SplitToSequence`` ``split``: a converter
+``DFT`` ``dft_length`` / ``axis``, ``Reshape`` ``shape``, ``AffineGrid`` ``size``,
+``SplitToSequence`` ``split``: a converter
 asserts (or raises a bare ``ValueError``) when one is a runtime tensor. :func:`runtime_refusals`
 names each such input before the converter runs, so the user learns which input to make an
 initializer (or a ``Constant``). A constant, or a ``Shape``-derived shape value, is accepted:
@@ -21,7 +22,7 @@ _REDUCE = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax
 # op → indices of the inputs its 0.27 converter needs as constants
 STATIC_INPUTS: dict[str, tuple[int, ...]] = {
     **{op: (1,) for op in _REDUCE},
-    "AffineGrid": (1,), "CumSum": (1,), "OneHot": (1,), "Pad": (1, 2, 3), "Reshape": (1,),
+    "AffineGrid": (1,), "CumSum": (1,), "DFT": (1, 2), "OneHot": (1,), "Pad": (1, 2, 3), "Reshape": (1,),
     "Resize": (2, 3), "Split": (1,), "SplitToSequence": (1,), "TopK": (1,),
 }
 
