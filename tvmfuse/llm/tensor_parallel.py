@@ -106,6 +106,7 @@ class Plan:
 
     column: set
     embeddings: set
+    segments: dict  # column matmul → segments of its outputs (a fused QKV's q | k | v)
 
 
 def _ids_rooted(table: dict, expr: relax.Expr, ids: relax.Var) -> bool:
@@ -148,7 +149,36 @@ def plan(func: relax.Function, n: int, name: str) -> Plan:
                   if _op(c) == "relax.take" and isinstance(c.args[0], Constant)
                   and len(_shape(c.args[0])) == 2 and int(c.attrs.axis) == 0
                   and _shape(c.args[0])[0] % n == 0 and _ids_rooted(table, c.args[1], func.params[0])}
-    return Plan(column, embeddings)
+    segments = {v: _output_segments(table, readers, v, n) for v in column}
+    return Plan(column, embeddings, segments)
+
+
+def _output_segments(table: dict, readers: dict, var: relax.Var, n: int) -> tuple[int, ...]:
+    """The pieces a column-parallel matmul's outputs are cut into along the last axis (a split or
+    slices, past elementwise ops such as the bias add), when each is divisible by ``n``."""
+    width = _shape(var)[-1]
+    while True:
+        users_ = readers.get(var, [])
+        if len(users_) != 1 or users_[0] is None:
+            break
+        value = table[users_[0]]
+        if _op(value) not in _UNARY | _BINARY | {"relax.reshape"} or _shape(users_[0])[-1] != width:
+            break
+        var = users_[0]
+    cuts = []
+    for user in readers.get(var, []):
+        value = table.get(user)
+        rank = len(_shape(var))
+        if _op(value) == "relax.split" and int(value.attrs.axis) % rank == rank - 1:
+            cuts += [int(f.shape.values[-1]) for f in user.ty.fields]
+        elif _op(value) == "relax.strided_slice" and [int(f.value) % rank for f in value.args[1].fields] \
+                == [rank - 1]:
+            cuts.append(_shape(user)[-1])
+        else:
+            return (width,)
+    if sum(cuts) != width or any(c % n for c in cuts):
+        return (width,)
+    return tuple(cuts)
 
 
 def _region(table: dict, matmuls: dict, depends: set, x: relax.Expr) -> set | None:
@@ -200,6 +230,8 @@ def _reshape_split(src: list[int], dst: list[int], split: Split, n: int) -> Spli
     if not starts:
         return None
     b = starts[0]
+    if dst[b] == src[a] and _prod(dst[b + 1:]) == _prod(src[a + 1:]):
+        return Split(b, split.segments)  # the axis itself is kept (other axes merge or split)
     if len(split.segments) == 1:
         return Split(b, (dst[b],)) if dst[b] % n == 0 and _prod(dst[b:]) == _prod(src[a:]) else None
     # equal segments on their own axis (3·E → (3, H, D)): the split moves to the next axis
@@ -406,7 +438,7 @@ class _Shard(relax.PyExprMutator):
     def _split_op(self, binding: relax.VarBinding, first: Split) -> bool:
         var, value = binding.var, binding.value
         axis = int(value.attrs.axis) % len(_shape(value.args[0]))
-        pieces = [_shape(f)[axis] for f in var.ty.fields]
+        pieces = [int(f.shape.values[axis]) for f in var.ty.fields]
         if axis != first.axis:
             self.split[var] = tuple(first for _ in pieces)
             super().visit_var_binding_(binding)
@@ -428,9 +460,9 @@ class _Shard(relax.PyExprMutator):
         if isinstance(split, Split) and split.axis == rows - 1:  # row-parallel: contraction split
             weight = self._const(const, Split(1 if transposed else 0, split.segments))
         elif var in self.plan.column and not split:
-            out = _shape(var)[-1]
-            weight = self._const(const, Split(0 if transposed else 1, (out,)))
-            self.split[var] = Split(len(_shape(var)) - 1, (out,))
+            segments = self.plan.segments[var]
+            weight = self._const(const, Split(0 if transposed else 1, segments))
+            self.split[var] = Split(len(_shape(var)) - 1, segments)
         else:
             if split:
                 self._gather(x)

@@ -330,4 +330,5 @@ def load(path: str | os.PathLike, device: str = "cuda", devices: list[int] | Non
     return CompiledModel(path, device)
 
 
-__all__ = ["CompiledModel", "DistributedLanguageModel", "LanguageModel", "load", "load_weights", "read_metadata"]
+__all__ = ["CompiledModel", "DistributedLanguageModel", "LanguageModel", "load", "load_weights",
+           "read_metadata"]
