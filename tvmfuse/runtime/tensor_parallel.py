@@ -22,8 +22,6 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ import numpy as np
 from ..errors import DeviceError, LibraryError, TvmfuseError
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("TVMFUSE_TP_TIMEOUT", "600"))
+WORKER_MODULE = "tvmfuse.runtime.tp_worker"  # run as a program: nothing here imports it
 _GRACE_S = 30.0  # how long the other ranks may take to answer once one reported an error
 
 
@@ -39,56 +38,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, path: str, device: str, port: int, timeout: float, conn) -> None:
-    """One rank: process group, collectives, the library; then answers calls until ``close``."""
-    try:
-        import torch.distributed as dist
-
-        from . import _open
-        from .collectives import register_collectives
-        from .lm import LanguageModel
-        from .weights import load_weights
-
-        cuda = device.startswith("cuda")
-        if cuda:
-            import torch
-
-            torch.cuda.set_device(int(device.split(":")[1]))
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-        register_collectives(rank, world)
-        meta, dev, _, vm = _open(Path(path), device)
-        meta = meta | {"weights": meta["weight_shards"][rank]}
-        lm = LanguageModel(vm, dev, meta, Path(path), load_weights(Path(path), meta, dev, rank=rank))
-        conn.send(("ok", None))
-    except BaseException as err:  # noqa: BLE001  (reported to the parent, which raises it)
-        conn.send(("error", _portable(err)))
-        return
-    try:
-        while True:
-            method, args, kwargs = conn.recv()
-            if method == "close":
-                break
-            try:
-                result = getattr(lm, method)(*args, **kwargs)
-                conn.send(("ok", (result, lm.timings) if method == "generate" else result))
-            except Exception as err:  # noqa: BLE001
-                conn.send(("error", _portable(err)))
-    finally:
-        dist.destroy_process_group()
-
-
-def _portable(err: BaseException) -> BaseException:
-    """``err`` if it pickles as itself (tvmfuse errors do), else a TvmfuseError with its text."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(err))
-        return err
-    except Exception:  # noqa: BLE001
-        return TvmfuseError(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
 
 
 def _named(rank: int, err: BaseException) -> BaseException:
@@ -125,7 +74,7 @@ class DistributedLanguageModel:
             [str(Path(__file__).parents[2]), *filter(None, [os.environ.get("PYTHONPATH")])])}
         for rank, device in enumerate(devices):
             parent, child = mp.Pipe()
-            argv = [sys.executable, "-m", __name__, str(rank), str(self.world),
+            argv = [sys.executable, "-m", WORKER_MODULE, str(rank), str(self.world),
                     str(self.path.absolute()), device, str(port), str(timeout), str(child.fileno())]
             self._procs.append(subprocess.Popen(argv, pass_fds=[child.fileno()], env=env))
             child.close()
@@ -244,15 +193,5 @@ def rank_devices(kind: str, world: int, devices: list[int] | None) -> list[str]:
     devices = list(range(world)) if devices is None else list(devices)
     return [f"cuda:{i}" for i in devices]
 
-
-def _main(argv: list[str]) -> None:
-    from multiprocessing.connection import Connection
-
-    rank, world, path, device, port, timeout, fd = argv
-    _worker(int(rank), int(world), path, device, int(port), float(timeout), Connection(int(fd)))
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])
 
 __all__ = ["DistributedLanguageModel", "rank_devices"]
