@@ -179,3 +179,20 @@ def test_cli_generate_gpus(tp_llama):
     assert f"tokens: {','.join(map(str, want))}" in res.stdout
     res = run()
     assert res.returncode == 1 and "run it with --gpus 2" in res.stderr
+
+
+@pytest.mark.gpu
+def test_two_gpus_nccl(tmp_path):
+    """2 GPUs of one host (not yet run: multi-GPU machines were not lent): the fp16 Llama for sm90
+    split over GPUs 0 and 1 (nccl) against torch's greedy tokens."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    model = tiny_lm("llama").half()
+    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=MAX_SEQ, max_batch=2,
+                             prefill_lengths=[16], tensor_parallel=2)
+    with tvmfuse.load(lib.export(tmp_path / "lm.so"), devices=[0, 1]) as lm:
+        torch.manual_seed(3)
+        ids = torch.randint(0, 128, (2, 9))
+        ref_tokens, ref_logits = torch_greedy(model.float(), ids, STEPS)
+        got = lm.generate(ids, max_new_tokens=STEPS)
+        check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
