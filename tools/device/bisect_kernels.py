@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 
 import numpy as np
 
 sys.path.insert(0, os.getcwd())
+os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
 
 import tvm  # noqa: E402
+import tvm.support.nvcc  # noqa: E402,F401  (registers the nvcc compile callback)
 
 
 def _static_shape(buf) -> tuple[int, ...] | None:
@@ -52,8 +55,11 @@ def compare(name: str, plain: tvm.tirx.PrimFunc, scheduled: tvm.tirx.PrimFunc, g
     rng = np.random.default_rng(seed)
     arrays = [_random(s, str(b.dtype), rng) for s, b in zip(shapes, bufs)]
     cpu = tvm.compile(tvm.IRModule({"main": plain.with_attr("global_symbol", "main")}), target="llvm")
-    gpu = tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
-                      target=gpu_target)
+    # the packed compiler library cannot launch kernels: export, load with the runtime (nvcc fatbin)
+    path = os.path.join(tempfile.mkdtemp(prefix="bisect-"), f"{name}.so")
+    tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}),
+                target=gpu_target).export_library(path)
+    gpu = tvm.runtime.load_module(path)
     cpu_args = [tvm.runtime.tensor(a) for a in arrays]
     dev = tvm.cuda()
     gpu_args = [tvm.runtime.tensor(a, dev) for a in arrays]
