@@ -78,18 +78,18 @@ def tie_check(model, seq: torch.Tensor, ctx: int, ref: torch.Tensor) -> dict[str
 
 
 def kernel_us_per_step(lm, steps: int = 8) -> float | None:
-    """Summed GPU kernel time of one decode step (torch.profiler over graph replays)."""
+    """Summed GPU kernel time of one decode step: torch.profiler over ``generate`` with
+    ``steps + 1`` new tokens minus the same with 1 (prefill only), divided by ``steps``."""
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(1, lm.metadata["vocab"], (1, lm.prefill_lengths[0]))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        lm.generate(ids, max_new_tokens=steps + 2)
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    if not events:
-        return None
-    total = sum(e.device_time_total for e in events)  # µs, prefill included: subtract below
-    prefill = sum(e.device_time_total for e in events if "prefill" in e.key)
-    return (total - prefill) / (steps + 1)
+
+    def kernel_us(new: int) -> float:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            lm.generate(ids, max_new_tokens=new)
+        return sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
+
+    return (kernel_us(steps + 1) - kernel_us(1)) / steps
 
 
 def main() -> None:
