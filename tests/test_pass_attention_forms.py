@@ -5,8 +5,8 @@ the ONNX file of either exporter) and compiled for the cpu target. Checked per f
 ``R.nn.attention`` after ``fuse_attention`` with a "fused" decision, no (S, S) tensor allocated
 after ``finalize``, and the output against the module run by torch in float64 (fp16 tolerance;
 torch's own fp16 error printed beside it). A sliding-window band (every spelling of
-``forms.WINDOW_FORMS``) becomes one ``R.nn.attention`` with ``window_size`` (on CUDA targets only
-with ``Options(gpu_window_attention=True)``: the gated kernels); what cannot be proved
+``forms.WINDOW_FORMS``) becomes one ``R.nn.attention`` with ``window_size`` (on CUDA targets unless
+``Options(gpu_window_attention=False)``); what cannot be proved
 stays unfused with its reason, and still computes the right numbers.
 """
 
@@ -170,12 +170,13 @@ def test_sliding_window_onnx_fp16(how: str, dynamo: bool, tmp_path):
     _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
 
 
-def test_sliding_window_left_on_cuda_by_default():
-    """The CUDA window kernels are gated (not GPU-verified yet): on sm90 and sm80 the band stays
-    unfused with a reason naming the option."""
+def test_sliding_window_left_on_cuda_with_the_option_off():
+    """``Options(gpu_window_attention=False)``: on sm90 and sm80 the band stays unfused with a
+    reason naming the option."""
     module, inputs = forms.sliding_window(head_dim=64)
     for target in ("sm90", "sm80"):
-        _, stages, _ = _compile(module, inputs, target=target)
+        _, stages, _ = _compile(module, inputs, target=target,
+                                options=Options(gpu_window_attention=False))
         fused = stages["fuse_attention"]
         assert _attention_calls(fused) == 0
         (decision,) = attention_decisions(fused)
@@ -185,12 +186,11 @@ def test_sliding_window_left_on_cuda_by_default():
 
 
 def test_sliding_window_one_kernel_sm90():
-    """Gate on: on sm90 the band runs in the wgmma flash kernel with the window in its spec."""
+    """By default on sm90 the band runs in the wgmma flash kernel with the window in its spec."""
     import json
 
     module, inputs = forms.sliding_window(head_dim=64)
-    _, stages, _ = _compile(module, inputs, target="sm90",
-                            options=Options(gpu_window_attention=True))
+    _, stages, _ = _compile(module, inputs, target="sm90")
     kernels = [f for f in stages["legalize"].functions.values()
                if isinstance(f, tvm.tirx.PrimFunc) and "tvmfuse.rule" in f.attrs]
     assert [str(f.attrs["tvmfuse.rule"]) for f in kernels] == ["flash_attention_sm90"]

@@ -9,8 +9,7 @@ Baseline: ``sdpa_ms`` = eager ``F.scaled_dot_product_attention(..., is_causal=Tr
 tensors (the flash backend on the H200); torch_eager_ms is the module itself.
 
 ``sliding_window``: the hand-written form with a causal band of ``w`` keys (bool buffer
-``~ones(S, S).tril().triu(1 − w)``, Mistral's window), compiled to ``window_size=w`` (with
-``Options(gpu_window_attention=True)``: the CUDA window kernels are gated until verified on a GPU).
+``~ones(S, S).tril().triu(1 − w)``, Mistral's window), compiled to ``window_size=w``.
 cuda: B1·S8192·H16·D128 fp16, w = 1024; cpu smoke: B1·S64·H2·D32, w = 16.
 FLOPs = 4·B·H·D·(visible pairs, w·S − w(w−1)/2). Baselines: ``sdpa_ms`` = eager SDPA with the
 equivalent bool ``attn_mask``; for context ``sdpa_causal_ms`` (the full causal SDPA, is_causal) and,
@@ -26,8 +25,6 @@ import common
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from tvmfuse.options import Options, use_options
 
 SIZES = {"cuda": (4, 16, 2048, 128), "cpu": (1, 2, 64, 32)}  # (B, H, S, D)
 WINDOW_SIZES = {"cuda": (1, 16, 8192, 128, 1024), "cpu": (1, 2, 64, 32, 16)}  # (B, H, S, D, w)
@@ -127,10 +124,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Benchmark every form; one row each."""
     rows = []
     for wl in workloads(args):
-        # the CUDA window kernels are gated until a GPU run verifies them: this row is that run
-        window = wl.name == "attn_sliding_window"
-        with use_options(Options(gpu_window_attention=True) if window else None):
-            rows.append(common.bench(wl, args))
+        rows.append(common.bench(wl, args))
     return rows
 
 

@@ -33,8 +33,8 @@ Masks are accepted only when the equivalence is proved:
   is exactly ``tril(k=0)`` (TopLeft) or ``tril(k=Skv-Sq)`` (BottomRight) or everything, or a
   sliding-window band of one of them, ``tril(k=off) & triu(k=off-w+1)``, which becomes
   ``window_size=w`` (each query sees its last w keys; BottomRight preferred when both fit). On
-  a CUDA target the band stays unfused with its reason unless ``Options(gpu_window_attention=True)``
-  (the CUDA window kernels are not GPU-verified yet; ``attention_lower.gpu_window_gate``);
+  a CUDA target with ``Options(gpu_window_attention=False)`` the band stays unfused with its reason
+  (``attention_lower.gpu_window_gate``);
 * a mask that depends on model inputs becomes the additive ``bias`` when it is constant along the
   query axis (a padding mask, (B|1, H|1, 1, Skv)); ``where(and(C, P), a, b)`` with a constant
   all-true C (HF's broadcast padding mask) is reduced to ``where(P, a, b)`` first;
