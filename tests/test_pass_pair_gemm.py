@@ -68,7 +68,7 @@ def _expected(wg: np.ndarray, wu: np.ndarray) -> tvm.IRModule:
 def test_swiglu_becomes_one_interleaved_gemm(target):
     """cpu; sm80 at decode size (M = 16 ≤ 64: the weight-streaming kernel takes the pair)."""
     wg, wu = _weights()
-    with get_target(target).tvm_target(), use_options(Options(small_m_gemv=True)):
+    with get_target(target).tvm_target(), use_options(Options(gemv_max_m=64)):
         after = PairGemm()(_before(wg, wu))
     tvm.ir.assert_structural_equal(after, _expected(wg, wu))
 

@@ -28,15 +28,13 @@ from tvmfuse.tvm_setup import codegen_scope
 
 SM80, SM90 = get_target("sm80"), get_target("sm90")
 GEMV_OFF = Options(small_m_gemv=False)
+GEMV_ALL = Options(gemv_max_m=64)  # the default takes M ≤ 8; these tests cover the mma engine too
 
 
 @pytest.fixture(autouse=True)
 def _gemv_on(request):
-    """The kernel is on by default; tests marked ``gemv_off`` run with it switched off."""
-    if "gemv_off" not in request.keywords:
-        yield
-        return
-    with use_options(GEMV_OFF):
+    """Every test here runs with the kernel on up to M = 64, except those marked ``gemv_off``."""
+    with use_options(GEMV_OFF if "gemv_off" in request.keywords else GEMV_ALL):
         yield
 
 

@@ -57,6 +57,10 @@ class Options:
     # numerics checked on the H200 (session 8: M 1, 4, 16, 64 × five epilogues, fp16; M = 1 reads
     # W at 3.16 TB/s, 1.57× cuBLAS). Off: those GEMMs keep the GEMM rules they had.
     small_m_gemv: bool = True
+    # rows up to which a GEMM takes the gemv kernel: 8 (the CUDA-core engine, measured faster than
+    # cuBLAS at M = 1); up to 64 adds the mma engine (numerics checked, speed not yet measured
+    # against the wgmma GEMM, so not by default)
+    gemv_max_m: int = 8
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV

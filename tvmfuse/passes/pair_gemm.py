@@ -89,7 +89,7 @@ def _target_takes(x: relax.Expr, weight: np.ndarray) -> bool:
         return n % 4 == 0
     # other sm_80+: the decode-size weight-streaming kernel (rules/gemv.py) takes the pair epilogue
     return (current_options().small_m_gemv and arch[3:5].isdigit() and int(arch[3:5]) >= 80
-            and shape[0] <= _STREAMING_MAX_M)
+            and shape[0] <= min(_STREAMING_MAX_M, current_options().gemv_max_m))
 
 
 def _ints(tup: relax.Expr) -> list[int] | None:

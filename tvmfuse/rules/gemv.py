@@ -63,7 +63,12 @@ def small_m_gemm(func: tirx.PrimFunc) -> FusedGemm | None:
         g = analyze(func)
     except NotHandled:
         return None
-    return g if g.m <= MAX_M else None
+    return g if g.m <= max_m() else None
+
+
+def max_m() -> int:
+    """Rows up to which GEMMs take this kernel: ``Options.gemv_max_m``, at most the kernel's 64."""
+    return min(MAX_M, current_options().gemv_max_m)
 
 
 def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transposed: bool = False,
