@@ -58,26 +58,89 @@ def _calls(func: relax.Function) -> list[tuple[str, relax.Call]]:
     return found
 
 
-def test_each_attention_becomes_append_and_cache_attention():
-    after = apply_pass(DeriveKVCache(MAX_SEQ), TwoLayers)
-    func = after["main"]
+def _cache_params_ok(func: relax.Function, batch: int) -> None:
     names = [str(p.name) for p in func.params]
     assert names == ["q", "k", "v", "offsets", "starts", "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1"]
     for p in func.params[5:]:
-        assert [int(d) for d in p.ty.shape.values] == [2, 4, MAX_SEQ, 16] and p.ty.dtype == "float32"
+        assert [int(d) for d in p.ty.shape.values] == [batch, 4, MAX_SEQ, 16] and p.ty.dtype == "float32"
     for p in func.params[3:5]:
-        assert [int(d) for d in p.ty.shape.values] == [2] and p.ty.dtype == "int32"
-    ops = [name for name, _ in _calls(func)]
-    assert "relax.nn.attention" not in ops
-    assert ops.count("relax.call_tir_inplace") == 2 and ops.count("relax.call_tir") == 2
+        assert [int(d) for d in p.ty.shape.values] == [batch] and p.ty.dtype == "int32"
     for _, call in _calls(func):
         if call.op.name == "relax.call_tir_inplace":  # writes the two caches it is given, in place
             assert [int(i) for i in call.attrs.inplace_indices] == [0, 1]
             assert [str(a.name) for a in call.args[1].fields[:2]] in (
                 ["k_cache_0", "v_cache_0"], ["k_cache_1", "v_cache_1"])
+
+
+def test_prefill_appends_and_attends_this_calls_keys():
+    """S > 1 (a prefill starts its sequences): append in place, then the flash-kernel attention
+    over this call's k, v with one (B, 1, S, S) padding bias from ``starts``."""
+    after = apply_pass(DeriveKVCache(MAX_SEQ), TwoLayers)
+    func = after["main"]
+    _cache_params_ok(func, 2)
+    calls = _calls(func)
+    attention = [c for name, c in calls if name == "relax.nn.attention_bias"]
+    assert [name for name, _ in calls].count("relax.call_tir_inplace") == 2 and len(attention) == 2
+    for call in attention:
+        assert len(call.args) == 4 and str(call.attrs.causal_mask) == "TopLeft"
+        assert [int(d) for d in call.args[3].ty.shape.values] == [2, 1, 8, 8]
+        assert str(call.args[3].name) == "prefill_bias"  # one bias for both layers
+    prims = [gv.name_hint for gv, f in after.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert prims == ["main_kv_append0"]
+
+
+@I.ir_module
+class TwoLayersDecode:
+    @R.function
+    def main(q: R.Tensor((2, 1, 4, 16), "float32"), k: R.Tensor((2, 1, 4, 16), "float32"),
+             v: R.Tensor((2, 1, 4, 16), "float32")) -> R.Tensor((2, 1, 4, 16), "float32"):
+        with R.dataflow():
+            a = R.nn.attention(q, k, v, causal_mask="BottomRight")
+            b = R.nn.attention(a, k, v, causal_mask="BottomRight")
+            out = R.add(a, b)
+            R.output(out)
+        return out
+
+
+def test_decode_appends_and_reads_the_cache():
+    after = apply_pass(DeriveKVCache(MAX_SEQ), TwoLayersDecode)
+    func = after["main"]
+    _cache_params_ok(func, 2)
+    ops = [name for name, _ in _calls(func)]
+    assert "relax.nn.attention" not in ops
+    assert ops.count("relax.call_tir_inplace") == 2 and ops.count("relax.call_tir") == 2
     # both layers have the same shapes: one append and one attention kernel shared
     prims = [gv.name_hint for gv, f in after.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
     assert sorted(prims) == ["main_cache_attention0", "main_kv_append0"]
+
+
+@I.ir_module
+class OneLayer:
+    @R.function
+    def main(q: R.Tensor((2, 8, 4, 16), "float32"), k: R.Tensor((2, 8, 2, 16), "float32"),
+             v: R.Tensor((2, 8, 2, 16), "float32")) -> R.Tensor((2, 8, 4, 16), "float32"):
+        with R.dataflow():
+            a = R.nn.attention(q, k, v, causal_mask="TopLeft")
+            R.output(a)
+        return a
+
+
+def test_left_padded_prefill_follows_the_cache_rule():
+    """starts 0 and 3 (GQA 2:1): the prefill's bias gives each row the slots the cache kernel
+    would read (real rows: starts[b] .. i; padding rows: only themselves)."""
+    after = apply_pass(DeriveKVCache(MAX_SEQ), OneLayer)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 8, 4, 16)).astype("float32")
+    k, v = (rng.standard_normal((2, 8, 2, 16)).astype("float32") for _ in range(2))
+    starts, zeros = np.array([0, 3], "int32"), np.zeros(2, "int32")
+    caches = [np.zeros((2, 2, MAX_SEQ, 16), "float32") for _ in range(2)]
+    out = run_llvm(after, q, k, v, zeros, starts, *caches)
+    spec = CacheSpec(batch=2, seq=8, q_heads=4, kv_heads=2, head_dim=16, max_seq=MAX_SEQ,
+                     dtype="float32", scale=0.25)
+    kc, vc = (np.zeros((2, 2, MAX_SEQ, 16), "float32") for _ in range(2))
+    kc[:, :, :8], vc[:, :, :8] = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    ref = _cache_attention_ref(spec, q, kc, vc, zeros, starts)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_from_slot_zero_equals_causal_attention():

@@ -5,7 +5,15 @@ For attention layer l of a function with static shapes (B, S)::
     o = R.nn.attention(q (B,S,Hq,D), k (B,S,Hkv,D), v, scale, causal_mask)
   →
     kc_l, vc_l = call_tir_inplace(kv_append, (k_cache_l, v_cache_l, k, v, offsets))   # in place
-    o = call_tir(cache_attention, (q, kc_l, vc_l, offsets, starts))                  # (B,S,Hq,D)
+    o = call_tir(cache_attention, (q, kc_l, vc_l, offsets, starts))       # decode (S = 1)
+    o = R.nn.attention(q, kc_l[:, :, :S]ᵀ, vc_l[:, :, :S]ᵀ, bias(starts), scale,
+                       causal_mask="TopLeft")                                      # prefill (S > 1)
+
+A prefill starts its sequences (the runtime passes offsets 0): its attention is over this call's
+keys and values (read back from the slots just written, which keeps the append alive), computed
+by the flash kernels; ``bias`` hides the left padding (key j is visible to a
+real row when j ≥ starts[b]; a padding row sees only itself), the cache kernel's rule. Decode
+reads the cache through the split-KV kernel.
 
 and the function gains the parameters ``offsets`` (B,) int32, ``starts`` (B,) int32 and
 ``k_cache_0, v_cache_0, ...`` (B, Hkv, max_seq, D) after its own (kernels and their formulas:
@@ -64,19 +72,21 @@ class _Rewrite(relax.PyExprMutator):
         self.max_seq, self.cuda, self.prefix = max_seq, cuda, prefix
         self.caches: list[relax.Var] = []
         self.specs: list[CacheSpec] = []
-        self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar]] = {}
+        self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar | None]] = {}
         self.offsets = self.starts = None
+        self.bias: relax.Var | None = None
 
     def set_batch(self, batch: int) -> None:
         self.offsets = relax.Var("offsets", relax.TensorType([batch], "int32"))
         self.starts = relax.Var("starts", relax.TensorType([batch], "int32"))
 
-    def _kernels(self, spec: CacheSpec) -> tuple[relax.GlobalVar, relax.GlobalVar]:
+    def _kernels(self, spec: CacheSpec) -> tuple[relax.GlobalVar, relax.GlobalVar | None]:
+        """The append kernel and (decode only) the cache-attention kernel of ``spec``."""
         if spec not in self.kernels:
             n = len(self.kernels)
             append = self.builder_.add_func(kv_append(spec, self.cuda), f"{self.prefix}kv_append{n}")
-            attn = self.builder_.add_func(cache_attention(spec, self.cuda),
-                                          f"{self.prefix}cache_attention{n}")
+            attn = None if spec.seq > 1 else self.builder_.add_func(
+                cache_attention(spec, self.cuda), f"{self.prefix}cache_attention{n}")
             self.kernels[spec] = (append, attn)
         return self.kernels[spec]
 
@@ -99,10 +109,34 @@ class _Rewrite(relax.PyExprMutator):
             name_hint=f"kv_{layer}")
         kc2 = self.builder_.emit(relax.TupleGetItem(kv, 0))
         vc2 = self.builder_.emit(relax.TupleGetItem(kv, 1))
-        out = self.builder_.emit(relax.call_tir(
-            attn, relax.Tuple([q, kc2, vc2, self.offsets, self.starts]), call.ty),
-            name_hint=var_name(binding.var))
+        if spec.seq > 1:  # prefill starts sequences: attention over this call's k, v (flash kernels)
+            # read back from slots 0..S-1 of the caches just written: the data dependence keeps
+            # the in-place append (a pure call to Relax) from being removed as unused
+            k_new, v_new = (self.builder_.emit(relax.op.permute_dims(relax.op.strided_slice(
+                c, [2], [0], [spec.seq]), [0, 2, 1, 3])) for c in (kc2, vc2))
+            out = self.builder_.emit(relax.op.nn.attention(
+                q, k_new, v_new, self._prefill_bias(spec), scale=spec.scale, causal_mask="TopLeft"),
+                name_hint=var_name(binding.var))
+        else:
+            out = self.builder_.emit(relax.call_tir(
+                attn, relax.Tuple([q, kc2, vc2, self.offsets, self.starts]), call.ty),
+                name_hint=var_name(binding.var))
         self.set_var_remap(binding.var, out)
+
+    def _prefill_bias(self, spec: CacheSpec) -> relax.Var:
+        """(B, 1, S, S): 0 where key j is visible to row i besides causality (j ≥ starts[b], or
+        j == i: a padding row sees only itself), else −30000 (exp underflows to 0 in fp32; finite,
+        so fp16 holds it and no row is empty). Made once per function."""
+        if self.bias is None:
+            B, S, dt = spec.batch, spec.seq, spec.dtype
+            pos = relax.op.arange(0, S, 1, "int32")
+            cols = relax.op.reshape(pos, [1, 1, 1, S])
+            rows = relax.op.reshape(pos, [1, 1, S, 1])
+            real = relax.op.greater_equal(cols, relax.op.reshape(self.starts, [B, 1, 1, 1]))
+            keep = relax.op.logical_or(real, relax.op.equal(cols, rows))
+            self.bias = self.builder_.emit(relax.op.where(
+                keep, relax.const(0.0, dt), relax.const(-30000.0, dt)), name_hint="prefill_bias")
+        return self.bias
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.llm.DeriveKVCache")
