@@ -40,7 +40,8 @@ from tvm.relax.frontend.onnx import onnx_frontend as stock
 from ..relax_shapes import shape_expr, static_shape
 from .onnx_nodes import construct_nodes
 from .onnx_ops import OVERRIDES as OP_OVERRIDES
-from .onnx_ops import refusals
+from .onnx_ops import RUNTIME_INPUTS, refusals
+from .onnx_ops.runtime_values import with_runtime_inputs
 
 _ATTENTION_INPUTS = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen"]
 _ATTENTION_OUTPUTS = ["Y", "present_key", "present_value", "qk_matmul_output"]
@@ -298,6 +299,8 @@ OVERRIDES: dict[str, type] = {"Attention": Attention, "Concat": Concat, "Gather"
                                "Reshape": Reshape, "Tile": Tile, "Unsqueeze": Unsqueeze, **OP_OVERRIDES,
                                **{op: _prims_as_tensors(getattr(stock, op))
                                   for op in ("Add", "Sub", "Mul", "Div")}}
+OVERRIDES.update({op: with_runtime_inputs(OVERRIDES.get(op) or getattr(stock, op), indices, handler)
+                  for op, (indices, handler) in RUNTIME_INPUTS.items()})
 
 
 @contextmanager

@@ -6,16 +6,26 @@
 from __future__ import annotations
 
 from .bitcast import BitCast
+from .cumsum import cumsum_runtime_axis
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
+from .reduce import OVERRIDES as REDUCE
 from .refusals import refusals
+from .reshape import reshape_runtime_shape
+from .runtime_values import Handler
 
 OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
                               "LayerNormalization": LayerNormalization, "Mod": Mod,
                               "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
-                              "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss}
+                              "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, **REDUCE}
 
-__all__ = ["OVERRIDES", "refusals"]
+# op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
+# onnx_fixes wraps its own or TVM's converter of the op with it (runtime_values.with_runtime_inputs)
+RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
+    "CumSum": ((1,), cumsum_runtime_axis), "Reshape": ((1,), reshape_runtime_shape),
+}
+
+__all__ = ["OVERRIDES", "RUNTIME_INPUTS", "refusals"]
