@@ -5,16 +5,21 @@
 
 from __future__ import annotations
 
+from .affine_grid import affine_grid_runtime_size
 from .bitcast import BitCast
 from .cumsum import cumsum_runtime_axis
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
+from .onehot import onehot_runtime_depth
+from .pad import pad_runtime
 from .reduce import OVERRIDES as REDUCE
 from .refusals import refusals
 from .reshape import reshape_runtime_shape
 from .runtime_values import Handler
+from .split import split_runtime_sizes
+from .topk import topk_runtime_k
 
 OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout": Dropout, "Expand": Expand,
                               "IsInf": IsInf,
@@ -25,7 +30,10 @@ OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout
 # op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
 # onnx_fixes wraps its own or TVM's converter of the op with it (runtime_values.with_runtime_inputs)
 RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
-    "CumSum": ((1,), cumsum_runtime_axis), "Reshape": ((1,), reshape_runtime_shape),
+    "AffineGrid": ((1,), affine_grid_runtime_size), "CumSum": ((1,), cumsum_runtime_axis),
+    "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
+    "Reshape": ((1,), reshape_runtime_shape), "Split": ((1,), split_runtime_sizes),
+    "TopK": ((1,), topk_runtime_k),
 }
 
 __all__ = ["OVERRIDES", "RUNTIME_INPUTS", "refusals"]

@@ -14,12 +14,7 @@ from __future__ import annotations
 import numpy as np
 from tvm import relax
 
-from .runtime_values import Fallback, as_int64, dims_tensor, int64, static_length, symbolic_dims
-
-
-def _all(condition: relax.Expr) -> relax.Expr:
-    return relax.op.equal(relax.op.sum(relax.op.astype(relax.op.logical_not(condition), "int64")),
-                          int64(0))
+from .runtime_values import Fallback, all_of, as_int64, dims_tensor, int64, static_length, symbolic_dims
 
 
 def reshape_runtime_shape(bb: relax.BlockBuilder, inputs: list, attr: dict, fallback: Fallback) -> relax.Expr:
@@ -46,7 +41,7 @@ def reshape_runtime_shape(bb: relax.BlockBuilder, inputs: list, attr: dict, fall
     resolved = bb.normalize(relax.op.where(unknown, inferred, target))
     ok = relax.op.logical_and(
         relax.op.less_equal(relax.op.sum(relax.op.astype(unknown, "int64")), int64(1)),
-        relax.op.logical_and(_all(relax.op.greater_equal(resolved, int64(0))),
+        relax.op.logical_and(all_of(relax.op.greater_equal(resolved, int64(0))),
                              relax.op.equal(relax.op.prod(resolved), numel)))
     out = symbolic_dims(bb, resolved, length, "reshape", bb.normalize(ok))
     return relax.op.reshape(data, relax.ShapeExpr(out))

@@ -70,6 +70,12 @@ def symbolic_dims(bb: relax.BlockBuilder, dims: relax.Expr, count: int, prefix: 
     return out
 
 
+def all_of(condition: relax.Expr) -> relax.Expr:
+    """True (a bool scalar) when every element of the bool tensor ``condition`` is."""
+    return relax.op.equal(relax.op.sum(relax.op.astype(relax.op.logical_not(condition), "int64")),
+                          int64(0))
+
+
 def normalized_axes(axes: relax.Expr, rank: int) -> relax.Expr:
     """Runtime axes (a normalized expression) in ``[-rank, rank)`` made non-negative (others
     stay out of range)."""
@@ -144,3 +150,26 @@ def with_runtime_inputs(base: type, indices: tuple[int, ...], handler: Handler) 
 
     RuntimeInputs.__name__ = RuntimeInputs.__qualname__ = base.__name__
     return RuntimeInputs
+
+
+def axis_window(bb: relax.BlockBuilder, x: relax.Expr, axis: int, start: tirx.PrimExpr,
+                length: tirx.PrimExpr) -> relax.Expr:
+    """``x[…, start : start + length, …]`` along ``axis``, bounds symbolic (one TE kernel)."""
+    from tvm import te
+
+    def window(data: te.Tensor, begin: tirx.PrimExpr, size: tirx.PrimExpr) -> te.Tensor:
+        shape = list(data.shape)
+        shape[axis] = size
+        return te.compute(shape, lambda *i: data(*i[:axis], i[axis] + begin, *i[axis + 1:]),
+                          name="window")
+
+    # symbolic values go in as arguments: emit_te passes only those (and shape dims) to the kernel
+    return bb.emit_te(window, x, start, length)
+
+
+def prim_sum(values: list[tirx.PrimExpr]) -> tirx.PrimExpr:
+    """``values[0] + … `` (0 for none), as int64."""
+    out: tirx.PrimExpr = tirx.IntImm("int64", 0)
+    for v in values:
+        out = out + v
+    return out
