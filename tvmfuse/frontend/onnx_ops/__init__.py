@@ -17,6 +17,7 @@ from .pad import pad_runtime
 from .reduce import OVERRIDES as REDUCE
 from .refusals import refusals
 from .reshape import reshape_runtime_shape
+from .resize import resize_runtime
 from .runtime_values import Handler
 from .split import split_runtime_sizes
 from .topk import topk_runtime_k
@@ -32,8 +33,8 @@ OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout
 RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
     "AffineGrid": ((1,), affine_grid_runtime_size), "CumSum": ((1,), cumsum_runtime_axis),
     "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
-    "Reshape": ((1,), reshape_runtime_shape), "Split": ((1,), split_runtime_sizes),
-    "TopK": ((1,), topk_runtime_k),
+    "Reshape": ((1,), reshape_runtime_shape), "Resize": ((2, 3), resize_runtime),
+    "Split": ((1,), split_runtime_sizes), "TopK": ((1,), topk_runtime_k),
 }
 
 __all__ = ["OVERRIDES", "RUNTIME_INPUTS", "refusals"]

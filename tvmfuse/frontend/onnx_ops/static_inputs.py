@@ -17,7 +17,7 @@ import tvm
 from tvm import relax
 
 # op → indices of the inputs its 0.27 converter needs as constants
-STATIC_INPUTS: dict[str, tuple[int, ...]] = {"Resize": (2, 3), "SplitToSequence": (1,)}
+STATIC_INPUTS: dict[str, tuple[int, ...]] = {"SplitToSequence": (1,)}
 
 
 def _static(value: Any) -> bool:
