@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from .affine_grid import affine_grid_runtime_size
 from .bitcast import BitCast
+from .constant_of_shape import constant_of_shape_runtime
 from .cumsum import cumsum_runtime_axis
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
@@ -31,7 +32,8 @@ OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout
 # op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
 # onnx_fixes wraps its own or TVM's converter of the op with it (runtime_values.with_runtime_inputs)
 RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
-    "AffineGrid": ((1,), affine_grid_runtime_size), "CumSum": ((1,), cumsum_runtime_axis),
+    "AffineGrid": ((1,), affine_grid_runtime_size), "ConstantOfShape": ((0,), constant_of_shape_runtime),
+    "CumSum": ((1,), cumsum_runtime_axis),
     "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
     "Reshape": ((1,), reshape_runtime_shape), "Resize": ((2, 3), resize_runtime),
     "Split": ((1,), split_runtime_sizes), "TopK": ((1,), topk_runtime_k),
