@@ -15,6 +15,7 @@ from .layer_norm import LayerNormalization
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .onehot import onehot_runtime_depth
 from .pad import pad_runtime
+from .range import range_runtime
 from .reduce import OVERRIDES as REDUCE
 from .refusals import refusals
 from .reshape import reshape_runtime_shape
@@ -35,6 +36,7 @@ RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
     "AffineGrid": ((1,), affine_grid_runtime_size), "ConstantOfShape": ((0,), constant_of_shape_runtime),
     "CumSum": ((1,), cumsum_runtime_axis),
     "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
+    "Range": ((0, 1, 2), range_runtime),
     "Reshape": ((1,), reshape_runtime_shape), "Resize": ((2, 3), resize_runtime),
     "Split": ((1,), split_runtime_sizes), "TopK": ((1,), topk_runtime_k),
 }

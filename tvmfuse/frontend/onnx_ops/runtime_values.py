@@ -64,7 +64,10 @@ def symbolic_dims(bb: relax.BlockBuilder, dims: relax.Expr, count: int, prefix: 
         flag = relax.op.reshape(relax.op.astype(ok, "int64"), [1])
         dims = relax.op.concat([flag, dims], axis=0)
         shape.append(tirx.IntImm("int64", 1))
-    value = bb.emit(relax.op.tensor_to_shape(bb.normalize(dims)))
+    # the VM builtin itself: R.tensor_to_shape is decomposed into it plus a match_cast to fresh
+    # dims, and binding canonicalisation then drops the match_cast below that renames them
+    value = bb.emit(relax.Call(relax.ExternFunc("vm.builtin.tensor_to_shape"), [bb.normalize(dims)],
+                               ty_args=[relax.ShapeType(ndim=len(shape) + count)]))
     out = [tirx.Var(f"{prefix}_{i}", "int64") for i in range(count)]
     bb.match_cast(value, relax.ShapeType(shape + out))
     return out
