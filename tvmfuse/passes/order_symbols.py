@@ -87,4 +87,4 @@ class OrderSymbolDefinitions:
         mod = mod.clone()  # assigned into below: not the caller's module
         for gvar, func in updates.items():
             mod[gvar] = func
-        return mod
+        return relax.transform.Normalize()(mod)
