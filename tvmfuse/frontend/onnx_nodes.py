@@ -15,9 +15,10 @@ called once per node so that, around each node,
   the shape arithmetic of exported and function-expanded graphs then reaches ``Reshape``,
   ``Reduce*`` axes, ``Pad`` pads and the like as the constants their converters require. A
   ``Concat`` that mixes shape values with tensors gets tensors;
-* a shape-like input a converter needs constant (``Reduce*`` axes, ``Pad`` pads, ``TopK`` k, …)
-  that is a runtime tensor is refused naming the node, the op and the input
-  (:mod:`~tvmfuse.frontend.onnx_ops.static_inputs`).
+* a shape-like input a converter needs constant (``SplitToSequence`` split) that is a runtime
+  tensor is refused naming the node, the op and the input
+  (:mod:`~tvmfuse.frontend.onnx_ops.static_inputs`); the others are resolved at run time
+  (``onnx_ops.RUNTIME_INPUTS``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """ONNX converters tvmfuse adds to or replaces in TVM 0.27's ``from_onnx``, one op per file.
 
 :data:`OVERRIDES` maps op type → converter class; ``onnx_fixes.converters()`` installs them.
+:data:`RUNTIME_INPUTS` maps op type → (its shape-like inputs, the converter used when one of them
+is a runtime tensor: symbolic dims bound at run time, :mod:`.runtime_values`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .onehot import onehot_runtime_depth
 from .pad import pad_runtime
 from .range import range_runtime
-from .reduce import OVERRIDES as REDUCE
+from .reduce import RUNTIME as REDUCE
 from .refusals import refusals
 from .reshape import reshape_runtime_shape
 from .resize import resize_runtime
@@ -28,7 +30,7 @@ OVERRIDES: dict[str, type] = {"BitCast": BitCast, "BitShift": BitShift, "Dropout
                               "IsInf": IsInf,
                               "LayerNormalization": LayerNormalization, "Mod": Mod,
                               "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss,
-                              "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, **REDUCE}
+                              "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss}
 
 # op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
 # onnx_fixes wraps its own or TVM's converter of the op with it (runtime_values.with_runtime_inputs)
@@ -38,7 +40,7 @@ RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
     "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
     "Range": ((0, 1, 2), range_runtime),
     "Reshape": ((1,), reshape_runtime_shape), "Resize": ((2, 3), resize_runtime),
-    "Split": ((1,), split_runtime_sizes), "TopK": ((1,), topk_runtime_k),
+    "Split": ((1,), split_runtime_sizes), "TopK": ((1,), topk_runtime_k), **REDUCE,
 }
 
 __all__ = ["OVERRIDES", "RUNTIME_INPUTS", "refusals"]

@@ -23,7 +23,6 @@ from collections.abc import Callable
 
 import numpy as np
 from tvm import relax, te, tirx
-from tvm.relax.frontend.onnx import onnx_frontend as stock
 
 from ...relax_shapes import static_shape
 from .runtime_values import (
@@ -35,7 +34,6 @@ from .runtime_values import (
     kept_dims,
     static_length,
     symbolic_dims,
-    with_runtime_inputs,
 )
 
 _PRE: dict[str, Callable[[tirx.PrimExpr], tirx.PrimExpr]] = {
@@ -140,4 +138,5 @@ def _convert(op: str) -> Handler:
     return convert
 
 
-OVERRIDES: dict[str, type] = {op: with_runtime_inputs(getattr(stock, op), (1,), _convert(op)) for op in OPS}
+# op → (the axes input, its converter): onnx_ops.RUNTIME_INPUTS
+RUNTIME: dict[str, tuple[tuple[int, ...], Handler]] = {op: ((1,), _convert(op)) for op in OPS}

@@ -9,7 +9,9 @@ is read from the model's test data at import).
 rely on (distinct in-range axes, say) is checked on the way: :func:`symbolic_dims` takes an
 ``ok`` flag that joins the same ``match_cast`` as a leading dimension that must be 1, so the
 check cannot be dropped as dead code and a bad value stops the call (the VM's ``match_cast
-error``) instead of returning garbage.
+error``) instead of returning garbage; :func:`checked` does the same for an output of static
+shape. :func:`with_runtime_inputs` routes a node to such a converter when one of its shape-like
+inputs is a runtime tensor (constants keep TVM's converter).
 """
 
 from __future__ import annotations

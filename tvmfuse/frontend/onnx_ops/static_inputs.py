@@ -1,12 +1,12 @@
-"""Shape-like ONNX inputs that TVM 0.27's converters take only as constants.
+"""Shape-like ONNX inputs that tvmfuse still takes only as constants.
 
-``Reduce*`` ``axes``, ``Resize`` ``scales`` / ``sizes``, ``Pad`` ``pads`` / ``constant_value`` /
-``axes``, ``TopK`` ``K``, ``Split`` ``split``, ``OneHot`` ``depth``, ``CumSum`` ``axis``,
-``Reshape`` ``shape``, ``AffineGrid`` ``size``, ``SplitToSequence`` ``split``: a converter
-asserts (or raises a bare ``ValueError``) when one is a runtime tensor. :func:`runtime_refusals`
-names each such input before the converter runs, so the user learns which input to make an
-initializer (or a ``Constant``). A constant, or a ``Shape``-derived shape value, is accepted:
-the node loop folds constant subgraphs first (``onnx_nodes.fold_node``).
+``SplitToSequence`` ``split``: its converter asserts when it is a runtime tensor.
+:func:`runtime_refusals` names each such input before the converter runs, so the user learns
+which input to make an initializer (or a ``Constant``). A constant, or a ``Shape``-derived shape
+value, is accepted: the node loop folds constant subgraphs first (``onnx_nodes.fold_node``).
+The other shape-like inputs (``Reduce*`` axes, ``Reshape`` shape, ``Resize`` scales / sizes,
+``Pad``, ``TopK`` K, ``Split``, ``OneHot`` depth, ``CumSum`` axis, ``AffineGrid`` size,
+``ConstantOfShape``, ``Range``) are converted at run time: ``onnx_ops.RUNTIME_INPUTS``.
 """
 
 from __future__ import annotations
