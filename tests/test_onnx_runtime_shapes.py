@@ -39,7 +39,7 @@ def _check(model, feeds: list[dict], bad: list[dict] = ()):
             assert g.shape == w.shape, (feed, g.shape, w.shape)
             np.testing.assert_allclose(g.astype("float64"), w.astype("float64"), rtol=1e-4, atol=1e-5)
     for feed in bad:
-        with pytest.raises(Exception, match="match_cast"):
+        with pytest.raises(tvmfuse.errors.InputError, match="run-time check"):
             run(*[feed[n] for n in names])
 
 
@@ -170,3 +170,14 @@ def test_range_runtime():
     feeds = [{"a": np.array(a, "float32"), "b": np.array(b, "float32"), "d": np.array(d, "float32")}
              for a, b, d in ((0, 5, 1), (1.5, -2, -0.5))]
     _check(model, feeds, bad=[dict(feeds[0], d=np.array(0, "float32"))])
+
+
+def test_failed_check_names_the_node():
+    node = helper.make_node("ReduceSum", ["x", "axes"], ["y0"], name="block/sum", keepdims=1)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [3, 4]),
+                                            helper.make_tensor_value_info("axes", I64, [1])],
+                              [helper.make_tensor_value_info("y0", F, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    run = tvmfuse.compile(model, target="cpu").load("cpu")
+    with pytest.raises(tvmfuse.errors.InputError, match="block_sum_reduced_0"):
+        run(_x(3, 4), np.array([2], "int64"))

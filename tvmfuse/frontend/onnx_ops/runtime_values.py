@@ -16,12 +16,18 @@ inputs is a runtime tensor (constants keep TVM's converter).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import Any
 
 import numpy as np
 import tvm
 from tvm import relax, tirx
+
+# the node being converted, as a prefix of the symbols bound for it (the VM's match_cast error
+# then names the node: "ErrorContext(match_cast, ty=R.Shape([1, sum0_reduced_0, …]))")
+_NODE: ContextVar[str] = ContextVar("tvmfuse_onnx_node", default="")
 
 
 def is_runtime(value: Any) -> bool:
@@ -70,7 +76,7 @@ def symbolic_dims(bb: relax.BlockBuilder, dims: relax.Expr, count: int, prefix: 
     # dims, and binding canonicalisation then drops the match_cast below that renames them
     value = bb.emit(relax.Call(relax.ExternFunc("vm.builtin.tensor_to_shape"), [bb.normalize(dims)],
                                ty_args=[relax.ShapeType(ndim=len(shape) + count)]))
-    out = [tirx.Var(f"{prefix}_{i}", "int64") for i in range(count)]
+    out = [tirx.Var(f"{_NODE.get()}{prefix}_{i}", "int64") for i in range(count)]
     bb.match_cast(value, relax.ShapeType(shape + out))
     return out
 
@@ -146,10 +152,14 @@ def with_runtime_inputs(base: type, indices: tuple[int, ...], handler: Handler) 
             impl = super().get_converter(opset)
 
             def convert(bb, inputs, attr, params):
-                if any(i < len(inputs) and is_runtime(inputs[i]) for i in indices):
-                    return handler(bb, list(inputs), attr,
-                                   lambda new: impl(bb, new, attr, params))
-                return impl(bb, inputs, attr, params)
+                if not any(i < len(inputs) and is_runtime(inputs[i]) for i in indices):
+                    return impl(bb, inputs, attr, params)
+                node = str(attr.get("tvm_custom", {}).get("name") or "")
+                token = _NODE.set(re.sub(r"\W", "_", node) + "_" if node else "")
+                try:
+                    return handler(bb, list(inputs), attr, lambda new: impl(bb, new, attr, params))
+                finally:
+                    _NODE.reset(token)
 
             return convert
 
