@@ -181,3 +181,12 @@ def test_failed_check_names_the_node():
     run = tvmfuse.compile(model, target="cpu").load("cpu")
     with pytest.raises(tvmfuse.errors.InputError, match="block_sum_reduced_0"):
         run(_x(3, 4), np.array([2], "int64"))
+
+
+@pytest.mark.parametrize("op, fill", [("ReduceMax", -np.inf), ("ReduceMin", np.inf)])
+def test_reduce_all_infinite_row(op, fill):
+    """A row of ∓inf reduces to ∓inf (not the finite identity of the kernel's reducer)."""
+    model = _model(op, [("x", F, [3, 4]), ("axes", I64, [1])], keepdims=0)
+    x = _x(3, 4)
+    x[1] = fill
+    _check(model, [{"x": x, "axes": np.array([1], "int64")}, {"x": x, "axes": np.array([0], "int64")}])

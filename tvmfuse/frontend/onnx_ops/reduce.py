@@ -52,36 +52,53 @@ def _extreme(dtype: str, low: bool) -> tirx.PrimExpr:
     return tirx.min_value(dtype) if low else tirx.max_value(dtype)
 
 
-def _reducer(op: str) -> tuple[Callable, Callable[[str], tirx.PrimExpr]]:
-    """``(combine(a, b), identity(dtype))`` of ``op``'s reduction."""
+def _reducer(op: str):
+    """The TE reducer of ``op``: those TIR's GPU schedules match (sum, product, and max / min
+    with the dtype's finite extreme as identity; ±inf is restored below)."""
     if op in ("ReduceMax", "ReduceLogSumExp"):
-        return (lambda a, b: tirx.max(a, b)), (lambda t: _extreme(t, low=True))
+        return te.max
     if op == "ReduceMin":
-        return (lambda a, b: tirx.min(a, b)), (lambda t: _extreme(t, low=False))
+        return te.min
     if op == "ReduceProd":
-        return (lambda a, b: a * b), (lambda t: tirx.const(1, t))
-    return (lambda a, b: a + b), (lambda t: tirx.const(0, t))
+        return te.comm_reducer(lambda a, b: a * b, lambda t: tirx.const(1, t), name="prod")
+    return te.sum
+
+
+def _onnx_identity(op: str, dtype: str) -> tirx.PrimExpr:
+    """ONNX's value of ``op`` over an empty set: 0, 1, −inf (max), +inf (min)."""
+    if op in ("ReduceMax", "ReduceLogSumExp", "ReduceMin"):
+        return _extreme(dtype, low=op != "ReduceMin")
+    return tirx.const(1 if op == "ReduceProd" else 0, dtype)
 
 
 def _kernel(op: str, data: te.Tensor, out_dims: list[tirx.Var]) -> te.Tensor:
     """``out`` (keepdims shape ``out_dims``) = the reduction of ``data`` described above."""
     steps = [n - o + 1 for n, o in zip(data.shape, out_dims)]
+    count = _product(steps)
     dtype = str(data.dtype)
+    floating = dtype.startswith(("float", "bfloat"))
 
-    def fold(value: Callable, reduction: str, name: str) -> te.Tensor:
-        combine, identity = _reducer(reduction)
-        reducer = te.comm_reducer(combine, identity)
-
+    def reduce(value: Callable, reducer, name: str) -> te.Tensor:
         def body(*i):
             j = [te.reduce_axis((0, s), f"j{k}") for k, s in enumerate(steps)]
             return reducer(value([a + b for a, b in zip(i, j)], i), axis=j)
 
-        out = te.compute(out_dims, body, name=name)
+        return te.compute(out_dims, body, name=name)
+
+    def fold(value: Callable, reduction: str, name: str) -> te.Tensor:
+        out = reduce(value, _reducer(reduction), name)
+        identity = _onnx_identity(reduction, dtype)
+        if floating and reduction in ("ReduceMax", "ReduceMin", "ReduceLogSumExp"):
+            # every element ∓inf: the finite identity would win; ONNX answers ∓inf
+            hits = reduce(lambda j, i: tirx.Cast("int64", value(j, i) == identity), te.sum, f"{name}_inf")
+            inf = out
+            out = te.compute(out_dims, lambda *i: tirx.Select(hits(*i) == count, identity, inf(*i)),
+                             name=f"{name}_or_inf")
         if not any(isinstance(n, tirx.IntImm) and int(n) == 0 for n in data.shape):
             return out
         # an empty reduction runs no step, so not even the init: the identity is written here
-        empty = _product(steps) == 0
-        return te.compute(out_dims, lambda *i: tirx.Select(empty, identity(dtype), out(*i)),
+        filled = out
+        return te.compute(out_dims, lambda *i: tirx.Select(count == 0, identity, filled(*i)),
                           name=f"{name}_or_identity")
 
     if op == "ReduceLogSumExp":
@@ -92,8 +109,7 @@ def _kernel(op: str, data: te.Tensor, out_dims: list[tirx.Var]) -> te.Tensor:
     pre = _PRE.get(op, lambda v: v)
     red = fold(lambda j, i: pre(data(*j)), op, "reduced")
     if op == "ReduceMean":
-        count = tirx.Cast(dtype, _product(steps))
-        return te.compute(out_dims, lambda *i: red(*i) / count, name="mean")
+        return te.compute(out_dims, lambda *i: red(*i) / tirx.Cast(dtype, count), name="mean")
     post = _POST.get(op)
     return red if post is None else te.compute(out_dims, lambda *i: post(red(*i)), name="post")
 
