@@ -25,8 +25,8 @@ def _model(op: str, inputs: list[tuple[str, int, list]], outputs: int = 1, opset
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def _check(model, feeds: list[dict], bad: list[dict] = ()):
-    run = tvmfuse.compile(model, target="cpu").load("cpu")
+def _check(model, feeds: list[dict], bad: list[dict] = (), target: str = "cpu"):
+    run = tvmfuse.compile(model, target=target).load("cpu" if target == "cpu" else "cuda")
     reference = ReferenceEvaluator(model)
     names = [i.name for i in model.graph.input]
     for feed in feeds:
@@ -35,7 +35,7 @@ def _check(model, feeds: list[dict], bad: list[dict] = ()):
         want = reference.run(None, feed)
         assert len(got) == len(want)
         for g, w in zip(got, want):
-            g = g.numpy() if hasattr(g, "numpy") else np.asarray(g)
+            g = g.cpu().numpy() if hasattr(g, "cpu") else g.numpy() if hasattr(g, "numpy") else np.asarray(g)
             assert g.shape == w.shape, (feed, g.shape, w.shape)
             np.testing.assert_allclose(g.astype("float64"), w.astype("float64"), rtol=1e-4, atol=1e-5)
     for feed in bad:
@@ -190,3 +190,31 @@ def test_reduce_all_infinite_row(op, fill):
     x = _x(3, 4)
     x[1] = fill
     _check(model, [{"x": x, "axes": np.array([1], "int64")}, {"x": x, "axes": np.array([0], "int64")}])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["ReduceMax", "ReduceMean", "ReduceLogSumExp", "ReduceProd"])
+def test_reduce_runtime_axes_sm90(op):
+    """The reduction kernel under the GPU schedule rules (cross-thread reduction needs reducers
+    TIR recognises)."""
+    model = _model(op, [("x", F, [3, 64, 5]), ("axes", I64, [2])], keepdims=0)
+    x = _x(3, 64, 5)
+    x[1, :, 2] = -np.inf if op != "ReduceProd" else x[1, :, 2]
+    _check(model, [{"x": x, "axes": np.array(a, "int64")} for a in ([0, 2], [-2, 0])],
+           bad=[{"x": x, "axes": np.array([1, 1], "int64")}], target="sm90")
+
+
+@pytest.mark.gpu
+def test_resize_and_pad_runtime_sm90():
+    empty = helper.make_tensor("empty", F, [0], [])
+    node = helper.make_node("Resize", ["x", "", "r"], ["y0"], mode="cubic", antialias=1)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", F, [1, 2, 8, 6]),
+                                            helper.make_tensor_value_info("r", F, [4])],
+                              [helper.make_tensor_value_info("y0", F, None)], [empty])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    x = _x(1, 2, 8, 6)
+    _check(model, [{"x": x, "r": np.array(v, "float32")} for v in ([1, 1, 0.5, 1.5], [1, 1, 2, 0.7])],
+           target="sm90")
+    pad = _model("Pad", [("x", F, [2, 3, 4]), ("pads", I64, [6])], mode="reflect")
+    pads = ([1, 2, 0, 0, 1, 3], [0, 0, 2, 1, 1, 0])
+    _check(pad, [{"x": _x(2, 3, 4), "pads": np.array(p, "int64")} for p in pads], target="sm90")
