@@ -11,8 +11,9 @@ one kernel whatever the axes (an unreduced axis has one reduction step, a reduce
 steps from ``i_k = 0``). ``keepdims=0`` reshapes to the ``r - L`` unreduced dims (in order).
 ``pre`` / ``reducer`` / ``post`` per op: Sum, SumSquare (x²), L1 (|x|), L2 (√Σx²), LogSum
 (log Σ), LogSumExp (m + log Σ exp(x − m), m the max), Mean (Σ / Π(n_k − o_k + 1)), Max / Min
-(identity ∓inf for floats; bool as uint8 max / min), Prod. An empty reduced set gives the identity
-(0, 1, ∓inf; LogSum / LogSumExp −inf) as ONNX does. ``axes`` of static length 0 is the ONNX
+(bool as uint8), Prod. The reducers are the ones TIR's GPU schedules recognise (max / min start
+from the dtype's finite extreme; a group of only ∓inf is set back to ∓inf by counting them). An
+empty reduced set gives the identity (0, 1, ∓inf; LogSum / LogSumExp −inf) as ONNX does. ``axes`` of static length 0 is the ONNX
 "reduce everything" (or identity with ``noop_with_empty_axes=1``): TVM's converter takes it as
 an empty constant. Constant axes keep TVM's converters.
 """
