@@ -13,9 +13,9 @@ steps from ``i_k = 0``). ``keepdims=0`` reshapes to the ``r - L`` unreduced dims
 (log Σ), LogSumExp (m + log Σ exp(x − m), m the max), Mean (Σ / Π(n_k − o_k + 1)), Max / Min
 (bool as uint8), Prod. The reducers are the ones TIR's GPU schedules recognise (max / min start
 from the dtype's finite extreme; a group of only ∓inf is set back to ∓inf by counting them). An
-empty reduced set gives the identity (0, 1, ∓inf; LogSum / LogSumExp −inf) as ONNX does. ``axes`` of static length 0 is the ONNX
-"reduce everything" (or identity with ``noop_with_empty_axes=1``): TVM's converter takes it as
-an empty constant. Constant axes keep TVM's converters.
+empty reduced set gives the identity (0, 1, ∓inf; LogSum / LogSumExp −inf) as ONNX does.
+``axes`` of static length 0 is the ONNX "reduce everything" (or identity with
+``noop_with_empty_axes=1``): TVM's converter takes it as an empty constant. Constant axes keep TVM's converters.
 """
 
 from __future__ import annotations
