@@ -15,7 +15,8 @@ steps from ``i_k = 0``). ``keepdims=0`` reshapes to the ``r - L`` unreduced dims
 from the dtype's finite extreme; a group of only ∓inf is set back to ∓inf by counting them). An
 empty reduced set gives the identity (0, 1, ∓inf; LogSum / LogSumExp −inf) as ONNX does.
 ``axes`` of static length 0 is the ONNX "reduce everything" (or identity with
-``noop_with_empty_axes=1``): TVM's converter takes it as an empty constant. Constant axes keep TVM's converters.
+``noop_with_empty_axes=1``): TVM's converter takes it as an empty constant. Constant axes keep
+TVM's converters.
 """
 
 from __future__ import annotations
