@@ -14,7 +14,7 @@ import torch
 from onnx import TensorProto, helper
 from tvm import relax, tirx
 
-from tvmfuse.errors import InputSpecError
+from tvmfuse.errors import InputSpecError, ModelError
 from tvmfuse.frontend import dynamic_ranges, import_model, input_overrides, parse_input_override
 
 
@@ -112,3 +112,42 @@ def test_onnx_dim_params_become_symbols():
     assert [s.shape for s in imported.inputs] == [(1, "S", 16), (1, "S", 16)]
     with pytest.raises(InputSpecError, match=r"\['batch', 'seq'\].*--dynamic"):
         import_model(_onnx_add(), None, {}, {})
+
+
+class _FirstExportFails:
+    """``torch.export.export`` whose first call fails like torch 2.11's unproven guard."""
+
+    def __init__(self, real) -> None:
+        self.real, self.calls = real, []
+
+    def __call__(self, module, args, dynamic_shapes=None, **kw):
+        self.calls.append(dynamic_shapes)
+        if len(self.calls) == 1:
+            raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION,
+                                              "Constraints violated (S)! (simulated)")
+        return self.real(module, args, dynamic_shapes=dynamic_shapes, **kw)
+
+
+def test_unproven_guard_retried_with_auto_hints(monkeypatch):
+    """torch 2.11 fails transformers' Llama with a guard 2.13 proves: the import retries with
+    ``Dim.AUTO`` hints of the same range and keeps S symbolic over all of it."""
+    fake = _FirstExportFails(torch.export.export)
+    monkeypatch.setattr(torch.export, "export", fake)
+    x = torch.randn(2, 5, 16)
+    imported = import_model(AddMatmul(), (x, x.clone()), input_overrides({"x": "2xSx16", "y": "2xSx16"}),
+                            {"S": (1, 64)})
+    assert len(fake.calls) == 2 and "AUTO" in str(fake.calls[1])
+    assert _bounds(imported.mod) == ({"S": 1}, {"S": 64})
+
+
+class _FixedLength(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(2, 5, 4, 4).sum(-1)  # only S = 5 works
+
+
+def test_retry_that_specialises_reports_the_first_error(monkeypatch):
+    """A retry that leaves S fixed is not accepted: the user sees torch's original error."""
+    monkeypatch.setattr(torch.export, "export", _FirstExportFails(torch.export.export))
+    with pytest.raises(ModelError, match=r"torch.export failed: UserError: .*simulated"):
+        import_model(_FixedLength(), (torch.randn(2, 5, 16),), input_overrides({"x": "2xSx16"}),
+                     {"S": (1, 64)})

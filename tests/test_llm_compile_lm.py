@@ -63,6 +63,19 @@ def test_llama_greedy_tokens(llama, length):
     check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
 
 
+def test_greedy_steps_run_on_the_device(llama):
+    """``generate`` steps with the library's ``advance`` (argmax and state update on the device);
+    the host loop of ``prefill`` + ``decode`` + numpy argmax gives the same tokens."""
+    _, lm = llama
+    assert lm.metadata["device_greedy"] and lm._advance is not None
+    ids = np.random.default_rng(4).integers(1, 128, (2, 7))
+    got = lm.generate(ids, max_new_tokens=6)
+    host = [lm.prefill(ids).argmax(-1)]
+    for _ in range(5):
+        host.append(lm.decode(host[-1]).argmax(-1))
+    np.testing.assert_array_equal(got[:, 7:], np.stack(host, axis=1))
+
+
 def test_llama_left_padded_batch(llama):
     model, lm = llama
     torch.manual_seed(1)

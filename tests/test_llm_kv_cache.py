@@ -10,6 +10,8 @@ itself), and the kernels on llvm against numpy: the append writes only slots
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -17,10 +19,15 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+from tests.cuda_tools import needs_nvcc
 from tests.relax_util import apply_pass, run_llvm
+from tvmfuse.build.inspect import cuda_source, fatbin_sass
+from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.errors import CompileError
 from tvmfuse.llm.kernels import CacheSpec, cache_attention, kv_append
 from tvmfuse.llm.kv_cache import DeriveKVCache
+from tvmfuse.targets import get_target
+from tvmfuse.tvm_setup import codegen_scope
 
 MAX_SEQ = 16
 
@@ -154,24 +161,72 @@ def test_append_writes_only_the_new_slots():
     assert not np.array_equal(ref_k, kc)  # something was written
 
 
-def test_cache_attention_reads_the_visible_slots():
-    """GQA (2 query heads per KV head), per-sequence offsets and starts (left padding)."""
-    rng = np.random.default_rng(2)
-    q = rng.standard_normal(SPEC.q_shape).astype("float32")
-    kc, vc = (rng.standard_normal(SPEC.cache_shape).astype("float32") for _ in range(2))
-    offsets = np.array([0, 6, 11], "int32")
-    starts = np.array([0, 3, 9], "int32")
-    out = tvm.runtime.empty(SPEC.q_shape, "float32")
-    _build(cache_attention(SPEC))(*[tvm.runtime.tensor(a) for a in (q, kc, vc, offsets, starts)], out)
-    ref = np.zeros(SPEC.q_shape, "float32")
-    group = SPEC.q_heads // SPEC.kv_heads
-    for b in range(SPEC.batch):
-        for s in range(SPEC.seq):
-            p = offsets[b] + s
+def _cache_attention_ref(spec: CacheSpec, q, kc, vc, offsets, starts) -> np.ndarray:
+    """float64 numpy: row (b, s, h) attends slots min(starts[b], p) .. p, p = min(offsets[b] + s, M-1)."""
+    q, kc, vc = (a.astype("float64") for a in (q, kc, vc))
+    ref = np.zeros(spec.q_shape)
+    group = spec.q_heads // spec.kv_heads
+    for b in range(spec.batch):
+        for s in range(spec.seq):
+            p = min(offsets[b] + s, spec.max_seq - 1)
             lo = min(starts[b], p)
-            for h in range(SPEC.q_heads):
+            for h in range(spec.q_heads):
                 keys, vals = kc[b, h // group, lo:p + 1], vc[b, h // group, lo:p + 1]
-                scores = SPEC.scale * keys @ q[b, s, h]
+                scores = spec.scale * keys @ q[b, s, h]
                 w = np.exp(scores - scores.max())
                 ref[b, s, h] = (w / w.sum()) @ vals
+    return ref
+
+
+def _cache_attention_case(spec: CacheSpec, offsets, starts, seed: int):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(spec.q_shape).astype(spec.dtype)
+    kc, vc = (rng.standard_normal(spec.cache_shape).astype(spec.dtype) for _ in range(2))
+    offsets, starts = np.array(offsets, "int32"), np.array(starts, "int32")
+    return (q, kc, vc, offsets, starts), _cache_attention_ref(spec, q, kc, vc, offsets, starts)
+
+
+def test_cache_attention_reads_the_visible_slots():
+    """GQA (2 query heads per KV head), per-sequence offsets and starts (left padding)."""
+    args, ref = _cache_attention_case(SPEC, [0, 6, 11], [0, 3, 9], seed=2)
+    out = tvm.runtime.empty(SPEC.q_shape, "float32")
+    _build(cache_attention(SPEC))(*[tvm.runtime.tensor(a) for a in args], out)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+# decode on CUDA: the split-KV kernel over the cache (1000 slots: chunks past p stay empty)
+DECODE = CacheSpec(batch=4, seq=1, q_heads=8, kv_heads=2, head_dim=128, max_seq=1000,
+                   dtype="float16", scale=128 ** -0.5)
+DECODE_ROWS = ([0, 700, 999, 1500], [0, 100, 999, 5])  # offsets (1500: past the end), starts
+
+
+@needs_nvcc
+def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path):
+    """The CUDA decode kernel is the flash-decoding one (two kernels: partial, combine; 16-byte
+    loads of the cache) and nvcc builds it for sm_80 and sm_90a without spills."""
+    prim = cache_attention(DECODE, cuda=True)
+    for name in ("sm80", "sm90"):
+        spec = get_target(name)
+        with codegen_scope():
+            source = cuda_source(tvm.compile(tvm.IRModule({"main": prim.with_attr(
+                "global_symbol", "main")}), target=spec.tvm_target()))
+        kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
+        assert len(kernels) == 2, f"expected the partial and combine kernels: {kernels}"
+        sass = fatbin_sass(compile_fatbin(source, spec, tmp_path))
+        assert any("LDG.E.128" in text for arch, text in sass.items() if arch.startswith("sm_"))
+        log = (tmp_path / "kernels.ptxas.log").read_text()
+        assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+@pytest.mark.gpu
+def test_cuda_decode_numerics_on_the_gpu():
+    """H200: the decode kernel against float64 numpy for offsets 0, 700, 999, past the end."""
+    args, ref = _cache_attention_case(DECODE, *DECODE_ROWS, seed=3)
+    dev = tvm.cuda()
+    lib = tvm.compile(tvm.IRModule({"main": cache_attention(DECODE, cuda=True).with_attr(
+        "global_symbol", "main")}), target=get_target("sm90").tvm_target())
+    out = tvm.runtime.empty(DECODE.q_shape, "float16", dev)
+    lib(*[tvm.runtime.tensor(a, dev) for a in args], out)
+    got = out.numpy().astype("float64")
+    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+    assert err < 2e-3, err

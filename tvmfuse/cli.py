@@ -16,7 +16,7 @@ import click
 import numpy as np
 
 from .errors import TvmfuseError
-from .runtime import LanguageModel, load, read_metadata
+from .runtime import DistributedLanguageModel, LanguageModel, load, read_metadata
 from .runtime.weights import weights_path
 from .targets import get_target
 
@@ -100,9 +100,13 @@ _DYNAMIC = click.option(
               help="With --lm: sequences generated together.")
 @click.option("--prefill-lengths", default=None, metavar="N,N,...",
               help="With --lm: prompt lengths compiled (a prompt is padded to the next one).")
+@click.option("--tensor-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With --lm: split the model over N GPUs (Megatron-style; LIB.rank<i>.safetensors "
+                   "per rank; run with `generate --gpus N`).")
 def compile(model: str, output: str, target: str, dtype: str | None, inputs: tuple[str, ...],
             dynamic: tuple[str, ...], tuning_db: str | None, check: bool, weights: str, lm: bool,
-            max_seq_len: int, max_batch: int, prefill_lengths: str | None) -> None:  # noqa: A001
+            max_seq_len: int, max_batch: int, prefill_lengths: str | None,
+            tensor_parallel: int) -> None:  # noqa: A001
     """Compile MODEL (.onnx, .pt2 or package.module:factory) into LIB.so."""
     from .compiler import compile as tvmfuse_compile
 
@@ -113,8 +117,11 @@ def compile(model: str, output: str, target: str, dtype: str | None, inputs: tup
                                "embedded (the LM's shapes come from --max-seq-len, --max-batch and "
                                "--prefill-lengths; its weights are always external)")
         _compile_lm(model, output, target, dtype, max_seq_len, max_batch,
-                    _int_list(prefill_lengths, "--prefill-lengths") if prefill_lengths else None, t0)
+                    _int_list(prefill_lengths, "--prefill-lengths") if prefill_lengths else None, t0,
+                    tensor_parallel)
         return
+    if tensor_parallel != 1:
+        raise TvmfuseError("--tensor-parallel needs --lm")
     lib = tvmfuse_compile(model, target=target, dtype=dtype, inputs=list(inputs), tuning_db=tuning_db,
                           dynamic=list(dynamic), weights=weights)
     path = lib.export(output)
@@ -149,17 +156,21 @@ def _int_list(text: str, option: str) -> list[int]:
 
 
 def _compile_lm(model: str, output: str, target: str, dtype: str | None, max_seq_len: int,
-                max_batch: int, prefill_lengths: list[int] | None, t0: float) -> None:
+                max_batch: int, prefill_lengths: list[int] | None, t0: float,
+                tensor_parallel: int = 1) -> None:
     from .llm import compile_lm
 
     lib = compile_lm(model, target=target, dtype=dtype, max_seq_len=max_seq_len, max_batch=max_batch,
-                     prefill_lengths=prefill_lengths)
+                     prefill_lengths=prefill_lengths, tensor_parallel=tensor_parallel)
     path = lib.export(output)
     meta = lib.metadata
     click.echo(f"wrote {path} (target {target}, LM, {time.perf_counter() - t0:.1f} s)")
     click.echo(f"  max_seq_len {meta['max_seq_len']}, max_batch {meta['max_batch']}, vocab "
                f"{meta['vocab']}, {len(meta['caches']) // 2} KV-cache layers, prefill lengths "
                f"{meta['prefill_lengths']}")
+    if tensor_parallel > 1:
+        click.echo(f"  tensor parallel: {tensor_parallel} ranks, weights "
+                   f"{weights_path(path, 0).name} .. {weights_path(path, tensor_parallel - 1).name}")
 
 
 @main.command()
@@ -169,16 +180,29 @@ def _compile_lm(model: str, output: str, target: str, dtype: str | None, max_seq
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--device", type=click.Choice(["cuda", "cpu"]), default=None,
               help="Default: cuda for GPU targets, cpu for the cpu target.")
-def generate(library: str, prompt_ids: str, max_new_tokens: int, device: str | None) -> None:
+@click.option("--gpus", type=click.IntRange(min=1), default=None,
+              help="A tensor-parallel library (`--tensor-parallel N`): one worker per GPU 0..N-1 "
+                   "(with --device cpu: N processes). Must equal N.")
+def generate(library: str, prompt_ids: str, max_new_tokens: int, device: str | None,
+             gpus: int | None) -> None:
     """Greedy generation with a `compile --lm` LIBRARY: prints the new tokens and the times."""
     ids = _int_list(prompt_ids, "--prompt-ids")
     if not ids:
         raise TvmfuseError("--prompt-ids is empty")
-    model = load(library, device=_device(library, device))
-    if not isinstance(model, LanguageModel):
+    device = _device(library, device)
+    world = int(read_metadata(library).get("tensor_parallel", 1))
+    if (gpus or 1) != world:
+        raise TvmfuseError(f"{library} is split over {world} rank(s) (tensor parallel): run it with "
+                           f"--gpus {world}" + (f", not --gpus {gpus}" if gpus else ""))
+    model = load(library, device=device, devices=list(range(world)) if device != "cpu" else None)
+    if not isinstance(model, (LanguageModel, DistributedLanguageModel)):
         raise TvmfuseError(f"{library} is not a language-model library (build it with "
                            "`tvmfuse compile MODEL --lm`)")
-    out = model.generate(np.asarray([ids], "int64"), max_new_tokens=max_new_tokens)
+    try:
+        out = model.generate(np.asarray([ids], "int64"), max_new_tokens=max_new_tokens)
+    finally:
+        if isinstance(model, DistributedLanguageModel):
+            model.close()
     t = model.timings
     click.echo("tokens: " + ",".join(str(int(x)) for x in out[0, len(ids):]))
     click.echo(f"prefill: {t['prefill_ms']:.2f} ms ({len(ids)} tokens), decode: "

@@ -35,7 +35,7 @@ from .passes.attention_layout import FoldAttentionLayout
 from .passes.canonical import Canonicalize
 from .passes.legalize_fixes import legalize_overrides
 from .passes.lift_weights import LiftWeights, lift_threshold
-from .passes.order_symbols import OrderSymbolDefinitions
+from .passes.order_symbolic_defs import OrderSymbolicDefs
 from .passes.pair_gemm import PairGemm
 from .passes.unwrap_output import UnwrapSingleOutput
 from .rules import gpu_rules
@@ -153,10 +153,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("annotate_gathers", InjectiveGather(), mod)
         mod = run("fold_constants", relax.transform.FoldConstant(), mod)
         mod = run("fuse_ops", relax.transform.FuseOps(), mod)
+        # FuseOps may call a group before the match_cast defining a data-dependent dim it uses.
+        mod = run("order_symbolic_defs", OrderSymbolicDefs(), mod)
         mod = run("fuse_tir", relax.transform.FuseTIR(), mod)
-        # FuseOps places a group by its Relax inputs only: one reading a symbolic dim bound by a
-        # match_cast (a runtime shape) can land before it; such groups move back after it.
-        mod = run("order_symbols", OrderSymbolDefinitions(), mod)
         # Pure-reshape kernels become views; must run before scheduling hides the reshape pattern.
         mod = run("reshape_to_view", relax.transform.RewriteDataflowReshape(), mod)
         # Tuned records (tvmfuse tune extracts its tasks just above) go first: the rules below

@@ -7,9 +7,10 @@ from tvm import relax
 
 
 def static_shape(expr: relax.Expr) -> list[int] | None:
-    """Static shape of a tensor expression, else None."""
+    """Static shape of a tensor expression, else None (also when the shape is a shape variable,
+    as ``R.broadcast_to(c, shape_var)`` of a runtime ``ConstantOfShape`` gives)."""
     ty = expr.ty
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
     try:
         return [int(d) for d in ty.shape.values]

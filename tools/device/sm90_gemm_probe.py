@@ -1,7 +1,9 @@
 """Device probe for the sm90a TIRx GEMM: correctness against torch and TFLOP/s next to cuBLAS.
 
 Run on the H200 from the repository root: ``python tools/device/sm90_gemm_probe.py``; the session-5
-cluster / ping-pong A/B set: ``--cluster build DIR`` then ``--cluster run DIR 0`` (see cluster_main).
+cluster / ping-pong A/B set: ``--cluster build DIR`` then ``--cluster run DIR 0`` (see cluster_main);
+a tile sweep of given shapes (the default config against 128×256 / 128×192 / 128×128 / 256×128
+tiles): ``--sweep 2048x3072x2048,2048x2048x2048`` (see sweep_main).
 Prints one line per case: shape, layout, dtype, tile, rel err vs fp32 torch, ms, TFLOP/s.
 """
 
@@ -81,7 +83,8 @@ def case(m, n, k, dtype, layout, cfg, time_it=True, row_stats=None, lib=None):
         rstd = torch.rsqrt(var + row_stats.eps)
         ref = (rstd * (ref.double() - mean)).float()
     err = float((c.float() - ref).norm() / ref.norm())
-    tag = (f"bn{cfg.bn}s{cfg.stages}{'P' if cfg.persistent else ''}{'V' if cfg.vector_store else ''}"
+    tag = (f"{f'bm{cfg.bm}' if cfg.bm != 128 else ''}"
+           f"bn{cfg.bn}s{cfg.stages}{'P' if cfg.persistent else ''}{'V' if cfg.vector_store else ''}"
            f"{f'C{cfg.cluster_m}' if cfg.cluster_m > 1 else ''}{'W' if cfg.warp_release else ''}"
            f"{f'g{cfg.group_m}' if cfg.group_m != 8 else ''}"
            f"{f'sm{cfg.num_sms}' if cfg.num_sms != 132 else ''}"
@@ -142,7 +145,46 @@ def cluster_main(argv: list[str]) -> None:
         print("DONE", i, flush=True)
 
 
+def sweep_configs(m: int, n: int) -> list[GemmConfig]:
+    """The default tile for (m, n) first, then the alternatives the wave-count model weighs."""
+    from tvmfuse.rules.gemm_sm90 import select_config
+
+    pair = {"cluster_m": 2, "warp_release": True} if m > 128 else {}
+    out = [select_config(m, n, 132)]
+    for cfg in (GemmConfig(**pair), GemmConfig(bn=192, stages=5, **pair),
+                GemmConfig(bn=128, stages=6, **pair),
+                GemmConfig(bm=256, bn=128, wg_rows=128, **pair), GemmConfig(bn=192, stages=5)):
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def sweep_main(shapes: str, out_dir: str = "/tmp/gemm_sweep") -> None:
+    """Build every (shape, config) of :func:`sweep_configs` in parallel, then time each (nt fp16)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    cases = []
+    for shape in shapes.split(","):
+        m, n, k = (int(v) for v in shape.split("x"))
+        cases += [(m, n, k, "float16", "nt", cfg, True) for cfg in sweep_configs(m, n)]
+    os.makedirs(out_dir, exist_ok=True)
+    with ProcessPoolExecutor(max_workers=min(14, os.cpu_count() or 4),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        paths = list(pool.map(_build_to, [(i, a, out_dir) for i, a in enumerate(cases)]))
+    print(torch.cuda.get_device_name(), tvm.__version__, flush=True)
+    for args, path in zip(cases, paths):
+        try:
+            if path.startswith("FAILED"):
+                raise RuntimeError(path)
+            case(*args, lib=tvm.runtime.load_module(path))
+        except Exception:  # report and go on with the next case
+            print("FAILED", args[:6], traceback.format_exc()[-400:], flush=True)
+
+
 def main() -> None:
+    if "--sweep" in sys.argv:
+        return sweep_main(sys.argv[sys.argv.index("--sweep") + 1])
     if "--cluster" in sys.argv:
         return cluster_main(sys.argv[sys.argv.index("--cluster") + 1:])
     print(torch.cuda.get_device_name(), tvm.__version__, flush=True)

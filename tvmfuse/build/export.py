@@ -143,10 +143,11 @@ def _reserve_temp(path: Path) -> Path:
 
 def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
                    metadata: dict[str, Any], workdir: str | None = None,
-                   weights: Weights | None = None) -> Path:
+                   weights: Weights | None = None, shards: list[Weights] | None = None) -> Path:
     """Write ``executable`` (a ``relax.VMExecutable``) to ``path`` as one self-contained ``.so``,
     and ``weights`` (``[(name, tensor)]``, the parameters ``main`` takes after its inputs) to
-    ``<name>.safetensors`` beside it when given.
+    ``<name>.safetensors`` beside it when given; ``shards``: a tensor-parallel library's weights
+    per rank, to ``<name>.rank<i>.safetensors`` (metadata ``weight_shards``).
 
     Each file is written to a temporary file in ``path``'s directory and renamed into place,
     so a failed export (nvcc, a full disk, a read-only directory) never clobbers an existing
@@ -154,18 +155,22 @@ def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
     """
     path = Path(path)
     tmp = _reserve_temp(path)
-    wpath = weights_path(path)
-    wtmp = _reserve_temp(wpath) if weights else None
+    files = [(weights_path(path), weights)] if weights else []
+    files += [(weights_path(path, rank), shard) for rank, shard in enumerate(shards or [])]
+    temps = [_reserve_temp(wpath) for wpath, _ in files]
     try:
-        if wtmp is not None:
-            metadata = metadata | {"weights": write_weights(weights, wtmp, wpath.name)}
+        entries = [write_weights(w, wtmp, wpath.name) for (wpath, w), wtmp in zip(files, temps)]
+        if weights:
+            metadata = metadata | {"weights": entries[0]}
+        elif shards:
+            metadata = metadata | {"weight_shards": entries}
         if workdir is not None:
             _export(executable, tmp, path, spec, metadata, workdir)
         else:
             with tempfile.TemporaryDirectory(prefix="tvmfuse-export-") as wdir:
                 _export(executable, tmp, path, spec, metadata, wdir)
         os.chmod(tmp, 0o755)  # mkstemp made it 0600; a library is read by whoever loads it
-        if wtmp is not None:
+        for (wpath, _), wtmp in zip(files, temps):
             os.chmod(wtmp, 0o644)
             os.replace(wtmp, wpath)
         os.replace(tmp, path)
@@ -178,7 +183,7 @@ def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
         raise CompileError(f"exporting {path} failed: {err}") from err
     finally:
         tmp.unlink(missing_ok=True)
-        if wtmp is not None:
+        for wtmp in temps:
             wtmp.unlink(missing_ok=True)
     return path
 

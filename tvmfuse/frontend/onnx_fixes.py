@@ -1,20 +1,7 @@
 """ONNX converters that replace or add to TVM 0.27's in ``from_onnx`` (:func:`converters`).
 
-* ``Attention`` (ai.onnx, opset 23): 0.27 dispatches every node by op type alone and sends the
-  standard op to its ``com.microsoft`` ``Attention`` converter (packed QKV weight, ``num_heads``),
-  which fails on it. Here the standard op becomes one ``R.nn.attention`` (BSNH)::
-
-      Y = softmax(scale · Q·Kᵀ + mask [+ causal]) · V
-
-  Q (B, Hq, Sq, D), K (B, Hkv, Skv, D), V (B, Hkv, Skv, Dv), or 3-D (B, S, H·D) with the
-  ``q_num_heads`` / ``kv_num_heads`` attributes; GQA when Hkv < Hq (query head h reads KV head
-  h // (Hq/Hkv), as ONNX repeats KV heads); ``scale`` (default 1/√D); ``is_causal`` → TopLeft
-  (no past: key j visible from query i when j ≤ i); ``attn_mask`` bool (True attends: 0 / −inf)
-  or float (added), right-aligned to (B, Hq, Sq, Skv) and padded with −inf / False up to Skv. A
-  row with no visible key gives 0, as the ONNX reference and every tvmfuse kernel do. Outputs 1
-  and 2 (``present_key`` / ``present_value``) are K and V in (B, Hkv, Skv, ·) when no past is
-  given. What this does not handle (:func:`attention_refusals`) is reported, with the node and
-  the attribute or input, before conversion starts.
+* ``Attention`` (ai.onnx): :mod:`~tvmfuse.frontend.onnx_ops.attention` (with the other ops of
+  ``onnx_ops``, installed with these); :func:`node_refusals` reports what it does not handle.
 * ``Unsqueeze`` (opset 13) with a 0-d ``axes`` constant: the dynamo exporter writes one for
   ``F.scaled_dot_product_attention(..., enable_gqa=True)``; 0.27 iterates the axes and fails
   with "'int' object is not iterable". The axes become a 1-element list first.
@@ -28,7 +15,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -37,103 +23,11 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as stock
 
-from ..relax_shapes import shape_expr, static_shape
 from .onnx_nodes import construct_nodes
 from .onnx_ops import OVERRIDES as OP_OVERRIDES
 from .onnx_ops import RUNTIME_INPUTS, refusals
+from .onnx_ops.attention import attention_refusals
 from .onnx_ops.runtime_values import with_runtime_inputs
-
-_ATTENTION_INPUTS = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen"]
-_ATTENTION_OUTPUTS = ["Y", "present_key", "present_value", "qk_matmul_output"]
-_SOFTMAX_FP32_OR_HALF = (1, 10, 16)  # FLOAT, FLOAT16, BFLOAT16: the kernels' fp32 softmax is as fine
-
-
-def attention_refusals(attrs: dict[str, Any], inputs: list[str], outputs: list[str]) -> list[str]:
-    """What an ONNX ``Attention`` node asks for that :class:`Attention` does not do, one line each.
-
-    ``attrs``: attribute values by name; ``inputs`` / ``outputs``: the node's names ("" = absent).
-    """
-    why = []
-    for i, name in enumerate(inputs[4:], start=4):
-        if name:
-            why.append(f"input {_ATTENTION_INPUTS[i] if i < len(_ATTENTION_INPUTS) else i} "
-                       "(KV cache inputs are not supported)")
-    if len(outputs) > 3 and outputs[3]:
-        why.append("output qk_matmul_output (the scores are never materialised)")
-    if attrs.get("softcap", 0.0) != 0.0:
-        why.append(f"attribute softcap={attrs['softcap']}")
-    if attrs.get("qk_matmul_output_mode", 0) != 0:
-        why.append(f"attribute qk_matmul_output_mode={attrs['qk_matmul_output_mode']}")
-    if attrs.get("softmax_precision", 1) not in _SOFTMAX_FP32_OR_HALF:
-        why.append(f"attribute softmax_precision={attrs['softmax_precision']} (softmax runs in fp32)")
-    for name in sorted(set(attrs) - {"is_causal", "q_num_heads", "kv_num_heads", "scale", "softcap",
-                                      "qk_matmul_output_mode", "softmax_precision", "tvm_custom"}):
-        why.append(f"attribute {name}={attrs[name]}")
-    return why
-
-
-def _bshd(x: relax.Expr, heads: int | None, what: str) -> relax.Expr:
-    """(B, H, S, D) → (B, S, H, D); (B, S, H·D) → (B, S, H, D) with ``heads`` from the attributes."""
-    shape = static_shape(x)
-    if shape is None or len(shape) not in (3, 4):
-        raise ValueError(f"Attention: {what} must be a 3-D or 4-D tensor of static shape, got {x.ty}")
-    if len(shape) == 4:
-        return relax.op.permute_dims(x, [0, 2, 1, 3])
-    if not heads or shape[2] % heads:
-        raise ValueError(f"Attention: 3-D {what} {shape} needs a head count dividing {shape[2]} "
-                         "(q_num_heads / kv_num_heads)")
-    return relax.op.reshape(x, shape_expr([shape[0], shape[1], heads, shape[2] // heads]))
-
-
-def _bias(bb: relax.BlockBuilder, mask: relax.Expr, dtype: str, skv: int) -> relax.Expr:
-    """``attn_mask`` as an additive 4-D bias of ``dtype``, its last axis padded to ``skv``."""
-    shape = static_shape(mask)
-    if shape is None or not 1 <= len(shape) <= 4:
-        raise ValueError(f"Attention: attn_mask must have a static shape of rank 1 to 4, got {mask.ty}")
-    boolean = str(mask.ty.dtype) == "bool"
-    if shape[-1] < skv:
-        fill = relax.const(False if boolean else -math.inf, str(mask.ty.dtype))
-        pad = relax.op.full(shape_expr([*shape[:-1], skv - shape[-1]]), fill, str(mask.ty.dtype))
-        mask = bb.normalize(relax.op.concat([mask, pad], axis=-1))
-    if boolean:
-        mask = relax.op.where(mask, relax.const(0.0, dtype), relax.const(-math.inf, dtype))
-    elif str(mask.ty.dtype) != dtype:
-        mask = relax.op.astype(mask, dtype)
-    if len(shape) < 4:
-        mask = relax.op.reshape(mask, shape_expr([1] * (4 - len(shape)) + [*shape[:-1], skv]))
-    return mask
-
-
-class Attention(stock.OnnxOpConverter):
-    """The standard ONNX ``Attention`` (opset 23) → ``R.nn.attention`` (see the module docstring)."""
-
-    @classmethod
-    def _impl_v23(cls, bb, inputs, attr, params):
-        node = attr["tvm_custom"]["name"]
-        q, k, v = inputs[:3]
-        mask = inputs[3] if len(inputs) > 3 else None
-        ndim = len(static_shape(q) or [])
-        qb = bb.normalize(_bshd(q, attr.get("q_num_heads"), f"Q of node {node!r}"))
-        kb = bb.normalize(_bshd(k, attr.get("kv_num_heads"), f"K of node {node!r}"))
-        vb = bb.normalize(_bshd(v, attr.get("kv_num_heads"), f"V of node {node!r}"))
-        (b, sq, hq, d), (_, skv, hkv, _) = static_shape(qb), static_shape(kb)
-        if hq % hkv:
-            raise ValueError(f"Attention node {node!r}: {hq} query heads are not a multiple of "
-                             f"{hkv} key/value heads")
-        dtype = str(q.ty.dtype)
-        bias = None if mask is None else bb.normalize(_bias(bb, mask, dtype, skv))
-        scale = attr.get("scale", 1.0 / math.sqrt(d))
-        out = bb.normalize(relax.op.nn.attention(
-            qb, kb, vb, bias, scale=scale, causal_mask="TopLeft" if attr.get("is_causal", 0) else None))
-        if ndim == 4:
-            y = relax.op.permute_dims(out, [0, 2, 1, 3])
-        else:
-            y = relax.op.reshape(out, shape_expr([b, sq, hq * static_shape(out)[3]]))
-        if attr["tvm_custom"]["num_outputs"] == 1:
-            return y
-        present = [x if ndim == 4 else relax.op.permute_dims(xb, [0, 2, 1, 3])
-                   for x, xb in ((k, kb), (v, vb))]
-        return relax.Tuple([bb.normalize(y), *(bb.normalize(p) for p in present)])
 
 
 class Unsqueeze(stock.Unsqueeze):
@@ -295,7 +189,7 @@ def _prims_as_tensors(base: type) -> type:
     return PrimsAsTensors
 
 
-OVERRIDES: dict[str, type] = {"Attention": Attention, "Concat": Concat, "Gather": Gather, "Range": Range,
+OVERRIDES: dict[str, type] = {"Concat": Concat, "Gather": Gather, "Range": Range,
                                "Reshape": Reshape, "Tile": Tile, "Unsqueeze": Unsqueeze, **OP_OVERRIDES,
                                **{op: _prims_as_tensors(getattr(stock, op))
                                   for op in ("Add", "Sub", "Mul", "Div")}}
@@ -337,5 +231,5 @@ def node_refusals(graph) -> list[tuple[str, str]]:
     return found + refusals(graph)
 
 
-__all__ = ["OVERRIDES", "Attention", "Concat", "Gather", "Range", "Reshape", "Tile", "Unsqueeze",
-           "attention_refusals", "converters", "node_refusals"]
+__all__ = ["OVERRIDES", "Concat", "Gather", "Range", "Reshape", "Tile", "Unsqueeze",
+           "converters", "node_refusals"]

@@ -107,6 +107,9 @@ def _check_ranges(ep, binding: dict[str, int | str], dynamic: Ranges, source: st
         if sym not in exported:
             continue
         lo, hi = (_finite(b) for b in exported[sym])
+        # torch traces sizes as >= 2 (its 0/1 specialisation); a Dim.AUTO export records 2 where
+        # the strict Dim(min=1) export of the same graph records 1
+        lo = 1 if lo == 2 else lo
         want = dynamic[value] if isinstance(value, str) else (value, value)
         if (lo is not None and want[0] < lo) or (hi is not None and want[1] > hi):
             raise InputSpecError(
@@ -176,7 +179,6 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
     a named dimension is exported dynamic (``torch.export.Dim(S, min=lo, max=hi)`` from ``dynamic``,
     one ``Dim`` per symbol, so equal symbols are one length) and imported as a bounded ``tir.Var``.
     """
-    import torch
 
     source = source or f"nn.Module {type(module).__name__}"
     module = module.eval()
@@ -185,7 +187,7 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
                                                        source)
     try:
         with _quiet_torch_internals():
-            ep = torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes)
+            ep = export_with_dims(module, example_inputs, dynamic_shapes)
     except Exception as err:
         raise ModelError(f"{source}: torch.export failed: {type(err).__name__}: {err}") from err
     from torch.export.graph_signature import InputKind
@@ -195,6 +197,42 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
     named = {ep_name: overrides[name] for name, ep_name in zip(names, ep_names)
              if name in overrides and any(isinstance(d, str) for d in overrides[name].shape)}
     return import_exported(ep, named, source, reference=_torch_reference(module), dynamic=dynamic)
+
+
+def export_with_dims(module, args: tuple, dynamic_shapes: tuple | None):
+    """``torch.export.export`` with named ``Dim``s; when torch fails to prove one of its own guards
+    over a ``Dim``'s range (torch 2.11 cannot show ``min(16*S, 32*S) == 16*S`` for S in 2..64 in
+    transformers' GQA reshape, which 2.13 proves), export again with ``Dim.AUTO`` hints of the
+    same ranges — the guard then narrows the range instead of failing — and require every named
+    dimension to stay symbolic over its whole range (the original error otherwise)."""
+    import torch
+    from torch.export.dynamic_shapes import _Dim
+
+    try:
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes)
+    except torch._dynamo.exc.UserError as err:
+        if dynamic_shapes is None:
+            raise
+        first = err
+
+    def hint(d):
+        return torch.export.Dim.AUTO(min=d.min, max=d.max) if isinstance(d, _Dim) else d
+
+    hinted = tuple(None if s is None else {i: hint(d) for i, d in s.items()} for s in dynamic_shapes)
+    try:
+        ep = torch.export.export(module, args, dynamic_shapes=hinted)
+    except Exception:
+        raise first from None
+    ranges = {str(sym): (r.lower, r.upper) for sym, r in ep.range_constraints.items()}
+    users = [n for n in ep.graph.nodes if n.op == "placeholder"
+             and n.name in {s.arg.name for s in ep.graph_signature.input_specs
+                            if s.kind.name == "USER_INPUT"}]
+    for node, dims in zip(users, dynamic_shapes):
+        for axis, d in (dims or {}).items():
+            lo, hi = ranges.get(str(node.meta["val"].shape[axis]), (d.max + 1, 0))
+            if _finite(lo) > max(d.min, 2) or hi < d.max:  # 2: see _check_ranges
+                raise first
+    return ep
 
 
 def _dynamic_examples(module, example_inputs: tuple, overrides: dict[str, InputOverride],

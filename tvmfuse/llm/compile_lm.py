@@ -8,6 +8,7 @@ Entry points (``Bm`` = max_batch, caches ``(Bm, Hkv, max_seq, D)`` per layer, wr
 
     prefill{S}(ids (Bm, S), positions (Bm, S), offsets (Bm,), starts (Bm,), k_cache_0, v_cache_0, ...)
     decode(ids (Bm, 1), positions (Bm, 1), offsets, starts, caches...)        → logits (Bm, V)
+    advance(logits, ids, positions, offsets, history (Bm, max_seq + 1))   greedy step in place
 
 each followed by the same weights ``w_0 … w_{k-1}`` (``LiftWeights``: equal folded constants of
 the entry points are one parameter), which ``export`` writes to ``<name>.safetensors``.
@@ -40,10 +41,12 @@ from ..runtime.lm import LM_FORMAT
 from ..targets import TargetSpec, get_target
 from ..version import __version__
 from ._graph import bind_shapes
+from .greedy import advance_module
 from .import_lm import import_lm
 from .kv_cache import DeriveKVCache
 from .last_token import LastTokenLogits
 from .positions import PositionTables
+from .tensor_parallel import ShardTensorParallel
 
 
 def _is_factory(spec: str) -> bool:
@@ -60,7 +63,8 @@ def default_prefill_lengths(max_seq: int) -> list[int]:
     return lengths + [max_seq]
 
 
-def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, cuda: bool) -> tvm.IRModule:
+def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, cuda: bool,
+           tp: tuple[int, int] = (1, 0)) -> tvm.IRModule:
     ids = sym.params[0]
     b, s = ids.ty.shape.values
     func = bind_shapes(sym, {str(b): batch, str(s): seq}).with_attr("global_symbol", name)
@@ -69,7 +73,11 @@ def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, c
         relax.transform.DecomposeOpsForInference(), relax.transform.CanonicalizeBindings(),
         SimplifyNoOps(), Canonicalize(), FuseDecomposedNorms(),
         FuseAttention(),  # proves each mask causal: the cache rewrite below relies on it
-        DeriveKVCache(max_seq, cuda), LastTokenLogits(), relax.transform.DeadCodeElimination(),
+        # before the shard: the LM head's all-gather then moves the last position's logits only
+        LastTokenLogits(),
+        # before the cache: its kernels take the rank's head counts
+        ShardTensorParallel(*tp),
+        DeriveKVCache(max_seq, cuda), relax.transform.DeadCodeElimination(),
     ]
     for stage in stages:
         mod = stage(mod)
@@ -78,64 +86,104 @@ def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, c
 
 @dataclass
 class LMLibrary:
-    """A compiled LM: ``export(path)`` writes the ``.so`` and ``<name>.safetensors``; ``load()``
-    runs it in-process."""
+    """A compiled LM: ``export(path)`` writes the ``.so`` and ``<name>.safetensors`` (tensor-parallel:
+    ``<name>.rank<i>.safetensors``); ``load()`` runs it (in-process, or N worker processes)."""
 
     executable: Any
     target: TargetSpec
     metadata: dict[str, Any]
     # (name, tensor) in the order every entry point takes them after its caches
     weights: list[tuple[str, Any]] = field(default_factory=list)
+    # tensor_parallel > 1: each rank's weights (same names, shapes and order), instead of weights
+    shards: list[list[tuple[str, Any]]] = field(default_factory=list)
 
     def export(self, path: str | os.PathLike) -> Path:
-        """Write the ``.so`` and its weights, ``<name>.safetensors`` beside it (always external:
-        one copy shared by every entry point)."""
-        return export_library(self.executable, path, self.target, self.metadata, weights=self.weights)
+        """Write the ``.so`` and its weights beside it (always external: one copy shared by every
+        entry point)."""
+        return export_library(self.executable, path, self.target, self.metadata,
+                              weights=self.weights or None, shards=self.shards or None)
 
-    def load(self, device: str | None = None):
+    def load(self, device: str | None = None, **kwargs: Any):
         path = self.export(Path(tempfile.mkdtemp(prefix="tvmfuse-lm-")) / "lm.so")
-        return load(path, device or ("cuda" if self.target.is_cuda else "cpu"))
+        return load(path, device or ("cuda" if self.target.is_cuda else "cpu"), **kwargs)
+
+
+def _lower_rank(sym: relax.Function, entries: dict[str, int], max_batch: int, max_seq: int,
+                spec: TargetSpec, dtype: str | None, tp: tuple[int, int]):
+    """Every entry point of rank ``tp[1]`` of ``tp[0]``: (decode before lowering, lowered module,
+    weights)."""
+    combined = tvm.IRModule()
+    for name, seq in entries.items():
+        for gv, func in _entry(sym, name, max_batch, seq, max_seq, spec.is_cuda, tp).functions.items():
+            combined[gv] = func
+    # greedy steps on the device: decode + advance on the same tensors, capturable as a CUDA graph
+    decode = combined["decode"]
+    logits_dtype = dtype if dtype in ("float16", "bfloat16") else str(decode.ret_ty.dtype)
+    for gv, func in advance_module(max_batch, int(decode.ret_ty.shape.values[1]), max_seq + 1,
+                                   logits_dtype, spec.is_cuda).functions.items():
+        combined[gv] = func
+    # weights external: the entry points fold the same weights (transposes, fused QKV), LiftWeights
+    # makes equal constants one parameter, so the file holds each weight once for all of them
+    lowered = lower(combined, spec, dtype if dtype != "float32" else None, weights="external")
+    return (combined["decode"], *take_weights(lowered))
+
+
+def _same_layout(shards: list[list[tuple[str, Any]]]) -> None:
+    """Every rank's weights line up with rank 0's (the one executable takes them all)."""
+    def layout(weights):
+        return [(name, tuple(t.shape), str(t.dtype)) for name, t in weights]
+
+    for rank, weights in enumerate(shards[1:], 1):
+        if layout(weights) != layout(shards[0]):
+            raise CompileError(f"compile_lm: rank {rank}'s weights {layout(weights)[:4]}... differ in "
+                               f"layout from rank 0's {layout(shards[0])[:4]}...: the shards do not "
+                               "share one library")
 
 
 def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max_batch: int = 1,
-               prefill_lengths: list[int] | None = None, dtype: str | None = None) -> LMLibrary:
+               prefill_lengths: list[int] | None = None, dtype: str | None = None,
+               tensor_parallel: int = 1) -> LMLibrary:
     """Compile a cache-less causal LM (nn.Module, .pt2, .onnx or ``package.module:factory``
     returning ``(module, example_inputs)``; ``ids → logits``) for generation.
 
     ``prefill_lengths``: the prompt lengths compiled (a prompt is left-padded to the next one;
     default :func:`default_prefill_lengths`). ``dtype``: as in :func:`tvmfuse.compile`.
+    ``tensor_parallel``: N ranks, Megatron-style (:mod:`tvmfuse.llm.tensor_parallel`): one
+    rank-agnostic library and each rank's weights; ``load`` starts one process per rank.
     """
     spec = get_target(target)
     if max_seq_len < 2 or max_batch < 1:
         raise InputSpecError(f"max_seq_len must be >= 2 and max_batch >= 1, got {max_seq_len}, "
                              f"{max_batch}")
+    if tensor_parallel < 1:
+        raise InputSpecError(f"tensor_parallel must be >= 1, got {tensor_parallel}")
     lengths = sorted(set(prefill_lengths or default_prefill_lengths(max_seq_len)))
     if lengths[0] < 2 or lengths[-1] > max_seq_len:
         raise InputSpecError(f"prefill lengths {lengths} must lie in 2..max_seq_len={max_seq_len}")
     if isinstance(model, str) and _is_factory(model):
         model, _ = load_factory(model)
     sym = PositionTables(max_seq_len)(import_lm(model, max_seq_len, max_batch))["main"]
-    combined = tvm.IRModule()
     entries = {f"prefill{n}": n for n in lengths} | {"decode": 1}
-    for name, seq in entries.items():
-        for gv, func in _entry(sym, name, max_batch, seq, max_seq_len, spec.is_cuda).functions.items():
-            combined[gv] = func
-    decode = combined["decode"]
+    # one lowering per rank: the weights are folded (transposed, fused, cast) per rank; the
+    # functions are the same for every rank, so rank 0's module is the one built
+    ranks = [_lower_rank(sym, entries, max_batch, max_seq_len, spec, dtype, (tensor_parallel, r))
+             for r in range(tensor_parallel)]
+    _same_layout([w for _, _, w in ranks])
+    decode, lowered, weights = ranks[0]
     caches = [{"shape": [int(d) for d in p.ty.shape.values], "dtype": str(p.ty.dtype)}
               for p in decode.params[4:]]
-    vocab = int(decode.ret_ty.shape.values[1])
-    # weights external: the entry points fold the same weights (transposes, fused QKV), LiftWeights
-    # makes equal constants one parameter, so the file holds each weight once for all of them
-    lowered = lower(combined, spec, dtype if dtype != "float32" else None, weights="external")
-    lowered, weights = take_weights(lowered)
-    executable = build(lowered, spec)
     if not caches:
         raise CompileError("compile_lm: no KV cache was derived")
+    vocab = int(decode.ret_ty.shape.values[1])
+    executable = build(lowered, spec)
     metadata = {
         "format": LM_FORMAT, "target": spec.name, "sass": [real for _, real in spec.gencode],
         "dtype": dtype, "max_seq_len": max_seq_len, "max_batch": max_batch,
-        "prefill_lengths": lengths, "vocab": vocab, "caches": caches,
+        "prefill_lengths": lengths, "vocab": vocab, "caches": caches, "device_greedy": True,
+        "tensor_parallel": tensor_parallel,
         "inputs": [{"name": "input_ids", "shape": [max_batch, "S"], "dtype": "int64"}], "outputs": [],
         "versions": {"tvmfuse": __version__},
     }
-    return LMLibrary(executable, spec, metadata, weights)
+    if tensor_parallel == 1:
+        return LMLibrary(executable, spec, metadata, weights)
+    return LMLibrary(executable, spec, metadata, shards=[w for _, _, w in ranks])

@@ -22,7 +22,7 @@ from ..errors import ModelError, UnsupportedOpError
 from ..frontend.onnx_import import import_onnx, load_onnx
 from ..frontend.spec import InputOverride
 from ..frontend.torch_fixes import custom_convert_map
-from ..frontend.torch_import import scan_unsupported
+from ..frontend.torch_import import export_with_dims, scan_unsupported
 
 
 def _logits_module(model):
@@ -72,7 +72,7 @@ def _torch_module(model, max_seq: int, max_batch: int) -> tvm.IRModule:
         dims[0] = Dim("B", min=1, max=max_batch)
     source = f"nn.Module {type(model).__name__}"
     try:
-        ep = torch.export.export(module, (ids,), dynamic_shapes=(dims,))
+        ep = export_with_dims(module, (ids,), (dims,))
     except Exception as err:
         raise ModelError(f"{source}: torch.export with a symbolic sequence length failed: "
                          f"{type(err).__name__}: {err}") from err

@@ -14,8 +14,9 @@ Shapes (static per entry point; ``M`` = max_seq_len, ``Bm`` = max_batch)::
 Left padding: slots before ``starts[b]`` hold padding and are never read by a real token (a
 padding row sees only itself, so no row is empty). The key loop runs over exactly the visible
 slots (a data-dependent extent); m, l and acc are fp32 scratch of the row (online softmax).
-The llvm variant parallelises over (b, s, h); the CUDA variant binds (b·S + s, h) to blocks and
-runs each row in one thread: correct on the GPU, not fast (the decode kernel replaces it there).
+The llvm variant parallelises over (b, s, h); at decode (S = 1) CUDA runs the split-KV
+flash-decoding kernel over the cache; CUDA prefill binds (b·S + s, h) to blocks and runs each row
+in one thread: correct on the GPU, not fast.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from dataclasses import dataclass
 
 import tvm
 from tvm.script import tirx as T
+
+from ..kernels.attention.flash_decode import check as decode_check
+from ..kernels.attention.flash_decode import flash_decode_cache_primfunc
+from ..kernels.attention.spec import AttentionSpec
 
 _LOG2E = math.log2(math.e)
 
@@ -59,7 +64,7 @@ def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
     """FuseOps must keep these apart (pattern 8 = opaque); CUDA ones are already scheduled."""
     attrs = {"op_pattern": 8, "tir.noalias": True}
     if cuda:
-        attrs["tir.is_scheduled"] = True
+        attrs["tirx.is_scheduled"] = True  # the schedule stage (rules/fallback.py) skips it
     return func.without_attr("global_symbol").with_attrs(attrs)  # named where it is added
 
 
@@ -141,8 +146,16 @@ def _row_macro(spec: CacheSpec, scope: str):
 
 
 def cache_attention(spec: CacheSpec, cuda: bool = False) -> tvm.tirx.PrimFunc:
-    """``(q, k_cache, v_cache, offsets, starts, out)``: attention over the cache (module doc)."""
+    """``(q, k_cache, v_cache, offsets, starts, out)``: attention over the cache (module doc).
+
+    CUDA decode (S = 1): the split-KV flash-decoding kernel reading the cache in place
+    (:func:`~tvmfuse.kernels.attention.flash_decode.flash_decode_cache_primfunc`)."""
     Bm, S, Hq = spec.batch, spec.seq, spec.q_heads
+    if cuda and S == 1:
+        aspec = AttentionSpec(Bm, 1, spec.max_seq, Hq, spec.kv_heads, spec.head_dim, spec.dtype,
+                              spec.scale)
+        if decode_check(aspec) is None:
+            return _opaque(flash_decode_cache_primfunc(aspec), cuda)
     cshape, qshape, dt = spec.cache_shape, spec.q_shape, spec.dtype
     row = _row_macro(spec, "local" if cuda else "global")
 

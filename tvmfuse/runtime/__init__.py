@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import DeviceError, InputError, LibraryError
 from ..targets import get_target
 from .lm import LM_FORMAT, LanguageModel
+from .tensor_parallel import DEFAULT_TIMEOUT_S, DistributedLanguageModel, rank_devices
 from .weights import load_weights
 
 METADATA_SYMBOL = "tvmfuse_metadata"
@@ -317,15 +318,30 @@ def _torch_dtypes(dtypes: list[str]) -> list | None:
     return [getattr(torch, d, None) for d in dtypes]
 
 
-def load(path: str | os.PathLike, device: str = "cuda") -> CompiledModel | LanguageModel:
+def load(path: str | os.PathLike, device: str = "cuda", devices: list[int] | None = None,
+         timeout: float | None = None) -> CompiledModel | LanguageModel | DistributedLanguageModel:
     """Load a library written by ``tvmfuse compile`` / ``Library.export``; returns a callable.
 
     A ``compile_lm`` library comes back as a :class:`~tvmfuse.runtime.lm.LanguageModel`
-    (``generate``)."""
-    if read_metadata(path).get("format") == LM_FORMAT:
+    (``generate``); a tensor-parallel one (``tensor_parallel=N``) as a
+    :class:`~tvmfuse.runtime.tensor_parallel.DistributedLanguageModel`, N worker processes on
+    ``devices`` (GPU indices, default 0..N-1; on ``device="cpu"`` N processes). ``timeout``: seconds
+    a rank may take per call (default ``TVMFUSE_TP_TIMEOUT`` or 600)."""
+    meta = read_metadata(path)
+    world = int(meta.get("tensor_parallel", 1))
+    if meta.get("format") == LM_FORMAT and world > 1:
+        kind = "cpu" if device == "cpu" else "cuda"
+        if (kind == "cpu") != (meta["target"] == "cpu"):
+            _device(device, meta, Path(path))  # raises the usual target/device error
+        ranks = rank_devices(kind, world, devices)
+        return DistributedLanguageModel(path, meta, ranks, timeout or DEFAULT_TIMEOUT_S)
+    if devices is not None and list(devices) != [int(device.split(":")[1]) if ":" in device else 0]:
+        raise DeviceError(f"{path} runs on one device (it is not tensor-parallel); got devices={devices}")
+    if meta.get("format") == LM_FORMAT:
         meta, dev, _, vm = _open(Path(path), device)
         return LanguageModel(vm, dev, meta, Path(path), load_weights(Path(path), meta, dev))
     return CompiledModel(path, device)
 
 
-__all__ = ["CompiledModel", "LanguageModel", "load", "load_weights", "read_metadata"]
+__all__ = ["CompiledModel", "DistributedLanguageModel", "LanguageModel", "load", "load_weights",
+           "read_metadata"]

@@ -39,6 +39,7 @@ class LanguageModel:
                        for c in metadata["caches"]]
         self._prefill = {n: vm[f"prefill{n}"] for n in self.prefill_lengths}
         self._decode = vm["decode"]
+        self._advance = vm["advance"] if metadata.get("device_greedy") else None
         self._starts = np.zeros(self.max_batch, "int32")
         self._length = 0  # slots written in every sequence's cache
         self._batch = 0
@@ -94,6 +95,64 @@ class LanguageModel:
         self._length += 1
         return self._run(self._decode, ids, positions, offsets)[: self._batch]
 
+    def _device_steps(self, first: np.ndarray, steps: int) -> np.ndarray:
+        """``steps`` greedy tokens after ``first`` (B,), every step ``decode`` + ``advance`` on the
+        same device tensors (the argmax and the state update run on the device); on CUDA the
+        step is captured once as a CUDA graph and replayed. (B, steps) ids."""
+        import tvm
+
+        if self._length + steps > self.max_seq:
+            raise InputError(f"the cache is full ({self.max_seq} slots)")
+        ids = np.zeros((self.max_batch, 1), "int64")
+        ids[: self._batch, 0] = first
+        offsets = np.full(self.max_batch, self._length, "int32")
+        positions = (offsets - self._starts)[:, None].astype("int64")
+        history = np.zeros((self.max_batch, self.max_seq + 1), "int64")
+        state = [tvm.runtime.tensor(a, self.device) for a in (ids, positions, offsets, history)]
+        starts = tvm.runtime.tensor(self._starts, self.device)
+
+        def step() -> Any:
+            logits = self._decode(state[0], state[1], state[2], starts, *self.caches, *self.weights)
+            self._advance(logits, *state, *self.weights)  # LiftWeights gives every entry the list
+            return logits
+
+        done = 0
+        if self.device.dlpack_device_type() == 2 and steps > 2:  # kDLCUDA
+            done = self._graph_steps(step, steps)
+        for _ in range(steps - done):
+            step()
+        first_slot = self._length + 1
+        self._length += steps
+        return state[3].numpy()[: self._batch, first_slot:first_slot + steps]
+
+    def _graph_steps(self, step, steps: int) -> int:
+        """Run ``steps`` steps as one eager step + a captured CUDA graph replayed ``steps − 1``
+        times (torch's capture, the library's kernels on torch's stream); the steps done (0 when
+        capture is unavailable: the caller runs them eagerly). Timings: the replay loop only."""
+        try:
+            import torch
+            import tvm_ffi
+        except ImportError:
+            self.timings["cuda_graph"] = "off: torch is not installed"
+            return 0
+        step()  # eager: the VM's memory pool holds every buffer the captured step uses
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with tvm_ffi.use_torch_stream(torch.cuda.graph(graph, capture_error_mode="relaxed")):
+                logits = step()  # recorded, not run
+        except Exception as err:  # noqa: BLE001 - fall back to eager steps, say why
+            self.timings["cuda_graph"] = f"off: capture failed: {type(err).__name__}: {err}"[:300]
+            return 1
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps - 1):
+            graph.replay()
+        torch.cuda.synchronize()
+        self.timings["decode_ms_per_token"] = (time.perf_counter() - start) * 1e3 / (steps - 1)
+        self.timings["cuda_graph"] = "on"
+        del logits
+        return steps
+
     def generate(self, input_ids: Any, max_new_tokens: int = 16, attention_mask: Any = None) -> Any:
         """Greedy decoding: (B, T + max_new_tokens) ids, padding kept; torch in → torch out."""
         is_torch = type(input_ids).__module__.startswith("torch")
@@ -107,14 +166,21 @@ class LanguageModel:
             raise InputError(f"prompt slots {self._length} + {max_new_tokens} new tokens exceed "
                              f"max_seq_len {self.max_seq}")
         prefill_s = time.perf_counter() - start
-        out = [logits.argmax(-1)]
+        first = logits.argmax(-1)
+        steps = max_new_tokens - 1
+        self.timings = {"prefill_ms": prefill_s * 1e3}
         start = time.perf_counter()
-        for _ in range(max_new_tokens - 1):
-            out.append(self.decode(out[-1]).argmax(-1))
+        if self._advance is not None and steps > 0:
+            new = self._device_steps(first, steps)
+        else:
+            out = [first]
+            for _ in range(steps):
+                out.append(self.decode(out[-1]).argmax(-1))
+            new = np.stack(out[1:], axis=1) if steps else np.zeros((len(first), 0), "int64")
         decode_s = time.perf_counter() - start
-        self.timings = {"prefill_ms": prefill_s * 1e3,
-                        "decode_ms_per_token": decode_s * 1e3 / max(1, max_new_tokens - 1)}
-        result = np.concatenate([ids.astype("int64"), np.stack(out, axis=1).astype("int64")], axis=1)
+        self.timings.setdefault("decode_ms_per_token", decode_s * 1e3 / max(1, steps))
+        result = np.concatenate([ids.astype("int64"), first[:, None].astype("int64"),
+                                 new.astype("int64")], axis=1)
         if is_torch:
             import torch
 

@@ -33,9 +33,10 @@ _MAX_HEADER = 100 << 20  # the safetensors reference implementation's limit
 _SAMPLE = 4096  # bytes from each end of every tensor that go into the fingerprint
 
 
-def weights_path(library: str | Path) -> Path:
-    """``lm.so`` → ``lm.safetensors`` (beside it)."""
-    return Path(library).with_suffix(".safetensors")
+def weights_path(library: str | Path, rank: int | None = None) -> Path:
+    """``lm.so`` → ``lm.safetensors`` (beside it); rank ``i`` of a tensor-parallel library:
+    ``lm.rank<i>.safetensors``."""
+    return Path(library).with_suffix(".safetensors" if rank is None else f".rank{rank}.safetensors")
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -130,13 +131,13 @@ class WeightsFile:
         return fingerprint(self.header_bytes, samples)
 
 
-def check_weights(library: Path, entry: dict[str, Any]) -> WeightsFile:
+def check_weights(library: Path, entry: dict[str, Any], rank: int | None = None) -> WeightsFile:
     """The weights file the metadata ``entry`` describes, checked: present, every parameter there
     with its dtype and shape, the size and fingerprint of the export.
 
     Looked up beside the library as ``<library name>.safetensors`` (a renamed pair), else under
-    the name export gave it (a renamed ``.so`` alone)."""
-    candidates = list(dict.fromkeys([weights_path(library), library.parent / entry["file"]]))
+    the name export gave it (a renamed ``.so`` alone); ``rank``: a tensor-parallel rank's file."""
+    candidates = list(dict.fromkeys([weights_path(library, rank), library.parent / entry["file"]]))
     path = next((c for c in candidates if c.is_file()), None)
     if path is None:
         raise LibraryError(f"{library} keeps its weights in {' or '.join(map(str, candidates))}, "
@@ -160,7 +161,7 @@ def check_weights(library: Path, entry: dict[str, Any]) -> WeightsFile:
     return wf
 
 
-def load_weights(library: str | Path, metadata: dict[str, Any], device) -> list:
+def load_weights(library: str | Path, metadata: dict[str, Any], device, rank: int | None = None) -> list:
     """The library's weights on ``device`` (``tvm.runtime.Device``), in parameter order: what
     ``main`` (and every entry point) takes after the inputs. Empty for an embedded-weights library."""
     import tvm
@@ -168,7 +169,7 @@ def load_weights(library: str | Path, metadata: dict[str, Any], device) -> list:
     entry = metadata.get("weights")
     if not entry:
         return []
-    wf = check_weights(Path(library), entry)
+    wf = check_weights(Path(library), entry, rank)
     return [tvm.runtime.tensor(wf.array(p["name"]), device) for p in entry["params"]]
 
 

@@ -1,32 +1,30 @@
-"""ONNX ``ConstantOfShape`` with the ``input`` shape a runtime tensor (of static length ``L``).
+"""ONNX ``ConstantOfShape`` whose shape is a runtime tensor::
 
-The shape becomes symbolic dims ``fill_0 … fill_{L-1}`` at run time (negative dims fail the
-call) and the output is ``broadcast_to(value, (fill_0, …))``; ``L = 0`` gives the scalar. TVM's
-converter broadcasts to an untyped shape variable instead, which no later pass can read.
+    Y = full(shape, value)          shape (n,) int64, value a 1-element tensor (default 0.0f)
+
+0.27 broadcasts to ``tensor_to_shape(shape)`` as a bare shape variable, which LegalizeOps leaves
+unlowered (VM codegen then fails); here the shape is matched to ``n`` symbolic dims first.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from onnx import numpy_helper
 from tvm import relax
+from tvm.relax.frontend.onnx import onnx_frontend as stock
 
-from .runtime_values import Fallback, all_of, int64, static_length, symbolic_dims
+from ._common import constant, runtime_shape
 
 
-def constant_of_shape_runtime(bb: relax.BlockBuilder, inputs: list, attr: dict,
-                              fallback: Fallback) -> relax.Expr:
-    """``ConstantOfShape(shape)`` with ``shape`` a runtime tensor (see the module docstring)."""
-    shape = inputs[0]
-    length = static_length(shape)
-    if length is None or shape.ty.ndim != 1:
-        raise ValueError(f"ConstantOfShape: a runtime shape must be 1-D of static length, got {shape.ty}")
-    proto = attr.get("value")
-    value = numpy_helper.to_array(proto).reshape(()) if proto is not None else np.zeros((), "float32")
-    fill = relax.const(value, str(value.dtype))
-    if length == 0:
-        return fill
-    shape = bb.normalize(relax.op.astype(shape, "int64"))
-    ok = bb.normalize(all_of(relax.op.greater_equal(shape, int64(0))))
-    dims = symbolic_dims(bb, shape, length, "fill", ok)
-    return relax.op.broadcast_to(fill, relax.ShapeExpr(dims))
+class ConstantOfShape(stock.ConstantOfShape):
+    """``ConstantOfShape`` with a runtime shape as ``R.full`` of symbolic dims."""
+
+    @classmethod
+    def _impl_v9(cls, bb, inputs, attr, params):
+        shape = inputs[0]
+        if constant(shape, params) is not None or isinstance(shape, relax.ShapeExpr) \
+                or not isinstance(shape.ty, relax.TensorType):
+            return super()._impl_v9(bb, inputs, attr, params)
+        value = attr.get("value")
+        array = stock.get_numpy(value).reshape(()) if value is not None else None
+        fill = relax.const(0.0, "float32") if array is None else relax.const(array, array.dtype.name)
+        dims = runtime_shape(bb, shape, int(shape.ty.shape.values[0]), "constant_of_shape_d")
+        return relax.op.full(dims, fill, str(fill.ty.dtype))

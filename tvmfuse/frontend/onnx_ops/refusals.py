@@ -2,6 +2,8 @@
 
 Each entry names the attribute (or input) and why; :func:`refusals` turns a graph's offenders into
 the ``(node, what)`` pairs :class:`~tvmfuse.errors.UnsupportedOpError` reports, before conversion.
+A converter that finds a form it cannot do right only while converting (it needs the input
+shapes) refuses it with :func:`refuse`, naming the node the same way.
 
 * ``Cast`` to an 8-bit float or a 4-/2-bit integer: 0.27 rounds fp8 without ONNX's saturation
   and NaN rules (wrong answers) and cannot allocate sub-byte tensors (a crash in the VM).
@@ -12,11 +14,12 @@ the ``(node, what)`` pairs :class:`~tvmfuse.errors.UnsupportedOpError` reports, 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
+
+from ...errors import UnsupportedOpError
 
 # op → [(attribute, accepted(value), why)] ; an absent attribute is always accepted
 _ATTRIBUTES: dict[str, list[tuple[str, Callable[[Any], bool], str]]] = {
-    "BatchNormalization": [("training_mode", lambda v: v == 0, "training statistics")],
     "ConvTranspose": [("output_shape", lambda v: False, "output_shape is ignored by the converter")],
     "RoiAlign": [("mode", lambda v: v in (b"avg", "avg"), "only mode=avg")],
     "SpaceToDepth": [("mode", lambda v: v in (b"DCR", "DCR"), "only the DCR ordering")],
@@ -84,3 +87,9 @@ def refusals(graph) -> list[tuple[str, str]]:
                     value = _type_name(value) if name == "to" else value
                     found.append((label, f"{node.op_type} attribute {name}={value!r} ({why})"))
     return found
+
+
+def refuse(attr: dict[str, Any], what: str) -> NoReturn:
+    """Raise :class:`UnsupportedOpError` for the node a converter is converting (``attr`` is the
+    converter's attribute dict; its ``tvm_custom`` names the node): ``what`` says op and why."""
+    raise UnsupportedOpError("ONNX", [(attr["tvm_custom"]["name"] or "<unnamed>", what)])

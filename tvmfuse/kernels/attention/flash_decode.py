@@ -68,6 +68,25 @@ def check(spec: AttentionSpec) -> str | None:
 def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
                           config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
     """PrimFunc ``(q, k, v, [bias,] out)`` for a spec :func:`check` takes (layout in ``attention.py``)."""
+    return _primfunc(spec, target, config, cache=False)
+
+
+def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
+                                config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k_cache, v_cache, offsets, starts, out)``: the same kernel over a KV cache.
+
+    q, out ``(B, 1, Hq, D)``; caches ``(B, Hkv, M, D)`` (M = ``spec.kv_len`` slots); offsets,
+    starts ``(B,)`` int32. Sequence b sees the slots ``lo .. p``, p = min(offsets[b], M − 1),
+    lo = min(starts[b], p), read where they lie (no copy); the chunks are cut from M, and the
+    blocks of chunks past p only write an empty partial (m = −inf, l = 0).
+    """
+    if spec.causal != "none" or spec.window is not None or spec.bias_shape is not None:
+        raise ValueError("flash decode over a cache: the visible slots come from offsets/starts")
+    return _primfunc(spec, target, config, cache=True)
+
+
+def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: DecodeConfig | None,
+              cache: bool) -> tvm.tirx.PrimFunc:
     reason = check(spec)
     if reason is not None:  # callers ask check() first; reaching this is a caller's bug
         raise ValueError(f"flash decode: {reason}")
@@ -79,7 +98,8 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
     HC = G // GC
     dt, odt = spec.dtype, spec.result_dtype
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
-    q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
+    KV_L = "BHSD" if cache else QKV_L
+    q_shape, kv_shape, out_shape = spec.q_shape, at(KV_L, B, Skv, Hkv, D), spec.out_shape
     LPR = D // vec  # lanes per key row
     NG = _THREADS // LPR  # key rows in flight per unroll step
     U = cfg.unroll
@@ -105,7 +125,7 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
     full = T.uint32(0xFFFFFFFF)
 
     @T.macro
-    def body(q, k, v, bias, out):
+    def body(q, k, v, bias, out, offsets, starts):
         part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
         part_ml = T.alloc_buffer((B * Hq * n_split * 2,), "float32", scope="global")
         with T.launch_thread("blockIdx.x", n_split) as sp:
@@ -127,6 +147,14 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
             grp: T.let[T.int32] = tx // LPR
             d0: T.let[T.int32] = (tx % LPR) * vec
             j0: T.let[T.int32] = sp * L
+            # visible keys kb .. kb + ke − 1: static, or this sequence's cache slots
+            if cache:
+                last: T.let[T.int32] = T.min(offsets[b], Skv - 1)
+                kb: T.let[T.int32] = T.min(starts[b], last)
+                ke: T.let[T.int32] = last - kb + 1
+            else:
+                kb = T.meta_var(kbase)
+                ke = T.meta_var(kv_eff)
             for hh in T.unroll(GC):
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
@@ -135,10 +163,9 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                     acc[hh * vec + e] = T.float32(0)
             for it in T.serial(n_iter):
                 for u in T.unroll(U):
-                    jl: T.let[T.int32] = kbase + T.min(j0 + it * per_iter + u * NG + grp,
-                                                       kv_eff - 1)
-                    kr[T.ramp(u * vec, 1, vec)] = k[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
-                    vr[T.ramp(u * vec, 1, vec)] = v[at(QKV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
+                    jl: T.let[T.int32] = kb + T.min(j0 + it * per_iter + u * NG + grp, ke - 1)
+                    kr[T.ramp(u * vec, 1, vec)] = k[at(KV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
+                    vr[T.ramp(u * vec, 1, vec)] = v[at(KV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
                 for u in T.unroll(U):
                     for hh in T.unroll(GC):
                         s[u * GC + hh] = T.float32(0)
@@ -156,7 +183,7 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
                         if has_bias:
                             s[u * GC + hh] = s[u * GC + hh] + T.Cast("float32", bias[
                                 b * fb, (h0 + hh) * fh, 0, kbase + T.min(j, kv_eff - 1)]) * l2e
-                        if j >= T.min(j0 + L, kv_eff):
+                        if j >= T.min(j0 + L, ke):
                             s[u * GC + hh] = T.float32(_NEG_INF)
                 for hh in T.unroll(GC):
                     st[0] = m[hh]
@@ -218,14 +245,23 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
             out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
                 odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
 
-    if has_bias:
+    if cache:
+
+        @T.prim_func
+        def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                         v: T.Buffer(kv_shape, dt), offsets: T.Buffer((B,), "int32"),
+                         starts: T.Buffer((B,), "int32"), out: T.Buffer(out_shape, odt)):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            body(q, k, v, q, out, offsets, starts)
+
+    elif has_bias:
 
         @T.prim_func
         def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
                          v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
                          out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, bias, out)
+            body(q, k, v, bias, out, q, q)
 
     else:
 
@@ -233,6 +269,6 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
         def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
                          v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, q, out)
+            body(q, k, v, q, out, q, q)
 
     return flash_decode

@@ -166,6 +166,8 @@ def check(problem: GemmProblem, cfg: GemmConfig, row_stats: RowStats | None = No
         return f"{cfg.wg_rows} rows a warpgroup with a {cfg.bm}x{cfg.bn} tile unsupported"
     if cfg.cluster_m not in (1, 2) or (cfg.cluster_m == 2 and cfg.ctas_per_sm != 1):
         return f"cluster of {cfg.cluster_m} CTAs unsupported (1, or 2 with one CTA per SM)"
+    if cfg.cluster_m == 2 and problem.layout == "nn" and (cfg.bn // 64) % 2:
+        return f"a CTA pair splits B's 64-column chunks: {cfg.bn // 64} chunks do not halve"
     if cfg.smem_bytes() * cfg.ctas_per_sm > 227 * 1024:
         return (f"{cfg.smem_bytes()} bytes of shared memory per CTA x {cfg.ctas_per_sm} CTAs "
                 "exceed 227 KiB")

@@ -1,0 +1,121 @@
+"""Greedy decoding on the device: the next token and the decode state advanced in place.
+
+Entry point ``advance`` of a ``compile_lm`` library (``Bm`` = max_batch, ``H`` = max_seq + 1)::
+
+    advance(logits (Bm, V), ids (Bm, 1) int64, positions (Bm, 1) int64, offsets (Bm,) int32,
+            history (Bm, H) int64)                                    all but logits in place
+
+    t_b = argmax_v logits[b, v]      (the first maximum, numpy's rule; fp32 compare)
+    history[b, min(offsets[b] + 1, H − 1)] = t_b;  ids[b, 0] = t_b;  positions[b, 0] += 1;
+    offsets[b] += 1
+
+A decode step is then ``decode`` + ``advance`` on the same device tensors every time: no host
+copy per token, and the pair can be captured once as a CUDA graph and replayed
+(:mod:`tvmfuse.runtime.lm`). CUDA: one block of 256 threads per sequence, each thread scans a
+strided slice of the vocabulary; warp shuffles, then thread 0 over the 8 warps, keep (value,
+first index).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+from tvm.script import tirx as T
+
+from .kernels import _opaque
+
+_THREADS = 256
+_ALL = T.uint32(0xFFFFFFFF)
+
+
+def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool) -> tvm.tirx.PrimFunc:
+    """``(ids, positions, offsets, history, logits)``: the in-place step of the module doc."""
+    Bm, V, H = batch, vocab, history
+    n_iter = (V + _THREADS - 1) // _THREADS
+
+    @T.macro
+    def finish(ids, positions, offsets, hist, b, tok):
+        hist[b, T.min(offsets[b] + 1, H - 1)] = T.Cast("int64", tok)
+        ids[b, 0] = T.Cast("int64", tok)
+        positions[b, 0] = positions[b, 0] + T.int64(1)
+        offsets[b] = offsets[b] + 1
+
+    if cuda:
+
+        @T.prim_func
+        def advance(ids: T.Buffer((Bm, 1), "int64"), positions: T.Buffer((Bm, 1), "int64"),
+                    offsets: T.Buffer((Bm,), "int32"), hist: T.Buffer((Bm, H), "int64"),
+                    logits: T.Buffer((Bm, V), dtype)):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            with T.launch_thread("blockIdx.x", Bm) as b:
+                tx = T.launch_thread("threadIdx.x", _THREADS)
+                best = T.alloc_buffer((1,), "float32", scope="local")
+                arg = T.alloc_buffer((1,), "int32", scope="local")
+                other = T.alloc_buffer((1,), "float32", scope="local")
+                oarg = T.alloc_buffer((1,), "int32", scope="local")
+                sv = T.alloc_buffer((_THREADS // 32,), "float32", scope="shared")
+                si = T.alloc_buffer((_THREADS // 32,), "int32", scope="shared")
+                best[0] = T.float32(float("-inf"))
+                arg[0] = V
+                for i in T.serial(n_iter):
+                    if i * _THREADS + tx < V:
+                        if T.Cast("float32", logits[b, i * _THREADS + tx]) > best[0] or arg[0] == V:
+                            best[0] = T.Cast("float32", logits[b, i * _THREADS + tx])
+                            arg[0] = i * _THREADS + tx
+                # butterfly over the warp's lanes (value, first index), then warp 0 over the warps
+                for k in T.unroll(5):
+                    other[0] = T.tvm_warp_shuffle_xor(_ALL, best[0], 1 << k, 32, 32)
+                    oarg[0] = T.tvm_warp_shuffle_xor(_ALL, arg[0], 1 << k, 32, 32)
+                    if other[0] > best[0] or (other[0] == best[0] and oarg[0] < arg[0]):
+                        best[0] = other[0]
+                        arg[0] = oarg[0]
+                if tx % 32 == 0:
+                    sv[tx // 32] = best[0]
+                    si[tx // 32] = arg[0]
+                T.tvm_storage_sync("shared")
+                if tx == 0:
+                    for w in T.serial(1, _THREADS // 32):
+                        other[0] = sv[w]
+                        oarg[0] = si[w]
+                        if other[0] > best[0] or (other[0] == best[0] and oarg[0] < arg[0]):
+                            best[0] = other[0]
+                            arg[0] = oarg[0]
+                    finish(ids, positions, offsets, hist, b, T.min(arg[0], V - 1))
+
+        return _opaque(advance, cuda)
+
+    @T.prim_func(s_tir=True)
+    def advance(ids: T.Buffer((Bm, 1), "int64"), positions: T.Buffer((Bm, 1), "int64"),
+                offsets: T.Buffer((Bm,), "int32"), hist: T.Buffer((Bm, H), "int64"),
+                logits: T.Buffer((Bm, V), dtype)):
+        T.func_attr({"tir.noalias": True})
+        for b in T.serial(Bm):
+            with T.sblock("advance"):
+                T.reads()
+                T.writes()
+                best = T.sblock_alloc_buffer((1,), "float32")
+                arg = T.sblock_alloc_buffer((1,), "int32")
+                best[0] = T.Cast("float32", logits[b, 0])
+                arg[0] = 0
+                for v in T.serial(1, V):
+                    if T.Cast("float32", logits[b, v]) > best[0]:
+                        best[0] = T.Cast("float32", logits[b, v])
+                        arg[0] = v
+                finish(ids, positions, offsets, hist, b, arg[0])
+
+    return _opaque(advance, cuda)
+
+
+def advance_module(batch: int, vocab: int, history: int, dtype: str, cuda: bool) -> tvm.IRModule:
+    """The Relax entry ``advance`` (module doc) with its kernel ``greedy_advance``."""
+    bb = relax.BlockBuilder()
+    types = [relax.TensorType([batch, 1], "int64"), relax.TensorType([batch, 1], "int64"),
+             relax.TensorType([batch], "int32"), relax.TensorType([batch, history], "int64")]
+    logits = relax.Var("logits", relax.TensorType([batch, vocab], dtype))
+    state = [relax.Var(n, t) for n, t in zip(("ids", "positions", "offsets", "history"), types)]
+    with bb.function("advance", [logits, *state]):
+        kernel = bb.add_func(greedy_advance(batch, vocab, history, dtype, cuda), "greedy_advance")
+        out = bb.emit(relax.op.call_tir_inplace(kernel, relax.Tuple([*state, logits]), [0, 1, 2, 3],
+                                                types))
+        bb.emit_func_output(out)
+    return bb.finalize()
