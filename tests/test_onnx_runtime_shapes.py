@@ -218,3 +218,15 @@ def test_resize_and_pad_runtime_sm90():
     pad = _model("Pad", [("x", F, [2, 3, 4]), ("pads", I64, [6])], mode="reflect")
     pads = ([1, 2, 0, 0, 1, 3], [0, 0, 2, 1, 1, 0])
     _check(pad, [{"x": _x(2, 3, 4), "pads": np.array(p, "int64")} for p in pads], target="sm90")
+
+
+def test_unsupported_form_is_refused_by_name():
+    node = helper.make_node("TopK", ["x", "k"], ["v", "i"], name="top/uint", axis=0)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.UINT64, [4]),
+                                            helper.make_tensor_value_info("k", I64, [1])],
+                              [helper.make_tensor_value_info("v", TensorProto.UINT64, None),
+                               helper.make_tensor_value_info("i", I64, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    refused = r"top/uint.*TopK: TVM's sort does not take uint64"
+    with pytest.raises(tvmfuse.errors.UnsupportedOpError, match=refused):
+        tvmfuse.compile(model, target="cpu")

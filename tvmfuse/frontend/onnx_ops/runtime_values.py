@@ -11,7 +11,8 @@ rely on (distinct in-range axes, say) is checked on the way: :func:`symbolic_dim
 check cannot be dropped as dead code and a bad value stops the call (the VM's ``match_cast
 error``) instead of returning garbage; :func:`checked` does the same for an output of static
 shape. :func:`with_runtime_inputs` routes a node to such a converter when one of its shape-like
-inputs is a runtime tensor (constants keep TVM's converter).
+inputs is a runtime tensor (constants keep TVM's converter); a ``ValueError`` a converter raises
+for a form it does not handle becomes an ``UnsupportedOpError`` naming the node.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 import numpy as np
 import tvm
 from tvm import relax, tirx
+
+from ...errors import UnsupportedOpError
 
 # the node being converted, as a prefix of the symbols bound for it (the VM's match_cast error
 # then names the node: "ErrorContext(match_cast, ty=R.Shape([1, sum0_reduced_0, …]))")
@@ -158,6 +161,8 @@ def with_runtime_inputs(base: type, indices: tuple[int, ...], handler: Handler) 
                 token = _NODE.set(re.sub(r"\W", "_", node) + "_" if node else "")
                 try:
                     return handler(bb, list(inputs), attr, lambda new: impl(bb, new, attr, params))
+                except ValueError as err:  # the handlers' refusals ("Op: what is not supported")
+                    raise UnsupportedOpError("ONNX", [(node or "<unnamed>", str(err))]) from err
                 finally:
                     _NODE.reset(token)
 
