@@ -230,3 +230,23 @@ def test_unsupported_form_is_refused_by_name():
     refused = r"top/uint.*TopK: TVM's sort does not take uint64"
     with pytest.raises(tvmfuse.errors.UnsupportedOpError, match=refused):
         tvmfuse.compile(model, target="cpu")
+
+
+@pytest.mark.parametrize("runtime", [True, False])
+def test_center_crop_pad(runtime):
+    """Crop one axis, pad another (odd differences: the ONNX reference's off-centre choice)."""
+    node = helper.make_node("CenterCropPad", ["x", "shape"], ["y0"], axes=[0, -1])
+    inputs = [helper.make_tensor_value_info("x", F, [7, 3, 4])]
+    inits = []
+    if runtime:
+        inputs.append(helper.make_tensor_value_info("shape", I64, [2]))
+    else:
+        inits.append(helper.make_tensor("shape", I64, [2], [4, 7]))
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("y0", F, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    x = _x(7, 3, 4)
+    if runtime:
+        _check(model, [{"x": x, "shape": np.array(s, "int64")} for s in ([4, 7], [10, 1])],
+               bad=[{"x": x, "shape": np.array([-1, 2], "int64")}])
+    else:
+        _check(model, [{"x": x}])

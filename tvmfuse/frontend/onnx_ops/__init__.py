@@ -13,6 +13,7 @@ from .batch_norm import BatchNormalization
 from .bitcast import BitCast
 from .causal_conv import CausalConvWithState
 from .celu import Celu, Elu
+from .center_crop_pad import CenterCropPad
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
 from .cumsum import cumsum_runtime_axis
@@ -49,6 +50,7 @@ from .windows import BlackmanWindow, HammingWindow, HannWindow
 OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
+    "CenterCropPad": CenterCropPad,
     "Celu": Celu, "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,

@@ -80,18 +80,25 @@ def pad_runtime(bb: relax.BlockBuilder, inputs: list, attr: dict, fallback: Fall
     ok = fits if ok is None else relax.op.logical_and(ok, fits)
     both = relax.op.concat([pads, sizes], axis=0)
     syms = symbolic_dims(bb, both, 3 * rank, "pad", bb.normalize(ok))
-    begin, out_shape = syms[:rank], syms[2 * rank:]
+    return pad_kernel(bb, data, bb.normalize(value), syms[:rank], syms[2 * rank:], mode)
 
-    def pad(x: te.Tensor, fill: te.Tensor, begin: list, out_shape: list) -> te.Tensor:
+
+def pad_kernel(bb: relax.BlockBuilder, data: relax.Expr, fill: relax.Expr, begin: list,
+               out_shape: list, mode: str = "constant") -> relax.Expr:
+    """``data`` padded (cropped where negative) by the symbolic ``begin`` dims to ``out_shape``;
+    ``fill`` a (1,) tensor for ``mode`` constant (see the module docstring)."""
+    rank = len(begin)
+
+    def pad(x: te.Tensor, value: te.Tensor, start: list, shape: list) -> te.Tensor:
         def body(*i):
-            src = [_source(mode, i[k] - begin[k], x.shape[k]) for k in range(rank)]
+            src = [_source(mode, i[k] - start[k], x.shape[k]) for k in range(rank)]
             if mode != "constant":
                 return x(*src)
             inside = tirx.all(*[tirx.all(s >= 0, s < x.shape[k]) for k, s in enumerate(src)])
             safe = [tirx.max(tirx.min(s, x.shape[k] - 1), 0) for k, s in enumerate(src)]
-            return tirx.Select(inside, x(*safe), fill[0])
+            return tirx.Select(inside, x(*safe), value[0])
 
-        return te.compute(out_shape, body, name="pad")
+        return te.compute(shape, body, name="pad")
 
     # the pads go in as arguments: emit_te passes only those (and shape dims) to the kernel
-    return bb.emit_te(pad, data, bb.normalize(value), begin, out_shape)
+    return bb.emit_te(pad, data, fill, begin, out_shape)

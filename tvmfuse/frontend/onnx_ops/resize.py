@@ -25,7 +25,7 @@ import numpy as np
 from tvm import relax, te, tirx
 
 from ...relax_shapes import static_shape
-from .runtime_values import Fallback, all_of, dims_tensor, int64, static_length, symbolic_dims
+from .runtime_values import Fallback, all_of, dims_tensor, int64, spread, static_length, symbolic_dims
 
 _F64 = "float64"
 _MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
@@ -138,13 +138,6 @@ def _resize_axis(x: te.Tensor, scales: te.Tensor, roi: te.Tensor, out_len: tirx.
     return te.compute(shape, clip, name="extrapolated")
 
 
-def _full(values: relax.Expr, axes: list[int], rank: int, fill: relax.Expr) -> relax.Expr:
-    """``values`` (one per entry of ``axes``) spread over ``rank`` axes, ``fill[k]`` elsewhere."""
-    index = [axes.index(k) if k in axes else len(axes) + k for k in range(rank)]
-    pool = relax.op.concat([values, fill], axis=0)
-    return relax.op.take(pool, relax.const(np.array(index, "int64"), "int64"), axis=0)
-
-
 def resize_runtime(bb: relax.BlockBuilder, inputs: list, attr: dict, fallback: Fallback) -> relax.Expr:
     """``Resize(X, roi, scales, sizes)`` with ``scales`` or ``sizes`` a runtime tensor."""
     data = inputs[0]
@@ -167,7 +160,7 @@ def resize_runtime(bb: relax.BlockBuilder, inputs: list, attr: dict, fallback: F
     given_sizes = sizes is not None and static_length(sizes) != 0
     dims = relax.op.astype(dims_tensor(data), _F64)
     if given_sizes:
-        wanted = relax.op.astype(_full(relax.op.astype(sizes, "int64"), axes, rank, dims_tensor(data)), _F64)
+        wanted = relax.op.astype(spread(relax.op.astype(sizes, "int64"), axes, rank, dims_tensor(data)), _F64)
         ratio = relax.op.divide(wanted, dims)
         if policy != "stretch":
             picked = relax.op.take(ratio, relax.const(np.array(axes, "int64"), "int64"), axis=0)
@@ -178,7 +171,7 @@ def resize_runtime(bb: relax.BlockBuilder, inputs: list, attr: dict, fallback: F
                 relax.op.multiply(ratio, dims), relax.const(0.5, _F64))), dims)
         out = relax.op.astype(wanted, "int64")
     else:
-        ratio = _full(relax.op.astype(scales, _F64), axes, rank, relax.const(np.ones(rank), _F64))
+        ratio = spread(relax.op.astype(scales, _F64), axes, rank, relax.const(np.ones(rank), _F64))
         out = relax.op.astype(relax.op.floor(relax.op.multiply(ratio, dims)), "int64")
     ratio = bb.normalize(ratio)
     support = 2.0 if mode == "cubic" else 1.0
@@ -193,7 +186,7 @@ def resize_runtime(bb: relax.BlockBuilder, inputs: list, attr: dict, fallback: F
                               all_of(relax.op.greater_equal(out, int64(0))))
     syms = symbolic_dims(bb, relax.op.concat([out, taps], axis=0), 2 * rank, "resize", bb.normalize(ok))
     if roi is not None and static_length(roi) not in (None, 0):
-        roi64 = _full(relax.op.astype(roi, _F64), axes + [rank + a for a in axes], 2 * rank,
+        roi64 = spread(relax.op.astype(roi, _F64), axes + [rank + a for a in axes], 2 * rank,
                       relax.const(np.array([0.0] * rank + [1.0] * rank), _F64))
     else:
         roi64 = relax.const(np.array([0.0] * rank + [1.0] * rank), _F64)

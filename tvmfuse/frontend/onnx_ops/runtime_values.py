@@ -187,6 +187,13 @@ def axis_window(bb: relax.BlockBuilder, x: relax.Expr, axis: int, start: tirx.Pr
     return bb.emit_te(window, x, start, length)
 
 
+def spread(values: relax.Expr, axes: list[int], rank: int, fill: relax.Expr) -> relax.Expr:
+    """``values`` (one per entry of ``axes``) spread over ``rank`` axes, ``fill[k]`` elsewhere."""
+    index = [axes.index(k) if k in axes else len(axes) + k for k in range(rank)]
+    pool = relax.op.concat([values, fill], axis=0)
+    return relax.op.take(pool, relax.const(np.array(index, "int64"), "int64"), axis=0)
+
+
 def prim_sum(values: list[tirx.PrimExpr]) -> tirx.PrimExpr:
     """``values[0] + … `` (0 for none), as int64."""
     out: tirx.PrimExpr = tirx.IntImm("int64", 0)
