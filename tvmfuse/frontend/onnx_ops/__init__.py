@@ -14,6 +14,7 @@ from .bitcast import BitCast
 from .causal_conv import CausalConvWithState
 from .celu import Celu, Elu
 from .center_crop_pad import CenterCropPad
+from .constant import Constant
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
 from .cumsum import cumsum_runtime_axis
@@ -51,7 +52,7 @@ OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
     "CenterCropPad": CenterCropPad,
-    "Celu": Celu, "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
+    "Celu": Celu, "Constant": Constant, "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
     "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,
