@@ -51,8 +51,8 @@ from .windows import BlackmanWindow, HammingWindow, HannWindow
 OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
-    "CenterCropPad": CenterCropPad,
-    "Celu": Celu, "Constant": Constant, "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
+    "CenterCropPad": CenterCropPad, "Celu": Celu, "Constant": Constant,
+    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
     "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,

@@ -4,7 +4,8 @@ TVM 0.27's converter reads only ``value`` (a tensor) and fails with "no value in
 otherwise. The node loop folds top-level constants itself; subgraphs (an ``If`` branch) reach
 the converter::
 
-    value_int → int64 scalar   value_ints → int64 (n,)   value_float → float32 scalar   value_floats → float32 (n,)
+    value_int → int64 scalar        value_ints → int64 (n,)
+    value_float → float32 scalar    value_floats → float32 (n,)
 """
 
 from __future__ import annotations
