@@ -286,13 +286,30 @@ def _reduce_sum_model(axes_initializer: bool) -> onnx.ModelProto:
 
 
 def test_runtime_shape_like_input_is_refused_by_name(capsys):
-    """ReduceSum's axes as a graph input: refused naming the node, the op and the input, with no
-    "Error converting operator" noise from TVM's importer on stdout."""
+    """SplitToSequence's split as a graph input: refused naming the node, the op and the input,
+    with no "Error converting operator" noise from TVM's importer on stdout."""
+    node = helper.make_node("SplitToSequence", ["x", "split"], ["seq"], name="split0")
+    pick = helper.make_node("SequenceAt", ["seq", "zero"], ["y"])
+    graph = helper.make_graph(
+        [node, pick], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3]),
+                            helper.make_tensor_value_info("split", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.array(0, np.int64), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     with pytest.raises(tvmfuse.errors.UnsupportedOpError) as err:
-        tvmfuse.compile(_reduce_sum_model(axes_initializer=False), target="cpu")
+        tvmfuse.compile(model, target="cpu")
     text = str(err.value)
-    assert "'sum0'" in text and "ReduceSum input axes ('axes')" in text
+    assert "'split0'" in text and "SplitToSequence input split ('split')" in text
     assert "Error converting operator" not in capsys.readouterr().out
+
+
+def test_runtime_axes_follow_the_call():
+    """ReduceSum's axes as a graph input: one library, the axes read at every call."""
+    x = _w(3, 4)
+    run = tvmfuse.compile(_reduce_sum_model(axes_initializer=False), target="cpu").load(device="cpu")
+    for axis in (1, 0, -2):
+        out = run(x, np.array([axis], np.int64))
+        np.testing.assert_allclose(np.asarray(out), x.sum(axis=axis), rtol=1e-5, atol=1e-6)
 
 
 def test_constant_shape_like_input_compiles():

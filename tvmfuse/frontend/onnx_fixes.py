@@ -25,8 +25,9 @@ from tvm.relax.frontend.onnx import onnx_frontend as stock
 
 from .onnx_nodes import construct_nodes
 from .onnx_ops import OVERRIDES as OP_OVERRIDES
-from .onnx_ops import refusals
+from .onnx_ops import RUNTIME_INPUTS, refusals
 from .onnx_ops.attention import attention_refusals
+from .onnx_ops.runtime_values import with_runtime_inputs
 
 
 class Unsqueeze(stock.Unsqueeze):
@@ -192,6 +193,8 @@ OVERRIDES: dict[str, type] = {"Concat": Concat, "Gather": Gather, "Range": Range
                                "Reshape": Reshape, "Tile": Tile, "Unsqueeze": Unsqueeze, **OP_OVERRIDES,
                                **{op: _prims_as_tensors(getattr(stock, op))
                                   for op in ("Add", "Sub", "Mul", "Div")}}
+OVERRIDES.update({op: with_runtime_inputs(OVERRIDES.get(op) or getattr(stock, op), indices, handler)
+                  for op, (indices, handler) in RUNTIME_INPUTS.items()})
 
 
 @contextmanager

@@ -15,9 +15,14 @@ called once per node so that, around each node,
   the shape arithmetic of exported and function-expanded graphs then reaches ``Reshape``,
   ``Reduce*`` axes, ``Pad`` pads and the like as the constants their converters require. A
   ``Concat`` that mixes shape values with tensors gets tensors;
-* a shape-like input a converter needs constant (``Reduce*`` axes, ``Pad`` pads, ``TopK`` k, …)
-  that is a runtime tensor is refused naming the node, the op and the input
-  (:mod:`~tvmfuse.frontend.onnx_ops.static_inputs`).
+* ``Size`` of a tensor of static shape is a constant (:func:`static_size`);
+* an ``If`` whose condition is a constant (shape arithmetic of function-expanded graphs) is
+  replaced by the nodes of the branch it takes (:func:`taken_branch`): the other branch, built
+  for other ranks or dtypes, is never converted;
+* a shape-like input a converter needs constant (``SplitToSequence`` split) that is a runtime
+  tensor is refused naming the node, the op and the input
+  (:mod:`~tvmfuse.frontend.onnx_ops.static_inputs`); the others are resolved at run time
+  (``onnx_ops.RUNTIME_INPUTS``).
 """
 
 from __future__ import annotations
@@ -116,14 +121,45 @@ def fold_node(node, nodes: dict[str, Any], opset: int) -> dict[str, relax.Expr] 
     return folded
 
 
+def static_size(node, nodes: dict[str, Any]) -> dict[str, relax.Expr] | None:
+    """``Size`` of a tensor whose shape is static, as an int64 constant (its data may be a runtime
+    input: only the shape is read), else None."""
+    if node.op_type != "Size" or node.domain not in ("", "ai.onnx") or not node.output:
+        return None
+    value = nodes.get(node.input[0])
+    ty = getattr(value, "ty", None) if isinstance(value, relax.Expr) else None
+    dims = getattr(getattr(ty, "shape", None), "values", None) if isinstance(ty, relax.TensorType) else None
+    if dims is None or not all(isinstance(d, tirx.IntImm) for d in dims):
+        return None
+    return {node.output[0]: relax.const(np.int64(np.prod([int(d) for d in dims])), "int64")}
+
+
+def taken_branch(node, nodes: dict[str, Any]):
+    """The subgraph an ``If`` node takes when its condition is a constant, else None."""
+    if node.op_type != "If" or node.domain not in ("", "ai.onnx") or not node.input:
+        return None
+    cond = _constant(nodes.get(node.input[0]))
+    if cond is None or cond.size != 1:
+        return None
+    name = "then_branch" if bool(cond.reshape(())) else "else_branch"
+    return next((a.g for a in node.attribute if a.name == name), None)
+
+
 def construct_nodes(original: Callable) -> Callable:
     """``ONNXGraphImporter._construct_nodes`` run node by node (see the module docstring)."""
 
     def run(self, graph) -> None:
         for node in graph.node:
-            folded = fold_node(node, self._nodes, self.opset)
+            folded = fold_node(node, self._nodes, self.opset) or static_size(node, self._nodes)
             if folded is not None:
                 self._nodes.update(folded)
+                continue
+            branch = taken_branch(node, self._nodes)
+            if branch is not None:  # If on a constant: only the branch taken is converted, inline
+                run(self, branch)
+                for out, value in zip(node.output, branch.output):
+                    if out:
+                        self._nodes[out] = self._nodes[value.name]
                 continue
             refused = runtime_refusals(node, self._nodes, self.opset)
             if refused:

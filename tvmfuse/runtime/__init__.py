@@ -254,12 +254,26 @@ class CompiledModel:
                 return False
         return True
 
+    def _run(self, args: Any):
+        """``main`` on ``args`` (and the weights). A run-time check compiled into the model (a
+        shape-like input's value: distinct in-range axes, a reshape target's element count, …)
+        that fails becomes an :class:`InputError`; its symbols name the node and the input."""
+        try:
+            with self._lock:
+                return self._main(*args, *self.weights)
+        except RuntimeError as err:
+            text = str(err)
+            if "ErrorContext(match_cast" not in text:
+                raise
+            where = text[text.index("ErrorContext(match_cast"):].splitlines()[0]
+            raise InputError("an input's value is not one the model allows (a run-time check of a "
+                             f"shape-like input failed): {where}") from err
+
     def __call__(self, *args: Any, **kwargs: Any):
         if not kwargs and self._fast_torch(args):
             # tvm-ffi takes torch tensors through DLPack without a copy and hands back torch
             # tensors; a one-output library returns the tensor itself (UnwrapSingleOutput).
-            with self._lock:
-                out = self._main(*args, *self.weights)
+            out = self._run(args)
             if type(out) is self._torch_tensor:
                 return out
             result = tuple(o if isinstance(o, self._torch_tensor) else self._torch.from_dlpack(o)
@@ -284,8 +298,7 @@ class CompiledModel:
         if self.dynamic:
             self._check_shapes([tuple(t.shape) for t, _ in converted])
         kinds = {k for _, k in converted}
-        with self._lock:
-            out = self._main(*[t for t, _ in converted], *self.weights)
+        out = self._run([t for t, _ in converted])
         outs = list(out) if not hasattr(out, "shape") else [out]
         if "torch" in kinds:
             import torch

@@ -1,17 +1,23 @@
 """ONNX converters tvmfuse adds to or replaces in TVM 0.27's ``from_onnx``, one op per file.
 
 :data:`OVERRIDES` maps op type → converter class; ``onnx_fixes.converters()`` installs them.
+:data:`RUNTIME_INPUTS` maps op type → (its shape-like inputs, the converter used when one of them
+is a runtime tensor: symbolic dims bound at run time, :mod:`.runtime_values`).
 """
 
 from __future__ import annotations
 
+from .affine_grid import affine_grid_runtime_size
 from .attention import Attention
 from .batch_norm import BatchNormalization
 from .bitcast import BitCast
 from .causal_conv import CausalConvWithState
 from .celu import Celu, Elu
+from .center_crop_pad import CenterCropPad
+from .constant import Constant
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
+from .cumsum import cumsum_runtime_axis
 from .dft import DFT
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
@@ -19,24 +25,34 @@ from .eye_like import EyeLike
 from .layer_norm import LayerNormalization
 from .linear_attention import LinearAttention
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
+from .onehot import onehot_runtime_depth
+from .pad import pad_runtime
 from .pow import Pow
 from .qlinear_conv import QLinearConv
 from .qlinear_matmul import QLinearMatMul
+from .range import range_runtime
 from .recurrent import GRU, LSTM, RNN
+from .reduce import RUNTIME as REDUCE
 from .refusals import refusals
+from .reshape import reshape_runtime_shape
+from .resize import resize_runtime
 from .reverse_sequence import ReverseSequence
 from .rms_norm import RMSNormalization
 from .rotary_embedding import RotaryEmbedding
+from .runtime_values import Handler
+from .split import split_runtime_sizes
 from .swiglu import SwiGLU
 from .swish import Swish
 from .tensor_scatter import TensorScatter
+from .topk import topk_runtime_k
 from .trilu import Trilu
 from .windows import BlackmanWindow, HammingWindow, HannWindow
 
 OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
-    "Celu": Celu, "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
+    "CenterCropPad": CenterCropPad, "Celu": Celu, "Constant": Constant,
+    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
     "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,
@@ -47,4 +63,14 @@ OVERRIDES: dict[str, type] = {
     "TensorScatter": TensorScatter, "Trilu": Trilu,
 }
 
-__all__ = ["OVERRIDES", "refusals"]
+# op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
+# onnx_fixes wraps its own or TVM's converter of the op with it (runtime_values.with_runtime_inputs)
+RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
+    "AffineGrid": ((1,), affine_grid_runtime_size), "CumSum": ((1,), cumsum_runtime_axis),
+    "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
+    "Range": ((0, 1, 2), range_runtime),
+    "Reshape": ((1,), reshape_runtime_shape), "Resize": ((2, 3), resize_runtime),
+    "Split": ((1,), split_runtime_sizes), "TopK": ((1,), topk_runtime_k), **REDUCE,
+}
+
+__all__ = ["OVERRIDES", "RUNTIME_INPUTS", "refusals"]

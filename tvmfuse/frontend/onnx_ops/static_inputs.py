@@ -1,13 +1,13 @@
-"""Shape-like ONNX inputs that TVM 0.27's converters take only as constants.
+"""Shape-like ONNX inputs that tvmfuse still takes only as constants.
 
-``Reduce*`` ``axes``, ``Resize`` ``scales`` / ``sizes``, ``Pad`` ``pads`` / ``constant_value`` /
-``axes``, ``TopK`` ``K``, ``Split`` ``split``, ``OneHot`` ``depth``, ``CumSum`` ``axis``,
-``DFT`` ``dft_length`` / ``axis``, ``Reshape`` ``shape``, ``AffineGrid`` ``size``,
-``SplitToSequence`` ``split``: a converter
-asserts (or raises a bare ``ValueError``) when one is a runtime tensor. :func:`runtime_refusals`
-names each such input before the converter runs, so the user learns which input to make an
-initializer (or a ``Constant``). A constant, or a ``Shape``-derived shape value, is accepted:
-the node loop folds constant subgraphs first (``onnx_nodes.fold_node``).
+``SplitToSequence`` ``split``, ``DFT`` ``dft_length`` / ``axis``: their converters assert (or
+raise a bare ``ValueError``) when one is a runtime tensor. :func:`runtime_refusals` names each
+such input before the converter runs, so the user learns which input to make an initializer (or
+a ``Constant``). A constant, or a ``Shape``-derived shape value, is accepted: the node loop folds
+constant subgraphs first (``onnx_nodes.fold_node``). The other shape-like inputs (``Reduce*``
+axes, ``Reshape`` shape, ``Resize`` scales / sizes, ``Pad``, ``TopK`` K, ``Split``, ``OneHot``
+depth, ``CumSum`` axis, ``AffineGrid`` size, ``Range``) are converted at run time:
+``onnx_ops.RUNTIME_INPUTS`` (and ``ConstantOfShape``'s own converter).
 """
 
 from __future__ import annotations
@@ -17,14 +17,8 @@ from typing import Any
 import tvm
 from tvm import relax
 
-_REDUCE = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
-           "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare")
 # op → indices of the inputs its 0.27 converter needs as constants
-STATIC_INPUTS: dict[str, tuple[int, ...]] = {
-    **{op: (1,) for op in _REDUCE},
-    "AffineGrid": (1,), "CumSum": (1,), "DFT": (1, 2), "OneHot": (1,), "Pad": (1, 2, 3), "Reshape": (1,),
-    "Resize": (2, 3), "Split": (1,), "SplitToSequence": (1,), "TopK": (1,),
-}
+STATIC_INPUTS: dict[str, tuple[int, ...]] = {"DFT": (1, 2), "SplitToSequence": (1,)}
 
 
 def _static(value: Any) -> bool:
