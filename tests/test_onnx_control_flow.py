@@ -119,12 +119,6 @@ def test_loop_condition_from_the_counter_stops_early():
     _check(_loop_model(body, 6), _rand(6, 3), _rand(3))
 
 
-def test_loop_runtime_trip_count_is_refused():
-    body = _loop_body(helper.make_node("Identity", ["c_in"], ["c_out"]))
-    with pytest.raises(UnsupportedOpError, match=r"my_loop.*Loop input M \(trip count\) is a runtime"):
-        tvmfuse.compile(_loop_model(body, None, "my_loop"), target="cpu")
-
-
 def test_loop_runtime_condition_is_refused():
     body = _loop_body(helper.make_node("ReduceMax", ["v_in"], ["c_f"], keepdims=0),  # data-dependent
                       helper.make_node("Cast", ["c_f"], ["c_out"], to=B))
@@ -151,3 +145,35 @@ def test_torch_scripted_loop_legacy_export():
     assert any(n.op_type == "Loop" for n in model.graph.node)
     got = tvmfuse.compile(model, target="cpu").load("cpu")(x.numpy(), h.numpy())
     np.testing.assert_allclose(np.asarray(got), _Recurrence()(x, h).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def _induction_model(dtype: int, shape: list[int], step_shape: list[int], after_step: bool):
+    """Loop(M, cond, v0) with v' = v + step (step a graph input), y_i = v (or v'); M, cond runtime."""
+    nodes = [helper.make_node("Identity", ["c_in"], ["c_out"]),
+             helper.make_node("Add", ["step", "v_in"], ["v_out"]),
+             helper.make_node("Identity", ["v_out" if after_step else "v_in"], ["y"])]
+    body = helper.make_graph(nodes, "body", [_info("i", I64, []), _info("c_in", B, []),
+                                             _info("v_in", dtype, shape)],
+                             [_info("c_out", B, []), _info("v_out", dtype, shape), _info("y", dtype, None)])
+    loop = helper.make_node("Loop", ["m", "cond", "v0"], ["v", "ys"], body=body)
+    inputs = [_info("m", I64, []), _info("cond", B, []), _info("v0", dtype, shape),
+              _info("step", dtype, step_shape)]
+    return _model([loop], inputs, [_info("v", dtype, shape), _info("ys", dtype, None)])
+
+
+@pytest.mark.parametrize("m,cond", [(5, True), (1, True), (4, False)])
+def test_loop_runtime_trip_count_induction_float(m: int, cond: bool):
+    model = _induction_model(F, [2, 3], [], after_step=False)
+    _check(model, np.array(m, "int64"), np.array(cond), _rand(2, 3), np.array(0.75, "float32"))
+
+
+def test_loop_runtime_trip_count_induction_int_after_step():
+    model = _induction_model(TensorProto.INT32, [3], [3], after_step=True)
+    _check(model, np.array(6, "int64"), np.array(True), np.array([1, -4, 7], "int32"),
+           np.array([-3, 2, 5], "int32"))
+
+
+def test_loop_runtime_trip_count_other_body_is_refused():
+    body = _loop_body(helper.make_node("Identity", ["c_in"], ["c_out"]))  # gathers x[i]: no closed form
+    with pytest.raises(UnsupportedOpError, match=r"my_loop.*Loop input M \(trip count\) is a runtime"):
+        tvmfuse.compile(_loop_model(body, None, "my_loop"), target="cpu")

@@ -179,7 +179,7 @@ def unrolled(self, run: Callable, node) -> list[relax.Expr] | None:
 
     if node.op_type == "Scan":
         return unroll_scan(self.bb, node, node_label(node), inputs, self.opset, body)
-    return unroll_loop(self.bb, node, node_label(node), inputs, _constant, body)
+    return unroll_loop(self.bb, node, node_label(node), inputs, _constant, body, self._nodes)
 
 
 def construct_nodes(original: Callable) -> Callable:

@@ -9,7 +9,8 @@ step before::
 
 ``M`` must be a constant (or absent), ``cond`` a constant (or absent: true), and the body's
 ``cond'`` must fold to a constant at every step (a condition computed from the loop counter and
-constants does; one computed from runtime data does not): otherwise, and beyond
+constants does; one computed from runtime data does not): otherwise (unless the body only
+steps induction variables: :mod:`.loop_induction`, a closed form), and beyond
 :data:`~._unroll.UNROLL_LIMIT` steps, the node is refused naming the input. A loop of no steps
 with scan outputs is refused too (their shape is unknown).
 """
@@ -17,11 +18,13 @@ with scan outputs is refused too (their shape is unknown).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from tvm import relax
 
 from ._unroll import UNROLL_LIMIT, RunBody, attributes, int64_scalar, refuse, stack
+from .loop_induction import induction_loop
 
 Constant = Callable[[relax.Expr | None], np.ndarray | None]
 
@@ -38,10 +41,15 @@ def _known(label: str, what: str, value: relax.Expr | None, constant: Constant) 
 
 
 def unroll_loop(bb: relax.BlockBuilder, node, label: str, inputs: list[relax.Expr | None],
-                constant: Constant, run_body: RunBody) -> list[relax.Expr]:
-    """The outputs of ``node`` (a Loop) unrolled (see the module docstring)."""
+                constant: Constant, run_body: RunBody, outer: dict[str, Any]) -> list[relax.Expr]:
+    """The outputs of ``node`` (a Loop) unrolled (see the module docstring); ``outer`` is the
+    scope the body sees."""
     body = attributes(node)["body"]
     inputs = inputs + [None] * (2 - len(inputs))
+    if any(x is not None and constant(x) is None for x in inputs[:2]):
+        closed = induction_loop(bb, body, inputs, outer)
+        if closed is not None:
+            return closed
     trip = _known(label, "input M (trip count)", inputs[0], constant)
     cond = _known(label, "input cond", inputs[1], constant)
     steps = UNROLL_LIMIT + 1 if trip is None else int(trip)
