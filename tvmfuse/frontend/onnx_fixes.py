@@ -23,7 +23,7 @@ import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as stock
 
-from .onnx_nodes import construct_nodes
+from .onnx_nodes import UNROLLED, construct_nodes
 from .onnx_ops import OVERRIDES as OP_OVERRIDES
 from .onnx_ops import RUNTIME_INPUTS, refusals
 from .onnx_ops.attention import attention_refusals
@@ -209,12 +209,27 @@ def converters() -> Iterator[None]:
         return {**original(), **OVERRIDES}
 
     stock._get_convert_map = patched
+    original_check = importer._check_for_unsupported_ops
     importer._construct_nodes = construct_nodes(original_nodes)
+    importer._check_for_unsupported_ops = _check_ops(original_check)
     try:
         yield
     finally:
         stock._get_convert_map = original
         importer._construct_nodes = original_nodes
+        importer._check_for_unsupported_ops = original_check
+
+
+def _check_ops(original):
+    """0.27's check for ops without a converter, blind to the ops the node loop unrolls."""
+
+    def check(self, graph) -> None:
+        from onnx import helper
+
+        original(self, helper.make_graph([n for n in graph.node if n.op_type not in UNROLLED],
+                                         graph.name, [], []))
+
+    return check
 
 
 def node_refusals(graph) -> list[tuple[str, str]]:

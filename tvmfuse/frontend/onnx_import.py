@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import InputSpecError, ModelError, TvmfuseError, UnsupportedOpError
 from .onnx_fixes import OVERRIDES, converters, node_refusals
+from .onnx_nodes import UNROLLED
 from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
 from .symbolic import bound_symbols, symbol_vars
 
@@ -95,7 +96,7 @@ def scan_unsupported(graph) -> list[tuple[str, str]]:
     every use of an op that its converter refuses (an ONNX Attention attribute, say)."""
     from tvm.relax.frontend.onnx.onnx_frontend import _get_convert_map
 
-    supported = set(_get_convert_map()) | set(OVERRIDES) | {"Constant", "If"}
+    supported = set(_get_convert_map()) | set(OVERRIDES) | {"Constant", "If"} | UNROLLED
     found: list[tuple[str, str]] = []
 
     def visit(g, prefix: str) -> None:

@@ -19,6 +19,8 @@ called once per node so that, around each node,
 * an ``If`` whose condition is a constant (shape arithmetic of function-expanded graphs) is
   replaced by the nodes of the branch it takes (:func:`taken_branch`): the other branch, built
   for other ranks or dtypes, is never converted;
+* a ``Scan`` / ``Loop`` is unrolled: its body converted once per step with the step's values
+  (:func:`unrolled`, :mod:`~tvmfuse.frontend.onnx_ops.scan`, :mod:`~tvmfuse.frontend.onnx_ops.loop`);
 * a shape-like input a converter needs constant (``SplitToSequence`` split) that is a runtime
   tensor is refused naming the node, the op and the input
   (:mod:`~tvmfuse.frontend.onnx_ops.static_inputs`); the others are resolved at run time
@@ -38,6 +40,8 @@ import tvm
 from tvm import relax, tirx
 
 from ..errors import ModelError, TvmfuseError, UnsupportedOpError
+from .onnx_ops.loop import unroll_loop
+from .onnx_ops.scan import unroll_scan
 from .onnx_ops.static_inputs import runtime_refusals
 
 _FOLD_LIMIT = 1 << 20  # elements: constant inputs beyond this are left to the converters
@@ -145,6 +149,39 @@ def taken_branch(node, nodes: dict[str, Any]):
     return next((a.g for a in node.attribute if a.name == name), None)
 
 
+UNROLLED = {"Scan", "Loop"}  # converted here, step by step, not by a converter of the map
+
+
+def _run_body(self, run: Callable, graph, bindings: dict[str, Any]) -> list[relax.Expr]:
+    """``graph`` (a Scan / Loop body) converted once with its inputs bound to ``bindings``: the
+    outer scope is visible, and the body's own names are gone again after (the next step binds
+    them anew)."""
+    outer = dict(self._nodes)
+    try:
+        for init in graph.initializer:
+            self._nodes[init.name] = relax.const(self._parse_array(init))
+        self._nodes.update(bindings)
+        run(self, graph)
+        return [self._nodes[out.name] for out in graph.output]
+    finally:
+        self._nodes = outer
+
+
+def unrolled(self, run: Callable, node) -> list[relax.Expr] | None:
+    """The outputs of a ``Scan`` / ``Loop`` node unrolled into its steps, else None."""
+    if node.op_type not in UNROLLED or node.domain not in ("", "ai.onnx"):
+        return None
+    inputs = [self._nodes[name] if name else None for name in node.input]
+    inputs = [shape_tensor(self.bb, x) if _is_shape(x) else x for x in inputs]
+
+    def body(graph, bindings: dict[str, Any]) -> list[relax.Expr]:
+        return _run_body(self, run, graph, bindings)
+
+    if node.op_type == "Scan":
+        return unroll_scan(self.bb, node, node_label(node), inputs, self.opset, body)
+    return unroll_loop(self.bb, node, node_label(node), inputs, _constant, body, self._nodes)
+
+
 def construct_nodes(original: Callable) -> Callable:
     """``ONNXGraphImporter._construct_nodes`` run node by node (see the module docstring)."""
 
@@ -160,6 +197,10 @@ def construct_nodes(original: Callable) -> Callable:
                 for out, value in zip(node.output, branch.output):
                     if out:
                         self._nodes[out] = self._nodes[value.name]
+                continue
+            outputs = unrolled(self, run, node)
+            if outputs is not None:  # Scan / Loop: the body converted once per step, inline
+                self._nodes.update((name, value) for name, value in zip(node.output, outputs) if name)
                 continue
             refused = runtime_refusals(node, self._nodes, self.opset)
             if refused:
@@ -192,4 +233,4 @@ def construct_nodes(original: Callable) -> Callable:
     return run
 
 
-__all__ = ["construct_nodes", "node_label", "shape_tensor"]
+__all__ = ["UNROLLED", "construct_nodes", "node_label", "shape_tensor"]
