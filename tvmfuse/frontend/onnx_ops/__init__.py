@@ -17,6 +17,7 @@ from .center_crop_pad import CenterCropPad
 from .constant import Constant
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
+from .cumprod import CumProd, cumprod_runtime_axis
 from .cumsum import cumsum_runtime_axis
 from .dft import DFT
 from .elementwise import BitShift, Dropout, IsInf, Mod
@@ -51,7 +52,7 @@ from .windows import BlackmanWindow, HammingWindow, HannWindow
 OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
-    "CenterCropPad": CenterCropPad, "Celu": Celu, "Constant": Constant,
+    "CenterCropPad": CenterCropPad, "Celu": Celu, "Constant": Constant, "CumProd": CumProd,
     "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
@@ -66,7 +67,8 @@ OVERRIDES: dict[str, type] = {
 # op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
 # onnx_fixes wraps its own or TVM's converter of the op with it (runtime_values.with_runtime_inputs)
 RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
-    "AffineGrid": ((1,), affine_grid_runtime_size), "CumSum": ((1,), cumsum_runtime_axis),
+    "AffineGrid": ((1,), affine_grid_runtime_size), "CumProd": ((1,), cumprod_runtime_axis),
+    "CumSum": ((1,), cumsum_runtime_axis),
     "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
     "Range": ((0, 1, 2), range_runtime),
     "Reshape": ((1,), reshape_runtime_shape), "Resize": ((2, 3), resize_runtime),
