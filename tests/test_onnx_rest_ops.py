@@ -53,3 +53,41 @@ def test_cumprod_runtime_axis_each_axis():
     x = np.random.default_rng(0).integers(-3, 4, (2, 3, 4)).astype(np.int32)
     _check(model, {}, exact=True,
            runs=[{"x": x, "a": np.array(a, np.int64)} for a in (0, 1, 2, -1, -3)])
+
+
+def _nms_model(center: int, optional: int):
+    """NonMaxSuppression over (2, 12, 4) boxes and 3 classes, the first ``optional`` of
+    (max, iou, score) as runtime inputs."""
+    names = ["boxes", "scores", "max", "iou", "score"][: 2 + optional]
+    node = helper.make_node("NonMaxSuppression", names, ["sel"], center_point_box=center)
+    types = [(TensorProto.FLOAT, [2, 12, 4]), (TensorProto.FLOAT, [2, 3, 12]),
+             (TensorProto.INT64, [1]), (TensorProto.FLOAT, [1]), (TensorProto.FLOAT, [1])]
+    inputs = [helper.make_tensor_value_info(n, *t) for n, t in zip(names, types, strict=False)]
+    return _model(node, inputs, [helper.make_tensor_value_info("sel", TensorProto.INT64, None)],
+                  opset=11)
+
+
+@pytest.mark.parametrize("center", [0, 1])
+def test_nms_runtime_thresholds(center):
+    """One library, several thresholds / limits: random (partly flipped) boxes, tied scores."""
+    rng = np.random.default_rng(center)
+    boxes = rng.uniform(0, 4, (2, 12, 4)).astype(np.float32)
+    if center:
+        boxes[..., 2:] = np.abs(boxes[..., 2:]) + 0.5
+    scores = rng.integers(0, 6, (2, 3, 12)).astype(np.float32) / 5  # ties
+    runs = [{"boxes": boxes, "scores": scores, "max": np.array([m], np.int64),
+             "iou": np.array([i], np.float32), "score": np.array([s], np.float32)}
+            for m, i, s in [(3, 0.3, 0.1), (12, 0.0, -1.0), (0, 0.5, 0.0), (5, 0.7, 0.5)]]
+    _check(_nms_model(center, 3), {}, exact=True, runs=runs)
+
+
+def test_nms_absent_inputs():
+    """No max input: nothing selected (the reference evaluator fails on it: checked directly);
+    no score threshold: every box is a candidate."""
+    rng = np.random.default_rng(1)
+    feed = {"boxes": rng.uniform(0, 4, (2, 12, 4)).astype(np.float32),
+            "scores": rng.uniform(0, 1, (2, 3, 12)).astype(np.float32)}
+    none = tvmfuse.compile(_nms_model(0, 0), target="cpu").load("cpu")(*feed.values())
+    assert np.asarray(none).shape == (0, 3)
+    feed |= {"max": np.array([4], np.int64), "iou": np.array([0.2], np.float32)}
+    _check(_nms_model(0, 2), feed, exact=True)

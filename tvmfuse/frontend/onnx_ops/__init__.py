@@ -26,6 +26,7 @@ from .eye_like import EyeLike
 from .layer_norm import LayerNormalization
 from .linear_attention import LinearAttention
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
+from .non_max_suppression import NonMaxSuppression
 from .onehot import onehot_runtime_depth
 from .pad import pad_runtime
 from .pow import Pow
@@ -57,7 +58,8 @@ OVERRIDES: dict[str, type] = {
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
     "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,
-    "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "Pow": Pow, "QLinearConv": QLinearConv,
+    "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "NonMaxSuppression": NonMaxSuppression,
+    "Pow": Pow, "QLinearConv": QLinearConv,
     "QLinearMatMul": QLinearMatMul, "RMSNormalization": RMSNormalization, "RNN": RNN,
     "ReverseSequence": ReverseSequence, "RotaryEmbedding": RotaryEmbedding,
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SwiGLU": SwiGLU, "Swish": Swish,
