@@ -91,3 +91,31 @@ def test_nms_absent_inputs():
     assert np.asarray(none).shape == (0, 3)
     feed |= {"max": np.array([4], np.int64), "iou": np.array([0.2], np.float32)}
     _check(_nms_model(0, 2), feed, exact=True)
+
+
+def _tfidf_model(mode: str, weighted: bool):
+    """1- to 3-grams with skips, two grams sharing an output column; (3, 10) int64 rows."""
+    pool = [1, 2, 3, 1, 2, 2, 3, 3, 1, 1, 2, 3, 2, 2, 2]  # 3 unigrams, 3 bigrams, 2 trigrams
+    attrs = dict(mode=mode, min_gram_length=1, max_gram_length=3, max_skip_count=2,
+                 ngram_counts=[0, 3, 9], ngram_indexes=[0, 1, 2, 3, 4, 5, 6, 3], pool_int64s=pool)
+    if weighted:
+        attrs["weights"] = [0.5, 1.0, 2.0, 1.5, 0.25, 3.0, 4.0]
+    node = helper.make_node("TfIdfVectorizer", ["x"], ["y"], **attrs)
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.INT64, [3, 10])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 7])], opset=9)
+    return model
+
+
+@pytest.mark.parametrize("mode,weighted", [("TF", False), ("IDF", True), ("TFIDF", True)])
+def test_tfidf_modes_trigrams(mode, weighted):
+    x = np.random.default_rng(len(mode)).integers(0, 4, (3, 10)).astype(np.int64)
+    _check(_tfidf_model(mode, weighted), {"x": x})
+
+
+def test_tfidf_idf_without_weights():
+    """IDF without weights is tf > 0 (the reference evaluator fails on it: checked against TF)."""
+    x = np.random.default_rng(5).integers(0, 4, (3, 10)).astype(np.int64)
+    tf, idf = (np.asarray(tvmfuse.compile(_tfidf_model(m, False), target="cpu").load("cpu")(x))
+               for m in ("TF", "IDF"))
+    assert tf.max() > 1 and 0 < (tf > 0).sum() < tf.size
+    np.testing.assert_array_equal(idf, (tf > 0).astype(np.float32))

@@ -46,6 +46,7 @@ from .split import split_runtime_sizes
 from .swiglu import SwiGLU
 from .swish import Swish
 from .tensor_scatter import TensorScatter
+from .tfidf_vectorizer import TfIdfVectorizer
 from .topk import topk_runtime_k
 from .trilu import Trilu
 from .windows import BlackmanWindow, HammingWindow, HannWindow
@@ -63,7 +64,7 @@ OVERRIDES: dict[str, type] = {
     "QLinearMatMul": QLinearMatMul, "RMSNormalization": RMSNormalization, "RNN": RNN,
     "ReverseSequence": ReverseSequence, "RotaryEmbedding": RotaryEmbedding,
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SwiGLU": SwiGLU, "Swish": Swish,
-    "TensorScatter": TensorScatter, "Trilu": Trilu,
+    "TensorScatter": TensorScatter, "TfIdfVectorizer": TfIdfVectorizer, "Trilu": Trilu,
 }
 
 # op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
