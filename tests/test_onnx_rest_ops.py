@@ -119,3 +119,19 @@ def test_tfidf_idf_without_weights():
                for m in ("TF", "IDF"))
     assert tf.max() > 1 and 0 < (tf > 0).sum() < tf.size
     np.testing.assert_array_equal(idf, (tf > 0).astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 5), (1, 1), (7, 7)])
+def test_det_against_numpy(shape):
+    """Batched, 1×1 and larger matrices; one singular matrix, one that needs row swaps."""
+    node = helper.make_node("Det", ["x"], ["y"])
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shape[:-2]))], opset=22)
+    x = np.random.default_rng(len(shape)).standard_normal(shape).astype(np.float32)
+    if len(shape) == 4:
+        x[0, 1, 2] = x[0, 1, 0] * 2  # singular
+        x[1, 0] = np.eye(5, dtype=np.float32)[::-1]  # a permutation: det ±1 only with pivoting
+    got = np.asarray(tvmfuse.compile(model, target="cpu").load("cpu")(x))
+    want = np.linalg.det(x.astype(np.float64))
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

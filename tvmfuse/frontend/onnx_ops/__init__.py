@@ -19,6 +19,7 @@ from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
 from .cumprod import CumProd, cumprod_runtime_axis
 from .cumsum import cumsum_runtime_axis
+from .det import Det
 from .dft import DFT
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
@@ -55,7 +56,7 @@ OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
     "CenterCropPad": CenterCropPad, "Celu": Celu, "Constant": Constant, "CumProd": CumProd,
-    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT,
+    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT, "Det": Det,
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
     "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,
