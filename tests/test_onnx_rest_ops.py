@@ -135,3 +135,31 @@ def test_det_against_numpy(shape):
     want = np.linalg.det(x.astype(np.float64))
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("inverse,onesided", [(0, 1), (1, 0), (1, 1)])
+def test_dft_runtime_axis(inverse, onesided):
+    """One library, every signal axis (of lengths 3, 6, 5) chosen at run time; the output's
+    shape follows the axis. The re / im axis fails the call."""
+    shape = [3, 6, 5, 2 if inverse else 1]
+    node = helper.make_node("DFT", ["x", "", "a"], ["y"], inverse=inverse, onesided=onesided)
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape),
+                          helper.make_tensor_value_info("a", TensorProto.INT64, [])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=20)
+    x = np.random.default_rng(inverse + 2 * onesided).standard_normal(shape).astype(np.float32)
+    run = tvmfuse.compile(model, target="cpu").load("cpu")
+    sig = x[..., 0] + 1j * x[..., 1] if inverse else x[..., 0]
+    for axis in (0, 1, 2, -2, -3):
+        a = axis % 4  # ONNX counts a negative axis from the back of x, re / im axis included
+        if inverse and onesided:
+            want = np.fft.irfft(sig, axis=a)[..., None]
+        else:
+            f = (np.fft.ifft if inverse else np.fft.fft)(sig, axis=a)
+            if onesided:
+                f = np.moveaxis(np.moveaxis(f, a, 0)[: sig.shape[a] // 2 + 1], 0, a)
+            want = np.stack([f.real, f.imag], -1)
+        got = np.asarray(run(x, np.array(axis, np.int64)))
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(Exception, match="match_cast"):
+        run(x, np.array(3, np.int64))

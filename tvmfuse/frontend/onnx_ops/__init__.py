@@ -17,8 +17,7 @@ from .center_crop_pad import CenterCropPad
 from .constant import Constant
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
-from .cumprod import CumProd, cumprod_runtime_axis
-from .cumsum import cumsum_runtime_axis
+from .cumprod import CumProd
 from .det import Det
 from .dft import DFT
 from .elementwise import BitShift, Dropout, IsInf, Mod
@@ -42,6 +41,7 @@ from .resize import resize_runtime
 from .reverse_sequence import ReverseSequence
 from .rms_norm import RMSNormalization
 from .rotary_embedding import RotaryEmbedding
+from .runtime_axis import cumprod_runtime_axis, cumsum_runtime_axis, dft_runtime_axis
 from .runtime_values import Handler
 from .split import split_runtime_sizes
 from .swiglu import SwiGLU
@@ -72,7 +72,7 @@ OVERRIDES: dict[str, type] = {
 # onnx_fixes wraps its own or TVM's converter of the op with it (runtime_values.with_runtime_inputs)
 RUNTIME_INPUTS: dict[str, tuple[tuple[int, ...], Handler]] = {
     "AffineGrid": ((1,), affine_grid_runtime_size), "CumProd": ((1,), cumprod_runtime_axis),
-    "CumSum": ((1,), cumsum_runtime_axis),
+    "CumSum": ((1,), cumsum_runtime_axis), "DFT": ((2,), dft_runtime_axis),
     "OneHot": ((1,), onehot_runtime_depth), "Pad": ((1, 2, 3), pad_runtime),
     "Range": ((0, 1, 2), range_runtime),
     "Reshape": ((1,), reshape_runtime_shape), "Resize": ((2, 3), resize_runtime),

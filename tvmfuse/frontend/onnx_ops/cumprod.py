@@ -3,8 +3,8 @@
     y[…, i, …] = Π_{j ≤ i} x[…, j, …]     (exclusive: j < i, the first is 1;
                                             reverse: j ≥ i / j > i)
 
-along ``axis`` (a constant here; a runtime axis goes through :mod:`.cumsum`'s candidates, one
-scan per axis). ``reverse`` flips the input along ``axis`` before the scan and the result after.
+along ``axis`` (a constant here; a runtime axis goes through :mod:`.runtime_axis`'s candidates,
+one scan per axis). ``reverse`` flips the input along ``axis`` before the scan and the result after.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from tvm import relax, topi
 from tvm.relax.frontend.onnx import onnx_frontend as stock
 
 from ._common import constant
-from .cumsum import scan_runtime_axis
 
 
 class CumProd(stock.OnnxOpConverter):
@@ -36,5 +35,3 @@ class CumProd(stock.OnnxOpConverter):
         out = bb.normalize(relax.op.cumprod(data, axis, exclusive=attr.get("exclusive", 0) != 0))
         return bb.emit_te(topi.flip, out, axis=axis) if reverse else out
 
-
-cumprod_runtime_axis = scan_runtime_axis("CumProd")
