@@ -163,3 +163,25 @@ def test_dft_runtime_axis(inverse, onesided):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     with pytest.raises(Exception, match="match_cast"):
         run(x, np.array(3, np.int64))
+
+
+@pytest.mark.parametrize("runtime", [True, False])
+def test_col2im_strides_pads_dilations(runtime):
+    """Strides, asymmetric pads and dilations together, shapes as runtime inputs or initializers;
+    a block shape that does not match the input fails the call."""
+    attrs = dict(strides=[2, 1], pads=[1, 0, 0, 2], dilations=[2, 1])
+    node = helper.make_node("Col2Im", ["x", "img", "blk"], ["y"], **attrs)
+    img, blk = np.array([7, 6], np.int64), np.array([2, 3], np.int64)
+    # blocks: (7 + 1 - 2 - 1) // 2 + 1 = 3, (6 + 2 - 2 - 1) // 1 + 1 = 6
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3 * 6, 18])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    shapes = [helper.make_tensor_value_info(n, TensorProto.INT64, [2]) for n in ("img", "blk")]
+    inits = [helper.make_tensor(n, TensorProto.INT64, [2], v) for n, v in (("img", img), ("blk", blk))]
+    model = _model(node, [x_info, *shapes] if runtime else [x_info], [y_info],
+                   () if runtime else inits, opset=18)
+    x = np.random.default_rng(7).standard_normal((2, 18, 18)).astype(np.float32)
+    _check(model, {"x": x, "img": img, "blk": blk} if runtime else {"x": x})
+    if runtime:
+        run = tvmfuse.compile(model, target="cpu").load("cpu")
+        with pytest.raises(Exception, match="match_cast"):
+            run(x, img, np.array([3, 3], np.int64))

@@ -14,6 +14,7 @@ from .bitcast import BitCast
 from .causal_conv import CausalConvWithState
 from .celu import Celu, Elu
 from .center_crop_pad import CenterCropPad
+from .col2im import Col2Im
 from .constant import Constant
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
@@ -55,7 +56,7 @@ from .windows import BlackmanWindow, HammingWindow, HannWindow
 OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
-    "CenterCropPad": CenterCropPad, "Celu": Celu, "Constant": Constant, "CumProd": CumProd,
+    "CenterCropPad": CenterCropPad, "Celu": Celu, "Col2Im": Col2Im, "Constant": Constant, "CumProd": CumProd,
     "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT, "Det": Det,
     "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
