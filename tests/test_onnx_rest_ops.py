@@ -185,3 +185,13 @@ def test_col2im_strides_pads_dilations(runtime):
         run = tvmfuse.compile(model, target="cpu").load("cpu")
         with pytest.raises(Exception, match="match_cast"):
             run(x, img, np.array([3, 3], np.int64))
+
+
+@pytest.mark.parametrize("mode", ["DCR", "CRD"])
+def test_space_to_depth_modes(mode):
+    """Both channel orderings (0.27's converter knows only DCR), block 2 over (2, 3, 4, 6)."""
+    node = helper.make_node("SpaceToDepth", ["x"], ["y"], blocksize=2, mode=mode)
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 6])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 12, 2, 3])], opset=25)
+    _check(model, {"x": np.random.default_rng(3).standard_normal((2, 3, 4, 6)).astype(np.float32)},
+           exact=True)

@@ -44,6 +44,7 @@ from .rms_norm import RMSNormalization
 from .rotary_embedding import RotaryEmbedding
 from .runtime_axis import cumprod_runtime_axis, cumsum_runtime_axis, dft_runtime_axis
 from .runtime_values import Handler
+from .space_to_depth import SpaceToDepth
 from .split import split_runtime_sizes
 from .swiglu import SwiGLU
 from .swish import Swish
@@ -65,7 +66,8 @@ OVERRIDES: dict[str, type] = {
     "Pow": Pow, "QLinearConv": QLinearConv,
     "QLinearMatMul": QLinearMatMul, "RMSNormalization": RMSNormalization, "RNN": RNN,
     "ReverseSequence": ReverseSequence, "RotaryEmbedding": RotaryEmbedding,
-    "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SwiGLU": SwiGLU, "Swish": Swish,
+    "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SpaceToDepth": SpaceToDepth, "SwiGLU": SwiGLU,
+    "Swish": Swish,
     "TensorScatter": TensorScatter, "TfIdfVectorizer": TfIdfVectorizer, "Trilu": Trilu,
 }
 

@@ -22,7 +22,6 @@ from ...errors import UnsupportedOpError
 _ATTRIBUTES: dict[str, list[tuple[str, Callable[[Any], bool], str]]] = {
     "ConvTranspose": [("output_shape", lambda v: False, "output_shape is ignored by the converter")],
     "RoiAlign": [("mode", lambda v: v in (b"avg", "avg"), "only mode=avg")],
-    "SpaceToDepth": [("mode", lambda v: v in (b"DCR", "DCR"), "only the DCR ordering")],
 }
 # Cast targets 0.27 gets wrong: TensorProto FLOAT8E4M3FN … FLOAT4E2M1, FLOAT8E8M0, UINT2, INT2
 _CAST_TARGETS = {17, 18, 19, 20, 21, 22, 23, 24, 25, 26}
