@@ -195,3 +195,25 @@ def test_space_to_depth_modes(mode):
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 12, 2, 3])], opset=25)
     _check(model, {"x": np.random.default_rng(3).standard_normal((2, 3, 4, 6)).astype(np.float32)},
            exact=True)
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.INT8, TensorProto.UINT8, TensorProto.INT16])
+def test_blocked_quantize_dequantize(dtype):
+    """Blocks of 2 over an axis of 5 (the last block short), ties at .5, saturation; the
+    round trip through DequantizeLinear."""
+    rng = np.random.default_rng(dtype)
+    np_dtype = {TensorProto.INT8: np.int8, TensorProto.UINT8: np.uint8, TensorProto.INT16: np.int16}[dtype]
+    scale = rng.uniform(0.05, 0.5, (3, 3)).astype(np.float32)  # (4, 5) blocked along axis 1
+    zp = rng.integers(0, 20, (3, 3)).astype(np_dtype)
+    s_full = np.repeat(scale, 2, axis=1)[:, :5]
+    x = ((rng.integers(-300, 300, (3, 5)) + 0.5) * s_full).astype(np.float32)  # ties
+    q = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"], axis=1, block_size=2)
+    dq = helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"], axis=1, block_size=2)
+    graph = helper.make_graph([q, dq], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 5])],
+                              [helper.make_tensor_value_info("q", dtype, [3, 5]),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])],
+                              [helper.make_tensor("s", TensorProto.FLOAT, [3, 3], scale.ravel()),
+                               helper.make_tensor("z", dtype, [3, 3], zp.ravel())])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    _check(model, {"x": x}, exact=True)

@@ -11,6 +11,7 @@ from .affine_grid import affine_grid_runtime_size
 from .attention import Attention
 from .batch_norm import BatchNormalization
 from .bitcast import BitCast
+from .blocked_quant import DequantizeLinear, QuantizeLinear
 from .causal_conv import CausalConvWithState
 from .celu import Celu, Elu
 from .center_crop_pad import CenterCropPad
@@ -59,12 +60,14 @@ OVERRIDES: dict[str, type] = {
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
     "CenterCropPad": CenterCropPad, "Celu": Celu, "Col2Im": Col2Im, "Constant": Constant, "CumProd": CumProd,
     "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT, "Det": Det,
-    "Dropout": Dropout, "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU,
+    "DequantizeLinear": DequantizeLinear, "Dropout": Dropout, "Elu": Elu, "Expand": Expand,
+    "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
     "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,
     "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "NonMaxSuppression": NonMaxSuppression,
     "Pow": Pow, "QLinearConv": QLinearConv,
-    "QLinearMatMul": QLinearMatMul, "RMSNormalization": RMSNormalization, "RNN": RNN,
+    "QLinearMatMul": QLinearMatMul, "QuantizeLinear": QuantizeLinear,
+    "RMSNormalization": RMSNormalization, "RNN": RNN,
     "ReverseSequence": ReverseSequence, "RotaryEmbedding": RotaryEmbedding,
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SpaceToDepth": SpaceToDepth, "SwiGLU": SwiGLU,
     "Swish": Swish,
