@@ -4,6 +4,7 @@ cases the ONNX node tests miss, compared with onnx's reference evaluator on rand
 from __future__ import annotations
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
@@ -217,3 +218,21 @@ def test_blocked_quantize_dequantize(dtype):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     model.ir_version = 10
     _check(model, {"x": x}, exact=True)
+
+
+@pytest.mark.parametrize("attrs", [dict(kernel_shape=[3, 2], strides=[2, 1], pads=[1, 0, 1, 1]),
+                                   dict(kernel_shape=[2, 2], dilations=[2, 1], storage_order=1),
+                                   dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])])
+def test_maxpool_indices(attrs):
+    """Values and first-maximum indices (ties: small integers), batch 2 × 3 channels, against
+    onnxruntime (the reference evaluator's stride-1 path returns negative indices with pads)."""
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], **attrs)
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 6, 5])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                    helper.make_tensor_value_info("i", TensorProto.INT64, None)], opset=12)
+    x = np.random.default_rng(len(attrs)).integers(-3, 4, (2, 3, 6, 5)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})
+    got = tvmfuse.compile(model, target="cpu").load("cpu")(x)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), w)

@@ -28,6 +28,7 @@ from .eye_like import EyeLike
 from .layer_norm import LayerNormalization
 from .linear_attention import LinearAttention
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
+from .max_pool import MaxPool
 from .non_max_suppression import NonMaxSuppression
 from .onehot import onehot_runtime_depth
 from .pad import pad_runtime
@@ -63,7 +64,8 @@ OVERRIDES: dict[str, type] = {
     "DequantizeLinear": DequantizeLinear, "Dropout": Dropout, "Elu": Elu, "Expand": Expand,
     "EyeLike": EyeLike, "GRU": GRU,
     "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
-    "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "Mod": Mod,
+    "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "MaxPool": MaxPool,
+    "Mod": Mod,
     "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "NonMaxSuppression": NonMaxSuppression,
     "Pow": Pow, "QLinearConv": QLinearConv,
     "QLinearMatMul": QLinearMatMul, "QuantizeLinear": QuantizeLinear,
