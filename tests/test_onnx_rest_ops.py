@@ -19,6 +19,11 @@ def _model(node, inputs, outputs, inits=(), opset=26):
     return model
 
 
+def _ort(model, feed: dict) -> list:
+    """onnxruntime's outputs (where the reference evaluator is wrong or refuses the form)."""
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+
+
 def _check(model, feeds: dict, exact: bool = False, runs=None):
     """tvmfuse's outputs against the reference evaluator's, for one or more feeds."""
     run = tvmfuse.compile(model, target="cpu").load("cpu")
@@ -231,8 +236,34 @@ def test_maxpool_indices(attrs):
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
                     helper.make_tensor_value_info("i", TensorProto.INT64, None)], opset=12)
     x = np.random.default_rng(len(attrs)).integers(-3, 4, (2, 3, 6, 5)).astype(np.float32)
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
-        None, {"x": x})
+    want = _ort(model, {"x": x})
     got = tvmfuse.compile(model, target="cpu").load("cpu")(x)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), w)
+
+
+@pytest.mark.parametrize("auto_pad,out", [("SAME_UPPER", [5, 6]), ("SAME_LOWER", [6, 5]),
+                                          ("NOTSET", [8, 8]), ("SAME_LOWER", [8, 7])])
+def test_convtranspose_output_shape(auto_pad, out):
+    """output_shape under each auto_pad (natural size 7 × 7), 2 groups and a bias, against
+    onnxruntime; a form where the runtimes disagree is refused."""
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2], group=2,
+                            output_shape=out, auto_pad=auto_pad)
+    rng = np.random.default_rng(len(auto_pad))
+    feed = {"x": rng.standard_normal((1, 4, 3, 3)).astype(np.float32),
+            "w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32),
+            "b": rng.standard_normal(6).astype(np.float32)}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, v.shape) for n, v in feed.items()]
+    model = _model(node, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=17)
+    (want,) = _ort(model, feed)
+    got = np.asarray(tvmfuse.compile(model, target="cpu").load("cpu")(*feed.values()))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_convtranspose_output_shape_refused():
+    node = helper.make_node("ConvTranspose", ["x", "w"], ["y"], strides=[2, 2], output_shape=[5, 5])
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 3, 3]),
+                          helper.make_tensor_value_info("w", TensorProto.FLOAT, [1, 1, 3, 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=17)
+    with pytest.raises(tvmfuse.errors.UnsupportedOpError, match="ConvTranspose attribute output_shape"):
+        tvmfuse.compile(model, target="cpu")

@@ -19,6 +19,7 @@ from .col2im import Col2Im
 from .constant import Constant
 from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
+from .conv_transpose import ConvTranspose
 from .cumprod import CumProd
 from .det import Det
 from .dft import DFT
@@ -59,21 +60,18 @@ from .windows import BlackmanWindow, HammingWindow, HannWindow
 OVERRIDES: dict[str, type] = {
     "Attention": Attention, "BatchNormalization": BatchNormalization, "BitCast": BitCast,
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
-    "CenterCropPad": CenterCropPad, "Celu": Celu, "Col2Im": Col2Im, "Constant": Constant, "CumProd": CumProd,
-    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "DFT": DFT, "Det": Det,
-    "DequantizeLinear": DequantizeLinear, "Dropout": Dropout, "Elu": Elu, "Expand": Expand,
-    "EyeLike": EyeLike, "GRU": GRU,
-    "HammingWindow": HammingWindow, "HannWindow": HannWindow, "IsInf": IsInf, "LSTM": LSTM,
-    "LayerNormalization": LayerNormalization, "LinearAttention": LinearAttention, "MaxPool": MaxPool,
-    "Mod": Mod,
+    "Celu": Celu, "CenterCropPad": CenterCropPad, "Col2Im": Col2Im, "Constant": Constant,
+    "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "ConvTranspose": ConvTranspose,
+    "CumProd": CumProd, "DequantizeLinear": DequantizeLinear, "Det": Det, "DFT": DFT, "Dropout": Dropout,
+    "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU, "HammingWindow": HammingWindow,
+    "HannWindow": HannWindow, "IsInf": IsInf, "LayerNormalization": LayerNormalization,
+    "LinearAttention": LinearAttention, "LSTM": LSTM, "MaxPool": MaxPool, "Mod": Mod,
     "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "NonMaxSuppression": NonMaxSuppression,
-    "Pow": Pow, "QLinearConv": QLinearConv,
-    "QLinearMatMul": QLinearMatMul, "QuantizeLinear": QuantizeLinear,
-    "RMSNormalization": RMSNormalization, "RNN": RNN,
-    "ReverseSequence": ReverseSequence, "RotaryEmbedding": RotaryEmbedding,
+    "Pow": Pow, "QLinearConv": QLinearConv, "QLinearMatMul": QLinearMatMul,
+    "QuantizeLinear": QuantizeLinear, "ReverseSequence": ReverseSequence,
+    "RMSNormalization": RMSNormalization, "RNN": RNN, "RotaryEmbedding": RotaryEmbedding,
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SpaceToDepth": SpaceToDepth, "SwiGLU": SwiGLU,
-    "Swish": Swish,
-    "TensorScatter": TensorScatter, "TfIdfVectorizer": TfIdfVectorizer, "Trilu": Trilu,
+    "Swish": Swish, "TensorScatter": TensorScatter, "TfIdfVectorizer": TfIdfVectorizer, "Trilu": Trilu,
 }
 
 # op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);

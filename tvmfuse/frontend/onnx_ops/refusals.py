@@ -20,7 +20,6 @@ from ...errors import UnsupportedOpError
 
 # op → [(attribute, accepted(value), why)] ; an absent attribute is always accepted
 _ATTRIBUTES: dict[str, list[tuple[str, Callable[[Any], bool], str]]] = {
-    "ConvTranspose": [("output_shape", lambda v: False, "output_shape is ignored by the converter")],
     "RoiAlign": [("mode", lambda v: v in (b"avg", "avg"), "only mode=avg")],
 }
 # Cast targets 0.27 gets wrong: TensorProto FLOAT8E4M3FN … FLOAT4E2M1, FLOAT8E8M0, UINT2, INT2
