@@ -267,3 +267,19 @@ def test_convtranspose_output_shape_refused():
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=17)
     with pytest.raises(tvmfuse.errors.UnsupportedOpError, match="ConvTranspose attribute output_shape"):
         tvmfuse.compile(model, target="cpu")
+
+
+def test_deform_conv_groups_strides_mask():
+    """2 groups, 2 offset groups, strides / pads / dilations, offsets reaching outside the
+    image, mask and bias, against the reference evaluator."""
+    rng = np.random.default_rng(11)
+    feed = {"x": rng.standard_normal((2, 4, 5, 6)), "w": rng.standard_normal((6, 2, 2, 3)),
+            "offset": rng.uniform(-2.5, 2.5, (2, 2 * 2 * 6, 5, 3)), "b": rng.standard_normal(6),
+            "mask": rng.uniform(0, 1, (2, 2 * 6, 5, 3))}
+    feed = {k: v.astype(np.float32) for k, v in feed.items()}
+    node = helper.make_node("DeformConv", list(feed), ["y"], group=2, offset_group=2, strides=[1, 2],
+                            pads=[1, 0, 1, 1], dilations=[2, 1], kernel_shape=[2, 3])
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, v.shape) for n, v in feed.items()]
+    model = _model(node, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6, 5, 3])],
+                   opset=19)
+    _check(model, feed)

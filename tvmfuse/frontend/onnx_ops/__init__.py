@@ -21,6 +21,7 @@ from .constant_of_shape import ConstantOfShape
 from .conv_integer import ConvInteger
 from .conv_transpose import ConvTranspose
 from .cumprod import CumProd
+from .deform_conv import DeformConv
 from .det import Det
 from .dft import DFT
 from .elementwise import BitShift, Dropout, IsInf, Mod
@@ -62,7 +63,8 @@ OVERRIDES: dict[str, type] = {
     "BitShift": BitShift, "BlackmanWindow": BlackmanWindow, "CausalConvWithState": CausalConvWithState,
     "Celu": Celu, "CenterCropPad": CenterCropPad, "Col2Im": Col2Im, "Constant": Constant,
     "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "ConvTranspose": ConvTranspose,
-    "CumProd": CumProd, "DequantizeLinear": DequantizeLinear, "Det": Det, "DFT": DFT, "Dropout": Dropout,
+    "CumProd": CumProd, "DeformConv": DeformConv,
+    "DequantizeLinear": DequantizeLinear, "Det": Det, "DFT": DFT, "Dropout": Dropout,
     "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU, "HammingWindow": HammingWindow,
     "HannWindow": HannWindow, "IsInf": IsInf, "LayerNormalization": LayerNormalization,
     "LinearAttention": LinearAttention, "LSTM": LSTM, "MaxPool": MaxPool, "Mod": Mod,
