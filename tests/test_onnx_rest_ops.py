@@ -283,3 +283,23 @@ def test_deform_conv_groups_strides_mask():
     model = _model(node, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6, 5, 3])],
                    opset=19)
     _check(model, feed)
+
+
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("transform,ratio", [("half_pixel", 0), ("output_half_pixel", 2), ("half_pixel", 3)])
+def test_roi_align(mode, transform, ratio):
+    """Both modes and transforms, spatial_scale 0.5 (0.27 shifted before scaling), adaptive and
+    fixed sampling grids, rois reaching outside the map, two images."""
+    node = helper.make_node("RoiAlign", ["x", "rois", "idx"], ["y"], mode=mode, output_height=3,
+                            output_width=4, sampling_ratio=ratio, spatial_scale=0.5,
+                            coordinate_transformation_mode=transform)
+    rng = np.random.default_rng(ratio)
+    corner = rng.uniform(-4, 16, (5, 2))
+    feed = {"x": rng.standard_normal((2, 3, 8, 9)).astype(np.float32),
+            "rois": np.concatenate([corner, corner + rng.uniform(0.5, 12, (5, 2))], 1).astype(np.float32),
+            "idx": rng.integers(0, 2, 5).astype(np.int64)}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.INT64 if n == "idx" else TensorProto.FLOAT,
+                                            v.shape) for n, v in feed.items()]
+    model = _model(node, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3, 3, 4])],
+                   opset=16)
+    _check(model, feed)

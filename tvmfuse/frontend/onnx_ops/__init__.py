@@ -45,6 +45,7 @@ from .reshape import reshape_runtime_shape
 from .resize import resize_runtime
 from .reverse_sequence import ReverseSequence
 from .rms_norm import RMSNormalization
+from .roi_align import RoiAlign
 from .rotary_embedding import RotaryEmbedding
 from .runtime_axis import cumprod_runtime_axis, cumsum_runtime_axis, dft_runtime_axis
 from .runtime_values import Handler
@@ -71,7 +72,8 @@ OVERRIDES: dict[str, type] = {
     "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "NonMaxSuppression": NonMaxSuppression,
     "Pow": Pow, "QLinearConv": QLinearConv, "QLinearMatMul": QLinearMatMul,
     "QuantizeLinear": QuantizeLinear, "ReverseSequence": ReverseSequence,
-    "RMSNormalization": RMSNormalization, "RNN": RNN, "RotaryEmbedding": RotaryEmbedding,
+    "RMSNormalization": RMSNormalization, "RNN": RNN,
+    "RoiAlign": RoiAlign, "RotaryEmbedding": RotaryEmbedding,
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SpaceToDepth": SpaceToDepth, "SwiGLU": SwiGLU,
     "Swish": Swish, "TensorScatter": TensorScatter, "TfIdfVectorizer": TfIdfVectorizer, "Trilu": Trilu,
 }

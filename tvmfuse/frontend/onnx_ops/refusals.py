@@ -20,7 +20,6 @@ from ...errors import UnsupportedOpError
 
 # op → [(attribute, accepted(value), why)] ; an absent attribute is always accepted
 _ATTRIBUTES: dict[str, list[tuple[str, Callable[[Any], bool], str]]] = {
-    "RoiAlign": [("mode", lambda v: v in (b"avg", "avg"), "only mode=avg")],
 }
 # Cast targets 0.27 gets wrong: TensorProto FLOAT8E4M3FN … FLOAT4E2M1, FLOAT8E8M0, UINT2, INT2
 _CAST_TARGETS = {17, 18, 19, 20, 21, 22, 23, 24, 25, 26}
