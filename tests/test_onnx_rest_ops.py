@@ -303,3 +303,24 @@ def test_roi_align(mode, transform, ratio):
     model = _model(node, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3, 3, 4])],
                    opset=16)
     _check(model, feed)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_upsample_against_onnxruntime(mode):
+    """Runtime scales (opset 9), two calls of one library with different scales, fractional
+    ones included; the opset-7 attribute form."""
+    x = np.random.default_rng(4).standard_normal((1, 2, 3, 4)).astype(np.float32)
+    node = helper.make_node("Upsample", ["x", "s"], ["y"], mode=mode)
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 4]),
+                          helper.make_tensor_value_info("s", TensorProto.FLOAT, [4])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=9)
+    run = tvmfuse.compile(model, target="cpu").load("cpu")
+    for scales in ([1, 1, 2, 3], [1, 1, 1.5, 2.7]):
+        feed = {"x": x, "s": np.array(scales, np.float32)}
+        got = np.asarray(run(*feed.values()))
+        np.testing.assert_allclose(got, _ort(model, feed)[0], rtol=1e-5, atol=1e-6)
+    node7 = helper.make_node("Upsample", ["x"], ["y"], mode=mode, scales=[1.0, 1.0, 2.0, 1.5])
+    model7 = _model(node7, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 3, 4])],
+                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=7)
+    got = np.asarray(tvmfuse.compile(model7, target="cpu").load("cpu")(x))
+    np.testing.assert_allclose(got, _ort(model7, {"x": x})[0], rtol=1e-5, atol=1e-6)

@@ -57,6 +57,7 @@ from .tensor_scatter import TensorScatter
 from .tfidf_vectorizer import TfIdfVectorizer
 from .topk import topk_runtime_k
 from .trilu import Trilu
+from .upsample import Upsample
 from .windows import BlackmanWindow, HammingWindow, HannWindow
 
 OVERRIDES: dict[str, type] = {
@@ -76,6 +77,7 @@ OVERRIDES: dict[str, type] = {
     "RoiAlign": RoiAlign, "RotaryEmbedding": RotaryEmbedding,
     "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SpaceToDepth": SpaceToDepth, "SwiGLU": SwiGLU,
     "Swish": Swish, "TensorScatter": TensorScatter, "TfIdfVectorizer": TfIdfVectorizer, "Trilu": Trilu,
+    "Upsample": Upsample,
 }
 
 # op → (indices of shape-like inputs, converter used when one of them is a runtime tensor);
