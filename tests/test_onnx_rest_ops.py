@@ -324,3 +324,44 @@ def test_upsample_against_onnxruntime(mode):
                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=7)
     got = np.asarray(tvmfuse.compile(model7, target="cpu").load("cpu")(x))
     np.testing.assert_allclose(got, _ort(model7, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def _stft_numpy(sig: np.ndarray, step: int, length: int, window: np.ndarray, onesided: bool) -> np.ndarray:
+    frames = 1 + (sig.shape[1] - length) // step
+    cut = np.stack([sig[:, f * step: f * step + length] * window for f in range(frames)], 1)
+    spec = np.fft.fft(cut, axis=-1)[..., : length // 2 + 1 if onesided else length]
+    return np.stack([spec.real, spec.imag], -1)
+
+
+def test_stft_runtime_step_and_length():
+    """Complex signal, two-sided; step and frame length are runtime scalars, so one library
+    serves two framings (different output shapes)."""
+    node = helper.make_node("STFT", ["x", "s", "", "n"], ["y"], onesided=0)
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 40, 2]),
+                          helper.make_tensor_value_info("s", TensorProto.INT64, []),
+                          helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=17)
+    x = np.random.default_rng(2).standard_normal((2, 40, 2)).astype(np.float32)
+    run = tvmfuse.compile(model, target="cpu").load("cpu")
+    for step, length in ((4, 12), (7, 9)):
+        got = np.asarray(run(x, np.array(step, np.int64), np.array(length, np.int64)))
+        want = _stft_numpy(x[..., 0] + 1j * x[..., 1], step, length, np.ones(length), False)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_stft_window_onesided():
+    """A Hann window (its length the frame length), real signal, one-sided; a frame_length that
+    contradicts the window fails the call."""
+    node = helper.make_node("STFT", ["x", "s", "w", "n"], ["y"])
+    window = np.hanning(10).astype(np.float32)
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 33, 1]),
+                          helper.make_tensor_value_info("s", TensorProto.INT64, []),
+                          helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                   [helper.make_tensor("w", TensorProto.FLOAT, [10], window)], opset=17)
+    x = np.random.default_rng(3).standard_normal((1, 33, 1)).astype(np.float32)
+    run = tvmfuse.compile(model, target="cpu").load("cpu")
+    got = np.asarray(run(x, np.array(3, np.int64), np.array(10, np.int64)))
+    np.testing.assert_allclose(got, _stft_numpy(x[..., 0], 3, 10, window, True), rtol=1e-4, atol=1e-4)
+    with pytest.raises(Exception, match="match_cast"):
+        run(x, np.array(3, np.int64), np.array(12, np.int64))

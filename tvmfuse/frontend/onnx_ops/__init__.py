@@ -51,6 +51,7 @@ from .runtime_axis import cumprod_runtime_axis, cumsum_runtime_axis, dft_runtime
 from .runtime_values import Handler
 from .space_to_depth import SpaceToDepth
 from .split import split_runtime_sizes
+from .stft import STFT
 from .swiglu import SwiGLU
 from .swish import Swish
 from .tensor_scatter import TensorScatter
@@ -75,7 +76,8 @@ OVERRIDES: dict[str, type] = {
     "QuantizeLinear": QuantizeLinear, "ReverseSequence": ReverseSequence,
     "RMSNormalization": RMSNormalization, "RNN": RNN,
     "RoiAlign": RoiAlign, "RotaryEmbedding": RotaryEmbedding,
-    "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SpaceToDepth": SpaceToDepth, "SwiGLU": SwiGLU,
+    "SoftmaxCrossEntropyLoss": SoftmaxCrossEntropyLoss, "SpaceToDepth": SpaceToDepth, "STFT": STFT,
+    "SwiGLU": SwiGLU,
     "Swish": Swish, "TensorScatter": TensorScatter, "TfIdfVectorizer": TfIdfVectorizer, "Trilu": Trilu,
     "Upsample": Upsample,
 }
