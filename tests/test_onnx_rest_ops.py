@@ -365,3 +365,23 @@ def test_stft_window_onesided():
     np.testing.assert_allclose(got, _stft_numpy(x[..., 0], 3, 10, window, True), rtol=1e-4, atol=1e-4)
     with pytest.raises(Exception, match="match_cast"):
         run(x, np.array(3, np.int64), np.array(12, np.int64))
+
+
+def test_mel_weight_matrix_runtime_parameters():
+    """One library, three parameter sets (three output shapes) against the reference evaluator;
+    upper < lower fails the call."""
+    names = ["m", "d", "r", "lo", "hi"]
+    node = helper.make_node("MelWeightMatrix", names, ["w"])
+    types = [TensorProto.INT32] * 3 + [TensorProto.FLOAT] * 2
+    model = _model(node, [helper.make_tensor_value_info(n, t, []) for n, t in zip(names, types, strict=True)],
+                   [helper.make_tensor_value_info("w", TensorProto.FLOAT, None)], opset=17)
+
+    def feed(m, d, r, lo, hi):
+        ints = [np.array(v, np.int32) for v in (m, d, r)]
+        return dict(zip(names, [*ints, np.array(lo, np.float32), np.array(hi, np.float32)], strict=True))
+
+    runs = [feed(8, 64, 16000, 0.0, 8000.0), feed(5, 30, 8000, 100.0, 3000.0),
+            feed(3, 256, 22050, 20.0, 400.0)]
+    _check(model, {}, runs=runs)
+    with pytest.raises(Exception, match="match_cast"):
+        tvmfuse.compile(model, target="cpu").load("cpu")(*feed(4, 64, 16000, 500.0, 100.0).values())

@@ -31,6 +31,7 @@ from .layer_norm import LayerNormalization
 from .linear_attention import LinearAttention
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
 from .max_pool import MaxPool
+from .mel_weight_matrix import MelWeightMatrix
 from .non_max_suppression import NonMaxSuppression
 from .onehot import onehot_runtime_depth
 from .pad import pad_runtime
@@ -70,7 +71,8 @@ OVERRIDES: dict[str, type] = {
     "DequantizeLinear": DequantizeLinear, "Det": Det, "DFT": DFT, "Dropout": Dropout,
     "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU, "HammingWindow": HammingWindow,
     "HannWindow": HannWindow, "IsInf": IsInf, "LayerNormalization": LayerNormalization,
-    "LinearAttention": LinearAttention, "LSTM": LSTM, "MaxPool": MaxPool, "Mod": Mod,
+    "LinearAttention": LinearAttention, "LSTM": LSTM, "MaxPool": MaxPool, "MelWeightMatrix": MelWeightMatrix,
+    "Mod": Mod,
     "NegativeLogLikelihoodLoss": NegativeLogLikelihoodLoss, "NonMaxSuppression": NonMaxSuppression,
     "Pow": Pow, "QLinearConv": QLinearConv, "QLinearMatMul": QLinearMatMul,
     "QuantizeLinear": QuantizeLinear, "ReverseSequence": ReverseSequence,
