@@ -24,13 +24,17 @@ def _ort(model, feed: dict) -> list:
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
 
 
-def _check(model, feeds: dict, exact: bool = False, runs=None):
+def _numpy(value) -> np.ndarray:
+    return value.cpu().numpy() if hasattr(value, "cpu") else np.asarray(value)
+
+
+def _check(model, feeds: dict, exact: bool = False, runs=None, target: str = "cpu"):
     """tvmfuse's outputs against the reference evaluator's, for one or more feeds."""
-    run = tvmfuse.compile(model, target="cpu").load("cpu")
+    run = tvmfuse.compile(model, target=target).load("cpu" if target == "cpu" else "cuda")
     ref = ReferenceEvaluator(model)
     for feed in runs or [feeds]:
         got = run(*feed.values())
-        got = [np.asarray(g) for g in got] if isinstance(got, tuple | list) else [np.asarray(got)]
+        got = [_numpy(g) for g in got] if isinstance(got, tuple | list) else [_numpy(got)]
         for g, w in zip(got, ref.run(None, feed), strict=True):
             assert g.shape == w.shape and g.dtype == w.dtype
             if exact:
@@ -99,7 +103,7 @@ def test_nms_absent_inputs():
     _check(_nms_model(0, 2), feed, exact=True)
 
 
-def _tfidf_model(mode: str, weighted: bool):
+def _tfidf_model(mode: str, weighted: bool = False):
     """1- to 3-grams with skips, two grams sharing an output column; (3, 10) int64 rows."""
     pool = [1, 2, 3, 1, 2, 2, 3, 3, 1, 1, 2, 3, 2, 2, 2]  # 3 unigrams, 3 bigrams, 2 trigrams
     attrs = dict(mode=mode, min_gram_length=1, max_gram_length=3, max_skip_count=2,
@@ -167,7 +171,7 @@ def test_dft_runtime_axis(inverse, onesided):
         got = np.asarray(run(x, np.array(axis, np.int64)))
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
-    with pytest.raises(Exception, match="match_cast"):
+    with pytest.raises(tvmfuse.errors.InputError, match="run-time check"):
         run(x, np.array(3, np.int64))
 
 
@@ -189,7 +193,7 @@ def test_col2im_strides_pads_dilations(runtime):
     _check(model, {"x": x, "img": img, "blk": blk} if runtime else {"x": x})
     if runtime:
         run = tvmfuse.compile(model, target="cpu").load("cpu")
-        with pytest.raises(Exception, match="match_cast"):
+        with pytest.raises(tvmfuse.errors.InputError, match="run-time check"):
             run(x, img, np.array([3, 3], np.int64))
 
 
@@ -363,7 +367,7 @@ def test_stft_window_onesided():
     run = tvmfuse.compile(model, target="cpu").load("cpu")
     got = np.asarray(run(x, np.array(3, np.int64), np.array(10, np.int64)))
     np.testing.assert_allclose(got, _stft_numpy(x[..., 0], 3, 10, window, True), rtol=1e-4, atol=1e-4)
-    with pytest.raises(Exception, match="match_cast"):
+    with pytest.raises(tvmfuse.errors.InputError, match="run-time check"):
         run(x, np.array(3, np.int64), np.array(12, np.int64))
 
 
@@ -383,5 +387,28 @@ def test_mel_weight_matrix_runtime_parameters():
     runs = [feed(8, 64, 16000, 0.0, 8000.0), feed(5, 30, 8000, 100.0, 3000.0),
             feed(3, 256, 22050, 20.0, 400.0)]
     _check(model, {}, runs=runs)
-    with pytest.raises(Exception, match="match_cast"):
+    with pytest.raises(tvmfuse.errors.InputError, match="run-time check"):
         tvmfuse.compile(model, target="cpu").load("cpu")(*feed(4, 64, 16000, 500.0, 100.0).values())
+
+
+@pytest.mark.gpu
+def test_sequential_and_data_dependent_kernels_sm90():
+    """NonMaxSuppression and Det (sequential te.extern kernels), TfIdfVectorizer and Col2Im
+    (runtime-bound dims) under the GPU schedule rules."""
+    rng = np.random.default_rng(0)
+    nms = {"boxes": rng.uniform(0, 4, (2, 12, 4)).astype(np.float32),
+           "scores": rng.uniform(0, 1, (2, 3, 12)).astype(np.float32), "max": np.array([3], np.int64),
+           "iou": np.array([0.3], np.float32), "score": np.array([0.2], np.float32)}
+    _check(_nms_model(0, 3), nms, exact=True, target="sm90")
+    det = helper.make_node("Det", ["x"], ["y"])
+    det_model = _model(det, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], opset=22)
+    _check(det_model, {"x": rng.standard_normal((3, 4, 4)).astype(np.float32)}, target="sm90")
+    _check(_tfidf_model("TF"), {"x": rng.integers(0, 4, (3, 10)).astype(np.int64)}, target="sm90")
+    col = helper.make_node("Col2Im", ["x", "img", "blk"], ["y"], strides=[2, 1])
+    col_model = _model(col, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 6, 12]),
+                             helper.make_tensor_value_info("img", TensorProto.INT64, [2]),
+                             helper.make_tensor_value_info("blk", TensorProto.INT64, [2])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=18)
+    _check(col_model, {"x": rng.standard_normal((1, 6, 12)).astype(np.float32),
+                       "img": np.array([7, 4], np.int64), "blk": np.array([2, 3], np.int64)}, target="sm90")
