@@ -9,8 +9,9 @@ an inverse one-sided input), θ_nk = 2π·n·k / L, the signal truncated or zero
                real (…, L, …, 1):  Y_n = (1/L)·Σ_k w_k·(Re X_k·cos θ_nk − Im X_k·sin θ_nk),
                w_k = 1 for k = 0 and k = L/2, else 2
 
-``axis`` (attribute to opset 19, input from 20) and ``dft_length`` must be constants
-(:mod:`.static_inputs` refuses runtime ones).
+``axis`` (attribute to opset 19, input from 20: a runtime one goes through
+:mod:`.runtime_axis`) and ``dft_length`` must be constants (:mod:`.static_inputs` refuses a
+runtime ``dft_length``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ class DFT(stock.OnnxOpConverter):
         length_in = inputs[1] if len(inputs) > 1 and inputs[1] is not None else None
         length = int(constant(length_in).reshape(-1)[0]) if length_in is not None else (
             2 * (n_in - 1) if inverse and onesided else n_in)
+        if length < 1:
+            raise refuse(attr, "DFT", f"a signal of length {length} along axis {axis}")
         c, s = _matrices(n_in, length, inverse, onesided)
         rows = c.shape[0]
         order = [i for i in range(ndim - 1) if i != axis] + [axis]

@@ -20,16 +20,13 @@ from ...errors import UnsupportedOpError
 
 # op → [(attribute, accepted(value), why)] ; an absent attribute is always accepted
 _ATTRIBUTES: dict[str, list[tuple[str, Callable[[Any], bool], str]]] = {
-    "ConvTranspose": [("output_shape", lambda v: False, "output_shape is ignored by the converter")],
-    "RoiAlign": [("mode", lambda v: v in (b"avg", "avg"), "only mode=avg")],
-    "SpaceToDepth": [("mode", lambda v: v in (b"DCR", "DCR"), "only the DCR ordering")],
 }
 # Cast targets 0.27 gets wrong: TensorProto FLOAT8E4M3FN … FLOAT4E2M1, FLOAT8E8M0, UINT2, INT2
 _CAST_TARGETS = {17, 18, 19, 20, 21, 22, 23, 24, 25, 26}
 _ATTRIBUTES["Cast"] = [("to", lambda v: v not in _CAST_TARGETS,
                         "fp8 / fp4 / int4 / int2 casts are not supported")]
 # ops whose converter answers wrongly whatever the attributes
-_OPS = {"NonMaxSuppression": "its data-dependent output comes back empty in TVM 0.27"}
+_OPS: dict[str, str] = {}
 
 
 def _type_name(elem_type: int) -> str:

@@ -1,13 +1,13 @@
 """Shape-like ONNX inputs that tvmfuse still takes only as constants.
 
-``SplitToSequence`` ``split``, ``DFT`` ``dft_length`` / ``axis``: their converters assert (or
-raise a bare ``ValueError``) when one is a runtime tensor. :func:`runtime_refusals` names each
+``SplitToSequence`` ``split``, ``DFT`` ``dft_length``: their converters assert (or raise a bare
+``ValueError``) when one is a runtime tensor. :func:`runtime_refusals` names each
 such input before the converter runs, so the user learns which input to make an initializer (or
 a ``Constant``). A constant, or a ``Shape``-derived shape value, is accepted: the node loop folds
 constant subgraphs first (``onnx_nodes.fold_node``). The other shape-like inputs (``Reduce*``
 axes, ``Reshape`` shape, ``Resize`` scales / sizes, ``Pad``, ``TopK`` K, ``Split``, ``OneHot``
-depth, ``CumSum`` axis, ``AffineGrid`` size, ``Range``) are converted at run time:
-``onnx_ops.RUNTIME_INPUTS`` (and ``ConstantOfShape``'s own converter).
+depth, ``CumSum`` / ``CumProd`` / ``DFT`` axis, ``AffineGrid`` size, ``Range``) are converted at
+run time: ``onnx_ops.RUNTIME_INPUTS`` (and ``ConstantOfShape``'s own converter).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 # op → indices of the inputs its 0.27 converter needs as constants
-STATIC_INPUTS: dict[str, tuple[int, ...]] = {"DFT": (1, 2), "SplitToSequence": (1,)}
+STATIC_INPUTS: dict[str, tuple[int, ...]] = {"DFT": (1,), "SplitToSequence": (1,)}
 
 
 def _static(value: Any) -> bool:
