@@ -44,8 +44,8 @@ def _operands(bb, inputs, attr, op: str) -> tuple:
     return x, expand[0], expand[1], axis
 
 
-class QuantizeLinear(stock.QuantizeLinear):
-    """``QuantizeLinear``, blocked to integer types here, the rest by TVM's converter."""
+class _Blocked:
+    """``block_size`` set: the subclass's ``_blocked``; otherwise TVM's converter (next in the MRO)."""
 
     @classmethod
     def _impl_v21(cls, bb, inputs, attr, params):
@@ -57,9 +57,21 @@ class QuantizeLinear(stock.QuantizeLinear):
     def _impl_v23(cls, bb, inputs, attr, params):
         if not attr.get("block_size", 0):
             return super()._impl_v23(bb, inputs, attr, params)
+        cls._check_v23(attr)
+        return cls._blocked(bb, inputs, attr)
+
+    @classmethod
+    def _check_v23(cls, attr) -> None:
+        """Refuse the opset-23 attributes ``_blocked`` does not handle (none by default)."""
+
+
+class QuantizeLinear(_Blocked, stock.QuantizeLinear):
+    """``QuantizeLinear``, blocked to integer types here, the rest by TVM's converter."""
+
+    @classmethod
+    def _check_v23(cls, attr) -> None:
         if attr.get("precision", 0):
             raise refuse(attr, "QuantizeLinear", f"attribute precision={attr['precision']}")
-        return cls._blocked(bb, inputs, attr)
 
     @classmethod
     def _blocked(cls, bb, inputs, attr):
@@ -77,20 +89,8 @@ class QuantizeLinear(stock.QuantizeLinear):
         return relax.op.astype(relax.op.clip(y, lo, hi), dtype)
 
 
-class DequantizeLinear(stock.DequantizeLinear):
+class DequantizeLinear(_Blocked, stock.DequantizeLinear):
     """``DequantizeLinear``, blocked here, the rest by TVM's converter."""
-
-    @classmethod
-    def _impl_v21(cls, bb, inputs, attr, params):
-        if not attr.get("block_size", 0):
-            return super()._impl_v21(bb, inputs, attr, params)
-        return cls._blocked(bb, inputs, attr)
-
-    @classmethod
-    def _impl_v23(cls, bb, inputs, attr, params):
-        if not attr.get("block_size", 0):
-            return super()._impl_v23(bb, inputs, attr, params)
-        return cls._blocked(bb, inputs, attr)
 
     @classmethod
     def _blocked(cls, bb, inputs, attr):
