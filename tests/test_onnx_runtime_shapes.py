@@ -14,6 +14,8 @@ from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
 import tvmfuse
+from tests.cuda_tools import needs_nvcc
+from tvmfuse.build.inspect import cuda_source
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -190,6 +192,16 @@ def test_reduce_all_infinite_row(op, fill):
     x = _x(3, 4)
     x[1] = fill
     _check(model, [{"x": x, "axes": np.array([1], "int64")}, {"x": x, "axes": np.array([0], "int64")}])
+
+
+@needs_nvcc
+def test_reduce_runtime_axes_builds_for_sm90(tmp_path):
+    """The runtime-axes kernel (a TE lambda) carries a C identifier as its name: it was emitted
+    as ``<lambda>_kernel`` and nvcc refused the library."""
+    model = _model("ReduceMax", [("x", F, [3, 64, 5]), ("axes", I64, [2])], keepdims=0)
+    lib = tvmfuse.compile(model, target="sm90")
+    assert "reducemax_runtime_axes" in cuda_source(lib.executable)
+    lib.export(tmp_path / "m.so")
 
 
 @pytest.mark.gpu

@@ -340,6 +340,32 @@ def test_short_k_generates_cuda(m, k):
     pipeline.build(lowered, SM80)  # raised "codegen for target sm80 failed" before
 
 
+def _waits_before_commit(source: str) -> list[int]:
+    """Lines of ``cp.async.wait_group`` calls reached with cp.async copies issued since the last
+    ``commit_group`` (text order): such copies belong to no group, and the wait does not wait."""
+    bad, pending = [], 0
+    for n, line in enumerate(source.splitlines()):
+        if "cp_async_commit_group" in line:
+            pending = 0
+        elif "cp_async_wait_group" in line:
+            if pending:
+                bad.append(n)
+        elif re.search(r"ptx_cp_async\w*\(", line):
+            pending += 1
+    return bad
+
+
+@pytest.mark.parametrize("m, n, k", [(32, 128, 64), (256, 128, 64), (256, 256, 4096), (16, 128, 256)])
+def test_async_copies_committed_before_waiting(m, n, k):
+    """Every cp.async copy is in a committed group when a wait_group runs. With one K tile
+    (K = 64 under 128-wide tiles) TVM's pipeline committed the group only after the first
+    ldmatrix, which then raced the copies (H200: batched QKᵀ with K = 64 0.5 off)."""
+    lowered = pipeline.lower(gemm_graph(m, n, k, "float16"), SM80)
+    source = cuda_source(pipeline.build(lowered, SM80))
+    assert "cp_async" in source or k <= 128
+    assert _waits_before_commit(source) == []
+
+
 @needs_nvcc
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_export_sm80_sass(dtype, tmp_path):

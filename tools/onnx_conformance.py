@@ -120,6 +120,12 @@ def exclusion(case: Case) -> str | None:
     return None
 
 
+def is_float_case(case: Case) -> bool:
+    """Every input and output a floating-point numpy array (sequences and maps are not)."""
+    return all(isinstance(a, np.ndarray | np.generic) and a.dtype.kind == "f"
+               for a in [*case.inputs, *case.outputs])
+
+
 def op_of(case: Case, by_name: dict[str, Case]) -> str:
     """The operator a test is about: its one node, or the op of its non-expanded twin."""
     base = _EXPANDED.sub("", case.name)
@@ -181,14 +187,19 @@ def _tolerance(case: Case) -> tuple[float, float]:
     return rtol, atol
 
 
-def run_case(case: Case, workdir: str, target: str = "cpu") -> tuple[str, str]:
+def run_case(case: Case, workdir: str, target: str = "cpu",
+             compile_only: bool = False) -> tuple[str, str]:
     """(status, detail) of one test, run in this process (CUDA targets: inputs and outputs go
-    through torch tensors on the GPU)."""
+    through torch tensors on the GPU). ``compile_only``: compile and export (nvcc for CUDA
+    targets, so a CPU machine finds what a target cannot build) and stop: "pass" means built."""
     import tvmfuse
     from tvmfuse.errors import TvmfuseError
 
     try:
         lib = tvmfuse.compile(case.model, target=target, inputs=_overrides(case) or None)
+        if compile_only:
+            lib.export(Path(workdir) / "model.so")
+            return "pass", "compiled"
         if target == "cpu":
             model = lib.load("cpu", workdir=workdir)
             out = model(*case.inputs)
@@ -229,35 +240,63 @@ def _warm_up() -> None:
     np.zeros(1)
 
 
-def _fork(case: Case, workdir: str, target: str = "cpu") -> tuple[int, int]:
-    """Start ``case`` in a child; returns (pid, read end of its result pipe)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        os.close(r)
-        code = 0
-        try:
-            sys.stdout.flush()
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
-            result = run_case(case, workdir, target)
-            with os.fdopen(w, "wb") as f:
-                f.write(pickle.dumps(result))
-        except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
-            code = 1
-        os._exit(code)
-    os.close(w)
-    return pid, r
+def _child(case: Case, workdir: str, target: str, compile_only: bool, w: int | str) -> None:
+    """In a child process: run ``case``, write the pickled result to fd (or file) ``w``, exit."""
+    code = 0
+    try:
+        sys.stdout.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        result = run_case(case, workdir, target, compile_only)
+        with (os.fdopen(w, "wb") if isinstance(w, int) else open(w + ".part", "wb")) as f:
+            f.write(pickle.dumps(result))
+        if isinstance(w, str):
+            os.replace(w + ".part", w)
+    except BaseException:  # noqa: BLE001 - the child must never return into the parent's code
+        code = 1
+    os._exit(code)
 
 
-def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0,
-              progress: bool = False, target: str = "cpu") -> dict[str, dict[str, str]]:
-    """Run ``cases`` forked, ``jobs`` at a time; name → {"status", "detail"}. The parent never
-    touches the GPU (CUDA does not survive a fork): each child opens its own context."""
+def _fork(case: Case, workdir: str, target: str, compile_only: bool, server) -> tuple[int, int]:
+    """Start ``case`` in a child; returns (pid, an fd that reads its result and then EOF). CPU
+    runs fork this warm process (the result comes through a pipe); a GPU run starts children
+    from ``server``, a forkserver whose process never touched CUDA (a CUDA context does not
+    survive a fork, and importing torch or the compiler may initialise the driver): its child
+    writes the result to a file, and the fd is a pipe this process closes when the child ends."""
+    if server is None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _child(case, workdir, target, compile_only, w)
+        os.close(w)
+        return pid, r
+    proc = server.Process(target=_child, args=(case, workdir, target, compile_only,
+                                               os.path.join(workdir, "result.pkl")))
+    proc.start()
+    _SERVED[proc.sentinel] = (proc, os.path.join(workdir, "result.pkl"))
+    return proc.pid, proc.sentinel
+
+
+_SERVED: dict[int, tuple[Any, str]] = {}  # sentinel fd → forkserver Process, its result file
+
+
+def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0, progress: bool = False,
+              target: str = "cpu", compile_only: bool = False) -> dict[str, dict[str, str]]:
+    """Run ``cases`` in children, ``jobs`` at a time; name → {"status", "detail"}. The parent
+    never touches the GPU: each child opens its own context."""
+    import multiprocessing
     import tempfile
 
-    _warm_up()
+    server = None
+    if target != "cpu" and not compile_only:
+        server = multiprocessing.get_context("forkserver")
+        # numpy and onnx only: on the H200 a forkserver that had imported tvm/torch/tvmfuse still
+        # handed its children a dead CUDA context (cudaErrorInitializationError in every child)
+        server.set_forkserver_preload(["numpy", "onnx"])
+    else:
+        _warm_up()
     results: dict[str, dict[str, str]] = {}
     pending = list(reversed(cases))
     running: dict[int, tuple[Case, int, float, bytearray]] = {}  # fd → case, pid, start, data
@@ -267,13 +306,16 @@ def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0,
                 case = pending.pop()
                 workdir = os.path.join(tmp, case.name)
                 os.makedirs(workdir)
-                pid, fd = _fork(case, workdir, target)
+                pid, fd = _fork(case, workdir, target, compile_only, server)
                 running[fd] = (case, pid, time.monotonic(), bytearray())
             ready, _, _ = select.select(list(running), [], [], 0.5)
             now = time.monotonic()
             for fd in list(running):
                 case, pid, start, data = running[fd]
-                if fd in ready:
+                served = _SERVED.get(fd)  # a forkserver child: its Process owns the fd
+                if fd in ready and served:
+                    status, detail = _reap_served(*served)
+                elif fd in ready:
                     chunk = os.read(fd, 1 << 16)
                     if chunk:
                         data += chunk
@@ -281,17 +323,31 @@ def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0,
                     status, detail = _reap(pid, data)
                 elif now - start > timeout:
                     os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
+                    served[0].join() if served else os.waitpid(pid, 0)
                     status, detail = "crash", f"timeout after {timeout:.0f} s"
                 else:
                     continue
-                os.close(fd)
+                if served:
+                    _SERVED.pop(fd)[0].close()
+                else:
+                    os.close(fd)
                 del running[fd]
                 results[case.name] = {"status": status, "detail": detail[:300]}
                 if progress:
                     print(f"{len(results):5d}/{len(cases)} {status:8s} {case.name} "
                           f"({now - start:.1f} s) {detail[:120]}", flush=True)
     return results
+
+
+def _reap_served(proc: Any, path: str) -> tuple[str, str]:
+    """The result of a finished forkserver child (its file), or how it ended without one."""
+    proc.join()
+    if os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.loads(f.read())
+    if proc.exitcode is not None and proc.exitcode < 0:
+        return "crash", f"killed by signal {signal.Signals(-proc.exitcode).name}"
+    return "crash", f"child exited with status {proc.exitcode} without a result"
 
 
 def _reap(pid: int, data: bytearray) -> tuple[str, str]:
@@ -426,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-q", "--quiet", action="store_true")
     parser.add_argument("--target", default="cpu",
                         help="cpu (the recorded statuses) or a CUDA target (sm90, sm80) on a GPU")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile and export only (nvcc for CUDA targets; runs on a CPU machine)")
     parser.add_argument("--float-only", action="store_true",
                         help="only tests whose inputs and outputs are all floating point (the "
                              "issue's GPU set)")
@@ -436,12 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         cases = [c for c in cases if args.only in c.name]
     if args.float_only:
-        cases = [c for c in cases if all(np.asarray(a).dtype.kind == "f"
-                                         for a in [*c.inputs, *c.outputs])]
-    if args.update and args.target != "cpu":
+        cases = [c for c in cases if is_float_case(c)]
+    if args.update and (args.target != "cpu" or args.compile_only):
         parser.error("--update records the cpu target's statuses")
     start = time.monotonic()
-    results = run_cases(cases, args.jobs, args.timeout, progress=not args.quiet, target=args.target)
+    results = run_cases(cases, args.jobs, args.timeout, progress=not args.quiet,
+                        target=args.target, compile_only=args.compile_only)
     annotate(results, cases)
     print(json.dumps(summarise(results, cases)), f"in {time.monotonic() - start:.0f} s")
     if args.report:

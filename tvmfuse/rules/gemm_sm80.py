@@ -727,10 +727,14 @@ class GemmSM80(GPUScheduleRule):
         # (prologue, stage - 1 behind the copies) right after the current tile's last mma.
         sch.annotate(k1, "software_pipeline_stage", [0, 0, 1])
         sch.annotate(k1, "software_pipeline_order", [0, 1, 2])
-        last = cfg.stages - 1
-        sch.annotate(k0, "software_pipeline_stage", [0, 0, max(last - 1, 0), last, last])
-        sch.annotate(k0, "software_pipeline_order", [0, 1, 3, 2, 4])
-        sch.annotate(k0, "software_pipeline_async_stages", [0])
+        # One K tile (K ≤ block_k): no copy pipeline. TVM's injector commits that tile's cp.async
+        # group only after the first fragment loads, whose wait_group then waits for nothing:
+        # ldmatrix raced the copies (H200: 0.5 relative error, batched QKᵀ with K = 64).
+        if -(-gemm.k // cfg.block_k) > 1:
+            last = cfg.stages - 1
+            sch.annotate(k0, "software_pipeline_stage", [0, 0, max(last - 1, 0), last, last])
+            sch.annotate(k0, "software_pipeline_order", [0, 1, 3, 2, 4])
+            sch.annotate(k0, "software_pipeline_async_stages", [0])
 
         # 8. Epilogue: every consumer of C inlined into the shared → global copy, which then
         # runs as [rows, 32 lanes, V] with 16-byte vector loads of C and stores of the output.
