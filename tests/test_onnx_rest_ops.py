@@ -428,3 +428,18 @@ def test_mod_half_builds_for_sm90(fmod, elem, tmp_path):
         y = np.array([[2.1, -3.4, 8.0, -2.1, 3.4, 5.0], [0.3, 0.3, 7.0, 1.5, -3e-4, 2]], np.float16)
         _check(model, {"x": x, "y": y}, exact=True)
 
+
+def test_det_kernel_runs_on_the_gpu_sm90(tmp_path):
+    """Det's sequential LU kernel (one opaque block, which no dlight rule takes) becomes a one-
+    thread CUDA kernel; unbound, relax.build compiled it for the host, where it would read
+    device memory (and test_det_nd's library held no CUDA module at all)."""
+    from tvmfuse.build.inspect import cuda_images, cuda_source
+
+    node = helper.make_node("Det", ["x"], ["y"])
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2, 2])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], opset=22)
+    lib = tvmfuse.compile(model, target="sm90")
+    source = cuda_source(lib.executable) or ""
+    assert "__global__" in source and "det_ptr" in source
+    (fmt, _), = cuda_images(lib.export(tmp_path / "det.so"))
+    assert fmt == "fatbin"

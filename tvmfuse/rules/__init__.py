@@ -10,7 +10,9 @@ dlight's Matmul and GEMV (they only take GEMM / GEMV shapes), then tvmfuse's
 memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`RowStats` for
 per-row statistics (NormGemmPrologue's mean / rstd kernels), :class:`Elementwise`
 for purely spatial functions; all three mark the PrimFunc with ``"tvmfuse.rule"``), then dlight's
-generic Reduction, GeneralReduction and Fallback for everything else.
+generic Reduction, GeneralReduction and Fallback for everything else; last,
+:class:`SingleThread` puts what none of them takes (sequential ``te.extern`` kernels) on one GPU
+thread, since an unbound kernel would be compiled for the host.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .gemm_sm80 import GemmSM80
 from .gemv import Gemv
 from .row_norm import RowNorm
 from .row_stats import RowStats
+from .single_thread import SingleThread
 
 
 def gpu_rules() -> list:
@@ -40,8 +43,9 @@ def gpu_rules() -> list:
         dl.gpu.Reduction(),
         dl.gpu.GeneralReduction(),
         dl.gpu.Fallback(),
+        SingleThread(),
     ]
 
 
 __all__ = ["RULE_ATTR", "Elementwise", "GemmSM80", "GemmSimtRowStats", "Gemv", "RowNorm",
-           "RowStats", "gpu_rules"]
+           "RowStats", "SingleThread", "gpu_rules"]
