@@ -138,7 +138,8 @@ def reduce_runtime_axes(bb: relax.BlockBuilder, op: str, data: relax.Expr, axes:
                         "reduced", ok)
     boolean = str(data.ty.dtype) == "bool"
     source = relax.op.astype(data, "uint8") if boolean else data
-    result = bb.emit_te(lambda x: _kernel(op, x, out), bb.normalize(source))
+    result = bb.emit_te(lambda x: _kernel(op, x, out), bb.normalize(source),
+                        primfunc_name_hint=op.lower())  # not "<lambda>": a CUDA kernel name
     if boolean:
         result = bb.normalize(relax.op.astype(result, "bool"))
     if keepdims:
