@@ -169,3 +169,62 @@ def test_export_with_pypi_nvcc_only(tmp_path, monkeypatch):
     lib = tvmfuse.compile(Tiny().eval(), (torch.randn(4, 32),), target="sm90")
     (fmt, code), = cuda_images(lib.export(tmp_path / "pypi.so"))
     assert fmt == "fatbin" and struct.unpack_from("<I", code)[0] == 0xBA55ED50
+
+
+def _identity_onnx():
+    """y = Identity(x): an ONNX graph that needs no kernel at all."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+_RUN_VM_CODE = """
+import json, sys
+import numpy as np
+import tvm, tvm.base
+from tvm.runtime.vm import VirtualMachine
+from tvmfuse.runtime import read_metadata
+meta = read_metadata(sys.argv[1])
+vm = VirtualMachine(tvm.runtime.load_module(sys.argv[1]), tvm.cpu())  # VM code only: no kernel
+x = np.arange(12, dtype="float32").reshape(3, 4)
+y = vm["main"](tvm.runtime.tensor(x)).numpy()
+compiler = [m for m in sys.modules if m.split(".")[:2] in (["tvmfuse", p] for p in
+            ("frontend", "passes", "rules", "kernels", "build", "pipeline", "compiler"))]
+print(json.dumps({"runtime_only": bool(tvm.base._RUNTIME_ONLY), "compiler_modules": compiler,
+                  "target": meta["target"], "same": bool((y == x).all())}))
+"""
+
+
+def test_library_without_kernels_exports_and_loads_runtime_only(tmp_path):
+    """A CUDA library whose graph needs no kernel has no CUDA module: it still exports (nothing
+    for nvcc), and runtime-only TVM loads it and runs its VM code."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tvmfuse.compile(_identity_onnx(), target="sm90").export(tmp_path / "identity.so")
+    assert cuda_images(path) == []
+    res = subprocess.run([sys.executable, "-c", _RUN_VM_CODE, str(path)], capture_output=True,
+                         text=True, cwd=tmp_path,
+                         env=dict(os.environ, TVM_USE_RUNTIME_LIB="1",
+                                  PYTHONPATH=os.path.dirname(os.path.dirname(tvmfuse.__file__))))
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info == {"runtime_only": True, "compiler_modules": [], "target": "sm90", "same": True}
+
+
+def test_cuda_module_left_as_source_is_an_error(tmp_path, monkeypatch):
+    """Zero kernels is fine, but a CUDA module the rewrite missed (a changed blob format) is not:
+    the library would need a compiler at load."""
+    import tvmfuse.build.export as export
+    from tvmfuse.errors import CompileError
+
+    monkeypatch.setattr(export, "rewrite_cuda_modules", lambda blob, _compile: (blob, 0))
+    torch.manual_seed(0)
+    lib = tvmfuse.compile(Tiny().eval(), (torch.randn(4, 32),), target="sm90")
+    with pytest.raises(CompileError, match="0 of 1 CUDA modules compiled"):
+        lib.export(tmp_path / "tiny.so")

@@ -412,3 +412,34 @@ def test_sequential_and_data_dependent_kernels_sm90():
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], opset=18)
     _check(col_model, {"x": rng.standard_normal((1, 6, 12)).astype(np.float32),
                        "img": np.array([7, 4], np.int64), "blk": np.array([2, 3], np.int64)}, target="sm90")
+
+
+@pytest.mark.parametrize("fmod", [0, 1])
+@pytest.mark.parametrize("elem", [TensorProto.FLOAT16, TensorProto.BFLOAT16])
+def test_mod_half_builds_for_sm90(fmod, elem, tmp_path):
+    """16-bit ``Mod`` takes its remainder in float32 (CUDA has no half fmod: codegen refused it);
+    fp16 on cpu matches the reference evaluator bit for bit, both signs and fmod values."""
+    node = helper.make_node("Mod", ["x", "y"], ["z"], fmod=fmod)
+    model = _model(node, [helper.make_tensor_value_info(n, elem, [2, 6]) for n in ("x", "y")],
+                   [helper.make_tensor_value_info("z", elem, [2, 6])], opset=13)
+    assert tvmfuse.compile(model, target="sm90").export(tmp_path / "mod.so").is_file()
+    if elem == TensorProto.FLOAT16:
+        x = np.array([[-4.3, 7.2, 5.0, 4.3, -7.2, 8.0], [0.5, -0.5, 65504, -3.75, 1e-3, 0]], np.float16)
+        y = np.array([[2.1, -3.4, 8.0, -2.1, 3.4, 5.0], [0.3, 0.3, 7.0, 1.5, -3e-4, 2]], np.float16)
+        _check(model, {"x": x, "y": y}, exact=True)
+
+
+def test_det_kernel_runs_on_the_gpu_sm90(tmp_path):
+    """Det's sequential LU kernel (one opaque block, which no dlight rule takes) becomes a one-
+    thread CUDA kernel; unbound, relax.build compiled it for the host, where it would read
+    device memory (and test_det_nd's library held no CUDA module at all)."""
+    from tvmfuse.build.inspect import cuda_images, cuda_source
+
+    node = helper.make_node("Det", ["x"], ["y"])
+    model = _model(node, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2, 2])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])], opset=22)
+    lib = tvmfuse.compile(model, target="sm90")
+    source = cuda_source(lib.executable) or ""
+    assert "__global__" in source and "det_ptr" in source
+    (fmt, _), = cuda_images(lib.export(tmp_path / "det.so"))
+    assert fmt == "fatbin"

@@ -116,6 +116,11 @@ def rewrite_cuda_modules(blob: bytes, compile_source: Callable[[str], bytes]) ->
     return struct.pack("<Q", len(out)) + bytes(out), rewritten
 
 
+def count_cuda_modules(mod) -> int:
+    """How many ``cuda`` modules ``mod`` (a runtime module) imports, directly or not."""
+    return sum(int(m.kind == "cuda") + count_cuda_modules(m) for m in mod.imports)
+
+
 def _metadata_c(metadata: dict[str, Any]) -> str:
     data = json.dumps(metadata, sort_keys=True).encode() + b"\0"
     body = ",".join(str(b) for b in data)
@@ -211,5 +216,9 @@ def _export(executable, tmp: Path, path: Path, spec: TargetSpec, metadata: dict[
     meta_c.write_text(_metadata_c(metadata))
     executable.export_library(str(tmp), fpack_imports=pack_imports, addons=[str(meta_c)],
                               workspace_dir=workdir)
-    if spec.is_cuda and stats["cuda_modules"] == 0:
-        raise CompileError(f"exporting {path}: no CUDA module to compile; nothing would run on GPU")
+    # A graph with no kernel (Identity, a constant) has no CUDA module: a valid library, its VM
+    # code alone runs. Every CUDA module it has must have become a fatbin, though.
+    expected = count_cuda_modules(executable.mod)
+    if stats["cuda_modules"] != expected:
+        raise CompileError(f"exporting {path}: {stats['cuda_modules']} of {expected} CUDA modules "
+                           "compiled to a fatbin; the module format changed?")

@@ -10,8 +10,9 @@ dlight's Matmul and GEMV (they only take GEMM / GEMV shapes), then tvmfuse's
 memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`RowStats` for
 per-row statistics (NormGemmPrologue's mean / rstd kernels), :class:`Elementwise`
 for purely spatial functions; all three mark the PrimFunc with ``"tvmfuse.rule"``), then dlight's
-generic Reduction, GeneralReduction and Fallback for everything else, and last
-:class:`SingleThread` for sequential kernels without a thread-bound loop (one GPU thread).
+generic Reduction, GeneralReduction and Fallback for everything else; last,
+:class:`SingleThread` puts what none of them takes (sequential ``te.extern`` kernels) on one GPU
+thread, since an unbound kernel would be compiled for the host.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@
   computes x − floor(x/y)·y, NaN for an infinite divisor)::
 
       r = fmod(X, Y);  Y' = r ≠ 0 and sign(r) ≠ sign(Y) ? r + Y : r
+
+  16-bit floats take ``fmod`` in float32 (either ``fmod`` value): CUDA has no half ``fmod``
+  (TVM's codegen refuses it) and the remainder is exact, so the cast back changes no bit.
 * ``Dropout`` (inference): the optional ``mask`` output is all-True bool (0.27 emits a float).
 """
 
@@ -62,6 +65,17 @@ class BitShift(stock.BitShift):
         return relax.op.where(outside, fill, shifted)
 
 
+def _fmod(x: relax.Expr, y: relax.Expr, dtype: str) -> relax.Expr:
+    """Truncated remainder (the dividend's sign) of floats; 16-bit ones computed in float32."""
+    if dtype not in _HALF:
+        return relax.op.mod(x, y)
+    wide = relax.op.mod(relax.op.astype(x, "float32"), relax.op.astype(y, "float32"))
+    return relax.op.astype(wide, dtype)
+
+
+_HALF = ("float16", "bfloat16")
+
+
 class Mod(stock.Mod):
     """``Mod``: floats with ``fmod=0`` take the divisor's sign, infinite divisors included."""
 
@@ -69,9 +83,12 @@ class Mod(stock.Mod):
     def _impl_v10(cls, bb, inputs, attr, params):
         x, y = inputs[0], inputs[1]
         dtype = str(x.ty.dtype)
-        if attr.get("fmod", 0) or not dtype.startswith(("float", "bfloat")):
+        if not dtype.startswith(("float", "bfloat")):
             return super()._impl_v10(bb, inputs, attr, params)
-        r = bb.normalize(relax.op.mod(x, y))  # truncated: the dividend's sign
+        if attr.get("fmod", 0):
+            return _fmod(x, y, dtype) if dtype in _HALF else super()._impl_v10(bb, inputs, attr,
+                                                                                params)
+        r = bb.normalize(_fmod(x, y, dtype))
         zero = _const(0.0, dtype)
         # logical_xor: not_equal of two bool tensors miscompiles on llvm (fcmp on i1)
         flip = relax.op.logical_and(relax.op.not_equal(r, zero),

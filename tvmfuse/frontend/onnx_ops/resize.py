@@ -198,8 +198,10 @@ def resize_runtime(bb: relax.BlockBuilder, inputs: list, attr: dict, fallback: F
                "extrapolation": float(attr.get("extrapolation_value", 0.0)), "acc": acc}
     roi64 = bb.normalize(roi64)
     for axis in axes:
+        # A named kernel: a lambda's "<lambda>" would become the CUDA kernel's (invalid) name.
         result = bb.emit_te(lambda *args, axis=axis: _resize_axis(*args, axis=axis, **options),
-                            result, ratio, roi64, syms[axis], syms[rank + axis])
+                            result, ratio, roi64, syms[axis], syms[rank + axis],
+                            primfunc_name_hint=f"resize_axis{axis}")
     if dtype != acc:
         result = relax.op.astype(relax.op.round(result) if not floating else result, dtype)
     return result
