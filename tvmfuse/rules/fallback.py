@@ -75,6 +75,24 @@ def apply_rules(func: tirx.PrimFunc, target: Target, rules: list, tunable: bool)
     return None, func
 
 
+def _check_on_device(name: str, func: tirx.PrimFunc, target: Target) -> None:
+    """A CUDA kernel no rule took must still run in GPU threads: TVM would otherwise build it as
+    a host function that dereferences device pointers (a segfault at run time), so this is a
+    CompileError naming the kernel and why the rules left it."""
+    from ..errors import CompileError
+    from .single_thread import runs_on_device
+
+    if target.kind.name != "cuda" or (func.attrs is not None and func.attrs.get("tirx.is_host_func")):
+        return
+    if runs_on_device(func, target):
+        return
+    why = func.attrs.get(FALLBACK_ATTR) if func.attrs is not None else None
+    raise CompileError(f"kernel {name!r}: no schedule rule binds it to GPU threads, and unbound it "
+                       f"would run on the host against device memory"
+                       + (f" (rules that raised: {why})" if why else ""), stage="schedule",
+                       function=name)
+
+
 def _is_scheduled(func: tirx.PrimFunc) -> bool:
     return bool(func.attrs is not None and func.attrs.get("tirx.is_scheduled", False))
 
@@ -98,7 +116,9 @@ class ApplyRules:
                                         self.rules, tunable=False)
             if space is not None:
                 updates[gvar] = space[0].mod["main"].with_attr("tirx.is_scheduled", True)
-            elif not marked.same_as(func):  # no rule took it; keep why the ones that raised
+                continue
+            _check_on_device(gvar.name_hint, marked, target or Target.current(allow_none=False))
+            if not marked.same_as(func):  # no rule took it; keep why the ones that raised
                 updates[gvar] = marked
         if not updates:
             return mod
