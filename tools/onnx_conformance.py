@@ -207,7 +207,8 @@ def run_case(case: Case, workdir: str, target: str = "cpu",
             import torch
 
             model = lib.load("cuda", workdir=workdir)
-            out = model(*(torch.from_numpy(np.ascontiguousarray(x)).cuda() for x in case.inputs))
+            # np.require keeps a 0-d input 0-d (np.ascontiguousarray makes it 1-d)
+            out = model(*(torch.from_numpy(np.require(x, requirements="C")).cuda() for x in case.inputs))
             out = tuple(o.cpu().numpy() for o in out) if isinstance(out, tuple | list) else \
                 out.cpu().numpy()
     except TvmfuseError as err:
@@ -473,6 +474,7 @@ def write_coverage(results: dict[str, dict[str, str]], cases: list[Case]) -> Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="run the tests whose name contains this")
+    parser.add_argument("--names", help="run only the tests named in this file (one per line)")
     parser.add_argument("--subset", choices=["ci", "full"], default="full")
     parser.add_argument("-j", "--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=60.0)
@@ -493,6 +495,9 @@ def main(argv: list[str] | None = None) -> int:
         cases = ci_subset(cases)
     if args.only:
         cases = [c for c in cases if args.only in c.name]
+    if args.names:
+        wanted = set(Path(args.names).read_text().split())
+        cases = [c for c in cases if c.name in wanted]
     if args.float_only:
         cases = [c for c in cases if is_float_case(c)]
     if args.update and (args.target != "cpu" or args.compile_only):
@@ -505,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         Path(args.report).write_text(json.dumps(results, indent=1) + "\n")
     if args.update:
-        if args.only or args.subset != "full":
+        if args.only or args.names or args.subset != "full":
             parser.error("--update needs the full set (no --only, --subset full)")
         write_status(results, cases)
         write_coverage(results, cases)

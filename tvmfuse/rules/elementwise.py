@@ -157,6 +157,12 @@ def _launch_bounds(func: tirx.PrimFunc, min_blocks: int) -> tirx.PrimFunc:
     return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, block))
 
 
+def _reduces(block) -> bool:
+    """Whether ``block`` is a reduction: an init, or a reduction iterator of any extent."""
+    return block.init is not None or any(
+        iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars)
+
+
 class Elementwise(GPUScheduleRule):
     """Purely spatial functions: fused loops, 256 threads, 16-byte vector loads and stores."""
 
@@ -183,6 +189,9 @@ class Elementwise(GPUScheduleRule):
         infos = normalize_prim_func(sch)
         if not infos or any(set(b.dom_kind()) - {"S"} for b in infos):
             return None
+        if any(_reduces(sch.get(b.block_rv)) for b in infos):
+            return None  # a reduction over extent-1 axes reads as "S" above; inlining its
+            # consumer would put the consumer's terms in the init *and* the update (x + p + p)
         if any(not b.dom_kind() for b in infos):
             return None  # a scalar block: nothing to spread over threads
         infos = try_inline(sch, infos)
