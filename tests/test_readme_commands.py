@@ -251,7 +251,10 @@ def test_readme_gpu_commands(tmp_path):
     work = _scratch(tmp_path)
     bin_dir = tmp_path / "bin"  # `python` and `tvmfuse` of this interpreter, installed or not
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    # a wrapper, not a symlink: a venv's python reached through a symlink elsewhere does not find
+    # its pyvenv.cfg and loses the venv's packages (on the device: "No module named 'numpy'")
+    (bin_dir / "python").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    (bin_dir / "python").chmod(0o755)
     (bin_dir / "tvmfuse").write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m tvmfuse.cli "$@"\n')
     (bin_dir / "tvmfuse").chmod(0o755)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))

@@ -304,7 +304,7 @@ def test_rules_decline_cpu_targets():
 
 def test_gpu_rules_order():
     names = [type(r).__name__ for r in gpu_rules()]
-    assert names[:8] == ["GemmSimtRowStats", "Gemv", "GemmSM80", "Matmul", "GEMV", "RowNorm",
+    assert names[:8] == ["GemmSimtRowStats", "Gemv", "GemmSM80", "Matmul", "GuardedGEMV", "RowNorm",
                          "RowStats", "Elementwise"]
     assert names[-2:] == ["Fallback", "SingleThread"]  # what dlight's Fallback leaves: one thread
 

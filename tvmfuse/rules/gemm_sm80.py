@@ -81,6 +81,7 @@ from ..device_props import DeviceProperties, device_properties
 from ..kernels.tir_util import const_int
 from ..options import Options, current_options
 from .elementwise import VECTOR_BYTES
+from .guarded_gemv import GuardedGEMV
 
 NAME = "gemm_sm80"
 WARP = 32
@@ -796,9 +797,9 @@ def _first_line(err: BaseException) -> str:
 
 
 def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
-    """dlight's GEMV, then Matmul, on ``func`` marked with why this rule did not take it."""
+    """dlight's GEMV (guarded), then Matmul, on ``func`` marked with why this rule did not take it."""
     marked = func.with_attr(FALLBACK_ATTR, reason)
-    for rule in (dl.gpu.GEMV(), dl.gpu.Matmul()):
+    for rule in (GuardedGEMV(), dl.gpu.Matmul()):
         sch = rule.apply(marked, target, tunable)
         if sch is not None:
             return sch

@@ -1,0 +1,60 @@
+"""dlight's GEMV rule, except for reductions of at most ``TINY`` elements.
+
+dlight's GEMV schedules a reduction in two stages (per-thread partial sums in local memory, then
+a cross-thread sum). On a grouped ``conv1d`` with a batch axis (ONNX ``CausalConvWithState``'s
+decode step: output (2, 4, 1), reduction over 1 × 4) the two stages map the fused (batch,
+channel) index to ``threadIdx.y`` in different orders, so the second stage read partial sums that
+other threads held in their registers: 0.69 relative error on the H200. A reduction this short
+gains nothing from splitting across threads; it gets dlight's Fallback instead (one thread per
+output, the sum serial), which has no second stage to disagree with the first.
+"""
+
+from __future__ import annotations
+
+from tvm import s_tir, tirx
+from tvm.s_tir import dlight as dl
+from tvm.target import Target
+
+TINY = 64  # elements summed per output at or below which the serial schedule is used
+
+
+def reduction_length(func: tirx.PrimFunc) -> int | None:
+    """Elements summed per output by the reduction blocks of ``func`` (the largest static product
+    of their reduce extents); None when there is no reduction or an extent is symbolic."""
+    lengths: list[int] = []
+
+    def visit(stmt) -> None:
+        if isinstance(stmt, s_tir.SBlock):
+            extents = [iv.dom.extent for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
+            if extents:
+                if not all(isinstance(e, tirx.IntImm) for e in extents):
+                    lengths.append(-1)
+                else:
+                    product = 1
+                    for e in extents:
+                        product *= int(e)
+                    lengths.append(product)
+        children = list(getattr(stmt, "seq", None) or [])
+        children += [getattr(stmt, f, None) for f in ("body", "block", "then_case", "else_case")]
+        for child in children:
+            if isinstance(child, tirx.Stmt | s_tir.SBlock):
+                visit(child)
+
+    visit(func.body)
+    if not lengths or -1 in lengths:
+        return None
+    return max(lengths)
+
+
+class GuardedGEMV(dl.gpu.GEMV):
+    """``dl.gpu.GEMV``; a function it takes whose reductions sum ≤ :data:`TINY` elements gets
+    ``dl.gpu.Fallback``'s schedule instead (module docstring)."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        space = super().apply(func, target, tunable)
+        if space is None:
+            return None
+        length = reduction_length(func)
+        if length is not None and length <= TINY:
+            return dl.gpu.Fallback().apply(func, target, tunable)
+        return space
