@@ -37,6 +37,7 @@ from .passes.legalize_fixes import legalize_overrides
 from .passes.lift_weights import LiftWeights, lift_threshold
 from .passes.order_symbolic_defs import OrderSymbolicDefs
 from .passes.pair_gemm import PairGemm
+from .passes.unit_k_matmul import UnitKMatmul
 from .passes.unwrap_output import UnwrapSingleOutput
 from .rules import gpu_rules
 from .rules.fallback import ApplyRules
@@ -143,6 +144,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Attention operands made by injective ops (RoPE, QKV slices, masks): one kernel writes them
         # all; after every pass that rewrites those operands, before ops become TIR.
         mod = run("pack_attention_inputs", PackAttentionInputs(), mod)
+        # K = 1 products → broadcast multiplies (no one-element reduction for the GPU rules to
+        # mis-inline); after every pattern pass, which may still take them as matmuls.
+        mod = run("unit_k_matmul", UnitKMatmul(), mod)
         # Library dispatch (sort/scan/sampling) must replace ops before they are legalised.
         mod = run("dispatch", tvm.transform.Sequential(
             [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan()]), mod)

@@ -26,7 +26,9 @@ from tvm.ir.transform import PassContext, module_pass
 from tvm.target import Target
 
 from ..attrs import FALLBACK_ATTR
+from ..errors import CompileError
 from ..options import current_options
+from .single_thread import runs_on_device
 
 _MAX_REASON = 300
 
@@ -87,9 +89,6 @@ def _check_on_device(name: str, func: tirx.PrimFunc, target: Target) -> None:
     """A CUDA kernel no rule took must still run in GPU threads: TVM would otherwise build it as
     a host function that dereferences device pointers (a segfault at run time), so this is a
     CompileError naming the kernel and why the rules left it."""
-    from ..errors import CompileError
-    from .single_thread import runs_on_device
-
     if target.kind.name != "cuda" or (func.attrs is not None and func.attrs.get("tirx.is_host_func")):
         return
     if runs_on_device(func, target):

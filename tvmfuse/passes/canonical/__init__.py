@@ -17,7 +17,6 @@ from .half_accumulate import HalfMatmulAccumulate
 from .lift_folded_batch import LiftFoldedBatch
 from .share_casts import ShareCasts
 from .tuple_output import TupleOutput
-from .unit_k_matmul import UnitKMatmul
 from .upcast_matmul import UpcastMatmul
 from .view_chain import CollapseViewChains
 
@@ -32,7 +31,6 @@ PASSES = [
     UpcastMatmul,  # needs out_dtype=float32 (above); folds casts before the GEMM is reshaped
     FoldMatmulLeadingDims,  # folds the final matmul and its cast / bias epilogue
     TupleOutput,  # after the fold: a reshape it leaves before the output must stay a view
-    UnitKMatmul,  # last: the passes above never see a K = 1 product as other than a matmul
 ]
 
 
@@ -43,4 +41,4 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 __all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
            "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts", "TupleOutput",
-           "UnitKMatmul", "UpcastMatmul"]
+           "UpcastMatmul"]

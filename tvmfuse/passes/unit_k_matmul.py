@@ -9,6 +9,10 @@ element they met a TVM defect on the GPU: the schedule rules inline the ``+ S`` 
 reduction block, which puts it in the block's init *and* its update, and every state came out
 ``2·S + kᵀ·v`` (H200: 28 wrong ONNX node tests). As a multiply there is no reduction to get wrong,
 and it fuses with its neighbours like any elementwise op.
+
+Pipeline stage ``unit_k_matmul``, after the pattern passes: attention without a cache at one key
+(compile_lm's decode before the cache is derived) has a P·V product with K = 1 that FuseAttention
+must still see as a matmul.
 """
 
 from __future__ import annotations
@@ -17,8 +21,8 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._util import is_op
-from ._common import dtype_of, ndim_of, rewrite_relax_functions
+from ._util import is_op
+from .canonical._common import dtype_of, ndim_of, rewrite_relax_functions
 
 
 def _contraction_is_one(a: relax.Expr) -> bool:

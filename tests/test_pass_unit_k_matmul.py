@@ -12,7 +12,7 @@ from tvm.script import relax as R
 
 from tests.canonical_util import apply
 from tests.relax_util import assert_same_numerics
-from tvmfuse.passes.canonical import UnitKMatmul
+from tvmfuse.passes.unit_k_matmul import UnitKMatmul
 from tvmfuse.rules import Elementwise
 
 
