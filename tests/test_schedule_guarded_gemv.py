@@ -12,9 +12,11 @@ import tvm
 from onnx import TensorProto, helper
 from tvm import te
 
-import tvmfuse
+from tvmfuse.frontend import import_model
+from tvmfuse.pipeline import build, lower
 from tvmfuse.rules import GuardedGEMV
 from tvmfuse.rules.guarded_gemv import TINY, reduction_length
+from tvmfuse.targets import get_target
 
 SM90 = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}, host={"kind": "llvm"})
 
@@ -56,14 +58,11 @@ def test_causal_conv_decode_step_is_serial():
                                             helper.make_tensor_value_info("b", TensorProto.FLOAT, [4])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    tvmfuse.compile(model, target="sm90")  # builds (scheduled, through CUDA codegen)
-    from tvmfuse.frontend import import_model
-    from tvmfuse.pipeline import lower
-    from tvmfuse.targets import get_target
-
+    spec = get_target("sm90")
     seen: dict[str, tvm.IRModule] = {}
-    lower(import_model(model, None, {}, {}).mod, get_target("sm90"), None,
-          on_stage=lambda name, m: seen.__setitem__(name, m))
+    lowered = lower(import_model(model, None, {}, {}).mod, spec, None,
+                    on_stage=lambda name, m: seen.__setitem__(name, m))
+    build(lowered, spec)  # and through CUDA codegen
     convs = [f for gv, f in seen["schedule"].functions_items()
              if isinstance(f, tvm.tirx.PrimFunc) and "conv1d" in gv.name_hint]
     assert convs and all("_rf_local" not in f.script() for f in convs)

@@ -259,12 +259,13 @@ def _child(case: Case, workdir: str, target: str, compile_only: bool, w: int | s
     os._exit(code)
 
 
-def _fork(case: Case, workdir: str, target: str, compile_only: bool, server) -> tuple[int, int]:
-    """Start ``case`` in a child; returns (pid, an fd that reads its result and then EOF). CPU
+def _fork(case: Case, workdir: str, target: str, compile_only: bool, server) -> tuple[int, int, Any]:
+    """Start ``case`` in a child; returns (pid, an fd readable when it is done, its forkserver
+    Process or None). CPU
     runs fork this warm process (the result comes through a pipe); a GPU run starts children
     from ``server``, a forkserver whose process never touched CUDA (a CUDA context does not
     survive a fork, and importing torch or the compiler may initialise the driver): its child
-    writes the result to a file, and the fd is a pipe this process closes when the child ends."""
+    writes the result to ``workdir/result.pkl``, and the fd is the Process's sentinel."""
     if server is None:
         r, w = os.pipe()
         pid = os.fork()
@@ -272,15 +273,11 @@ def _fork(case: Case, workdir: str, target: str, compile_only: bool, server) -> 
             os.close(r)
             _child(case, workdir, target, compile_only, w)
         os.close(w)
-        return pid, r
+        return pid, r, None
     proc = server.Process(target=_child, args=(case, workdir, target, compile_only,
                                                os.path.join(workdir, "result.pkl")))
     proc.start()
-    _SERVED[proc.sentinel] = (proc, os.path.join(workdir, "result.pkl"))
-    return proc.pid, proc.sentinel
-
-
-_SERVED: dict[int, tuple[Any, str]] = {}  # sentinel fd → forkserver Process, its result file
+    return proc.pid, proc.sentinel, proc
 
 
 def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0, progress: bool = False,
@@ -300,22 +297,22 @@ def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0, progress:
         _warm_up()
     results: dict[str, dict[str, str]] = {}
     pending = list(reversed(cases))
-    running: dict[int, tuple[Case, int, float, bytearray]] = {}  # fd → case, pid, start, data
+    running: dict[int, tuple[Case, int, float, bytearray, Any]] = {}  # fd → case, pid, start,
+    # data, forkserver Process (None for a forked child; a Process owns its sentinel fd)
     with tempfile.TemporaryDirectory(prefix="tvmfuse-onnx-") as tmp:
         while pending or running:
             while pending and len(running) < jobs:
                 case = pending.pop()
                 workdir = os.path.join(tmp, case.name)
                 os.makedirs(workdir)
-                pid, fd = _fork(case, workdir, target, compile_only, server)
-                running[fd] = (case, pid, time.monotonic(), bytearray())
+                pid, fd, proc = _fork(case, workdir, target, compile_only, server)
+                running[fd] = (case, pid, time.monotonic(), bytearray(), proc)
             ready, _, _ = select.select(list(running), [], [], 0.5)
             now = time.monotonic()
             for fd in list(running):
-                case, pid, start, data = running[fd]
-                served = _SERVED.get(fd)  # a forkserver child: its Process owns the fd
-                if fd in ready and served:
-                    status, detail = _reap_served(*served)
+                case, pid, start, data, proc = running[fd]
+                if fd in ready and proc:
+                    status, detail = _reap_served(proc, os.path.join(tmp, case.name, "result.pkl"))
                 elif fd in ready:
                     chunk = os.read(fd, 1 << 16)
                     if chunk:
@@ -324,12 +321,12 @@ def run_cases(cases: list[Case], jobs: int = 1, timeout: float = 60.0, progress:
                     status, detail = _reap(pid, data)
                 elif now - start > timeout:
                     os.kill(pid, signal.SIGKILL)
-                    served[0].join() if served else os.waitpid(pid, 0)
+                    proc.join() if proc else os.waitpid(pid, 0)
                     status, detail = "crash", f"timeout after {timeout:.0f} s"
                 else:
                     continue
-                if served:
-                    _SERVED.pop(fd)[0].close()
+                if proc:
+                    proc.close()
                 else:
                     os.close(fd)
                 del running[fd]

@@ -11,6 +11,8 @@ output, the sum serial), which has no second stage to disagree with the first.
 
 from __future__ import annotations
 
+import math
+
 from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
@@ -21,29 +23,17 @@ TINY = 64  # elements summed per output at or below which the serial schedule is
 def reduction_length(func: tirx.PrimFunc) -> int | None:
     """Elements summed per output by the reduction blocks of ``func`` (the largest static product
     of their reduce extents); None when there is no reduction or an extent is symbolic."""
-    lengths: list[int] = []
-
-    def visit(stmt) -> None:
-        if isinstance(stmt, s_tir.SBlock):
-            extents = [iv.dom.extent for iv in stmt.iter_vars if iv.iter_type == tirx.IterVar.CommReduce]
-            if extents:
-                if not all(isinstance(e, tirx.IntImm) for e in extents):
-                    lengths.append(-1)
-                else:
-                    product = 1
-                    for e in extents:
-                        product *= int(e)
-                    lengths.append(product)
-        children = list(getattr(stmt, "seq", None) or [])
-        children += [getattr(stmt, f, None) for f in ("body", "block", "then_case", "else_case")]
-        for child in children:
-            if isinstance(child, tirx.Stmt | s_tir.SBlock):
-                visit(child)
-
-    visit(func.body)
-    if not lengths or -1 in lengths:
-        return None
-    return max(lengths)
+    sch = s_tir.Schedule(func)
+    lengths = []
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        extents = [iv.dom.extent for iv in sch.get(block).iter_vars
+                   if iv.iter_type == tirx.IterVar.CommReduce]
+        if not extents:
+            continue
+        if not all(isinstance(e, tirx.IntImm) for e in extents):
+            return None
+        lengths.append(math.prod(int(e) for e in extents))
+    return max(lengths, default=None)
 
 
 class GuardedGEMV(dl.gpu.GEMV):

@@ -16,14 +16,12 @@ from tvm.target import Target
 
 from ..attrs import RULE_ATTR
 
-_THREAD_INDEX = 1  # IterVar.ThreadIndex
-
 
 def _launch(body: tirx.Stmt) -> tirx.Stmt:
     """``body`` under one-iteration ``blockIdx.x`` and ``threadIdx.x`` loops."""
     for tag in ("threadIdx.x", "blockIdx.x"):
         var = tirx.Var(tag.replace(".", "_"), "int32")
-        axis = tirx.IterVar(Range(0, 1), tirx.Var(tag, "int32"), _THREAD_INDEX, tag)
+        axis = tirx.IterVar(Range(0, 1), tirx.Var(tag, "int32"), tirx.IterVar.ThreadIndex, tag)
         body = tirx.For(var, tirx.IntImm("int32", 0), tirx.IntImm("int32", 1),
                         tirx.ForKind.THREAD_BINDING, body, axis)
     return body
