@@ -12,6 +12,7 @@ import tvm
 
 from .batched_matmul import CanonicalizeBatchedMatmul
 from .bounded_slices import BoundedSlices
+from .empty_pieces import EmptyPieces
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
 from .lift_folded_batch import LiftFoldedBatch
@@ -22,6 +23,7 @@ from .view_chain import CollapseViewChains
 
 # In order; a line's comment says why it sits where it does.
 PASSES = [
+    EmptyPieces,  # zero-size split pieces / concat operands: nothing may fuse a loop of extent 0
     BoundedSlices,  # symbolic lengths: a slice the ranges prove in bounds keeps exact shapes
     CollapseViewChains,  # einsum's 5-D expand_dims/permute views around a bmm → one permute + reshape
     CanonicalizeBatchedMatmul,  # torch.export's N-D `@` (reshape → 3-D matmul → reshape) is one product
@@ -40,5 +42,5 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 
 __all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
-           "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts", "TupleOutput",
+           "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts", "TupleOutput",
            "UpcastMatmul"]
