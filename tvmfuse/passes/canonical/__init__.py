@@ -42,5 +42,5 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 
 __all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
-           "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts", "TupleOutput",
-           "UpcastMatmul"]
+           "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts",
+           "TupleOutput", "UpcastMatmul"]
