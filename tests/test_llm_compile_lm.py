@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -160,3 +162,19 @@ def test_sm90_generate_on_the_gpu(tmp_path):
     ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
     got = lm.generate(ids, max_new_tokens=STEPS)
     check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_sm90_decode_fuses_rope_into_the_cache_append():
+    """At decode the RoPE of k (and the V slice) are fused into the in-place cache append:
+    per layer one kernel writes each cache, and no kernel only copies k or v."""
+    from tvmfuse.build.inspect import cuda_source
+
+    lib = tvmfuse.compile_lm(_llama().half(), target="sm90", max_seq_len=MAX_SEQ, max_batch=2,
+                             prefill_lengths=[16])
+    names = re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", cuda_source(lib.executable))
+    appends = sorted({n for n in names if "decode_kv_append" in n})
+    assert len(appends) == 2, appends  # the k and v caches of a layer (every layer shares them)
+    assert any("negative" in n and "concatenate" in n for n in appends), appends  # rotate_half
+    assert all(n.startswith("fused_") for n in appends), appends

@@ -7,7 +7,7 @@ Shapes (static per entry point; ``M`` = max_seq_len, ``Bm`` = max_batch)::
     q, out             (Bm, S, Hq, D)
     offsets, starts    (Bm,) int32          slot of this call's first token; first real slot
 
-    append:     cache[b, g, offsets[b] + s, :] = k[b, s, g, :]            (slots < M only)
+    append:     cache[b, g, offsets[b] + s, :] = k[b, s, g, :]            (slots < M only; k, v each)
     attention:  out[b, s, h] = Σ_j softmax_j(scale · q[b,s,h]·k_cache[b,g,j]) · v_cache[b,g,j]
                 over j in [lo, p], p = offsets[b] + s, lo = min(starts[b], p), g = h // (Hq/Hkv)
 
@@ -68,44 +68,39 @@ def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
     return func.without_attr("global_symbol").with_attrs(attrs)  # named where it is added
 
 
-def kv_append(spec: CacheSpec, cuda: bool = False) -> tvm.tirx.PrimFunc:
-    """``(k_cache, v_cache, k, v, offsets)``: writes k/v into the caches in place (see module doc)."""
+def kv_append(spec: CacheSpec, fusable: bool = False) -> tvm.tirx.PrimFunc:
+    """``(cache, x, offsets)``: writes this call's keys (or values) ``x`` into ``cache`` in place
+    (module doc); one call per cache.
+
+    Plain (unscheduled) TIR, scheduled by the GPU rules like any fused kernel. ``fusable``
+    (decode) marks it injective so FuseOps fuses the producers of x into it: the RoPE of k, or
+    the V slice, and its append are one kernel (:func:`_pattern`). One cache per call: TVM
+    0.27's FuseTIR fails on a fused call with two in-place outputs."""
     Bm, S, Hkv, D, M = spec.batch, spec.seq, spec.kv_heads, spec.head_dim, spec.max_seq
-    cshape, kvshape, dt = spec.cache_shape, spec.kv_shape, spec.dtype
-
-    if cuda:
-
-        @T.prim_func(s_tir=True)
-        def append(kc: T.Buffer(cshape, dt), vc: T.Buffer(cshape, dt), k: T.Buffer(kvshape, dt),
-                   v: T.Buffer(kvshape, dt), offsets: T.Buffer((Bm,), "int32")):
-            for bs in T.thread_binding(Bm * S, thread="blockIdx.x"):
-                for g in T.thread_binding(Hkv, thread="blockIdx.y"):
-                    for d in T.thread_binding(D, thread="threadIdx.x"):
-                        with T.sblock("append"):
-                            T.reads()
-                            T.writes()
-                            p: T.let[T.int32] = offsets[bs // S] + bs % S
-                            if p < M:
-                                kc[bs // S, g, p, d] = k[bs // S, bs % S, g, d]
-                                vc[bs // S, g, p, d] = v[bs // S, bs % S, g, d]
-
-        return _opaque(append, cuda)
+    i64 = [T.int64(x) for x in (Bm, S, Hkv, D)]
+    cshape = (i64[0], i64[2], T.int64(M), i64[3])
+    dt = spec.dtype
 
     @T.prim_func(s_tir=True)
-    def append(kc: T.Buffer(cshape, dt), vc: T.Buffer(cshape, dt), k: T.Buffer(kvshape, dt),
-               v: T.Buffer(kvshape, dt), offsets: T.Buffer((Bm,), "int32")):
-        for b in T.parallel(Bm):
-            for s, g in T.grid(S, Hkv):
-                with T.sblock("append"):
-                    T.reads()
-                    T.writes()
-                    p: T.let[T.int32] = offsets[b] + s
-                    if p < M:
-                        for d in T.serial(D):
-                            kc[b, g, p, d] = k[b, s, g, d]
-                            vc[b, g, p, d] = v[b, s, g, d]
+    def append(cache: T.Buffer(cshape, dt), x: T.Buffer(i64, dt), offsets: T.Buffer((i64[0],), "int32")):
+        for b, s, g, d in T.grid(*i64):
+            with T.sblock("append"):
+                vb, vs, vg, vd = T.axis.remap("SSSS", [b, s, g, d])
+                T.reads(x[vb, vs, vg, vd], offsets[vb])
+                T.writes(cache[vb, vg, 0:M, vd])
+                if T.Cast("int64", offsets[vb]) + vs < M:
+                    cache[vb, vg, T.Cast("int64", offsets[vb]) + vs, vd] = x[vb, vs, vg, vd]
 
-    return _opaque(append, cuda)
+    return _pattern(append, 2 if fusable else 8)
+
+
+def _pattern(func: tvm.tirx.PrimFunc, pattern: int) -> tvm.tirx.PrimFunc:
+    """``func`` with its FuseOps pattern (AnnotateTIROpPattern would call the data-dependent store
+    opaque). Decode's append is injective (2): the producers of k and v fuse into it, and its
+    consumers are the opaque attention kernel. A prefill's is opaque (8): as injective, the
+    read-back of this call's keys (and their pack for the flash kernel) would fuse into the
+    kernel that writes them."""
+    return func.without_attr("global_symbol").with_attrs({"op_pattern": pattern, "tir.noalias": True})
 
 
 def _row_macro(spec: CacheSpec, scope: str):

@@ -4,7 +4,7 @@ For attention layer l of a function with static shapes (B, S)::
 
     o = R.nn.attention(q (B,S,Hq,D), k (B,S,Hkv,D), v, scale, causal_mask)
   →
-    kc_l, vc_l = call_tir_inplace(kv_append, (k_cache_l, v_cache_l, k, v, offsets))   # in place
+    kc_l = call_tir_inplace(kv_append, (k_cache_l, k, offsets))   # in place; vc_l likewise
     o = call_tir(cache_attention, (q, kc_l, vc_l, offsets, starts))       # decode (S = 1)
     o = R.nn.attention(q, kc_l[:, :, :S]ᵀ, vc_l[:, :, :S]ᵀ, bias(starts), scale,
                        causal_mask="TopLeft")                                      # prefill (S > 1)
@@ -84,7 +84,9 @@ class _Rewrite(relax.PyExprMutator):
         """The append kernel and (decode only) the cache-attention kernel of ``spec``."""
         if spec not in self.kernels:
             n = len(self.kernels)
-            append = self.builder_.add_func(kv_append(spec, self.cuda), f"{self.prefix}kv_append{n}")
+            # decode: the RoPE of k and the V slice fuse into the append kernel
+            append = self.builder_.add_func(kv_append(spec, fusable=spec.seq == 1),
+                                            f"{self.prefix}kv_append{n}")
             attn = None if spec.seq > 1 else self.builder_.add_func(
                 cache_attention(spec, self.cuda), f"{self.prefix}cache_attention{n}")
             self.kernels[spec] = (append, attn)
@@ -104,11 +106,9 @@ class _Rewrite(relax.PyExprMutator):
         self.caches += [kc, vc]
         append, attn = self._kernels(spec)
         q, k, v = (self.visit_expr(a) for a in call.args[:3])
-        kv = self.builder_.emit(relax.op.call_tir_inplace(
-            append, relax.Tuple([kc, vc, k, v, self.offsets]), [0, 1], [ctype, ctype]),
-            name_hint=f"kv_{layer}")
-        kc2 = self.builder_.emit(relax.TupleGetItem(kv, 0))
-        vc2 = self.builder_.emit(relax.TupleGetItem(kv, 1))
+        kc2, vc2 = (self.builder_.emit(relax.op.call_tir_inplace(
+            append, relax.Tuple([c, x, self.offsets]), [0], ctype), name_hint=f"{n}_{layer}")
+            for c, x, n in ((kc, k, "kc"), (vc, v, "vc")))
         if spec.seq > 1:  # prefill starts sequences: attention over this call's k, v (flash kernels)
             # read back from slots 0..S-1 of the caches just written: the data dependence keeps
             # the in-place append (a pure call to Relax) from being removed as unused

@@ -10,6 +10,10 @@
              the 8 groups merge through shared memory into (m, l, acc[D]) per head and chunk,
              written to a float32 workspace allocated inside the PrimFunc.
     combine  grid (B·Hq), D threads:  M = max_c m_c;  out = Σ_c 2^(m_c−M)·acc_c / Σ_c 2^(m_c−M)·l_c
+             (the loops over the ≤ 64 chunks are unrolled: every load is issued at once)
+
+Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
+the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
 
 Causal with Sq == 1: TopLeft sees key 0 only, BottomRight every key; a sliding window of ``w``
 keys (BottomRight) the last ``w``: the chunks cover only the visible keys ``kbase .. Skv − 1``.
@@ -34,6 +38,7 @@ _NEG_INF = float("-inf")
 _THREADS = 128
 _VEC = 8  # elements per 16-byte load
 _MAX_GC = 8  # query heads per block (registers: 2·GC·8 floats of q and acc per thread)
+_MAX_SPLITS = 64  # the combine unrolls its loops over the chunks
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,11 @@ class DecodeConfig:
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
                  keys_per_iter: int, sms: int) -> int:
+    most = min(_MAX_SPLITS, (kv_eff + keys_per_iter - 1) // keys_per_iter)
     if cfg.splits:
-        return max(1, min(cfg.splits, (kv_eff + keys_per_iter - 1) // keys_per_iter))
-    want = (sms * 8 + blocks_per_split - 1) // blocks_per_split  # ~8 waves on the SMs
-    return max(1, min(want, (kv_eff + keys_per_iter - 1) // keys_per_iter))
+        return max(1, min(cfg.splits, most))
+    want = (sms * 2 + blocks_per_split - 1) // blocks_per_split  # ~2 blocks per SM
+    return max(1, min(want, most))
 
 
 def check(spec: AttentionSpec) -> str | None:
@@ -115,7 +121,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     L = (kv_eff + n_split - 1) // n_split
     L = (L + per_iter - 1) // per_iter * per_iter
     n_split = (kv_eff + L - 1) // L
-    n_iter = L // per_iter
     has_bias = spec.bias_shape is not None
     fb, fh, _ = bias_strides(spec) if has_bias else (0, 0, 0)
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
@@ -146,22 +151,25 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             h0: T.let[T.int32] = kvh * G + (yb % HC) * GC
             grp: T.let[T.int32] = tx // LPR
             d0: T.let[T.int32] = (tx % LPR) * vec
-            j0: T.let[T.int32] = sp * L
-            # visible keys kb .. kb + ke − 1: static, or this sequence's cache slots
+            # visible keys kb .. kb + ke − 1: static, or this sequence's cache slots, cut into
+            # n_split chunks of Lc keys (a multiple of per_iter)
             if cache:
                 last: T.let[T.int32] = T.min(offsets[b], Skv - 1)
                 kb: T.let[T.int32] = T.min(starts[b], last)
                 ke: T.let[T.int32] = last - kb + 1
+                Lc: T.let[T.int32] = ((ke + n_split - 1) // n_split + per_iter - 1) // per_iter * per_iter
             else:
                 kb = T.meta_var(kbase)
                 ke = T.meta_var(kv_eff)
+                Lc = T.meta_var(L)
+            j0: T.let[T.int32] = sp * Lc
             for hh in T.unroll(GC):
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
                 for e in T.unroll(vec):
                     qr[hh * vec + e] = T.Cast("float32", q[at(QKV_L, b, 0, h0 + hh, d0 + e)]) * sc
                     acc[hh * vec + e] = T.float32(0)
-            for it in T.serial(n_iter):
+            for it in T.serial(Lc // per_iter):
                 for u in T.unroll(U):
                     jl: T.let[T.int32] = kb + T.min(j0 + it * per_iter + u * NG + grp, ke - 1)
                     kr[T.ramp(u * vec, 1, vec)] = k[at(KV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
@@ -183,7 +191,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                         if has_bias:
                             s[u * GC + hh] = s[u * GC + hh] + T.Cast("float32", bias[
                                 b * fb, (h0 + hh) * fh, 0, kbase + T.min(j, kv_eff - 1)]) * l2e
-                        if j >= T.min(j0 + L, ke):
+                        if j >= T.min(j0 + Lc, ke):
                             s[u * GC + hh] = T.float32(_NEG_INF)
                 for hh in T.unroll(GC):
                     st[0] = m[hh]
@@ -231,17 +239,17 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         with T.launch_thread("blockIdx.x", B * Hq) as bh:
             t2 = T.launch_thread("threadIdx.x", D)
             c = T.alloc_buffer((4,), "float32", scope="local")
+            mc = T.alloc_buffer((n_split,), "float32", scope="local")
             c[0] = T.float32(_NEG_INF)
-            for sp2 in T.serial(n_split):
-                c[0] = T.max(c[0], part_ml[(bh * n_split + sp2) * 2])
+            for sp2 in T.unroll(n_split):
+                mc[sp2] = part_ml[(bh * n_split + sp2) * 2]
+                c[0] = T.max(c[0], mc[sp2])
             c[1] = T.if_then_else(c[0] == T.float32(_NEG_INF), T.float32(0), c[0])
             c[2] = T.float32(0)
             c[3] = T.float32(0)
-            for sp2 in T.serial(n_split):
-                c[2] = c[2] + T.exp2(part_ml[(bh * n_split + sp2) * 2] - c[1]) * part_o[
-                    (bh * n_split + sp2) * D + t2]
-                c[3] = c[3] + T.exp2(part_ml[(bh * n_split + sp2) * 2] - c[1]) * part_ml[
-                    (bh * n_split + sp2) * 2 + 1]
+            for sp2 in T.unroll(n_split):
+                c[2] = c[2] + T.exp2(mc[sp2] - c[1]) * part_o[(bh * n_split + sp2) * D + t2]
+                c[3] = c[3] + T.exp2(mc[sp2] - c[1]) * part_ml[(bh * n_split + sp2) * 2 + 1]
             out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
                 odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
 
