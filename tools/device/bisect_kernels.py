@@ -6,7 +6,7 @@ The pipeline runs once for ``--target``; the fused PrimFuncs are taken after ``f
 any schedule: plain TIR, built for llvm as the reference) and after ``schedule`` (what the GPU
 runs). Each kernel whose signature is unchanged by scheduling (the wgmma and GEMV kernels, which
 drop statistics parameters, are listed as skipped) runs on the GPU and on the CPU with the same
-random inputs (floats N(0, 1); integers in 0..3); every buffer is compared after the call,
+random inputs (floats N(0, 1); integers in 1..3: no zero divisor); every buffer is compared after the call,
 ``‖gpu − cpu‖ / ‖cpu‖`` in float64. The worst kernels are printed first with their rule.
 """
 
@@ -35,7 +35,7 @@ def _static_shape(buf) -> tuple[int, ...] | None:
 
 def _random(shape: tuple[int, ...], dtype: str, rng: np.random.Generator) -> np.ndarray:
     if dtype.startswith(("int", "uint")):
-        return rng.integers(0, 4, shape).astype(dtype)
+        return rng.integers(1, 4, shape).astype(dtype)
     if dtype == "bool":
         return rng.integers(0, 2, shape).astype(bool)
     return rng.standard_normal(shape).astype("float32").astype(dtype)

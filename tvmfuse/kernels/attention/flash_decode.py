@@ -10,7 +10,7 @@
              the 8 groups merge through shared memory into (m, l, acc[D]) per head and chunk,
              written to a float32 workspace allocated inside the PrimFunc.
     combine  grid (B·Hq), D threads:  M = max_c m_c;  out = Σ_c 2^(m_c−M)·acc_c / Σ_c 2^(m_c−M)·l_c
-             (the loops over the ≤ 64 chunks are unrolled: every load is issued at once)
+             (the loops over the ≤ 128 chunks are unrolled: every load is issued at once)
 
 Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
 the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
@@ -38,7 +38,7 @@ _NEG_INF = float("-inf")
 _THREADS = 128
 _VEC = 8  # elements per 16-byte load
 _MAX_GC = 8  # query heads per block (registers: 2·GC·8 floats of q and acc per thread)
-_MAX_SPLITS = 64  # the combine unrolls its loops over the chunks
+_MAX_SPLITS = 128  # the combine unrolls its loops over the chunks
 
 
 @dataclass(frozen=True)
