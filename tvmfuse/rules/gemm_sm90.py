@@ -34,6 +34,7 @@ from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value, 
 from ..kernels.gemm.opmath import fast_math16, opmath
 from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
 from ..kernels.tir_util import Load, strip_cast
+from .weight_twins import TransposedTwins
 
 NAME = "gemm_sm90"
 HYBRID_PIPELINE = "tvmfuse_hybrid"
@@ -224,10 +225,13 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
     """``gemm(.., transpose(w), ..)`` → ``gemm_nt(.., w, ..)`` for the kernels just generated.
 
     The GEMM then reads W (N, K) K-major, the layout wgmma prefers, and the transpose kernel
-    (a full pass over W) disappears when nothing else uses its result.
+    (a full pass over W) disappears when nothing else uses its result. Likewise a constant (K, N)
+    B whose transpose the module already holds (:mod:`.weight_twins`: the decode GEMV's copy)
+    is replaced by that copy, so the weight is stored once.
     """
     call_tir = tvm.ir.Op.get("relax.call_tir")
     made: dict = {}
+    twins = TransposedTwins(mod)
 
     @mutator
     class _Rewrite(PyExprMutator):
@@ -238,12 +242,17 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
             gv = call.args[0]
             b_pos = kernels[gv]
             args = list(call.args[1].fields)
-            if b_pos is None or not isinstance(args[b_pos], relax.Var):
+            if b_pos is None:
                 return call
-            producer = self.lookup_binding(args[b_pos])
-            if not (isinstance(producer, relax.Call) and producer.op == call_tir
+            if isinstance(args[b_pos], tvm.ir.expr.Constant):  # the decode GEMV's (N, K) copy
+                source = twins.of(args[b_pos])
+            else:
+                producer = self.lookup_binding(args[b_pos]) if isinstance(args[b_pos], relax.Var) else None
+                source = producer.args[1].fields[0] if (
+                    isinstance(producer, relax.Call) and producer.op == call_tir
                     and isinstance(self.builder_.get()[producer.args[0]], tirx.PrimFunc)
-                    and _is_transpose(self.builder_.get()[producer.args[0]])):
+                    and _is_transpose(self.builder_.get()[producer.args[0]])) else None
+            if source is None:
                 return call
             if gv not in made:
                 try:
@@ -254,7 +263,7 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
                 made[gv] = self.builder_.add_func(kernel, f"{gv.name_hint}_nt")
             if made[gv] is None:
                 return call
-            args[b_pos] = producer.args[1].fields[0]
+            args[b_pos] = source
             return relax.Call(call_tir, [made[gv], relax.Tuple(args)], call.attrs, call.ty_args)
 
     rewriter = _Rewrite(mod)

@@ -42,6 +42,7 @@ from ..kernels.gemm.sm90 import RowStats
 from ..options import current_options
 from ..passes.norm_gemm import row_stats_te
 from .gemm_sm90 import InLoopStats, build_kernel, is_sm90a
+from .weight_twins import TransposedTwins
 
 NAME = "gemm_sm90_row_stats"
 # Measured on the H200 (.devq stats1, 2026-11-30, fp16): the in-loop statistics (an extra shared-
@@ -106,6 +107,7 @@ class _Plan:
     outputs: list[relax.Var]  # [mean, rstd] or [rstd]
     gemms: list[relax.Call]
     kernels: list[tirx.PrimFunc]
+    weights: list  # per GEMM: (B's position, the (N, K) constant it reads instead) or None
 
 
 def _bindings(func: relax.Function) -> list:
@@ -151,17 +153,17 @@ def stats_calls(mod: tvm.IRModule, func: relax.Function):
         yield call, stats_fn, spec, call.args[1].fields[0], outputs, uses
 
 
-def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[_Plan]:
+def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, twins: TransposedTwins) -> list[_Plan]:
     """Statistics calls of ``func`` that all their GEMM consumers can compute themselves."""
     plans = []
     for call, _fn, spec, x, outputs, uses in stats_calls(mod, func):
         if outputs is None:
             kept[call.args[0]] = TUPLE_USED
             continue
-        plan, why = _Plan(call, outputs, [], []), None
+        plan, why = _Plan(call, outputs, [], [], []), None
         consumers = {id(u): u for o in outputs for u in uses.get(o, [])}.values()
         for user in consumers:
-            why = _why_not(mod, user, x, outputs, spec, plan, call.args[0].name_hint)
+            why = _why_not(mod, user, x, outputs, spec, plan, call.args[0].name_hint, twins)
             if why:
                 break
         if why:
@@ -172,7 +174,7 @@ def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict) -> list[_Plan]:
 
 
 def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowStats,
-             plan: _Plan, stats_name: str) -> str | None:
+             plan: _Plan, stats_name: str, twins: TransposedTwins) -> str | None:
     """Why ``user`` cannot compute the statistics itself (None: it can; added to ``plan``)."""
     call_tir = tvm.ir.Op.get(_CALL_TIR)
     if not (isinstance(user, relax.Call) and user.op == call_tir
@@ -195,10 +197,12 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
     if not current_options().sm90_in_loop_stats_always and (why := _costlier(g)):
         return why
     in_loop = InLoopStats(spec, pos[0] if spec.centered else None, pos[-1])
+    twin = twins.of(args[g.b]) if g.layout == "nn" else None  # the decode GEMV's (N, K) copy
     try:
-        kernel = build_kernel(func, in_loop=in_loop)
+        kernel = build_kernel(func, in_loop=in_loop, b_transposed=twin is not None)
     except NotHandled as err:
         return f"the sm_90a wgmma GEMM does not take {user.args[0].name_hint}: {err}"
+    plan.weights.append((g.b, twin) if twin is not None else None)
     plan.gemms.append(user)
     plan.kernels.append(kernel.with_attr(IN_LOOP_ATTR, [user.args[0].name_hint, stats_name]))
     return None
@@ -227,8 +231,9 @@ def Sm90GemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - p
     if not current_options().sm90_in_loop_stats or not is_sm90a(tvm.target.Target.current(allow_none=True)):
         return mod
     kept: dict = {}
+    twins = TransposedTwins(mod)
     plans = [p for gv, f in mod.functions_items() if isinstance(f, relax.Function)
-             for p in _plan(mod, f, kept)]
+             for p in _plan(mod, f, kept, twins)]
     mod = mod.clone()  # assigned into below: not the caller's module
     for gv, why in kept.items():
         mod[gv] = mod[gv].with_attr(KEPT_ATTR, why)
@@ -236,8 +241,11 @@ def Sm90GemmRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - p
         return mod
     swaps = []
     for plan in plans:
-        for gemm, kernel in zip(plan.gemms, plan.kernels):
-            args = [a for a in gemm.args[1].fields if not any(a.same_as(o) for o in plan.outputs)]
+        for gemm, kernel, weight in zip(plan.gemms, plan.kernels, plan.weights):
+            args = list(gemm.args[1].fields)
+            if weight is not None:
+                args[weight[0]] = weight[1]
+            args = [a for a in args if not any(a.same_as(o) for o in plan.outputs)]
             swaps.append((gemm, kernel, args))
     return swap_gemm_calls(mod, swaps)
 
