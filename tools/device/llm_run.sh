@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The LLM issue's GPU measurements, in steps that each fit a device call (600 s). From the root:
+#
+#   bash .tvmdev/setup.sh && export PYTHONPATH=/tmp/tvmdev/site:$PWD && bash tools/device/llm_run.sh STEP...
+#
+# Steps (results under $OUT/<step>.json, logs $OUT/<step>.log, each under its own time limit):
+#   tests     pytest -m gpu: compile_lm generate, the cache kernels, GEMV numerics       (~150 s)
+#   lm4       bench_lm_decode lm4, ctx 2048: decode ms/token, tokens, torch.compile anchor  (~250 s)
+#   attn      bench_decode_cache: the split-KV kernel over unroll x splits, lm4 and 7b     (~120 s)
+#   7b        bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor, prefill vs compile  (~500 s)
+#   7b_b8     bench_lm_decode 7b, batch 8, ctx 1024                                         (~500 s)
+#   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+
+step() {  # name, limit in seconds, command...
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: rc=$? after $((SECONDS - start)) s"
+  tail -3 "$OUT/$name.log" | cut -c1-600
+}
+
+for s in "$@"; do
+  case $s in
+    tests) step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_llm_compile_lm.py \
+             tests/test_llm_kv_cache.py tests/test_schedule_gemv.py -k "not tensor_parallel" ;;
+    lm4) step lm4 400 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
+           --out "$OUT/lm4.json" ;;
+    attn) step attn 300 python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b --case 7b_b8 \
+            --unroll 2,4 --splits 0,16,33,66,128 --out "$OUT/attn.json" ;;
+    7b) step 7b 560 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 32 --no-compile \
+          --compile-prefill --out "$OUT/7b.json" ;;
+    7b_b8) step 7b_b8 560 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 16 --batch 8 \
+             --no-compile --out "$OUT/7b_b8.json" ;;
+    gemv) step gemv 400 python3 tools/bench/bench_gemv.py --out "$OUT/gemv.json" ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 gemv)"; exit 2 ;;
+  esac
+done
