@@ -9,6 +9,8 @@ tvmfuse's TVM patches first (``build/tvm_setup.py``).
 from __future__ import annotations
 
 import os
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -51,17 +53,20 @@ from .tvm_setup import codegen_scope, register_tvm_patches
 
 
 class _Stages:
-    """Runs named stages in order, dumping IR after each when ``TVMFUSE_DUMP_IR`` is set."""
+    """Runs named stages in order, dumping IR after each when ``TVMFUSE_DUMP_IR`` is set and
+    printing each stage's seconds to stderr when ``TVMFUSE_TIME_STAGES`` is."""
 
     def __init__(self, on_stage: Callable[[str, tvm.IRModule], None] | None = None) -> None:
         self.on_stage = on_stage
         dump = os.environ.get("TVMFUSE_DUMP_IR")
         self.dump_dir = Path(dump) if dump else None
         self.count = 0
+        self.timed = os.environ.get("TVMFUSE_TIME_STAGES", "") not in ("", "0")
         if self.dump_dir:
             self.dump_dir.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, name: str, pass_: tvm.transform.Pass, mod: tvm.IRModule) -> tvm.IRModule:
+        start = time.perf_counter()
         try:
             mod = pass_(mod)
         except TvmfuseError:
@@ -69,6 +74,8 @@ class _Stages:
         except Exception as err:  # TVM raises RuntimeError, ValueError, TVMError subclasses
             raise _stage_error(name, pass_, mod, err) from err
         self.count += 1
+        if self.timed:
+            print(f"tvmfuse: stage {name} {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
         if self.on_stage:
             self.on_stage(name, mod)
         if self.dump_dir:

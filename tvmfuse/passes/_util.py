@@ -7,6 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..relax_shapes import shape_expr, static_shape  # noqa: F401  (re-exported to the passes)
 
@@ -83,6 +84,44 @@ def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], rel
     for gv, f in updates.items():
         mod[gv] = f
     return mod
+
+
+LARGE_CONSTANT_BYTES = 1 << 20  # weight matrices; norm scales, biases and scalars stay constants
+
+
+def without_large_constants(rewrite: Callable[[relax.Function], relax.Function]
+                            ) -> Callable[[relax.Function], relax.Function]:
+    """``rewrite`` run with every constant of ``LARGE_CONSTANT_BYTES`` or more replaced by a
+    parameter, then bound back. TVM's pattern rewriter (``rewrite_call``) spends time in
+    proportion to the constants' bytes each time it changes a function (a 7B-shaped layer: ~1 s
+    per GB, per rewrite): a pass that never reads a weight's values need not carry them. The
+    rewrite sees the weights as tensors of the same type, so it must not need their values."""
+
+    def run(func: relax.Function) -> relax.Function:
+        lifted: dict = {}
+
+        @mutator
+        class _Lift(PyExprMutator):
+            def visit_generic_const_(self, const) -> relax.Expr:
+                data = const.value
+                if not isinstance(data, tvm.runtime.Tensor) or (
+                        int(np.prod(data.shape)) * tvm.runtime.DataType(str(data.dtype)).bits // 8
+                        < LARGE_CONSTANT_BYTES):
+                    return const
+                key = hash(const)
+                if key not in lifted:
+                    lifted[key] = (relax.Var(f"lifted_weight_{len(lifted)}", const.ty), const)
+                return lifted[key][0]
+
+        body = _Lift().visit_expr(func.body)
+        if not lifted:
+            return rewrite(func)
+        params = [v for v, _ in lifted.values()]
+        out = rewrite(relax.Function(list(func.params) + params, body, func.ret_ty, func.is_pure,
+                                     func.attrs, func.span))
+        return out.bind_params({v: c for v, c in lifted.values()})
+
+    return run
 
 
 def dataflow_bindings(func: relax.Function) -> tuple[dict, list]:

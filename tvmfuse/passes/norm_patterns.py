@@ -23,6 +23,7 @@ from ._util import (
     scalar_value,
     shape_expr,
     static_shape,
+    without_large_constants,
 )
 
 
@@ -175,5 +176,5 @@ class FuseDecomposedNorms:
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         # LayerNorm first: its centred half is itself an RMSNorm and would be taken apart.
         for rewrite in (_rewrite_layer_norm, _rewrite_rms, _rewrite_softmax):
-            mod = rewrite_functions(mod, rewrite)
+            mod = rewrite_functions(mod, without_large_constants(rewrite))  # γ, β, eps are small
         return mod

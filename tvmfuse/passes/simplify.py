@@ -13,7 +13,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 
-from ._util import rewrite_functions, scalar_value, static_shape
+from ._util import rewrite_functions, scalar_value, static_shape, without_large_constants
 
 
 def drop_noop_casts(func: relax.Function) -> relax.Function:
@@ -48,4 +48,4 @@ class SimplifyNoOps:
     """Drop same-dtype casts, multiplications by 1 and additions of 0."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, _simplify)
+        return rewrite_functions(mod, without_large_constants(_simplify))  # scalars stay constants
