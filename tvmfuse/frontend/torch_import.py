@@ -19,7 +19,7 @@ from .torch_fixes import custom_convert_map
 
 
 @contextlib.contextmanager
-def _quiet_torch_internals():
+def quiet_torch_internals():
     """Silence the deprecation torch 2.13 raises against itself: deep-copying an exported
     program's ``LeafSpec`` (``run_decompositions``, ``ep.module()``) warns "`isinstance(treespec,
     LeafSpec)` is deprecated" from copyreg, once per CLI command; nothing a user can change."""
@@ -134,7 +134,7 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
 
     dynamic = dynamic or {}
     try:
-        with _quiet_torch_internals():
+        with quiet_torch_internals():
             ep = ep.run_decompositions()
     except Exception as err:
         raise ModelError(f"{source}: torch decomposition failed: {err}") from err
@@ -151,7 +151,7 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     ret = mod["main"].ret_ty
     n_out = len(ret.fields) if hasattr(ret, "fields") else 1
     if reference is None:
-        with _quiet_torch_internals():
+        with quiet_torch_internals():
             module = ep.module()
         reference = _torch_reference(module)
     return ImportedModel(mod, specs, [f"output{i}" for i in range(n_out)], "torch", source, reference,
@@ -186,7 +186,7 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
     example_inputs, dynamic_shapes = _dynamic_examples(module, example_inputs, overrides, dynamic,
                                                        source)
     try:
-        with _quiet_torch_internals():
+        with quiet_torch_internals():
             ep = export_with_dims(module, example_inputs, dynamic_shapes)
     except Exception as err:
         raise ModelError(f"{source}: torch.export failed: {type(err).__name__}: {err}") from err
@@ -287,7 +287,7 @@ def import_pt2(path: str, overrides: dict[str, InputOverride],
     if not os.path.isfile(path):
         raise ModelError(f"PyTorch program {path!r} does not exist")
     try:
-        with _quiet_torch_internals():
+        with quiet_torch_internals():
             ep = torch.export.load(path)
     except Exception as err:
         why = f"{type(err).__name__}: {err}"

@@ -22,7 +22,7 @@ from ..errors import ModelError, UnsupportedOpError
 from ..frontend.onnx_import import import_onnx, load_onnx
 from ..frontend.spec import InputOverride
 from ..frontend.torch_fixes import custom_convert_map
-from ..frontend.torch_import import export_with_dims, scan_unsupported
+from ..frontend.torch_import import export_with_dims, quiet_torch_internals, scan_unsupported
 
 
 def _logits_module(model):
@@ -48,15 +48,17 @@ def _from_exported(ep, source: str) -> tvm.IRModule:
     from tvm.relax.frontend.torch import from_exported_program
 
     try:
-        ep = ep.run_decompositions()
+        with quiet_torch_internals():
+            ep = ep.run_decompositions()
     except Exception as err:
         raise ModelError(f"{source}: torch decomposition failed: {err}") from err
     unsupported = scan_unsupported(ep)
     if unsupported:
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)
     try:
-        return from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
-                                     custom_convert_map=custom_convert_map())
+        with quiet_torch_internals():
+            return from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
+                                         custom_convert_map=custom_convert_map())
     except Exception as err:
         raise ModelError(f"{source}: torch import failed: {type(err).__name__}: {err}") from err
 
