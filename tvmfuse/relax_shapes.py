@@ -9,7 +9,11 @@ from tvm import relax
 def static_shape(expr: relax.Expr) -> list[int] | None:
     """Static shape of a tensor expression, else None (also when the shape is a shape variable,
     as ``R.broadcast_to(c, shape_var)`` of a runtime ``ConstantOfShape`` gives)."""
-    ty = expr.ty
+    return static_type_shape(expr.ty)
+
+
+def static_type_shape(ty) -> list[int] | None:
+    """:func:`static_shape` of a type (a tuple's field, say)."""
     if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
         return None
     try:

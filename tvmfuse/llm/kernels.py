@@ -62,10 +62,9 @@ class CacheSpec:
 
 def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
     """FuseOps must keep these apart (pattern 8 = opaque); CUDA ones are already scheduled."""
-    attrs = {"op_pattern": 8, "tir.noalias": True}
-    if cuda:
-        attrs["tirx.is_scheduled"] = True  # the schedule stage (rules/fallback.py) skips it
-    return func.without_attr("global_symbol").with_attrs(attrs)  # named where it is added
+    func = _pattern(func, 8)
+    # CUDA: the schedule stage (rules/fallback.py) skips it
+    return func.with_attr("tirx.is_scheduled", True) if cuda else func
 
 
 def kv_append(spec: CacheSpec, fusable: bool = False) -> tvm.tirx.PrimFunc:
@@ -100,6 +99,7 @@ def _pattern(func: tvm.tirx.PrimFunc, pattern: int) -> tvm.tirx.PrimFunc:
     consumers are the opaque attention kernel. A prefill's is opaque (8): as injective, the
     read-back of this call's keys (and their pack for the flash kernel) would fuse into the
     kernel that writes them."""
+    # named where it is added
     return func.without_attr("global_symbol").with_attrs({"op_pattern": pattern, "tir.noalias": True})
 
 

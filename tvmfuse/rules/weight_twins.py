@@ -17,11 +17,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-
-def _array(expr) -> np.ndarray | None:
-    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        return expr.value.numpy()
-    return None
+from ..passes._util import const_array
 
 
 class TransposedTwins:
@@ -51,7 +47,7 @@ class TransposedTwins:
     def _np(self, const) -> np.ndarray | None:
         key = hash(const)  # the object's handle: wrappers of one constant differ
         if key not in self.arrays:
-            self.arrays[key] = _array(const)
+            self.arrays[key] = const_array(const)
         return self.arrays[key]
 
     def of(self, const) -> relax.Constant | None:

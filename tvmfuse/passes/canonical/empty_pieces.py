@@ -21,22 +21,9 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .._util import is_op
+from ...relax_shapes import static_type_shape
+from .._util import is_op, static_shape
 from ._common import rewrite_relax_functions
-
-
-def _static_shape(expr: relax.Expr) -> list[int] | None:
-    return _type_shape(expr.ty)
-
-
-def _type_shape(ty) -> list[int] | None:
-    """A tensor type's static shape (None when not a tensor or any dim is symbolic)."""
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    shape = ty.shape.values if isinstance(ty.shape, relax.ShapeExpr) else None
-    if shape is None or not all(isinstance(d, tvm.tirx.IntImm) for d in shape):
-        return None
-    return [int(d) for d in shape]
 
 
 def _empty(shape: list[int]) -> bool:
@@ -83,8 +70,8 @@ class _DropEmpty(PyExprMutator):
 
     def _split(self, call: relax.Call) -> relax.Expr:
         x = call.args[0]
-        shape = _static_shape(x)
-        pieces = [_type_shape(f) for f in self.builder_.normalize(call).ty.fields]
+        shape = static_shape(x)
+        pieces = [static_type_shape(f) for f in self.builder_.normalize(call).ty.fields]
         if shape is None or any(p is None for p in pieces) or not any(_empty(p) for p in pieces):
             return call
         axis = int(call.attrs.axis) % len(shape)
@@ -101,10 +88,10 @@ class _DropEmpty(PyExprMutator):
 
     def _concat(self, call: relax.Call) -> relax.Expr:
         fields = list(call.args[0].fields)
-        shapes = [_static_shape(f) for f in fields]
+        shapes = [static_shape(f) for f in fields]
         if any(s is None for s in shapes) or not any(_empty(s) for s in shapes):
             return call
-        out_shape = _static_shape(self.builder_.normalize(call))
+        out_shape = static_shape(self.builder_.normalize(call))
         if out_shape is None or _empty(out_shape):
             return call
         kept = [f for f, s in zip(fields, shapes) if not _empty(s)]
