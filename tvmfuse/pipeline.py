@@ -16,7 +16,6 @@ from pathlib import Path
 
 import tvm
 from tvm import relax
-from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
 from .errors import CompileError, TvmfuseError
 from .locate import locate
@@ -29,6 +28,7 @@ from .passes import (
     MixedPrecision,
     NormGemmPrologue,
     PackAttentionInputs,
+    RemoveRedundantReshapes,
     SimplifyNoOps,
     SinkReshape,
 )
@@ -138,7 +138,7 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Reshapes between a GEMM and its epilogue move below it, so FuseOps fuses the epilogue.
         mod = run("sink_reshape", SinkReshape(), mod)
         # reshape(reshape(x)) and no-op reshapes that sinking leaves behind collapse to one view.
-        mod = run("remove_redundant_reshape", RemoveRedundantReshape(), mod)
+        mod = run("remove_redundant_reshape", RemoveRedundantReshapes(), mod)
         # Precision changes op dtypes, so it runs before anything matches on dtype-specific ops.
         if dtype in ("float16", "bfloat16"):
             mod = run("mixed_precision", MixedPrecision(dtype), mod)

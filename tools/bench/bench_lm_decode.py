@@ -186,6 +186,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences decoded together (max_batch)")
     p.add_argument("--compile-prefill", action="store_true",
                    help="also time torch.compile (default mode) of the prompt's forward")
+    p.add_argument("--prefill-len", type=int, default=None,
+                   help="also compile and time a prefill of this many tokens (best of 3; the "
+                        "--compile-prefill anchor then runs at this length)")
     p.add_argument("--target", default="sm90")
     p.add_argument("--no-gemv", action="store_true",
                    help="Options(small_m_gemv=False): decode GEMMs on the GEMM kernels")
@@ -196,7 +199,9 @@ def main() -> None:
     import tvmfuse
     from tvmfuse.options import Options, use_options
 
-    model = build(args.size, args.ctx + args.new + 8)
+    prefill_len = args.prefill_len or args.ctx
+    max_seq = max(args.ctx + args.new, prefill_len) + 1
+    model = build(args.size, max_seq + 8)
     weight_bytes = sum(t.numel() * t.element_size() for t in model.parameters())
     row: dict[str, Any] = {"workload": "lm_decode", "size": args.size, "ctx": args.ctx, "new": args.new,
                            "batch": args.batch, "target": args.target, "gemv": not args.no_gemv,
@@ -204,9 +209,10 @@ def main() -> None:
                            "floor_ms": weight_bytes / common.H200_HBM_BYTES_PER_S * 1e3}
     t0 = time.perf_counter()
     with use_options(Options(small_m_gemv=not args.no_gemv)):
-        lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=args.ctx + args.new + 1,
-                                 max_batch=args.batch, prefill_lengths=[args.ctx])
+        lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
+                                 prefill_lengths=sorted({args.ctx, prefill_len}))
     row["compile_s"] = round(time.perf_counter() - t0, 1)
+    print("compile_s", row["compile_s"], flush=True)
     lm = tvmfuse.load(lib.export(Path(tempfile.mkdtemp(prefix="lm-decode-")) / "lm.so"), device="cuda")
     torch.manual_seed(1)
     ids = torch.randint(1, SIZES[args.size]["vocab_size"], (args.batch, args.ctx))
@@ -214,6 +220,14 @@ def main() -> None:
     got = lm.generate(ids, max_new_tokens=args.new)
     row["tvmfuse"] = dict(lm.timings)
     print("tvmfuse", lm.timings, flush=True)
+    if prefill_len != args.ctx:
+        long_ids = torch.randint(1, SIZES[args.size]["vocab_size"], (args.batch, prefill_len))
+        times = []
+        for _ in range(4):  # the first warms up
+            lm.generate(long_ids, max_new_tokens=1)
+            times.append(lm.timings["prefill_ms"])
+        row["tvmfuse"]["prefill_len"], row["tvmfuse"]["prefill_ms_at_len"] = prefill_len, min(times[1:])
+        print("tvmfuse prefill", prefill_len, min(times[1:]), flush=True)
     try:
         total, top = kernel_us_per_step(lm)
         row["tvmfuse"]["kernel_us_per_step"], row["tvmfuse"]["top_kernels_us"] = total, top
@@ -229,7 +243,9 @@ def main() -> None:
     print("eager", eager_ms, row["tokens"], flush=True)
     if args.compile_prefill:
         try:
-            row["compile_prefill_ms"] = compiled_prefill_ms(gpu, ids_gpu)
+            prompt = ids_gpu if prefill_len == args.ctx else long_ids.cuda()
+            row["compile_prefill_len"] = prefill_len
+            row["compile_prefill_ms"] = compiled_prefill_ms(gpu, prompt)
         except Exception as err:  # noqa: BLE001 - report, keep the row
             row["compile_prefill_ms"] = f"failed: {type(err).__name__}: {err}"[:300]
         print("compile prefill", row["compile_prefill_ms"], flush=True)

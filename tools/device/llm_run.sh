@@ -7,7 +7,7 @@
 #   tests     pytest -m gpu: compile_lm generate, the cache kernels, GEMV numerics       (~150 s)
 #   lm4       bench_lm_decode lm4, ctx 2048: decode ms/token, tokens, torch.compile anchor  (~250 s)
 #   attn      bench_decode_cache: the split-KV kernel over unroll x splits, lm4 and 7b     (~120 s)
-#   7b        bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor, prefill vs compile  (~500 s)
+#   7b        bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor, prefill 2048 vs compile (~500 s)
 #   7b_b8     bench_lm_decode 7b, batch 8, ctx 1024                                         (~500 s)
 #   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
 set -uo pipefail
@@ -31,8 +31,8 @@ for s in "$@"; do
            --out "$OUT/lm4.json" ;;
     attn) step attn 300 python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b --case 7b_b8 \
             --unroll 2,4 --splits 0,16,33,66,128 --out "$OUT/attn.json" ;;
-    7b) step 7b 560 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 32 --no-compile \
-          --compile-prefill --out "$OUT/7b.json" ;;
+    7b) step 7b 560 env TVMFUSE_TIME_STAGES=1 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 \
+          --new 32 --no-compile --prefill-len 2048 --compile-prefill --out "$OUT/7b.json" ;;
     7b_b8) step 7b_b8 560 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 16 --batch 8 \
              --no-compile --out "$OUT/7b_b8.json" ;;
     gemv) step gemv 400 python3 tools/bench/bench_gemv.py --out "$OUT/gemv.json" ;;

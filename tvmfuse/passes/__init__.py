@@ -8,7 +8,8 @@ from .norm_gemm import NormGemmPrologue
 from .norm_patterns import FuseDecomposedNorms
 from .pack_attention_inputs import PackAttentionInputs
 from .simplify import SimplifyNoOps
-from .sink_reshape import SinkReshape
+from .sink_reshape import RemoveRedundantReshapes, SinkReshape
 
 __all__ = ["FuseDecomposedNorms", "GatherRowStats", "HorizontalGemm", "InjectiveGather", "MixedPrecision",
-           "NormGemmPrologue", "PackAttentionInputs", "SimplifyNoOps", "SinkReshape"]
+           "NormGemmPrologue", "PackAttentionInputs", "RemoveRedundantReshapes", "SimplifyNoOps",
+           "SinkReshape"]

@@ -10,6 +10,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..relax_shapes import shape_expr, static_shape  # noqa: F401  (re-exported to the passes)
+from . import weight_arrays
 
 
 def scalar_value(expr: relax.Expr) -> float | None:
@@ -29,7 +30,7 @@ def is_op(expr: relax.Expr, name: str) -> bool:
 def const_array(expr: relax.Expr) -> np.ndarray | None:
     """The value of a constant as a numpy array, else None."""
     if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        return expr.value.numpy()
+        return weight_arrays.array(expr)  # read-only, no copy
     return None
 
 
@@ -89,16 +90,49 @@ def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], rel
 LARGE_CONSTANT_BYTES = 1 << 20  # weight matrices; norm scales, biases and scalars stay constants
 
 
-def without_large_constants(rewrite: Callable[[relax.Function], relax.Function]
+_WEIGHT_VIEWS = ("relax.permute_dims", "relax.astype", "relax.reshape", "relax.broadcast_to",
+                 "relax.expand_dims", "relax.squeeze")
+
+
+def weight_constants(func: relax.Function) -> set[int]:
+    """``hash`` of every constant that is a GEMM operand or a gather table (``take``'s data),
+    directly or through views and casts: the model's weights, never a mask or a position table."""
+    bound, _ = dataflow_bindings(func)
+    found: set[int] = set()
+
+    def source(expr: relax.Expr) -> None:
+        for _ in range(8):
+            if isinstance(expr, relax.Var) and expr in bound:
+                expr = bound[expr]
+            elif isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) \
+                    and expr.op.name in _WEIGHT_VIEWS:
+                expr = expr.args[0]
+            else:
+                break
+        if isinstance(expr, tvm.ir.expr.Constant):
+            found.add(hash(expr))
+
+    for value in bound.values():
+        if is_op(value, "relax.matmul"):
+            source(value.args[0])
+            source(value.args[1])
+        elif is_op(value, "relax.take"):
+            source(value.args[0])
+    return found
+
+
+def without_large_constants(rewrite: Callable[[relax.Function], relax.Function], weights_only: bool = False
                             ) -> Callable[[relax.Function], relax.Function]:
     """``rewrite`` run with every constant of ``LARGE_CONSTANT_BYTES`` or more replaced by a
     parameter, then bound back. TVM's pattern rewriter (``rewrite_call``) spends time in
     proportion to the constants' bytes each time it changes a function (a 7B-shaped layer: ~1 s
     per GB, per rewrite): a pass that never reads a weight's values need not carry them. The
-    rewrite sees the weights as tensors of the same type, so it must not need their values."""
+    rewrite sees the weights as tensors of the same type, so it must not need their values.
+    ``weights_only``: lift only :func:`weight_constants` (a pass that reads masks' values)."""
 
     def run(func: relax.Function) -> relax.Function:
         lifted: dict = {}
+        weights = weight_constants(func) if weights_only else None
 
         @mutator
         class _Lift(PyExprMutator):
@@ -106,7 +140,7 @@ def without_large_constants(rewrite: Callable[[relax.Function], relax.Function]
                 data = const.value
                 if not isinstance(data, tvm.runtime.Tensor) or (
                         int(np.prod(data.shape)) * tvm.runtime.DataType(str(data.dtype)).bits // 8
-                        < LARGE_CONSTANT_BYTES):
+                        < LARGE_CONSTANT_BYTES) or (weights is not None and hash(const) not in weights):
                     return const
                 key = hash(const)
                 if key not in lifted:

@@ -61,7 +61,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from ._util import last_axis_only, scalar_value, shape_expr, static_shape
+from ._util import last_axis_only, scalar_value, shape_expr, static_shape, without_large_constants
 from .attention_lower import gpu_window_gate
 from .legalize_fixes import legalize_overrides
 
@@ -948,7 +948,9 @@ class FuseAttention:
         for gv, func in mod.functions.items():
             if isinstance(func, relax.Function):
                 _existing(func, decisions)
-                updates[gv] = _rewrite(func, decisions)
+                # masks are read by value, the weights only by their type
+                rewrite = without_large_constants(lambda f: _rewrite(f, decisions), weights_only=True)
+                updates[gv] = rewrite(func)
         mod = mod.clone()  # assigned into below: not the caller's module
         for gv, func in updates.items():
             mod[gv] = func

@@ -21,6 +21,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from . import weight_arrays
 from ._util import const_array as _const
 from ._util import constant_weight, dataflow_bindings, static_shape
 from ._util import is_op as _is_op
@@ -125,8 +126,9 @@ def _elementwise_reach(var: relax.Var, bound: dict, users: dict, depth: int = 6)
 
 @mutator
 class _Horizontal(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, groups: list[list[_Member]]) -> None:
+    def __init__(self, mod: tvm.IRModule, groups: list[list[_Member]], weights: dict) -> None:
         super().__init__(mod)
+        self.weights = weights  # members' memory → the concatenated constant, shared by the functions
         self.first = {g[0].matmul_var: g for g in groups}
         self.dropped = {v for g in groups for m in g for v in (m.matmul_var, m.add_var) if v is not None}
 
@@ -135,8 +137,11 @@ class _Horizontal(PyExprMutator):
         if group is not None:
             call = binding.value
             x = self.visit_expr(call.args[0])
-            weight = np.concatenate([m.weight for m in group], axis=1)
-            y = self.builder_.emit(relax.op.matmul(x, relax.const(weight), out_dtype=call.attrs.out_dtype))
+            parts = [m.weight for m in group]
+            key = weight_arrays.identity(*parts)
+            if key not in self.weights:  # (the parts keep their constants' memory alive)
+                self.weights[key] = (weight_arrays.constant(weight_arrays.concatenate(parts, 1)), parts)
+            y = self.builder_.emit(relax.op.matmul(x, self.weights[key][0], out_dtype=call.attrs.out_dtype))
             if any(m.bias is not None for m in group):
                 dtype = next(m.bias.dtype for m in group if m.bias is not None)
                 bias = np.concatenate([m.bias if m.bias is not None else np.zeros(m.weight.shape[1], dtype)
@@ -160,13 +165,14 @@ class HorizontalGemm:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = mod.clone()  # the rewriter's builder adds to its module in place: not the caller's
+        weights: dict = {}
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue
             groups = _groups(func)
             if not groups:
                 continue
-            rewriter = _Horizontal(mod, groups)
+            rewriter = _Horizontal(mod, groups, weights)
             new = rewriter.visit_expr(func)
             mod = rewriter.builder_.get()
             mod[gvar] = relax.analysis.remove_all_unused(new)

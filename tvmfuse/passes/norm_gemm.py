@@ -25,6 +25,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from . import weight_arrays
 from ._util import bound_value, constant_weight, folded_constant, static_shape
 from ._util import is_op as _is_op
 from .norm_half_io import HalfNormOneKernel
@@ -62,6 +63,14 @@ class _NormGemm(PyExprMutator):
         self.reshaped: dict = {}
         self.only_gemm_users: list = []
         self.rewritten = 0
+        self.folds: dict = {}  # (W's memory, γ) → γ·W: prefill and decode fold each weight once
+
+    def _folded(self, gamma: np.ndarray, w: np.ndarray) -> relax.Constant:
+        """The constant γ[:, None]·W (K, N), one per distinct (W, γ) in the module."""
+        key = (weight_arrays.identity(w), gamma.dtype.str, gamma.tobytes())
+        if key not in self.folds:  # (W, kept with the fold, keeps its constant's memory alive)
+            self.folds[key] = (weight_arrays.constant(weight_arrays.scale_rows(gamma, w)), w)
+        return self.folds[key][0]
 
     def _bound(self, expr: relax.Expr) -> relax.Expr:
         return bound_value(self, expr)
@@ -131,12 +140,11 @@ class _NormGemm(PyExprMutator):
         if gamma is None or (centered and beta is None):
             return call
         dtype = str(call.ty.dtype)
-        w32 = gamma.astype(np.float64).reshape(-1, 1) * w.astype(np.float64)
-        w_fold = relax.const(w32.astype(w.dtype))
+        w_fold = self._folded(gamma, w)
         acc = self.builder_.emit(relax.op.matmul(x, w_fold, out_dtype="float32"))
         if centered:
             mean, rstd = self._get_stats(x, float(norm.attrs.epsilon), True)
-            colsum = relax.const(w32.astype(w.dtype).astype(np.float64).sum(0).astype("float32"))
+            colsum = relax.const(weight_arrays.array(w_fold).astype(np.float64).sum(0).astype("float32"))
             shift = relax.const((beta.astype(np.float64) @ w.astype(np.float64)).astype("float32"))
             acc = relax.op.subtract(acc, relax.op.multiply(mean, colsum))
             out = relax.op.add(relax.op.multiply(acc, rstd), shift)

@@ -33,6 +33,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..options import current_options
+from . import weight_arrays
 from ._util import dataflow_bindings, is_op, static_shape
 
 # elementwise ops a pair epilogue may use (same shape in, same shape out; constants may broadcast)
@@ -46,7 +47,7 @@ def _const(expr: relax.Expr, bound: dict) -> np.ndarray | None:
     """Value of a constant seen through permute_dims / astype bindings, else None."""
     expr = bound.get(expr, expr)
     if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        return expr.value.numpy()
+        return weight_arrays.array(expr)
     if is_op(expr, "relax.permute_dims"):
         inner = _const(expr.args[0], bound)
         axes = expr.attrs.axes
@@ -63,7 +64,7 @@ class _Pair:
     root: relax.Var  # the binding that combines the gate and up values
     x: relax.Expr
     matmul: relax.Call  # (one of) the original matmul call(s): its out_dtype is kept
-    weight: np.ndarray  # interleaved (K, 2N)
+    halves: tuple[np.ndarray, np.ndarray]  # W_a, W_b (K, N): interleaved when the pair is rewritten
     a: relax.Var  # leaves: the gate value (even GEMM columns) and the up value (odd columns)
     b: relax.Var
     body: list[relax.Var]  # elementwise bindings from the leaves to root, in order (root last)
@@ -74,14 +75,14 @@ class _Pair:
 _STREAMING_MAX_M = 64  # rows up to which sm_80+ GEMMs stream their weight (rules/gemv.py MAX_M)
 
 
-def _target_takes(x: relax.Expr, weight: np.ndarray) -> bool:
-    """Whether the current target has a kernel for the grouped function (see the docstring)."""
+def _target_takes(x: relax.Expr, k: int, n: int) -> bool:
+    """Whether the current target has a kernel for the grouped function (see the docstring); the
+    interleaved weight is (k, 2n)."""
     target = tvm.target.Target.current(allow_none=True)
     if target is None or target.kind.name == "llvm":
         return True
     arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
     shape = static_shape(x)
-    k, n = weight.shape[0], weight.shape[1] // 2
     if not (str(x.ty.dtype) in ("float16", "bfloat16") and shape is not None and len(shape) == 2
             and k % 8 == 0):
         return False
@@ -220,8 +221,7 @@ def _find(func: relax.Function) -> list[_Pair]:
             outer = {a, b, wide, *pre}
         else:
             continue
-        weight = np.stack([wa, wb], axis=2).reshape(wa.shape[0], 2 * wa.shape[1])
-        if not _target_takes(mm.args[0], weight):
+        if not _target_takes(mm.args[0], wa.shape[0], wa.shape[1]):
             continue
         # every intermediate has the leaves' shape and is used inside the group only
         group = inner | outer
@@ -243,17 +243,25 @@ def _find(func: relax.Function) -> list[_Pair]:
             var = nxt
         inner.add(var)
         body = [v for v in order if v in inner]
-        pairs.append(_Pair(var, mm.args[0], mm, weight, a, b, body, wide, pre))
+        pairs.append(_Pair(var, mm.args[0], mm, (wa, wb), a, b, body, wide, pre))
         taken |= group | {var}
     return pairs
 
 
 @mutator
 class _Rewrite(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, pairs: list[_Pair], bound: dict) -> None:
+    def __init__(self, mod: tvm.IRModule, pairs: list[_Pair], bound: dict, weights: dict) -> None:
         super().__init__(mod)
         self.pairs = {p.root: p for p in pairs}
         self.bound = bound
+        self.weights = weights  # halves' memory → interleaved constant, shared by the functions
+
+    def _weight(self, p: _Pair) -> relax.Constant:
+        key = weight_arrays.identity(*p.halves)
+        if key not in self.weights:  # (the halves keep their constants' memory alive)
+            self.weights[key] = (weight_arrays.constant(weight_arrays.interleave_columns(*p.halves)),
+                                 p.halves)
+        return self.weights[key][0]
 
     def _group_func(self, p: _Pair) -> tuple[relax.Function, list[relax.Expr]]:
         """``fn(x, W, operands…) = f(even(x·W), odd(x·W))`` marked Primitive; its arguments."""
@@ -281,13 +289,13 @@ class _Rewrite(PyExprMutator):
         bb = relax.BlockBuilder()
         with bb.function("pair_gemm", attrs={"Primitive": True}, private=True):
             with bb.dataflow():
-                x, w = operand(p.x, "x"), operand(relax.const(p.weight), "w")
+                x, w = operand(p.x, "x"), operand(self._weight(p), "w")
                 z = bb.emit(relax.op.matmul(x, w, out_dtype=p.matmul.attrs.out_dtype))
                 if p.wide is not None:
                     vmap[p.wide] = z
                     for var in p.pre:
                         z = replay(var)
-                axis, n2 = len(static_shape(z)) - 1, int(p.weight.shape[1])
+                axis, n2 = len(static_shape(z)) - 1, 2 * int(p.halves[0].shape[1])
                 vmap[p.a] = bb.emit(relax.op.strided_slice(z, [axis], [0], [n2], [2]))
                 vmap[p.b] = bb.emit(relax.op.strided_slice(z, [axis], [1], [n2], [2]))
                 for var in p.body:
@@ -312,6 +320,7 @@ class PairGemm:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = mod.clone()  # assigned into below: not the caller's module
+        weights: dict = {}
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function) or func.attrs and func.attrs.get("Primitive"):
                 continue
@@ -319,7 +328,7 @@ class PairGemm:
             if not pairs:
                 continue
             bound = {b.var: b.value for blk in func.body.blocks for b in blk.bindings}
-            rewriter = _Rewrite(mod, pairs, bound)
+            rewriter = _Rewrite(mod, pairs, bound, weights)
             new = rewriter.visit_expr(func)
             mod = rewriter.builder_.get()
             mod[gvar] = relax.analysis.remove_all_unused(new)

@@ -39,6 +39,7 @@ from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze
 from ..kernels.gemm.gemv import MAX_M, GemvConfig, GemvProblem, check, gemv_kernel, pick_config
 from ..kernels.gemm.opmath import opmath
 from ..options import current_options
+from ..passes import weight_arrays
 from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
@@ -120,7 +121,7 @@ class Gemv(GPUScheduleRule):
 
 def _constant(expr) -> np.ndarray | None:
     if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        return expr.value.numpy()
+        return weight_arrays.array(expr)
     return None
 
 
@@ -132,6 +133,7 @@ class _Plan:
         self.kernels: dict = {}  # (gvar, b_transposed, in_loop) → PrimFunc | reason str
         self.calls: list = []  # (call, key, args)
         self.stats_names: dict = {}  # key → the statistics PrimFunc's name (for the report)
+        self.transposed: dict = {}  # (K, N) weight constant → its (N, K) copy: one per weight
 
     def kernel(self, mod, gvar, b_transposed, in_loop) -> tirx.PrimFunc | str:
         key = _key(gvar, b_transposed, in_loop)
@@ -150,14 +152,16 @@ def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None) -> tuple:
     return gvar, b_transposed, stats
 
 
-def _weight_arg(g: FusedGemm, args: list) -> tuple[bool, relax.Expr] | None:
+def _weight_arg(g: FusedGemm, args: list, plan: _Plan) -> tuple[bool, relax.Expr] | None:
     """(b_transposed, the weight argument the kernel takes) for one call; None: not streamable."""
     if g.layout == "nt":
         return False, args[g.b]
-    w = _constant(args[g.b])
-    if w is None:
-        return None
-    return True, relax.const(np.ascontiguousarray(w.T))
+    key = hash(args[g.b])  # the constant's handle (the plan holds the module that holds it)
+    if key not in plan.transposed:
+        w = _constant(args[g.b])
+        plan.transposed[key] = None if w is None else weight_arrays.constant(weight_arrays.transpose(w))
+    twin = plan.transposed[key]
+    return None if twin is None else (True, twin)
 
 
 def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: dict) -> None:
@@ -180,7 +184,7 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
                 break
             g, args = gemms[user.args[0]], list(user.args[1].fields)
             pos = [[i for i, a in enumerate(args) if a.same_as(o)] for o in outputs]
-            weight = _weight_arg(g, args)
+            weight = _weight_arg(g, args, plan)
             if not args[g.a].same_as(x) or any(len(p) != 1 for p in pos) or weight is None:
                 break
             in_loop = InLoopStats(spec, pos[0][0] if spec.centered else None, pos[-1][0])
@@ -195,7 +199,7 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
             continue
         gv, g = call.args[0], gemms[call.args[0]]
         args = list(call.args[1].fields)
-        weight = _weight_arg(g, args)
+        weight = _weight_arg(g, args, plan)
         if weight is None:
             refused[gv] = "W is a (K, N) tensor computed at run time (the kernel streams W (N, K))"
             continue

@@ -17,6 +17,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ..passes import weight_arrays
 from ..passes._util import const_array
 
 
@@ -59,7 +60,7 @@ class TransposedTwins:
         if w is not None and w.ndim == 2:
             for cand in self.by_shape.get(((w.shape[1], w.shape[0]), str(w.dtype)), []):
                 c = self._np(cand)
-                if c is not None and c[0, 0] == w[0, 0] and np.array_equal(c, w.T):
+                if c is not None and c[0, 0] == w[0, 0] and weight_arrays.equal(c, w.T):
                     twin = cand
                     break
         self.found[hash(const)] = twin

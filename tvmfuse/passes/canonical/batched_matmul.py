@@ -31,7 +31,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from .._util import is_op as _is_call
-from .._util import rewrite_functions, static_shape
+from .._util import rewrite_functions, static_shape, without_large_constants
 
 
 def _use_counts(func: relax.Function) -> dict[relax.Var, int]:
@@ -114,4 +114,5 @@ class CanonicalizeBatchedMatmul:
     """``reshape(matmul(reshape(a), reshape(b)))`` over merged batch dims → ``matmul(a, b)``."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, lambda f: _unbroadcast_weight(_fold(f)))  # copies mod first
+        # copies mod first; the products are matched by shape, never by a weight's values
+        return rewrite_functions(mod, without_large_constants(lambda f: _unbroadcast_weight(_fold(f))))

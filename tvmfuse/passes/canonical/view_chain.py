@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
-from .._util import rewrite_functions, shape_expr, static_shape
+from .._util import rewrite_functions, shape_expr, static_shape, without_large_constants
 
 _VIEWS = ("relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.permute_dims")
 
@@ -179,4 +179,4 @@ class CollapseViewChains:
     """``reshape(views(x))`` → ``reshape([permute_dims](x))``: size-1 axes dropped, permutes composed."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return rewrite_functions(mod, _collapse)  # copies mod before assigning
+        return rewrite_functions(mod, without_large_constants(_collapse))  # views only: weights lifted
