@@ -150,10 +150,28 @@ def tie_check(model, seq: torch.Tensor, ctx: int, ref: torch.Tensor) -> dict[str
             top2 = logits[i].topk(2).values
             tie = float((top2[0] - top2[1]).abs() / top2[0].abs()) < 1e-3
             close = float((logits[i, got[i]] - top2[0]).abs() / top2[0].abs()) < 2e-2
-            bad.append({"row": row, "step": i, "tie": tie, "within_2e-2": close})
+            gap = float((top2[0] - top2[1]).abs() / top2[0].abs())
+            bad.append({"row": row, "step": i, "tie": tie, "within_2e-2": close, "top2_gap_rel": gap})
     first = [p for p in parted_at if p is not None]
     return {"differing_steps": bad, "first_step_parting_from_eager": min(first) if first else None,
             "ok": all(b["tie"] and b["within_2e-2"] for b in bad)}
+
+
+def fp32_verdict(model, seq: torch.Tensor, ctx: int, bad: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each differing step: the fp32 model's (teacher-forced on tvmfuse's sequence) top-2 gap
+    and whether its argmax is tvmfuse's token (``tvmfuse_is_fp32_argmax``) or torch fp16's. Casts
+    ``model`` to fp32 in place (run last)."""
+    model.float()
+    out = []
+    for b in bad:
+        row, i = b["row"], b["step"]
+        with torch.no_grad():
+            logits = model(seq[row:row + 1, :ctx + i]).logits[0, -1].double()
+        top2 = logits.topk(2)
+        gap = (top2.values[0] - top2.values[1]).abs() / top2.values[0].abs()
+        out.append({"row": row, "step": i, "fp32_top2_gap_rel": float(gap),
+                    "tvmfuse_is_fp32_argmax": bool(int(top2.indices[0]) == int(seq[row, ctx + i]))})
+    return out
 
 
 def kernel_us_per_step(lm, steps: int = 8) -> tuple[float, dict[str, float]]:
@@ -176,6 +194,17 @@ def kernel_us_per_step(lm, steps: int = 8) -> tuple[float, dict[str, float]]:
     per.subtract(kernel_us(1))
     top = {k[:80]: round(v / steps, 2) for k, v in per.most_common(16) if v > 0}
     return sum(per.values()) / steps, top
+
+
+def prefill_kernels_us(lm, ids: torch.Tensor) -> tuple[float, dict[str, float]]:
+    """Summed GPU kernel time of one prefill of ``ids`` and its largest kernels (µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        lm.generate(ids, max_new_tokens=1)
+    times = sorted(((e.device_time_total, e.key) for e in prof.key_averages()
+                    if e.device_type.name == "CUDA"), reverse=True)
+    return sum(t for t, _ in times), {k[:80]: round(t, 1) for t, k in times[:12]}
 
 
 def main() -> None:
@@ -229,6 +258,9 @@ def main() -> None:
         row["tvmfuse"]["prefill_len"], row["tvmfuse"]["prefill_ms_at_len"] = prefill_len, min(times[1:])
         print("tvmfuse prefill", prefill_len, min(times[1:]), flush=True)
     try:
+        prompt_ids = long_ids if prefill_len != args.ctx else ids
+        total, top = prefill_kernels_us(lm, prompt_ids)
+        row["tvmfuse"]["prefill_kernel_us"], row["tvmfuse"]["prefill_top_kernels_us"] = total, top
         total, top = kernel_us_per_step(lm)
         row["tvmfuse"]["kernel_us_per_step"], row["tvmfuse"]["top_kernels_us"] = total, top
     except Exception as err:  # noqa: BLE001 - the profile is extra information
@@ -257,6 +289,10 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - report, keep the row
             row["compile_ms_per_token"] = f"failed: {type(err).__name__}: {err}"[:300]
         print("compile", row["compile_ms_per_token"], flush=True)
+    if row["tokens"]["differing_steps"]:  # fp16 torch and tvmfuse differ: what fp32 says (last: casts)
+        row["tokens"]["fp32_reference"] = fp32_verdict(gpu, got.cuda(), args.ctx,
+                                                       row["tokens"]["differing_steps"])
+        print("fp32 reference", row["tokens"]["fp32_reference"], flush=True)
     print(row, flush=True)
     if args.out:
         common.write_results(args.out, [row], common.command_line(), append=True)
