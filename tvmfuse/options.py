@@ -61,6 +61,8 @@ class Options:
     # cuBLAS at M = 1); up to 64 adds the mma engine (numerics checked, speed not yet measured
     # against the wgmma GEMM, so not by default)
     gemv_max_m: int = 8
+    # gemv: rows up to which the CUDA-core engine runs (above: the mma engine, M padded to 16)
+    gemv_simt_max_m: int = 8
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV

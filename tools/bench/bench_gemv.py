@@ -35,7 +35,7 @@ COPY_TBPS = 4.21
 ROTATE_BYTES = 200e6  # weight copies cycled per timing loop (> 4 × the 50 MB L2)
 
 
-def _tvm_kernel(m: int, n: int, k: int, dtype: str, target: str):
+def _tvm_kernel(m: int, n: int, k: int, dtype: str, target: str, simt_max_m: int):
     """(callable(x, w, y), config tag) of tvmfuse's GEMV kernel for (M, N, K)."""
     import os
     import shutil
@@ -50,7 +50,7 @@ def _tvm_kernel(m: int, n: int, k: int, dtype: str, target: str):
     from tvmfuse.targets import get_target
 
     problem = GemvProblem(m, n, k, dtype, dtype)
-    cfg = pick_config(problem, torch.cuda.get_device_properties(0).multi_processor_count)
+    cfg = pick_config(problem, torch.cuda.get_device_properties(0).multi_processor_count, simt_max_m)
     rt = tvm.compile(tvm.IRModule({"main": standalone(problem, cfg)}),
                      target=get_target(target).tvm_target())
     func = rt["main"]
@@ -97,7 +97,7 @@ def run_row(m: int, k: int, n: int, args: argparse.Namespace) -> dict[str, Any]:
     row["baselines"] = {"cublas_ms": round(cublas_ms, 5),
                         "cublas_tbps": round(wbytes / cublas_ms / 1e9, 3)}
     try:
-        kernel, tag = _tvm_kernel(m, n, k, args.dtype, args.target)
+        kernel, tag = _tvm_kernel(m, n, k, args.dtype, args.target, args.simt_max_m)
         row["config"] = tag
         kernel(x, weights[0], y)
         torch.cuda.synchronize()
@@ -121,6 +121,9 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="M = 1, 16 on two shapes, 20 iterations")
+    p.add_argument("--ms", help=f"comma-separated M values (default {','.join(map(str, MS))})")
+    p.add_argument("--simt-max-m", type=int, default=8,
+                   help="M up to which the CUDA-core engine runs (0: the mma engine for every M)")
     p.add_argument("--out", help="results JSON (rows appended)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -128,6 +131,8 @@ def main() -> int:
     ms, shapes = (MS, SHAPES)
     if args.quick:
         ms, shapes, args.iters, args.warmup = [1, 16], SHAPES[:2], 20, 5
+    if args.ms:
+        ms = [int(v) for v in args.ms.split(",")]
     rows = []
     print(f"{'M':>3} {'K':>6} {'N':>6} {'tvmfuse ms':>11} {'TB/s':>6} {'copy%':>6} {'cuBLAS ms':>10} "
           f"{'TB/s':>6} {'rel err':>8}  config")

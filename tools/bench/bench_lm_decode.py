@@ -222,6 +222,8 @@ def main() -> None:
     p.add_argument("--no-gemv", action="store_true",
                    help="Options(small_m_gemv=False): decode GEMMs on the GEMM kernels")
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--gemv-simt-max-m", type=int, default=8,
+                   help="Options.gemv_simt_max_m: M up to which the GEMV runs on CUDA cores")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -237,7 +239,8 @@ def main() -> None:
                            "weight_mb": weight_bytes / 1e6,
                            "floor_ms": weight_bytes / common.H200_HBM_BYTES_PER_S * 1e3}
     t0 = time.perf_counter()
-    with use_options(Options(small_m_gemv=not args.no_gemv)):
+    row["gemv_simt_max_m"] = args.gemv_simt_max_m
+    with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m)):
         lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
                                  prefill_lengths=sorted({args.ctx, prefill_len}))
     row["compile_s"] = round(time.perf_counter() - t0, 1)

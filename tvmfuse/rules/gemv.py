@@ -88,7 +88,7 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
     if b_transposed and g.layout != "nt" and g.layout != "nn":
         raise NotHandled(f"layout {g.layout}")
     problem = GemvProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.acc_odd is not None)
-    cfg = cfg or pick_config(problem, device_properties().sms)
+    cfg = cfg or pick_config(problem, device_properties().sms, current_options().gemv_simt_max_m)
     reason = check(problem, cfg, in_loop.stats if in_loop is not None else None)
     if reason:
         raise NotHandled(reason)

@@ -129,10 +129,11 @@ def check(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = No
     return None
 
 
-def pick_config(problem: GemvProblem, sms: int) -> GemvConfig:
-    """CUDA cores up to M = 8, tensor cores above; rows per block as many as still give every
-    SM a block (≥ ``sms`` blocks), so that all SMs stream W (N small: fewer rows per block)."""
-    if problem.m <= SIMT_MAX_M:
+def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = SIMT_MAX_M) -> GemvConfig:
+    """CUDA cores up to M = ``simt_max_m`` (at most 8), tensor cores above; rows per block as
+    many as still give every SM a block (≥ ``sms`` blocks), so that all SMs stream W (N small:
+    fewer rows per block)."""
+    if problem.m <= min(simt_max_m, SIMT_MAX_M):
         step, choices, base = 2 if problem.pair else 1, (8, 4, 2, 1), GemvConfig()
     else:
         step, choices, base = 8, (32, 16, 8), GemvConfig(warps=4, unroll=2, mma=True)
