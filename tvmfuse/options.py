@@ -61,8 +61,9 @@ class Options:
     # cuBLAS at M = 1); up to 64 adds the mma engine (numerics checked, speed not yet measured
     # against the wgmma GEMM, so not by default)
     gemv_max_m: int = 8
-    # gemv: rows up to which the CUDA-core engine runs (above: the mma engine, M padded to 16)
-    gemv_simt_max_m: int = 8
+    # gemv: rows up to which the CUDA-core engine runs (above: the mma engine, M padded to 16);
+    # 4: the engines tie there on the H200, mma is 1.5x faster at M = 8 (7B shapes, session 11)
+    gemv_simt_max_m: int = 4
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV

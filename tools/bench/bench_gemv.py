@@ -122,7 +122,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="M = 1, 16 on two shapes, 20 iterations")
     p.add_argument("--ms", help=f"comma-separated M values (default {','.join(map(str, MS))})")
-    p.add_argument("--simt-max-m", type=int, default=8,
+    p.add_argument("--simt-max-m", type=int, default=4,
                    help="M up to which the CUDA-core engine runs (0: the mma engine for every M)")
     p.add_argument("--out", help="results JSON (rows appended)")
     args = p.parse_args()

@@ -222,7 +222,7 @@ def main() -> None:
     p.add_argument("--no-gemv", action="store_true",
                    help="Options(small_m_gemv=False): decode GEMMs on the GEMM kernels")
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--gemv-simt-max-m", type=int, default=8,
+    p.add_argument("--gemv-simt-max-m", type=int, default=4,
                    help="Options.gemv_simt_max_m: M up to which the GEMV runs on CUDA cores")
     p.add_argument("--out")
     args = p.parse_args()

@@ -129,10 +129,11 @@ def check(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = No
     return None
 
 
-def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = SIMT_MAX_M) -> GemvConfig:
+def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4) -> GemvConfig:
     """CUDA cores up to M = ``simt_max_m`` (at most 8), tensor cores above; rows per block as
     many as still give every SM a block (≥ ``sms`` blocks), so that all SMs stream W (N small:
-    fewer rows per block)."""
+    fewer rows per block). Default 4: on the H200 the two engines tie at M = 4 over the 7B
+    shapes and the mma engine is 1.5× faster at M = 8 (``bench_gemv.py --ms 1,2,4,8``, session 11)."""
     if problem.m <= min(simt_max_m, SIMT_MAX_M):
         step, choices, base = 2 if problem.pair else 1, (8, 4, 2, 1), GemvConfig()
     else:
