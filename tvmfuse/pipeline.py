@@ -35,6 +35,7 @@ from .passes import (
 from .passes.attention import FuseAttention
 from .passes.attention_layout import FoldAttentionLayout
 from .passes.canonical import Canonicalize
+from .passes.fold_weight_transposes import FoldWeightTransposes
 from .passes.legalize_fixes import legalize_overrides
 from .passes.lift_weights import LiftWeights, lift_threshold
 from .passes.order_symbolic_defs import OrderSymbolicDefs
@@ -157,6 +158,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Library dispatch (sort/scan/sampling) must replace ops before they are legalised.
         mod = run("dispatch", tvm.transform.Sequential(
             [relax.backend.DispatchSampling(), relax.backend.DispatchSortScan()]), mod)
+        # Weight transposes the patterns left (o/down projections) become constants here, in torch,
+        # once per weight: FoldConstant below would run each through an llvm kernel on one core.
+        mod = run("fold_weight_transposes", FoldWeightTransposes(), mod)
         # Ops become TIR; FuseOps groups them by TIR op pattern, FuseTIR merges each group.
         mod = run("legalize", relax.transform.LegalizeOps(legalize_overrides()), mod)
         mod = run("annotate_patterns", relax.transform.AnnotateTIROpPattern(), mod)
