@@ -2,7 +2,8 @@
 
 The model is transformers' ``LlamaForCausalLM`` at random init in fp16 (``--size lm4``: vocab 8192,
 hidden 2048, 4 layers, 16 query / 4 KV heads, FFN 5632 — the LLM issue's 4-layer LM, 197 M
-weights = 394 MB read per token; ``7b``: Llama-2-7B's shapes, built on the GPU; ``tiny``: a 2-layer
+weights = 394 MB read per token; ``7b``: Llama-2-7B's shapes, built on the GPU (``7b4``: with 4
+layers); ``tiny``: a 2-layer
 hidden-256 model for a quick check). ``--batch`` prompts of ``--ctx`` random tokens, then ``--new``
 greedy tokens each (``compile_lm(max_batch=batch)``; decode ms/token is per step of the batch).
 
@@ -45,7 +46,9 @@ SIZES = {
     "7b": {"vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
            "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008},
 }
-_BUILD_ON_GPU = {"7b"}  # random init of 6.7 B weights on the CPU takes minutes
+# the 7B shapes with 4 layers: per-layer prefill/decode diagnostics at a tenth of the compile time
+SIZES["7b4"] = {**SIZES["7b"], "num_hidden_layers": 4}
+_BUILD_ON_GPU = {"7b", "7b4"}  # random init of 6.7 B weights on the CPU takes minutes
 
 
 def build(size: str, max_pos: int):
