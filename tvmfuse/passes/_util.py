@@ -121,6 +121,35 @@ def weight_constants(func: relax.Function) -> set[int]:
     return found
 
 
+def lift_large_constants(func: relax.Function, weights_only: bool = False
+                         ) -> tuple[relax.Function, dict[relax.Var, relax.Expr]]:
+    """``func`` with every constant of ``LARGE_CONSTANT_BYTES`` or more (``weights_only``: only
+    :func:`weight_constants`) replaced by a new trailing parameter, and ``{parameter: constant}``
+    to bind them back (``Function.bind_params``)."""
+    lifted: dict = {}
+    weights = weight_constants(func) if weights_only else None
+
+    @mutator
+    class _Lift(PyExprMutator):
+        def visit_generic_const_(self, const) -> relax.Expr:
+            data = const.value
+            if not isinstance(data, tvm.runtime.Tensor) or (
+                    int(np.prod(data.shape)) * tvm.runtime.DataType(str(data.dtype)).bits // 8
+                    < LARGE_CONSTANT_BYTES) or (weights is not None and hash(const) not in weights):
+                return const
+            key = hash(const)
+            if key not in lifted:
+                lifted[key] = (relax.Var(f"lifted_weight_{len(lifted)}", const.ty), const)
+            return lifted[key][0]
+
+    body = _Lift().visit_expr(func.body)
+    if not lifted:
+        return func, {}
+    params = [v for v, _ in lifted.values()]
+    return relax.Function(list(func.params) + params, body, func.ret_ty, func.is_pure, func.attrs,
+                          func.span), {v: c for v, c in lifted.values()}
+
+
 def without_large_constants(rewrite: Callable[[relax.Function], relax.Function], weights_only: bool = False
                             ) -> Callable[[relax.Function], relax.Function]:
     """``rewrite`` run with every constant of ``LARGE_CONSTANT_BYTES`` or more replaced by a
@@ -131,29 +160,10 @@ def without_large_constants(rewrite: Callable[[relax.Function], relax.Function],
     ``weights_only``: lift only :func:`weight_constants` (a pass that reads masks' values)."""
 
     def run(func: relax.Function) -> relax.Function:
-        lifted: dict = {}
-        weights = weight_constants(func) if weights_only else None
-
-        @mutator
-        class _Lift(PyExprMutator):
-            def visit_generic_const_(self, const) -> relax.Expr:
-                data = const.value
-                if not isinstance(data, tvm.runtime.Tensor) or (
-                        int(np.prod(data.shape)) * tvm.runtime.DataType(str(data.dtype)).bits // 8
-                        < LARGE_CONSTANT_BYTES) or (weights is not None and hash(const) not in weights):
-                    return const
-                key = hash(const)
-                if key not in lifted:
-                    lifted[key] = (relax.Var(f"lifted_weight_{len(lifted)}", const.ty), const)
-                return lifted[key][0]
-
-        body = _Lift().visit_expr(func.body)
-        if not lifted:
+        lifted, binds = lift_large_constants(func, weights_only)
+        if not binds:
             return rewrite(func)
-        params = [v for v, _ in lifted.values()]
-        out = rewrite(relax.Function(list(func.params) + params, body, func.ret_ty, func.is_pure,
-                                     func.attrs, func.span))
-        return out.bind_params({v: c for v, c in lifted.values()})
+        return rewrite(lifted).bind_params(binds)
 
     return run
 

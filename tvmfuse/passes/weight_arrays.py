@@ -65,7 +65,7 @@ def constant(arr: np.ndarray) -> relax.Constant:
             return relax.const(tvm.runtime.from_dlpack(arr))
         except Exception:  # noqa: BLE001 - dtypes DLPack cannot carry (bfloat16 numpy): copy
             pass
-    return relax.const(arr)
+    return relax.const(arr, str(arr.dtype))  # (without a dtype, relax.const narrows int64/float64)
 
 
 def identity(*arrays: np.ndarray) -> tuple:
