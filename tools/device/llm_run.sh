@@ -8,7 +8,8 @@
 #   lm4       bench_lm_decode lm4, ctx 2048: decode ms/token, tokens, torch.compile anchor  (~250 s)
 #   attn      bench_decode_cache: the split-KV kernel over unroll x splits, lm4 and 7b     (~120 s)
 #   7b        bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor, prefill 2048 vs compile (~500 s)
-#   7b_b8     bench_lm_decode 7b, batch 8, ctx 1024                                         (~500 s)
+#   7b_b8     bench_lm_decode 7b, batch 8, ctx 1024                                         (~300 s)
+#   7b4       the 7B shapes with 4 layers, ctx 2048: prefill kernel split vs torch.compile   (~150 s)
 #   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -35,7 +36,9 @@ for s in "$@"; do
           --new 32 --no-compile --prefill-len 2048 --compile-prefill --out "$OUT/7b.json" ;;
     7b_b8) step 7b_b8 560 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 16 --batch 8 \
              --no-compile --out "$OUT/7b_b8.json" ;;
+    7b4) step 7b4 300 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 2048 --new 16 --no-compile \
+           --compile-prefill --out "$OUT/7b4.json" ;;
     gemv) step gemv 400 python3 tools/bench/bench_gemv.py --out "$OUT/gemv.json" ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 gemv)"; exit 2 ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv)"; exit 2 ;;
   esac
 done
