@@ -90,6 +90,14 @@ def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], rel
 LARGE_CONSTANT_BYTES = 1 << 20  # weight matrices; norm scales, biases and scalars stay constants
 
 
+def is_large_constant(expr: relax.Expr) -> bool:
+    """A tensor constant of ``LARGE_CONSTANT_BYTES`` or more (a weight matrix)."""
+    if not (isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor)):
+        return False
+    data = expr.value
+    return int(np.prod(data.shape)) * tvm.runtime.DataType(str(data.dtype)).bits // 8 >= LARGE_CONSTANT_BYTES
+
+
 _WEIGHT_VIEWS = ("relax.permute_dims", "relax.astype", "relax.reshape", "relax.broadcast_to",
                  "relax.expand_dims", "relax.squeeze")
 
@@ -132,10 +140,7 @@ def lift_large_constants(func: relax.Function, weights_only: bool = False
     @mutator
     class _Lift(PyExprMutator):
         def visit_generic_const_(self, const) -> relax.Expr:
-            data = const.value
-            if not isinstance(data, tvm.runtime.Tensor) or (
-                    int(np.prod(data.shape)) * tvm.runtime.DataType(str(data.dtype)).bits // 8
-                    < LARGE_CONSTANT_BYTES) or (weights is not None and hash(const) not in weights):
+            if not is_large_constant(const) or (weights is not None and hash(const) not in weights):
                 return const
             key = hash(const)
             if key not in lifted:

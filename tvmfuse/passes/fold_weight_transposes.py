@@ -16,37 +16,29 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import weight_arrays
-from ._util import LARGE_CONSTANT_BYTES
+from ._util import is_large_constant, is_op
 
 
 def _is_weight_transpose(call: relax.Call) -> bool:
-    if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "relax.permute_dims"):
+    if not is_op(call, "relax.permute_dims"):
         return False
-    arg = call.args[0]
-    if not (isinstance(arg, tvm.ir.expr.Constant) and isinstance(arg.value, tvm.runtime.Tensor)):
-        return False
-    data = arg.value
-    if len(data.shape) != 2 or call.attrs.axes is not None and [int(a) for a in call.attrs.axes] != [1, 0]:
-        return False
-    size = int(data.shape[0]) * int(data.shape[1]) * tvm.runtime.DataType(str(data.dtype)).bits // 8
-    return size >= LARGE_CONSTANT_BYTES
+    arg, axes = call.args[0], call.attrs.axes
+    return (is_large_constant(arg) and len(arg.value.shape) == 2
+            and (axes is None or [int(a) for a in axes] == [1, 0]))
 
 
 @mutator
 class _Fold(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, memo: dict) -> None:
+    def __init__(self, mod: tvm.IRModule) -> None:
         super().__init__(mod)
-        self.memo = memo  # the source constant's handle → its transpose (shared by all functions)
+        self.made = weight_arrays.DerivedConstants()  # one transpose per weight, for all functions
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if not _is_weight_transpose(call):
             return call
-        source = call.args[0]
-        if hash(source) not in self.memo:  # (the module holds the source constant)
-            self.memo[hash(source)] = weight_arrays.constant(
-                weight_arrays.transpose(weight_arrays.array(source)))
-        return self.memo[hash(source)]
+        source = call.args[0]  # (the module holds it, so its hash names it)
+        return self.made.get(hash(source), lambda: weight_arrays.transpose(weight_arrays.array(source)))
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.FoldWeightTransposes")
@@ -54,8 +46,7 @@ class FoldWeightTransposes:
     """``permute_dims(W)`` (2-D weight constant, ≥ 1 MiB) → constant ``Wᵀ`` (one per weight)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        memo: dict = {}
-        rewriter = _Fold(mod.clone(), memo)  # the builder adds to its module: not the caller's
+        rewriter = _Fold(mod.clone())  # the builder adds to its module: not the caller's
         for gv, func in list(mod.functions_items()):
             if isinstance(func, relax.Function):
                 rewriter.builder_.update_func(gv, rewriter.visit_expr(func))

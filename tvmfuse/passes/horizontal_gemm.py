@@ -126,9 +126,10 @@ def _elementwise_reach(var: relax.Var, bound: dict, users: dict, depth: int = 6)
 
 @mutator
 class _Horizontal(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, groups: list[list[_Member]], weights: dict) -> None:
+    def __init__(self, mod: tvm.IRModule, groups: list[list[_Member]],
+                 weights: weight_arrays.DerivedConstants) -> None:
         super().__init__(mod)
-        self.weights = weights  # members' memory → the concatenated constant, shared by the functions
+        self.weights = weights  # the concatenated weights, shared by the functions
         self.first = {g[0].matmul_var: g for g in groups}
         self.dropped = {v for g in groups for m in g for v in (m.matmul_var, m.add_var) if v is not None}
 
@@ -138,10 +139,9 @@ class _Horizontal(PyExprMutator):
             call = binding.value
             x = self.visit_expr(call.args[0])
             parts = [m.weight for m in group]
-            key = weight_arrays.identity(*parts)
-            if key not in self.weights:  # (the parts keep their constants' memory alive)
-                self.weights[key] = (weight_arrays.constant(weight_arrays.concatenate(parts, 1)), parts)
-            y = self.builder_.emit(relax.op.matmul(x, self.weights[key][0], out_dtype=call.attrs.out_dtype))
+            weight = self.weights.get(weight_arrays.identity(*parts),
+                                      lambda: weight_arrays.concatenate(parts, 1), keep=parts)
+            y = self.builder_.emit(relax.op.matmul(x, weight, out_dtype=call.attrs.out_dtype))
             if any(m.bias is not None for m in group):
                 dtype = next(m.bias.dtype for m in group if m.bias is not None)
                 bias = np.concatenate([m.bias if m.bias is not None else np.zeros(m.weight.shape[1], dtype)
@@ -165,7 +165,7 @@ class HorizontalGemm:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = mod.clone()  # the rewriter's builder adds to its module in place: not the caller's
-        weights: dict = {}
+        weights = weight_arrays.DerivedConstants()
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):
                 continue

@@ -63,14 +63,7 @@ class _NormGemm(PyExprMutator):
         self.reshaped: dict = {}
         self.only_gemm_users: list = []
         self.rewritten = 0
-        self.folds: dict = {}  # (W's memory, γ) → γ·W: prefill and decode fold each weight once
-
-    def _folded(self, gamma: np.ndarray, w: np.ndarray) -> relax.Constant:
-        """The constant γ[:, None]·W (K, N), one per distinct (W, γ) in the module."""
-        key = (weight_arrays.identity(w), gamma.dtype.str, gamma.tobytes())
-        if key not in self.folds:  # (W, kept with the fold, keeps its constant's memory alive)
-            self.folds[key] = (weight_arrays.constant(weight_arrays.scale_rows(gamma, w)), w)
-        return self.folds[key][0]
+        self.folds = weight_arrays.DerivedConstants()  # γ·W once per (W, γ) for all functions
 
     def _bound(self, expr: relax.Expr) -> relax.Expr:
         return bound_value(self, expr)
@@ -140,7 +133,8 @@ class _NormGemm(PyExprMutator):
         if gamma is None or (centered and beta is None):
             return call
         dtype = str(call.ty.dtype)
-        w_fold = self._folded(gamma, w)
+        w_fold = self.folds.get((weight_arrays.identity(w), gamma.dtype.str, gamma.tobytes()),
+                                lambda: weight_arrays.scale_rows(gamma, w), keep=w)
         acc = self.builder_.emit(relax.op.matmul(x, w_fold, out_dtype="float32"))
         if centered:
             mean, rstd = self._get_stats(x, float(norm.attrs.epsilon), True)

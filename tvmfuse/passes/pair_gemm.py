@@ -250,18 +250,16 @@ def _find(func: relax.Function) -> list[_Pair]:
 
 @mutator
 class _Rewrite(PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, pairs: list[_Pair], bound: dict, weights: dict) -> None:
+    def __init__(self, mod: tvm.IRModule, pairs: list[_Pair], bound: dict,
+                 weights: weight_arrays.DerivedConstants) -> None:
         super().__init__(mod)
         self.pairs = {p.root: p for p in pairs}
         self.bound = bound
-        self.weights = weights  # halves' memory → interleaved constant, shared by the functions
+        self.weights = weights  # the interleaved weights, shared by the functions
 
     def _weight(self, p: _Pair) -> relax.Constant:
-        key = weight_arrays.identity(*p.halves)
-        if key not in self.weights:  # (the halves keep their constants' memory alive)
-            self.weights[key] = (weight_arrays.constant(weight_arrays.interleave_columns(*p.halves)),
-                                 p.halves)
-        return self.weights[key][0]
+        return self.weights.get(weight_arrays.identity(*p.halves),
+                                lambda: weight_arrays.interleave_columns(*p.halves), keep=p.halves)
 
     def _group_func(self, p: _Pair) -> tuple[relax.Function, list[relax.Expr]]:
         """``fn(x, W, operands…) = f(even(x·W), odd(x·W))`` marked Primitive; its arguments."""
@@ -320,7 +318,7 @@ class PairGemm:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         mod = mod.clone()  # assigned into below: not the caller's module
-        weights: dict = {}
+        weights = weight_arrays.DerivedConstants()
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function) or func.attrs and func.attrs.get("Primitive"):
                 continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 from types import ModuleType
 
 import numpy as np
@@ -72,6 +73,23 @@ def identity(*arrays: np.ndarray) -> tuple:
     """A dict key naming arrays by their memory: views of a module's constants (:func:`array`) are
     named by the constant while the module holds it; a memo holding the arrays keeps it so."""
     return tuple((a.ctypes.data, a.shape, a.strides, a.dtype.str) for a in arrays)
+
+
+class DerivedConstants:
+    """Constants computed from weights, each made once per ``key`` (a pass shares one memo across
+    its functions, so prefill and decode entry points get the same constant object and the
+    weights file holds it once). ``key`` names the sources: a constant's ``hash`` (the module
+    holds it) or :func:`identity` of views of its memory, which ``keep`` then holds alive so the
+    address cannot name another array while the memo lives."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def get(self, key, make: Callable[[], np.ndarray], keep: object = None) -> relax.Constant:
+        """The constant of ``make()`` for ``key``, made on the first request."""
+        if key not in self._made:
+            self._made[key] = (constant(make()), keep)
+        return self._made[key][0]
 
 
 def transpose(w: np.ndarray) -> np.ndarray:

@@ -26,7 +26,6 @@ pass returns the module unchanged.
 
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -40,6 +39,7 @@ from ..kernels.gemm.gemv import MAX_M, GemvConfig, GemvProblem, check, gemv_kern
 from ..kernels.gemm.opmath import opmath
 from ..options import current_options
 from ..passes import weight_arrays
+from ..passes._util import const_array
 from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
@@ -119,12 +119,6 @@ class Gemv(GPUScheduleRule):
         return s_tir.Schedule(kernel)
 
 
-def _constant(expr) -> np.ndarray | None:
-    if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):
-        return weight_arrays.array(expr)
-    return None
-
-
 class _Plan:
     """What the pass does to each call: its kernel (per PrimFunc and statistics positions) and
     its new arguments."""
@@ -133,7 +127,7 @@ class _Plan:
         self.kernels: dict = {}  # (gvar, b_transposed, in_loop) → PrimFunc | reason str
         self.calls: list = []  # (call, key, args)
         self.stats_names: dict = {}  # key → the statistics PrimFunc's name (for the report)
-        self.transposed: dict = {}  # (K, N) weight constant → its (N, K) copy: one per weight
+        self.transposed = weight_arrays.DerivedConstants()  # (N, K) copies, one per (K, N) weight
 
     def kernel(self, mod, gvar, b_transposed, in_loop) -> tirx.PrimFunc | str:
         key = _key(gvar, b_transposed, in_loop)
@@ -156,12 +150,10 @@ def _weight_arg(g: FusedGemm, args: list, plan: _Plan) -> tuple[bool, relax.Expr
     """(b_transposed, the weight argument the kernel takes) for one call; None: not streamable."""
     if g.layout == "nt":
         return False, args[g.b]
-    key = hash(args[g.b])  # the constant's handle (the plan holds the module that holds it)
-    if key not in plan.transposed:
-        w = _constant(args[g.b])
-        plan.transposed[key] = None if w is None else weight_arrays.constant(weight_arrays.transpose(w))
-    twin = plan.transposed[key]
-    return None if twin is None else (True, twin)
+    w = const_array(args[g.b])  # a view of the constant: the module holds it, so hash() names it
+    if w is None:
+        return None
+    return True, plan.transposed.get(hash(args[g.b]), lambda: weight_arrays.transpose(w))
 
 
 def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: dict) -> None:
