@@ -1,4 +1,5 @@
-"""LastTokenLogits (tvmfuse/llm/last_token.py): an entry point returns logits[:, S - 1] (B, V)."""
+"""LastTokenLogits (tvmfuse/llm/last_token.py): an entry point returns each sequence's last logits
+(B, V): ``logits[b, last[b]]`` with a new ``last`` parameter for S > 1, ``logits[:, 0]`` for S = 1."""
 
 from __future__ import annotations
 
@@ -27,14 +28,17 @@ class OneTuple:
 @I.ir_module
 class OneTupleExpected:
     @R.function
-    def main(x: R.Tensor((2, 8, 16), "float32")) -> R.Tensor((2, 16), "float32"):
+    def main(x: R.Tensor((2, 8, 16), "float32"),
+             last: R.Tensor((2,), "int32")) -> R.Tensor((2, 16), "float32"):
         with R.dataflow():
             y = R.multiply(x, R.const(2.0, "float32"))
             out = (y,)
             R.output(out)
         logits = out[0]
-        last_position = R.strided_slice(logits, axes=[1], begin=[7], end=[8])
-        last_logits = R.reshape(last_position, R.shape([2, 16]))
+        row_starts = R.arange(R.prim_value(0), R.prim_value(16), R.prim_value(8), dtype="int32")
+        last_rows = R.add(row_starts, last)
+        flat_logits = R.reshape(logits, R.shape([16, 16]))
+        last_logits = R.take(flat_logits, last_rows, axis=0, mode="clip")
         return last_logits
 
 
@@ -51,22 +55,57 @@ class Bare:
 @I.ir_module
 class BareExpected:
     @R.function
-    def main(x: R.Tensor((3, 5, 7), "float32")) -> R.Tensor((3, 7), "float32"):
+    def main(x: R.Tensor((3, 5, 7), "float32"),
+             last: R.Tensor((3,), "int32")) -> R.Tensor((3, 7), "float32"):
         with R.dataflow():
             y = R.add(x, x)
             R.output(y)
-        last_position = R.strided_slice(y, axes=[1], begin=[4], end=[5])
+        row_starts = R.arange(R.prim_value(0), R.prim_value(15), R.prim_value(5), dtype="int32")
+        last_rows = R.add(row_starts, last)
+        flat_logits = R.reshape(y, R.shape([15, 7]))
+        last_logits = R.take(flat_logits, last_rows, axis=0, mode="clip")
+        return last_logits
+
+
+@I.ir_module
+class Decode:
+    @R.function
+    def main(x: R.Tensor((3, 1, 7), "float32")) -> R.Tensor((3, 1, 7), "float32"):
+        with R.dataflow():
+            y = R.add(x, x)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class DecodeExpected:
+    @R.function
+    def main(x: R.Tensor((3, 1, 7), "float32")) -> R.Tensor((3, 7), "float32"):
+        with R.dataflow():
+            y = R.add(x, x)
+            R.output(y)
+        last_position = R.strided_slice(y, axes=[1], begin=[0], end=[1])
         last_logits = R.reshape(last_position, R.shape([3, 7]))
         return last_logits
 
 
 @pytest.mark.parametrize("before, expected", [(OneTuple, OneTupleExpected), (Bare, BareExpected)])
 def test_structure_and_numerics(before, expected):
+    """Right-padded rows: row b's logits at its own last position (here 7 − b, or 4 − b)."""
     after = apply_pass(LastTokenLogits(), before)
     tvm.ir.assert_structural_equal(after, expected)
     x = random_inputs(before)[0]
     ref = run_llvm(Bare, x) if before is Bare else 2 * x
-    np.testing.assert_array_equal(run_llvm(after, x), ref[:, -1])
+    b, s = x.shape[:2]
+    last = (s - 1 - np.arange(b)).astype("int32")
+    np.testing.assert_array_equal(run_llvm(after, x, last), ref[np.arange(b), last])
+
+
+def test_decode_takes_its_one_position():
+    after = apply_pass(LastTokenLogits(), Decode)
+    tvm.ir.assert_structural_equal(after, DecodeExpected)
+    x = random_inputs(Decode)[0]
+    np.testing.assert_array_equal(run_llvm(after, x), 2 * x[:, 0])
 
 
 @I.ir_module

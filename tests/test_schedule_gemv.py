@@ -81,6 +81,14 @@ def test_check_and_pick_config():
     assert not pick_config(GemvProblem(4, 4096, 4096, "float16", "float16"), 132).mma
     eight = GemvProblem(8, 4096, 4096, "float16", "float16")
     assert pick_config(eight, 132).mma  # measured faster from M = 8 (pick_config's docstring)
+    # the mma engine's measured config: 8 rows, 8 warps, 4 chunks in flight (2 above M = 16)
+    assert pick_config(eight, 132) == GemvConfig(rows=8, warps=8, unroll=4, mma=True)
+    assert pick_config(GemvProblem(64, 4096, 4096, "float16", "float16"), 132) == GemvConfig(
+        rows=8, warps=8, unroll=2, mma=True)
+    # with the norm statistics in the loop every block recomputes them: fewer, larger blocks
+    assert pick_config(eight, 132, row_stats=True) == GemvConfig(rows=16, warps=4, unroll=2, mma=True)
+    qkv = GemvProblem(8, 12288, 4096, "float16", "float16")
+    assert pick_config(qkv, 132, row_stats=True) == GemvConfig(rows=32, warps=4, unroll=2, mma=True)
     assert not pick_config(eight, 132, simt_max_m=8).mma
     assert pick_config(GemvProblem(1, 4096, 4096, "float16", "float16"), 132, simt_max_m=0).mma
     small_n = pick_config(GemvProblem(1, 256, 4096, "float16", "float16"), 132)

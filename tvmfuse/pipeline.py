@@ -19,7 +19,7 @@ from tvm import relax
 
 from .errors import CompileError, TvmfuseError
 from .locate import locate
-from .options import Options, use_options
+from .options import Options, current_options, use_options
 from .passes import (
     FuseDecomposedNorms,
     GatherRowStats,
@@ -48,9 +48,11 @@ from .rules.gemm_row_stats_simt import SimtGemmRowStats
 from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .rules.gemm_sm90_stats import Sm90GemmRowStats
 from .rules.gemv import SmallMGemm
+from .rules.programmatic_launch import MarkProgrammaticLaunch
+from .rules.programmatic_launch import supported as pdl_supported
 from .targets import TargetSpec
 from .tuning_db import ApplyTuningDatabase
-from .tvm_setup import codegen_scope, register_tvm_patches
+from .tvm_setup import S_TIR_PIPELINE, codegen_scope, register_tvm_patches
 
 
 class _Stages:
@@ -190,6 +192,10 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             mod = run("gemm_sm90", Sm90Gemm, mod)
             # An exception in a rule propagates (TVMFUSE_STRICT) or is recorded (schedules/fallback.py).
             mod = run("schedule", ApplyRules(*gpu_rules()), mod)
+            # sm_90+: every kernel may launch while its predecessor ends and waits for it inside
+            # (PDL); after scheduling, when every PrimFunc is a kernel with its reads known.
+            if current_options().programmatic_launch and pdl_supported(target):
+                mod = run("programmatic_launch", MarkProgrammaticLaunch, mod)
         # One-output models return the tensor, not a 1-tuple: less host work on every call
         # (after the views are made: a reshape feeding the unwrapped output stays a view).
         mod = run("unwrap_single_output", UnwrapSingleOutput(), mod)
@@ -222,7 +228,7 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
 def build(mod: tvm.IRModule, spec: TargetSpec, options: Options | None = None):
     """Codegen: ``relax.build`` of a lowered module (CUDA kept as source; export compiles it)."""
     # TIRx kernels (sm90 GEMM) need the tirx TIR pipeline; the hybrid one also runs s_tir.
-    tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else "default"
+    tir_pipeline = HYBRID_PIPELINE if uses_tirx(mod) else S_TIR_PIPELINE
     try:
         # Same behaviour with or without a GPU driver: CUDA stays source here; export runs nvcc.
         # gemm_sm80's cp.async pipelines need TIR build options (codegen_scope sets BUILD_CONFIG).

@@ -3,9 +3,11 @@
 * :func:`register_tvm_patches` — idempotent, thread-safe: the sm_80 GEMM's two TIR pipeline
   fixes (``LowerWarpMemory`` lowering every warp buffer, one barrier per K tile after
   ``ThreadSync``; ``schedules/gemm_sm80.py``) and the hybrid s_tir / tirx TIR pipeline of the
-  sm_90a kernels (``schedules/gemm_sm90.py``). Importing a kernel module patches nothing; the
-  pipeline (``pipeline.lower`` and ``pipeline.build``), ``tvmfuse tune``'s builders and scripts
-  that build kernels themselves call this.
+  sm_90a kernels (``schedules/gemm_sm90.py``), and an s_tir pipeline; both insert the
+  programmatic-launch wait into kernels that ask for it (``rules/programmatic_launch.py``).
+  Importing a kernel module patches nothing; the pipeline (``pipeline.lower`` and
+  ``pipeline.build``), ``tvmfuse tune``'s builders and scripts that build kernels themselves
+  call this.
 * :func:`cuda_source_only` — ``TVM_COMPILE_FORCE_FALLBACK=1`` for the duration of a build, so that
   CUDA code stays source (export runs nvcc) whether or not a GPU driver is present. TVM's C++
   codegen reads the variable from the process environment, so it cannot be scoped to one thread:
@@ -26,8 +28,10 @@ import tvm
 
 from .options import Options, use_options
 from .rules.gemm_sm80 import BUILD_CONFIG, patch_lower_warp_memory, patch_thread_sync
-from .rules.gemm_sm90 import register_hybrid_pipeline
+from .rules.gemm_sm90 import HYBRID_PIPELINE, hybrid_pipeline
+from .rules.programmatic_launch import with_device_wait
 
+S_TIR_PIPELINE = "tvmfuse_s_tir"  # TVM's s_tir pipeline + the PDL wait in each kernel that asks
 _FALLBACK_ENV = "TVM_COMPILE_FORCE_FALLBACK"
 _lock = threading.Lock()
 _registered = False
@@ -46,7 +50,10 @@ def register_tvm_patches() -> None:
 
         patch_lower_warp_memory()
         patch_thread_sync()
-        register_hybrid_pipeline()
+        # both TIR pipelines insert griddepcontrol.wait into kernels launched programmatically
+        tvm.tirx.register_tir_pipeline(HYBRID_PIPELINE, with_device_wait(hybrid_pipeline))
+        tvm.tirx.register_tir_pipeline(
+            S_TIR_PIPELINE, with_device_wait(lambda: tvm.tirx.get_tir_pipeline("s_tir")))
         _registered = True
 
 

@@ -227,6 +227,10 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--gemv-simt-max-m", type=int, default=4,
                    help="Options.gemv_simt_max_m: M up to which the GEMV runs on CUDA cores")
+    p.add_argument("--programmatic-launch", choices=["on", "off"], default="on",
+                   help="Options.programmatic_launch (sm_90: PDL between kernels)")
+    p.add_argument("--gemv-l2-prefetch", type=int, default=0,
+                   help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -243,7 +247,11 @@ def main() -> None:
                            "floor_ms": weight_bytes / common.H200_HBM_BYTES_PER_S * 1e3}
     t0 = time.perf_counter()
     row["gemv_simt_max_m"] = args.gemv_simt_max_m
-    with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m)):
+    row["programmatic_launch"] = args.programmatic_launch
+    row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
+    with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
+                             programmatic_launch=args.programmatic_launch == "on",
+                             gemv_l2_prefetch_bytes=args.gemv_l2_prefetch)):
         lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
                                  prefill_lengths=sorted({args.ctx, prefill_len}))
     row["compile_s"] = round(time.perf_counter() - t0, 1)

@@ -106,6 +106,24 @@ def time_ms(
     return time_stats(fn, warmup, iters, device)[0]
 
 
+def kernel_us(fn: Callable[[int], Any], iters: int) -> float:
+    """Mean GPU time (µs) of the kernels one ``fn(i)`` launches (i = 0 .. iters − 1), from the
+    profiler: the kernels' own durations, without the host's launch cost between calls (what a
+    CUDA-graph replay sees). ``fn`` is called a few times first to warm up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            fn(i)
+        torch.cuda.synchronize()
+    total = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
+                and not e.key.startswith(("cudaDeviceSynchronize", "Activity Buffer")))
+    return total / iters
+
+
 def _flat64(out: Any) -> torch.Tensor:
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return torch.cat([o.detach().reshape(-1).to(torch.float64) for o in outs])

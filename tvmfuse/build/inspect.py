@@ -52,6 +52,24 @@ def cuda_images(path: str | os.PathLike) -> list[tuple[str, bytes]]:
     return images
 
 
+def launch_tags(path: str | os.PathLike) -> dict[str, list[str]]:
+    """``{kernel: launch parameter tags}`` of every CUDA kernel the library embeds (the function
+    map TVM's runtime launches by: thread axes, dynamic shared memory, launch flags)."""
+    tags: dict[str, list[str]] = {}
+    for kind, payload in embedded_modules(path):
+        if kind != "cuda":
+            continue
+        _, fmap, _ = parse_cuda_payload(payload)
+        r = BlobReader(fmap)
+        for _ in range(r.u64()):
+            r.raw()  # key
+            name = r.raw().decode()
+            r.skip(4 * r.u64())  # arg_types
+            tags[name] = [r.raw().decode() for _ in range(r.u64())]
+            r.skip(4 * r.u64())  # arg_extra_tags
+    return tags
+
+
 def cuda_source(module) -> str | None:
     """CUDA source of the first ``cuda`` module in ``module`` (a runtime module, or an executable
     with ``.mod``) and its imports; None when there is none (e.g. built for ``llvm`` only)."""

@@ -6,7 +6,8 @@
 
 Entry points (``Bm`` = max_batch, caches ``(Bm, Hkv, max_seq, D)`` per layer, written in place)::
 
-    prefill{S}(ids (Bm, S), positions (Bm, S), offsets (Bm,), starts (Bm,), k_cache_0, v_cache_0, ...)
+    prefill{S}(ids (Bm, S), positions (Bm, S), last (Bm,), offsets (Bm,), starts (Bm,),
+               k_cache_0, v_cache_0, ...)       → logits (Bm, V) at each row's last real token
     decode(ids (Bm, 1), positions (Bm, 1), offsets, starts, caches...)        → logits (Bm, V)
     advance(logits, ids, positions, offsets, history (Bm, max_seq + 1))   greedy step in place
 
@@ -14,7 +15,8 @@ each followed by the same weights ``w_0 … w_{k-1}`` (``LiftWeights``: equal fo
 the entry points are one parameter), which ``export`` writes to ``<name>.safetensors``.
 
 The passes after import are static-shape (FuseAttention proves masks causal by evaluating them),
-so the symbolic import is specialised per prefill length; a prompt is left-padded to the next one.
+so the symbolic import is specialised per prefill length; a prompt is right-padded to the next one
+(``last`` says where each row's real tokens end).
 """
 
 from __future__ import annotations

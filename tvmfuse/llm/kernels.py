@@ -11,10 +11,10 @@ Shapes (static per entry point; ``M`` = max_seq_len, ``Bm`` = max_batch)::
     attention:  out[b, s, h] = Σ_j softmax_j(scale · q[b,s,h]·k_cache[b,g,j]) · v_cache[b,g,j]
                 over j in [lo, p], p = offsets[b] + s, lo = min(starts[b], p), g = h // (Hq/Hkv)
 
-Left padding: slots before ``starts[b]`` hold padding and are never read by a real token (a
-padding row sees only itself, so no row is empty). The key loop runs over exactly the visible
-slots (a data-dependent extent); m, l and acc are fp32 scratch of the row (online softmax).
-The llvm variant parallelises over (b, s, h); at decode (S = 1) CUDA runs the split-KV
+A lower bound: slots before ``starts[b]`` are never read (the runtime right-pads prompts and
+passes 0; a row past its bound sees only itself, so no row is empty). The key loop runs over
+exactly the visible slots (a data-dependent extent); m, l and acc are fp32 scratch of the row
+(online softmax). The llvm variant parallelises over (b, s, h); at decode (S = 1) CUDA runs the split-KV
 flash-decoding kernel over the cache; CUDA prefill binds (b·S + s, h) to blocks and runs each row
 in one thread: correct on the GPU, not fast.
 """

@@ -6,13 +6,16 @@ For attention layer l of a function with static shapes (B, S)::
   →
     kc_l = call_tir_inplace(kv_append, (k_cache_l, k, offsets))   # in place; vc_l likewise
     o = call_tir(cache_attention, (q, kc_l, vc_l, offsets, starts))       # decode (S = 1)
-    o = R.nn.attention(q, kc_l[:, :, :S]ᵀ, vc_l[:, :, :S]ᵀ, bias(starts), scale,
+    o = R.nn.attention(q, kc_l[:, :, :S]ᵀ, vc_l[:, :, :S]ᵀ, scale,
                        causal_mask="TopLeft")                                      # prefill (S > 1)
 
 A prefill starts its sequences (the runtime passes offsets 0): its attention is over this call's
 keys and values (read back from the slots just written, which keeps the append alive), computed
-by the flash kernels; ``bias`` hides the left padding (key j is visible to a
-real row when j ≥ starts[b]; a padding row sees only itself), the cache kernel's rule. Decode
+by the flash kernels as plain causal attention. Prompts are right-padded
+(:mod:`tvmfuse.runtime.lm`): a real token never has a padding slot at or before it, so causality
+alone hides the padding, no mask tensor is read, and the fastest flash kernel (sm_90a: the wgmma
+one, which takes no bias) applies. Padding rows attend to the real tokens and themselves (finite
+values nobody reads: decode overwrites those slots, and reads slots ``starts[b] .. p``). Decode
 reads the cache through the split-KV kernel.
 
 and the function gains the parameters ``offsets`` (B,) int32, ``starts`` (B,) int32 and
@@ -74,7 +77,6 @@ class _Rewrite(relax.PyExprMutator):
         self.specs: list[CacheSpec] = []
         self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar | None]] = {}
         self.offsets = self.starts = None
-        self.bias: relax.Var | None = None
 
     def set_batch(self, batch: int) -> None:
         self.offsets = relax.Var("offsets", relax.TensorType([batch], "int32"))
@@ -115,28 +117,13 @@ class _Rewrite(relax.PyExprMutator):
             k_new, v_new = (self.builder_.emit(relax.op.permute_dims(relax.op.strided_slice(
                 c, [2], [0], [spec.seq]), [0, 2, 1, 3])) for c in (kc2, vc2))
             out = self.builder_.emit(relax.op.nn.attention(
-                q, k_new, v_new, self._prefill_bias(spec), scale=spec.scale, causal_mask="TopLeft"),
+                q, k_new, v_new, scale=spec.scale, causal_mask="TopLeft"),
                 name_hint=var_name(binding.var))
         else:
             out = self.builder_.emit(relax.call_tir(
                 attn, relax.Tuple([q, kc2, vc2, self.offsets, self.starts]), call.ty),
                 name_hint=var_name(binding.var))
         self.set_var_remap(binding.var, out)
-
-    def _prefill_bias(self, spec: CacheSpec) -> relax.Var:
-        """(B, 1, S, S): 0 where key j is visible to row i besides causality (j ≥ starts[b], or
-        j == i: a padding row sees only itself), else −30000 (exp underflows to 0 in fp32; finite,
-        so fp16 holds it and no row is empty). Made once per function."""
-        if self.bias is None:
-            B, S, dt = spec.batch, spec.seq, spec.dtype
-            pos = relax.op.arange(0, S, 1, "int32")
-            cols = relax.op.reshape(pos, [1, 1, 1, S])
-            rows = relax.op.reshape(pos, [1, 1, S, 1])
-            real = relax.op.greater_equal(cols, relax.op.reshape(self.starts, [B, 1, 1, 1]))
-            keep = relax.op.logical_or(real, relax.op.equal(cols, rows))
-            self.bias = self.builder_.emit(relax.op.where(
-                keep, relax.const(0.0, dt), relax.const(-30000.0, dt)), name_hint="prefill_bias")
-        return self.bias
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.llm.DeriveKVCache")

@@ -1,8 +1,11 @@
-"""Last-token logits: an entry point returns ``logits[:, S - 1]`` (B, V), not (B, S, V).
+"""Last-token logits: an entry point returns each sequence's last logits (B, V), not (B, S, V).
 
-Generation reads only the last position's logits; returning them alone keeps the (B, S, V) tensor
-out of the caller's memory. Input: a function whose result is ``logits`` or ``(logits,)`` with
-static shape (B, S, V). Sits after the KV-cache rewrite, before lowering.
+Generation reads only the last real position's logits; returning them alone keeps the (B, S, V)
+tensor out of the caller's memory. Prompts are right-padded (:mod:`tvmfuse.runtime.lm`), so that
+position differs per sequence: a function with S > 1 gains the parameter ``last`` (B,) int32 after
+its own and returns ``logits[b, last[b]]``; with S = 1 (decode) it returns ``logits[:, 0]``.
+Input: a function whose result is ``logits`` or ``(logits,)`` with static shape (B, S, V). Sits
+before the KV-cache rewrite (which appends the cache parameters after ``last``), before lowering.
 """
 
 from __future__ import annotations
@@ -32,10 +35,19 @@ def _last(func: relax.Function, name: str) -> relax.Function:
     if not isinstance(ty, relax.TensorType) or ty.ndim != 3:
         raise CompileError(f"compile_lm: {name} returns {ty}, expected logits (batch, seq, vocab)")
     b, s, v = (int(d) for d in ty.shape.values)
-    sliced = bind("last_position", relax.op.strided_slice(logits, [1], [s - 1], [s]))
-    out = bind("last_logits", relax.op.reshape(sliced, [b, v]))
+    params = list(func.params)
+    if s == 1:
+        sliced = bind("last_position", relax.op.strided_slice(logits, [1], [0], [1]))
+        out = bind("last_logits", relax.op.reshape(sliced, [b, v]))
+    else:  # row b·S + last[b] of the (B·S, V) logits
+        last = relax.Var("last", relax.TensorType([b], "int32"))
+        params.append(last)
+        starts = bind("row_starts", relax.op.arange(0, b * s, s, "int32"))
+        rows = bind("last_rows", relax.op.add(starts, last))
+        flat = bind("flat_logits", relax.op.reshape(logits, [b * s, v]))
+        out = bind("last_logits", relax.op.take(flat, rows, axis=0, mode="clip"))  # in bounds
     new_body = relax.SeqExpr([*body.blocks, relax.BindingBlock(tail)], out)
-    return relax.Function(func.params, new_body, out.ty, func.is_pure, func.attrs)
+    return relax.Function(params, new_body, out.ty, func.is_pure, func.attrs)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.llm.LastTokenLogits")

@@ -49,7 +49,7 @@ _ATTENTION = "relax.nn.attention"
 # what a region between column- and row-parallel matmuls may hold
 _REGION_OPS = _UNARY | _BINARY | _VIEWS | {_ATTENTION}
 # what may lie between the LM head's matmul and the result
-_HEAD_TAIL = {"relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.astype"}
+_HEAD_TAIL = {"relax.reshape", "relax.permute_dims", "relax.strided_slice", "relax.astype", "relax.take"}
 
 
 @dataclass(frozen=True)
@@ -364,6 +364,15 @@ class _Shard(relax.PyExprMutator):
             return True
         if op == "relax.strided_slice":
             return self._slice(binding, first)
+        if op == "relax.take":  # rows of the split tensor (the last-token logits): the split stays
+            axis = int(value.attrs.axis) % len(_shape(value.args[0]))
+            if axis == first.axis or self.split.get(value.args[1]) or not self.split.get(value.args[0]):
+                return False
+            ndim = len(_shape(value.args[1]))
+            self.split[var] = Split(first.axis if first.axis < axis else first.axis - 1 + ndim,
+                                    first.segments)
+            super().visit_var_binding_(binding)
+            return True
         if op == _ATTENTION:
             if not all(isinstance(s, Split) and s.axis == 2 and len(s.segments) == 1 for s in splits[:3]):
                 return False

@@ -12,8 +12,8 @@ accumulators in registers, keeping the function's signature, and tags it
 A GEMM-like function the kernel cannot take (batched B, prologue on A, K not a multiple of 8, …)
 keeps its s_tir body for the sm80 / dlight rules and gets ``tvmfuse.fallback = <reason>``.
 
-Build: one TIR pipeline runs per ``relax.build``; :data:`HYBRID_PIPELINE` (registered by
-:func:`register_hybrid_pipeline`, which ``build.tvm_setup.register_tvm_patches`` calls) sends
+Build: one TIR pipeline runs per ``relax.build``; :data:`HYBRID_PIPELINE` (:func:`hybrid_pipeline`,
+registered by ``tvm_setup.register_tvm_patches``) sends
 ``tvmfuse.tirx`` functions through ``tirx`` and everything else through ``s_tir`` (both share the
 same host/device finalisation passes).
 """
@@ -333,8 +333,3 @@ def hybrid_pipeline():
         return out
 
     return _pipeline, finalize_host, finalize_device
-
-
-def register_hybrid_pipeline() -> None:
-    """Register :data:`HYBRID_PIPELINE` with TVM (re-registering replaces the factory)."""
-    tirx.register_tir_pipeline(HYBRID_PIPELINE, hybrid_pipeline)

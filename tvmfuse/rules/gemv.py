@@ -43,6 +43,7 @@ from ..passes._util import const_array
 from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
+from .programmatic_launch import supported as pdl_supported
 
 NAME = "gemv"
 _CALL_TIR = "relax.call_tir"
@@ -67,6 +68,13 @@ def small_m_gemm(func: tirx.PrimFunc) -> FusedGemm | None:
     return g if g.m <= max_m() else None
 
 
+def l2_prefetch_bytes(target: Target | None) -> int:
+    """Bytes of W each block prefetches before the programmatic-launch wait (0 where kernels do
+    not launch programmatically: options off, or a target below sm_90)."""
+    opts = current_options()
+    return opts.gemv_l2_prefetch_bytes if opts.programmatic_launch and pdl_supported(target) else 0
+
+
 def max_m() -> int:
     """Rows up to which GEMMs take this kernel: ``Options.gemv_max_m``, at most the kernel's 64."""
     return min(MAX_M, current_options().gemv_max_m)
@@ -88,7 +96,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
     if b_transposed and g.layout != "nt" and g.layout != "nn":
         raise NotHandled(f"layout {g.layout}")
     problem = GemvProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.acc_odd is not None)
-    cfg = cfg or pick_config(problem, device_properties().sms, current_options().gemv_simt_max_m)
+    cfg = cfg or pick_config(problem, device_properties().sms, current_options().gemv_simt_max_m,
+                             row_stats=in_loop is not None)
     reason = check(problem, cfg, in_loop.stats if in_loop is not None else None)
     if reason:
         raise NotHandled(reason)
@@ -96,7 +105,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
     buffers, positions, store_value, pair_value = kernel_signature(func, g, expr, b_transposed,
                                                                    in_loop)
     kernel = gemv_kernel(problem, cfg, buffers, *positions, store_value, pair_value,
-                         row_stats=in_loop.stats if in_loop is not None else None)
+                         row_stats=in_loop.stats if in_loop is not None else None,
+                         l2_prefetch=l2_prefetch_bytes(Target.current(allow_none=True)))
     return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
 
 

@@ -4,11 +4,14 @@ State per loaded model: one K and one V cache per layer, ``(max_batch, Hkv, max_
 once on the device and written in place by the library's entry points (no copy per step), and the
 weights (``<name>.safetensors``, uploaded once), passed to every entry point after the caches.
 
-A prompt batch ``(B, T)`` (left-padded, transformers' convention, with ``attention_mask``) is
-left-padded further to the next compiled prefill length ``n``: sequence b's real tokens start at
-slot ``starts[b]``, token at slot t has position ``t - starts[b]`` (transformers' cumsum(mask) - 1),
-and slots before ``starts[b]`` are never attended. Decode step i writes slot ``n + i`` of every
-sequence (``offsets``) and reads slots ``starts[b] .. n + i``.
+A prompt batch ``(B, T)`` comes left-padded (transformers' convention, with ``attention_mask``);
+the runtime moves each row's ``T_b`` real tokens to slots ``0 .. T_b − 1`` and right-pads to the
+next compiled prefill length ``n`` (slot = position, as transformers' cumsum(mask) − 1 gives the
+real tokens). Causal attention then never lets a real token see padding, so the prefill needs no
+mask (and takes the plain causal flash kernel); it returns row b's logits at ``last[b] = T_b − 1``.
+Decode step i of sequence b writes slot ``T_b + i`` (``offsets``, per sequence) and reads slots
+``0 .. T_b + i`` (``starts`` = 0): the padding slots are overwritten before they are read. The
+output keeps the caller's left padding.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ class LanguageModel:
         self._prefill = {n: vm[f"prefill{n}"] for n in self.prefill_lengths}
         self._decode = vm["decode"]
         self._advance = vm["advance"] if metadata.get("device_greedy") else None
-        self._starts = np.zeros(self.max_batch, "int32")
-        self._length = 0  # slots written in every sequence's cache
+        self._starts = np.zeros(self.max_batch, "int32")  # first visible slot: 0 (right padding)
+        self._offsets = np.zeros(self.max_batch, "int32")  # each sequence's next slot
         self._batch = 0
         self.timings: dict[str, float] = {}
 
@@ -49,11 +52,10 @@ class LanguageModel:
         return (f"LanguageModel({self.path}, target={self.metadata['target']}, max_batch="
                 f"{self.max_batch}, max_seq_len={self.max_seq})")
 
-    def _run(self, func, ids: np.ndarray, positions: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    def _run(self, func, *arrays: np.ndarray) -> np.ndarray:
         import tvm
 
-        args = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device)
-                for a in (ids, positions, offsets, self._starts)]
+        args = [tvm.runtime.tensor(np.ascontiguousarray(a), self.device) for a in arrays]
         return func(*args, *self.caches, *self.weights).numpy()
 
     def prefill(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
@@ -71,29 +73,32 @@ class LanguageModel:
             raise InputError(f"prompt length {length} exceeds the longest compiled prefill length "
                              f"{self.prefill_lengths[-1]}")
         n = fits[0]
-        pad = np.zeros((self.max_batch, n), "int64")
-        pad[:batch, n - length:] = ids
         real = mask.astype(bool)
         if not real.any(axis=1).all() or (np.diff(real.astype(int), axis=1) < 0).any():
             raise InputError("attention_mask must be left padding: each row 0...0 1...1 with a 1")
-        self._starts[:] = n - 1
-        self._starts[:batch] = n - real.sum(axis=1)
-        slots = np.arange(n)[None, :]
-        positions = np.maximum(slots - self._starts[:, None], 0)
-        self._length, self._batch = n, batch
-        logits = self._run(self._prefill[n], pad, positions, np.zeros(self.max_batch, "int32"))
+        lengths = np.ones(self.max_batch, "int32")  # rows past the batch: one padding token
+        lengths[:batch] = real.sum(axis=1)
+        pad = np.zeros((self.max_batch, n), "int64")  # right-padded: real tokens at slots 0..T_b−1
+        for b in range(batch):
+            pad[b, : lengths[b]] = ids[b, length - lengths[b]:]
+        positions = np.broadcast_to(np.arange(n, dtype="int64"), (self.max_batch, n))
+        self._starts[:] = 0
+        self._offsets[:] = lengths
+        self._batch = batch
+        zeros = np.zeros(self.max_batch, "int32")
+        logits = self._run(self._prefill[n], pad, positions, lengths - 1, zeros, self._starts)
         return logits[:batch]
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         """Append one token per sequence (B,); the next logits (B, V)."""
-        if self._length >= self.max_seq:
+        if self._offsets.max() >= self.max_seq:
             raise InputError(f"the cache is full ({self.max_seq} slots)")
         ids = np.zeros((self.max_batch, 1), "int64")
         ids[: self._batch, 0] = np.asarray(tokens).reshape(-1)
-        offsets = np.full(self.max_batch, self._length, "int32")
+        offsets = self._offsets.copy()
         positions = (offsets - self._starts)[:, None].astype("int64")
-        self._length += 1
-        return self._run(self._decode, ids, positions, offsets)[: self._batch]
+        self._offsets += 1
+        return self._run(self._decode, ids, positions, offsets, self._starts)[: self._batch]
 
     def _device_steps(self, first: np.ndarray, steps: int) -> np.ndarray:
         """``steps`` greedy tokens after ``first`` (B,), every step ``decode`` + ``advance`` on the
@@ -101,11 +106,11 @@ class LanguageModel:
         step is captured once as a CUDA graph and replayed. (B, steps) ids."""
         import tvm
 
-        if self._length + steps > self.max_seq:
+        if self._offsets.max() + steps > self.max_seq:
             raise InputError(f"the cache is full ({self.max_seq} slots)")
         ids = np.zeros((self.max_batch, 1), "int64")
         ids[: self._batch, 0] = first
-        offsets = np.full(self.max_batch, self._length, "int32")
+        offsets = self._offsets.copy()
         positions = (offsets - self._starts)[:, None].astype("int64")
         history = np.zeros((self.max_batch, self.max_seq + 1), "int64")
         state = [tvm.runtime.tensor(a, self.device) for a in (ids, positions, offsets, history)]
@@ -121,9 +126,10 @@ class LanguageModel:
             done = self._graph_steps(step, steps)
         for _ in range(steps - done):
             step()
-        first_slot = self._length + 1
-        self._length += steps
-        return state[3].numpy()[: self._batch, first_slot:first_slot + steps]
+        history = state[3].numpy()  # sequence b's new tokens at slots offsets[b] + 1 ..
+        self._offsets += steps
+        return np.stack([history[b, offsets[b] + 1: offsets[b] + 1 + steps]
+                         for b in range(self._batch)])
 
     def _graph_steps(self, step, steps: int) -> int:
         """Run ``steps`` steps as one eager step + a captured CUDA graph replayed ``steps − 1``
@@ -162,8 +168,9 @@ class LanguageModel:
             mask = attention_mask.cpu().numpy() if hasattr(attention_mask, "cpu") else attention_mask
         start = time.perf_counter()
         logits = self.prefill(ids, mask)
-        if self._length + max_new_tokens - 1 > self.max_seq:
-            raise InputError(f"prompt slots {self._length} + {max_new_tokens} new tokens exceed "
+        longest = int(self._offsets[: self._batch].max())
+        if longest + max_new_tokens - 1 > self.max_seq:
+            raise InputError(f"prompt tokens {longest} + {max_new_tokens} new tokens exceed "
                              f"max_seq_len {self.max_seq}")
         prefill_s = time.perf_counter() - start
         first = logits.argmax(-1)

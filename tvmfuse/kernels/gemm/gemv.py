@@ -26,6 +26,14 @@ Then every warp puts its partial sums in shared memory (``red[warp, m, n]``), an
 threads add the warps' partials of one output each and store ``f`` of it (out-of-range rows and
 columns masked; K must be a multiple of 8: one vector never crosses the end of a row).
 
+*L2 prefetch before the programmatic-launch wait* (``l2_prefetch`` bytes, sm_90): the block's rows
+of W are one contiguous range; thread 0 first asks the TMA unit to bring the range's first
+``l2_prefetch`` bytes into L2 (``cp.async.bulk.prefetch.L2``), then every thread executes
+``griddepcontrol.wait`` (the predecessor kernel is complete; x may be its output) and
+``griddepcontrol.launch_dependents``. Launched
+programmatically (``rules/programmatic_launch.py``), the weight stream of this GEMV starts during
+the previous kernel's tail; launched plainly, the wait returns at once.
+
 *Row statistics* (``row_stats``): the LayerNorm / RMSNorm statistics of x's rows, which the
 epilogue reads, are summed from the same x vectors in the main loop (the block's warps cover all
 of K) and reduced with the partial products. LayerNorm uses the shifted sums of
@@ -129,18 +137,31 @@ def check(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = No
     return None
 
 
-def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4) -> GemvConfig:
-    """CUDA cores up to M = ``simt_max_m`` (at most 8), tensor cores above; rows per block as
-    many as still give every SM a block (≥ ``sms`` blocks), so that all SMs stream W (N small:
-    fewer rows per block). Default 4: on the H200 the two engines tie at M = 4 over the 7B
-    shapes and the mma engine is 1.5× faster at M = 8 (``bench_gemv.py --ms 1,2,4,8``, session 11)."""
-    if problem.m <= min(simt_max_m, SIMT_MAX_M):
-        step, choices, base = 2 if problem.pair else 1, (8, 4, 2, 1), GemvConfig()
+def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4,
+                row_stats: bool = False) -> GemvConfig:
+    """CUDA cores up to M = ``simt_max_m`` (at most 8), tensor cores above. CUDA cores: 8 warps,
+    rows per block as many as still give every SM a block (≥ ``sms`` blocks: N small, fewer rows).
+
+    Tensor cores (H200, session 12): without in-loop statistics, 8-row blocks of 8 warps with 4
+    chunks in flight per warp (2 above M = 16: the A fragments' registers) — in the 7B model at
+    batch 8 the down projection went from 39.4 to 26.3 µs and O from 16.2 to 11.7 µs a layer
+    (``bench_gemv.py --configs`` at M = 8: the fastest or within 1.5 % on all four shapes). With
+    ``row_stats`` every block recomputes the statistics of all of x, so fewer, larger blocks:
+    rows from 32 / 16 / 8 as long as every SM gets a block, 4 warps, 2 chunks in flight (the
+    8-row config made the in-model QKV 1089 → 1239 µs and gate/up 1796 → 2255 µs a step).
+    Default ``simt_max_m`` 4: the engines tie at M = 4 over the 7B shapes and the mma engine is
+    1.5× faster at M = 8 (session 11)."""
+    if problem.m > min(simt_max_m, SIMT_MAX_M):
+        if row_stats:
+            rows = next((r for r in (32, 16, 8) if _cdiv(problem.n, r) >= sms), 8)
+            cfg = GemvConfig(rows=rows, warps=4, unroll=2, mma=True)
+        else:
+            cfg = GemvConfig(rows=8, warps=8, unroll=4 if _cdiv(problem.m, 16) == 1 else 2, mma=True)
     else:
-        step, choices, base = 8, (32, 16, 8), GemvConfig(warps=4, unroll=2, mma=True)
-    rows = [r for r in choices if r % step == 0]
-    best = next((r for r in rows if _cdiv(problem.n, r) >= sms), rows[-1])
-    cfg = GemvConfig(rows=best, warps=base.warps, unroll=base.unroll, mma=base.mma)
+        step = 2 if problem.pair else 1
+        rows = [r for r in (8, 4, 2, 1) if r % step == 0]
+        best = next((r for r in rows if _cdiv(problem.n, r) >= sms), rows[-1])
+        cfg = GemvConfig(rows=best)
     while smem_bytes(problem, cfg, RowStats(True, 0.0)) > MAX_SMEM and cfg.warps > 1:
         cfg = GemvConfig(cfg.rows, cfg.warps // 2, cfg.unroll, cfg.mma)
     return cfg
@@ -156,11 +177,12 @@ PairValue = Callable[[PrimExpr, PrimExpr, PrimExpr, PrimExpr, "RowStatValues | N
 def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buffer],
                 a_param: int, b_param: int, c_param: int, store_value: StoreValue | None = None,
                 pair_value: PairValue | None = None,
-                row_stats: RowStats | None = None) -> tirx.PrimFunc:
+                row_stats: RowStats | None = None, l2_prefetch: int = 0) -> tirx.PrimFunc:
     """The kernel as a scheduled s_tir PrimFunc over ``params`` (the fused function's signature);
     x, W, y are the parameters at the given positions (x (M, K), W (N, K), y (M, N) or (M, N/2)
     with ``pair_value``). ``store_value`` / ``pair_value`` as in :func:`.sm90.gemm_kernel`;
-    ``stats`` is ``(mean, rstd)`` of the row with ``row_stats``, else None."""
+    ``stats`` is ``(mean, rstd)`` of the row with ``row_stats``, else None. ``l2_prefetch`` > 0
+    (sm_90 only): that many bytes of the block's W rows go to L2 before ``griddepcontrol.wait``."""
     p = problem
     reason = check(p, cfg, row_stats)
     if reason:
@@ -186,6 +208,8 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
     eps = row_stats.eps if has_stats else 0.0
     mt, nt = m_pad // 16, rows // 8  # mma tiles
     mma_ty = _MMA_TYPE[in_dtype]
+    elem_bytes = 2
+    pf_bytes = l2_prefetch // 16 * 16  # cp.async.bulk sizes are multiples of 16 bytes
 
     def chunk_k(it, wid, u, lane_off):
         """First K index of this lane's vector in chunk ``u`` of iteration ``it``."""
@@ -230,6 +254,14 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
         wid = tx // WARP
         lane = tx % WARP
         n0 = bx * rows
+        if l2_prefetch > 0:
+            # this block's rows of W (one contiguous range) into L2 by the TMA unit, then wait for
+            # the predecessor kernel
+            if tx == 0:
+                T.ptx.cp.async_.bulk.prefetch.L2.global_(T.address_of(w[n0, 0]), T.Cast(
+                    "uint32", T.min(pf_bytes, (T.min(p.n, n0 + rows) - n0) * (p.k * elem_bytes))))
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
 
         @T.inline
         def shfl_sum(buf, i, lanes):
@@ -377,7 +409,8 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
         "global_symbol")
 
 
-def standalone(problem: GemvProblem, cfg: GemvConfig | None = None) -> tirx.PrimFunc:
+def standalone(problem: GemvProblem, cfg: GemvConfig | None = None,
+               l2_prefetch: int = 0) -> tirx.PrimFunc:
     """``main(x, W, y)`` with ``y = cast(x · Wᵀ)`` (pair: ``y[m, c] = cast(silu(y₂c) · y₂c₊₁)``),
     for tests, benchmarks and device probes; the rule builds its kernels from fused PrimFuncs."""
     p = problem
@@ -390,5 +423,6 @@ def standalone(problem: GemvProblem, cfg: GemvConfig | None = None) -> tirx.Prim
     def silu_mul(a, b, row, col, stats):
         return T.Cast(p.out_dtype, a * T.sigmoid(a) * b)
 
-    func = gemv_kernel(p, cfg, params, 0, 1, 2, pair_value=silu_mul if p.pair else None)
+    func = gemv_kernel(p, cfg, params, 0, 1, 2, pair_value=silu_mul if p.pair else None,
+                       l2_prefetch=l2_prefetch)
     return func.with_attr("global_symbol", "main")
