@@ -283,6 +283,23 @@ def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path):
         assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+@needs_nvcc
+def test_cuda_prefill_append_moves_16_bytes_a_thread(tmp_path):
+    """The CUDA prefill append is the vectorised kernel (the generic rule wrote one 2-byte element
+    a thread): 128-bit loads of x and stores into the cache rows, one guard on the slot."""
+    spec = CacheSpec(batch=2, seq=16, q_heads=4, kv_heads=2, head_dim=64, max_seq=40,
+                     dtype="float16", scale=0.125)
+    func = kv_append(spec, fusable=False, cuda=True)
+    assert func.attrs["tirx.is_scheduled"] and int(func.attrs["op_pattern"]) == 8
+    target = get_target("sm90")
+    with codegen_scope():
+        source = cuda_source(tvm.compile(tvm.IRModule({"main": func.with_attr(
+            "global_symbol", "main")}), target=target.tvm_target()))
+    sass = fatbin_sass(compile_fatbin(source, target, tmp_path))
+    text = next(t for arch, t in sass.items() if arch.startswith("sm_"))
+    assert "LDG.E.128" in text and "STG.E.128" in text
+
+
 @pytest.mark.gpu
 def test_cuda_decode_numerics_on_the_gpu():
     """H200: the decode kernel against float64 numpy for offsets 0, 700, 999, past the end."""

@@ -35,6 +35,7 @@ from .passes import (
 from .passes.attention import FuseAttention
 from .passes.attention_layout import FoldAttentionLayout
 from .passes.canonical import Canonicalize
+from .passes.cast_before_slices import CastBeforeSlices
 from .passes.fold_weight_transposes import FoldWeightTransposes
 from .passes.legalize_fixes import legalize_overrides
 from .passes.lift_weights import LiftWeights, lift_threshold
@@ -154,6 +155,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Attention operands made by injective ops (RoPE, QKV slices, masks): one kernel writes them
         # all; after every pass that rewrites those operands, before ops become TIR.
         mod = run("pack_attention_inputs", PackAttentionInputs(), mod)
+        # Casts of a GEMM's slices (fused QKV) become one cast in its epilogue: the GEMM writes
+        # fp16, not fp32; after the passes that match on those slices, before ops become TIR.
+        mod = run("cast_before_slices", CastBeforeSlices, mod)
         # K = 1 products → broadcast multiplies (no one-element reduction for the GPU rules to
         # mis-inline); after every pattern pass, which may still take them as matmuls.
         mod = run("unit_k_matmul", UnitKMatmul(), mod)

@@ -67,15 +67,20 @@ def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
     return func.with_attr("tirx.is_scheduled", True) if cuda else func
 
 
-def kv_append(spec: CacheSpec, fusable: bool = False) -> tvm.tirx.PrimFunc:
+def kv_append(spec: CacheSpec, fusable: bool = False, cuda: bool = False) -> tvm.tirx.PrimFunc:
     """``(cache, x, offsets)``: writes this call's keys (or values) ``x`` into ``cache`` in place
     (module doc); one call per cache.
 
     Plain (unscheduled) TIR, scheduled by the GPU rules like any fused kernel. ``fusable``
     (decode) marks it injective so FuseOps fuses the producers of x into it: the RoPE of k, or
     the V slice, and its append are one kernel (:func:`_pattern`). One cache per call: TVM
-    0.27's FuseTIR fails on a fused call with two in-place outputs."""
+    0.27's FuseTIR fails on a fused call with two in-place outputs. A CUDA prefill's (not
+    fusable) is :func:`_append_vectorized`: the generic rule wrote it one 2-byte element per
+    thread (the data-dependent slot defeats its vectoriser)."""
     Bm, S, Hkv, D, M = spec.batch, spec.seq, spec.kv_heads, spec.head_dim, spec.max_seq
+    vec = 16 // (tvm.DataType(spec.dtype).bits // 8)
+    if cuda and not fusable and D % vec == 0:
+        return _opaque(_append_vectorized(spec, vec), cuda)
     i64 = [T.int64(x) for x in (Bm, S, Hkv, D)]
     cshape = (i64[0], i64[2], T.int64(M), i64[3])
     dt = spec.dtype
@@ -91,6 +96,33 @@ def kv_append(spec: CacheSpec, fusable: bool = False) -> tvm.tirx.PrimFunc:
                     cache[vb, vg, T.Cast("int64", offsets[vb]) + vs, vd] = x[vb, vs, vg, vd]
 
     return _pattern(append, 2 if fusable else 8)
+
+
+def _append_vectorized(spec: CacheSpec, vec: int) -> tvm.tirx.PrimFunc:
+    """CUDA append, 16 bytes a thread: thread t of the flat grid moves the ``vec`` elements
+    ``x[b, s, g, vec·j : vec·(j + 1)]`` (j = t mod D/vec, then g, s, b) to row ``offsets[b] + s``
+    of ``cache[b, g]`` (dropped past the cache): coalesced reads of x and D·2-byte row writes."""
+    Bm, S, Hkv, D, M = spec.batch, spec.seq, spec.kv_heads, spec.head_dim, spec.max_seq
+    dt, lanes = spec.dtype, D // vec
+    total = Bm * S * Hkv * lanes
+    threads = 256
+    blocks = (total + threads - 1) // threads
+
+    @T.prim_func
+    def append(cache: T.Buffer((Bm, Hkv, M, D), dt), x: T.Buffer((Bm, S, Hkv, D), dt),
+               offsets: T.Buffer((Bm,), "int32")):
+        T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+        with T.launch_thread("blockIdx.x", blocks) as bx:
+            tx = T.launch_thread("threadIdx.x", threads)
+            t: T.let[T.int32] = bx * threads + tx
+            j: T.let[T.int32] = t % lanes
+            g: T.let[T.int32] = t // lanes % Hkv
+            s: T.let[T.int32] = t // (lanes * Hkv) % S
+            b: T.let[T.int32] = t // (lanes * Hkv * S)
+            if t < total and offsets[T.min(b, Bm - 1)] + s < M:
+                cache[b, g, offsets[b] + s, T.ramp(j * vec, 1, vec)] = x[b, s, g, T.ramp(j * vec, 1, vec)]
+
+    return append
 
 
 def _pattern(func: tvm.tirx.PrimFunc, pattern: int) -> tvm.tirx.PrimFunc:

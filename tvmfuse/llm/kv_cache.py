@@ -87,7 +87,7 @@ class _Rewrite(relax.PyExprMutator):
         if spec not in self.kernels:
             n = len(self.kernels)
             # decode: the RoPE of k and the V slice fuse into the append kernel
-            append = self.builder_.add_func(kv_append(spec, fusable=spec.seq == 1),
+            append = self.builder_.add_func(kv_append(spec, fusable=spec.seq == 1, cuda=self.cuda),
                                             f"{self.prefix}kv_append{n}")
             attn = None if spec.seq > 1 else self.builder_.add_func(
                 cache_attention(spec, self.cuda), f"{self.prefix}cache_attention{n}")
