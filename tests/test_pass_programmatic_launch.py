@@ -1,8 +1,9 @@
 """Programmatic dependent launch (rules/programmatic_launch.py): the Relax stage that asks for the
-launch attribute, the device pass that puts ``griddepcontrol.wait`` first in each such kernel, and
-what a compiled sm90 library holds (every kernel waits before it touches a parameter; the GEMV
-reads nothing but its weights, into L2, before the wait; the exported function map carries the
-launch flag). sm80 and ``programmatic_launch=False`` get none of it."""
+launch attribute (its scopes: the decode step by default, all kernels, off), the device pass that
+puts ``griddepcontrol.wait`` first in each such kernel, and what a compiled sm90 library holds
+(every kernel in scope waits before it touches a parameter; the GEMV reads nothing but its weights,
+into L2, before the wait; the exported function map carries the launch flag). sm80 and
+``programmatic_launch="off"`` get none of it."""
 
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ from tvmfuse.build.inspect import cuda_source, launch_tags
 from tvmfuse.options import Options
 from tvmfuse.rules.programmatic_launch import (
     PDL_TAG,
-    MarkProgrammaticLaunch,
     insert_grid_dependency_wait,
+    mark_programmatic_launch,
+    scope,
     supported,
 )
+
+ALL = Options(programmatic_launch="all")
 
 
 def _module():
@@ -56,15 +60,36 @@ def test_supported_targets():
 def test_mark_asks_every_primfunc_once_and_copies():
     before = _module()
     kept = before.script()
-    after = MarkProgrammaticLaunch(before)
+    after = mark_programmatic_launch("all")(before)
     assert before.script() == kept  # the input module is not modified
     for gv in ("double", "waits"):
         tags = [str(t) for t in after[gv].attrs["tirx.kernel_launch_params"]]
         assert tags.count(PDL_TAG) == 1, tags
 
 
+def test_scopes():
+    assert scope(True) == "all" and scope(False) == "off" and scope("decode") == "decode"
+    with pytest.raises(ValueError, match="programmatic_launch must be one of"):
+        scope("some")
+    # "decode": only the PrimFuncs a Relax function named decode (or advance) calls
+    mod = _module()
+    bb = tvm.relax.BlockBuilder()
+    a = tvm.relax.Var("a", tvm.relax.TensorType([256], "float32"))
+    with bb.function("decode", [a]):
+        out = bb.emit(tvm.relax.call_tir(mod.get_global_var("double"), [a],
+                                         tvm.relax.TensorType([256], "float32")))
+        bb.emit_func_output(out)
+    mod["decode"] = bb.finalize()["decode"]
+    after = mark_programmatic_launch("decode")(mod)
+    assert PDL_TAG in [str(t) for t in after["double"].attrs["tirx.kernel_launch_params"]]
+    assert after["waits"].same_as(mod["waits"])  # asked already, in its own attrs; not called
+    del mod["decode"]
+    assert mark_programmatic_launch("decode")(mod)["double"].attrs.get(
+        "tirx.kernel_launch_params") is None
+
+
 def test_wait_goes_first_in_kernels_that_ask():
-    mod = MarkProgrammaticLaunch(_module())
+    mod = mark_programmatic_launch("all")(_module())
     out = insert_grid_dependency_wait(mod)
     body = out["double"].body
     assert isinstance(body, tvm.tirx.SeqStmt)
@@ -116,12 +141,12 @@ def _compile(target: str, options: Options | None = None):
 
 @pytest.fixture(scope="module")
 def sm90_lib():
-    return _compile("sm90")
+    return _compile("sm90", ALL)
 
 
 @pytest.fixture(scope="module")
 def sm90_prefetch_lib():
-    return _compile("sm90", Options(gemv_l2_prefetch_bytes=65536))
+    return _compile("sm90", Options(programmatic_launch="all", gemv_l2_prefetch_bytes=65536))
 
 
 def test_sm90_every_kernel_waits_first(sm90_lib):
@@ -146,9 +171,10 @@ def test_sm90_gemv_prefetch_is_the_only_access_before_the_wait(sm90_prefetch_lib
     assert gemv >= 2, list(kernels)  # the gate/up pair and down GEMVs prefetch their weights
 
 
-@pytest.mark.parametrize("target, options", [("sm80", None),
-                                             ("sm90", Options(programmatic_launch=False))])
+@pytest.mark.parametrize("target, options", [("sm80", ALL), ("sm90", Options(programmatic_launch="off")),
+                                             ("sm90", None)], ids=["sm80", "off", "default"])
 def test_no_programmatic_launch_off_or_below_sm90(target, options):
+    """sm80, the option off, and (default scope "decode") a model without a decode step."""
     source = cuda_source(_compile(target, options).executable)
     assert "griddepcontrol" not in source and "prefetch_L2_global(" not in source.split(
         "__global__", 1)[1]
@@ -169,7 +195,7 @@ def test_gpu_numerics_with_programmatic_launch(tmp_path):
     torch.manual_seed(1)
     x = torch.randn(1, 256).half()
     outs = []
-    for opts in (None, Options(programmatic_launch=False)):
+    for opts in (ALL, Options(programmatic_launch="off")):
         lib = _compile("sm90", opts)
         run = tvmfuse.load(lib.export(tmp_path / f"m{len(outs)}.so"), device="cuda")
         outs.append(run(x.cuda()).float().cpu())
@@ -178,3 +204,21 @@ def test_gpu_numerics_with_programmatic_launch(tmp_path):
     for out in outs:
         assert ((out - ref).norm() / ref.norm()) < 2e-2
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.slow
+def test_default_scope_is_the_decode_step_of_compile_lm():
+    """compile_lm for sm90 with the default options: the decode step's kernels (split-KV attention,
+    the greedy advance) wait first; the prefill's (its cache append) launch plainly."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval().half()
+    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=64, max_batch=1, prefill_lengths=[16])
+    kernels = _kernels(cuda_source(lib.executable))
+    waits = {name: "griddepcontrol_wait()" in body for name, (_, body) in kernels.items()}
+    decode = [n for n in waits if "decode_cache_attention" in n or "greedy_advance" in n]
+    prefill = [n for n in waits if n.startswith("prefill16_kv_append")]
+    assert decode and prefill, list(waits)
+    assert all(waits[n] for n in decode) and not any(waits[n] for n in prefill), waits

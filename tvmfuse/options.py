@@ -65,9 +65,10 @@ class Options:
     # 4: the engines tie there on the H200, mma is 1.5x faster at M = 8 (7B shapes, session 11)
     gemv_simt_max_m: int = 4
     # sm_90+: kernels launch with programmatic dependent launch (rules/programmatic_launch.py): each
-    # may start while its predecessor ends and waits for it in-kernel (griddepcontrol.wait); the
-    # GEMV prefetches its weights into L2 before that wait. Off: plain stream-ordered launches
-    programmatic_launch: bool = True
+    # may start while its predecessor ends and waits for it in-kernel (griddepcontrol.wait).
+    # "decode": the kernels of compile_lm's decode step (measured faster there, slower on the
+    # prefill); "all": every kernel; "off": plain stream-ordered launches
+    programmatic_launch: str = "decode"
     # gemv with programmatic_launch: bytes of each block's weight rows prefetched into L2 before
     # the wait (0: none). 0: 64 KiB made every 7B-shaped GEMV 3-12 % slower standalone and the
     # 4-layer LM's decode no faster with PDL (H200, session 12)

@@ -227,7 +227,7 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--gemv-simt-max-m", type=int, default=4,
                    help="Options.gemv_simt_max_m: M up to which the GEMV runs on CUDA cores")
-    p.add_argument("--programmatic-launch", choices=["on", "off"], default="on",
+    p.add_argument("--programmatic-launch", choices=["decode", "all", "off"], default="decode",
                    help="Options.programmatic_launch (sm_90: PDL between kernels)")
     p.add_argument("--gemv-l2-prefetch", type=int, default=0,
                    help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
@@ -250,7 +250,7 @@ def main() -> None:
     row["programmatic_launch"] = args.programmatic_launch
     row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
     with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
-                             programmatic_launch=args.programmatic_launch == "on",
+                             programmatic_launch=args.programmatic_launch,
                              gemv_l2_prefetch_bytes=args.gemv_l2_prefetch)):
         lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
                                  prefill_lengths=sorted({args.ctx, prefill_len}))
