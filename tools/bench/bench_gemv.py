@@ -194,11 +194,11 @@ def build_all(jobs: list[tuple[int, int, int]], specs: list[str], args: argparse
                 fut = pool.submit(build_kernel, m, n, k, args.dtype, args.target, cfg, prefetch, path)
                 futures[fut] = (m, k, n, spec, (cfg, prefetch))
         for fut in cf.as_completed(futures):
-            m, k, n, spec, cfg = futures[fut]  # cfg: (GemvConfig, prefetch bytes)
+            m, k, n, spec, built = futures[fut]  # built: (GemvConfig, prefetch bytes)
             try:
-                out[(m, k, n)][spec] = (fut.result(), cfg)
+                out[(m, k, n)][spec] = (fut.result(), built)
             except Exception as err:  # noqa: BLE001 - recorded in the row
-                out[(m, k, n)][spec] = (err, cfg)
+                out[(m, k, n)][spec] = (err, built)
     return {key: dict(sorted(v.items(), key=lambda kv: specs.index(kv[0]))) for key, v in out.items()}
 
 

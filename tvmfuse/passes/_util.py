@@ -185,6 +185,18 @@ def dataflow_bindings(func: relax.Function) -> tuple[dict, list]:
     return bound, order
 
 
+def binding_users(func: relax.Function) -> dict:
+    """Var → the binding vars (or None: the function's result) that read it, over all blocks."""
+    users: dict = {}
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            for var in relax.analysis.free_vars(binding.value):
+                users.setdefault(var, []).append(binding.var)
+    for var in relax.analysis.free_vars(func.body.body):
+        users.setdefault(var, []).append(None)
+    return users
+
+
 def bound_value(mutator, expr: relax.Expr) -> relax.Expr:
     """The value a ``PyExprMutator`` has bound to ``expr`` (a var), else ``expr`` itself."""
     if isinstance(expr, relax.Var):

@@ -32,6 +32,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ._util import binding_users
 from .attention_lower import attention_kernel, attention_spec
 from .pack_attention_inputs import OperandGraph, pack_plan
 
@@ -50,18 +51,6 @@ def _swap_of(value) -> relax.Var | None:
     return value.args[0]
 
 
-def _users(func: relax.Function) -> dict:
-    """Var → the binding vars (or None: the function's result) that read it."""
-    users: dict = {}
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            for var in relax.analysis.free_vars(binding.value):
-                users.setdefault(var, []).append(binding.var)
-    for var in relax.analysis.free_vars(func.body.body):
-        users.setdefault(var, []).append(None)
-    return users
-
-
 @dataclasses.dataclass
 class _Plan:
     operands: list  # what the kernel reads: q, k, v (the untransposed tensors when folded), bias
@@ -72,7 +61,7 @@ class _Plan:
 def _plan(func: relax.Function) -> dict:
     """Attention binding var → :class:`_Plan`, for the calls that fold an operand or output layout."""
     graph = OperandGraph(func)
-    users = _users(func)
+    users = binding_users(func)
     packed = pack_plan(func)
     plans = {}
     for var, value in graph.bound.items():

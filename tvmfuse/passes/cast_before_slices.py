@@ -30,37 +30,26 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..relax_shapes import static_shape
-from ._util import dataflow_bindings, is_op, rewrite_functions
+from ._util import binding_users, dataflow_bindings, is_op, rewrite_functions
 
 NAME = "cast_before_slices"
-
-
-def _users(bound: dict, order: list, func: relax.Function) -> dict:
-    """var → the binding vars whose values use it (a function result counts as a user None)."""
-    users: dict = {}
-    for var in order:
-        for used in relax.analysis.free_vars(bound[var]):
-            users.setdefault(used, []).append(var)
-    for used in relax.analysis.free_vars(func.body.body):
-        users.setdefault(used, []).append(None)
-    return users
 
 
 def _plan(func: relax.Function) -> dict:
     """``{y: dtype}`` for every tensor whose slices are all cast to one narrower dtype."""
     bound, order = dataflow_bindings(func)
-    users = _users(bound, order, func)
+    users = binding_users(func)
     plan = {}
     for y in order:
         ty = y.ty
         if not isinstance(ty, relax.TensorType) or static_shape(y) is None:
             continue
         slices = users.get(y, [])
-        if not slices or any(s is None or not is_op(bound[s], "relax.strided_slice")
+        if not slices or any(not is_op(bound.get(s), "relax.strided_slice")
                              or not bound[s].args[0].same_as(y) for s in slices):
             continue
         casts = [c for s in slices for c in users.get(s, [None])]
-        if any(c is None or not is_op(bound[c], "relax.astype") for c in casts):
+        if any(not is_op(bound.get(c), "relax.astype") for c in casts):
             continue
         dtypes = {str(bound[c].attrs.dtype) for c in casts}
         if len(dtypes) != 1:

@@ -35,6 +35,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx
 
+from .gemm_sm80 import _sm
+
 NAME = "programmatic_launch"
 PDL_TAG = "tirx.use_programtic_dependent_launch"  # sic: TVM's spelling (runtime/metadata.h)
 _LAUNCH_PARAMS = "tirx.kernel_launch_params"
@@ -43,11 +45,7 @@ _GRIDDEP = "tirx.ptx.griddepcontrol"
 
 def supported(target: tvm.target.Target | None) -> bool:
     """True for CUDA targets of compute capability ≥ 9.0 (``griddepcontrol`` is sm_90 PTX)."""
-    if target is None or target.kind.name != "cuda":
-        return False
-    arch = str(target.attrs.get("arch", ""))
-    digits = "".join(ch for ch in arch.removeprefix("sm_") if ch.isdigit())
-    return bool(digits) and int(digits) >= 90
+    return target is not None and target.kind.name == "cuda" and _sm(target) >= 90
 
 
 def griddepcontrol(action: str) -> tirx.Stmt:

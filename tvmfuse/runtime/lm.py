@@ -43,7 +43,7 @@ class LanguageModel:
         self._prefill = {n: vm[f"prefill{n}"] for n in self.prefill_lengths}
         self._decode = vm["decode"]
         self._advance = vm["advance"] if metadata.get("device_greedy") else None
-        self._starts = np.zeros(self.max_batch, "int32")  # first visible slot: 0 (right padding)
+        self._starts = np.zeros(self.max_batch, "int32")  # first visible slot: always 0 (right padding)
         self._offsets = np.zeros(self.max_batch, "int32")  # each sequence's next slot
         self._batch = 0
         self.timings: dict[str, float] = {}
@@ -82,7 +82,6 @@ class LanguageModel:
         for b in range(batch):
             pad[b, : lengths[b]] = ids[b, length - lengths[b]:]
         positions = np.broadcast_to(np.arange(n, dtype="int64"), (self.max_batch, n))
-        self._starts[:] = 0
         self._offsets[:] = lengths
         self._batch = batch
         zeros = np.zeros(self.max_batch, "int32")
@@ -96,7 +95,7 @@ class LanguageModel:
         ids = np.zeros((self.max_batch, 1), "int64")
         ids[: self._batch, 0] = np.asarray(tokens).reshape(-1)
         offsets = self._offsets.copy()
-        positions = (offsets - self._starts)[:, None].astype("int64")
+        positions = offsets[:, None].astype("int64")  # slot = position
         self._offsets += 1
         return self._run(self._decode, ids, positions, offsets, self._starts)[: self._batch]
 
@@ -111,7 +110,7 @@ class LanguageModel:
         ids = np.zeros((self.max_batch, 1), "int64")
         ids[: self._batch, 0] = first
         offsets = self._offsets.copy()
-        positions = (offsets - self._starts)[:, None].astype("int64")
+        positions = offsets[:, None].astype("int64")  # slot = position
         history = np.zeros((self.max_batch, self.max_seq + 1), "int64")
         state = [tvm.runtime.tensor(a, self.device) for a in (ids, positions, offsets, history)]
         starts = tvm.runtime.tensor(self._starts, self.device)
