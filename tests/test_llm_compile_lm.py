@@ -161,6 +161,14 @@ def test_sm90_generate_on_the_gpu(tmp_path):
     ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
     got = lm.generate(ids, max_new_tokens=STEPS)
     check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+    # prompts of 5 and 9 tokens, left-padded: the runtime right-pads them for the causal prefill
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    ids[0, :4] = 0
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS, mask)
+    got = lm.generate(ids, max_new_tokens=STEPS, attention_mask=mask)
+    assert torch.equal(got[:, :9], ids)  # padding kept
+    check_tokens(lm, ids.numpy(), mask.numpy(), ref_tokens, ref_logits, got.numpy())
 
 
 @needs_nvcc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tvm
+import tvm.sym
 from tvm import relax
 
 
@@ -25,3 +26,28 @@ def static_type_shape(ty) -> list[int] | None:
 def shape_expr(dims: list[int]) -> relax.ShapeExpr:
     """A static ShapeExpr with int64 dims, as importers and TVMScript write them."""
     return relax.ShapeExpr([tvm.tirx.IntImm("int64", d) for d in dims])
+
+
+def symbol_ranges(mod: tvm.IRModule) -> dict[str, tuple[int, int]]:
+    """Each symbolic dimension's inclusive range, by name, from the Relax functions'
+    ``tir_var_lower_bound`` / ``tir_var_upper_bound`` (set at import from ``--dynamic``)."""
+    ranges: dict[str, tuple[int, int]] = {}
+    for _, func in mod.functions_items():
+        attrs = func.attrs if isinstance(func, relax.Function) and func.attrs is not None else {}
+        upper = dict(attrs.get("tir_var_upper_bound", {}))
+        lower = dict(attrs.get("tir_var_lower_bound", {}))
+        for name, hi in upper.items():
+            ranges[str(name)] = (int(lower.get(name, 1)), int(hi))
+    return ranges
+
+
+def upper_bound(expr: tvm.tirx.PrimExpr, ranges: dict[str, tuple[int, int]]) -> int | None:
+    """The largest value of an integer expression of symbols in ``ranges`` (None: unbounded)."""
+    analyzer = tvm.sym.Analyzer()
+    for var in tvm.tirx.analysis.undefined_vars(expr):
+        if var.name not in ranges:
+            return None
+        lo, hi = ranges[var.name]
+        analyzer.bind(var, tvm.ir.Range.from_min_extent(lo, hi - lo + 1))
+    bound = analyzer.const_int_bound(expr).max_value
+    return None if bound >= 2**62 else int(bound)

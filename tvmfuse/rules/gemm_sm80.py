@@ -797,8 +797,11 @@ def _first_line(err: BaseException) -> str:
 
 
 def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
-    """dlight's GEMV (guarded), then Matmul, on ``func`` marked with why this rule did not take it."""
-    marked = func.with_attr(FALLBACK_ATTR, reason)
+    """dlight's GEMV (guarded), then Matmul, on ``func`` marked with why this rule did not take it
+    (after the reason an earlier rule, the sm90 GEMM's, recorded)."""
+    earlier = str(func.attrs[FALLBACK_ATTR]) if func.attrs is not None and FALLBACK_ATTR in func.attrs \
+        else None
+    marked = func.with_attr(FALLBACK_ATTR, f"{earlier}; {reason}" if earlier else reason)
     for rule in (GuardedGEMV(), dl.gpu.Matmul()):
         sch = rule.apply(marked, target, tunable)
         if sch is not None:

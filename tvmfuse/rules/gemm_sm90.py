@@ -33,7 +33,8 @@ from ..device_props import device_properties
 from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value, top_blocks
 from ..kernels.gemm.opmath import fast_math16, opmath
 from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
-from ..kernels.tir_util import Load, strip_cast
+from ..kernels.tir_util import Load, dtype_of, strip_cast
+from ..relax_shapes import symbol_ranges, upper_bound
 from .weight_twins import TransposedTwins
 
 NAME = "gemm_sm90"
@@ -133,7 +134,7 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
     col, stats)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at one output.
     """
     params = list(func.params)
-    shapes = [tuple(int(d) for d in b.shape) for b in params]
+    shapes = [tuple(int(d) if isinstance(d, tirx.IntImm) else d for d in b.shape) for b in params]
     if b_transposed and g.layout == "nn":
         shapes[g.b] = shapes[g.b][::-1]
     new = [tirx.decl_buffer(shape, str(b.dtype), name=f"p{i}", data_alignment=16)
@@ -164,38 +165,76 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
         pair_value if g.acc_odd is not None else None)
 
 
+# symbolic M: one kernel per bucket of rows, chosen at run time (decode-size, medium, the rest)
+M_BUCKETS = (64, 512)
+
+
+def bucket_configs(hi: int, n: int, sms: int | None = None) -> list[tuple[int, GemmConfig]]:
+    """``(largest M, tile)`` per bucket of a symbolic M of at most ``hi`` rows, in order:
+    64-row tiles (one consumer warpgroup, 128 columns: more CTAs on a thin A) up to 64 rows, then
+    :func:`select_config` at the bucket's largest M."""
+    sms = sms or device_properties().sms
+    tops = [u for u in M_BUCKETS if u < hi] + [hi]
+    return [(u, GemmConfig(bm=64, bn=128, stages=6, num_sms=sms) if u <= 64
+             else select_config(u, n, sms)) for u in tops]
+
+
 def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
-                 b_transposed: bool = False, in_loop: InLoopStats | None = None) -> tirx.PrimFunc:
+                 b_transposed: bool = False, in_loop: InLoopStats | None = None,
+                 ranges: dict[str, tuple[int, int]] | None = None) -> tirx.PrimFunc:
     """The TIRx kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads B as (K, N) but the kernel takes B's transpose (N, K)
     instead (the caller drops the transpose kernel that produced B).
     ``in_loop``: the kernel computes A's row statistics in its main loop; its signature is
     ``func``'s without the statistics parameters.
+    ``ranges``: the symbols' ranges (:func:`.relax_shapes.symbol_ranges`). A symbolic M bounded
+    by them gets one kernel per :func:`bucket_configs` bucket in one function, which branches on
+    M at run time (each branch its own launch).
     """
 
-    g = analyze(func)
+    g = analyze(func, symbolic_m=in_loop is None and ranges is not None)
     layout = g.layout
     if b_transposed:
         if g.layout != "nn":
             raise NotHandled("B is already (N, K)")
         layout = "nt"
-    problem = GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, layout)
-    cfg = cfg or gemm_config_of(func) or select_config(g.m, g.n)  # a tuning record's config first
-    reason = check(problem, cfg, in_loop.stats if in_loop is not None else None)
+    if isinstance(g.m, int):
+        cfg = cfg or gemm_config_of(func) or select_config(g.m, g.n)  # a tuning record's first
+        buckets, rows = [(g.m, cfg)], None
+    else:
+        hi = upper_bound(g.m, ranges)
+        if hi is None:
+            raise NotHandled(f"symbolic M={g.m} without an upper bound (--dynamic S=LO..HI)")
+        buckets, rows = bucket_configs(hi, g.n), g.m
+    for top, c in buckets:
+        reason = check(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
+                       in_loop.stats if in_loop is not None else None)
+        if reason:
+            raise NotHandled(reason)
     if g.acc_odd is not None and g.n % 4:
-        reason = f"pair epilogue with N/2={g.n // 2} odd (pairs of outputs are stored together)"
-    if reason:
-        raise NotHandled(reason)
+        raise NotHandled(f"pair epilogue with N/2={g.n // 2} odd (pairs of outputs are stored "
+                         "together)")
+    cfg = buckets[-1][1]
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
     if cfg.fast_math16 and g.out_dtype in ("float16", "bfloat16"):
         expr = fast_math16(expr)
     buffers, positions, store_value, pair_value = kernel_signature(func, g, expr, b_transposed,
                                                                    in_loop)
-    kernel = gemm_kernel(problem, cfg, buffers, *positions, store_value, pair_value,
-                         row_stats=in_loop.stats if in_loop is not None else None)
+    kernels = [gemm_kernel(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
+                           buffers, *positions, store_value, pair_value,
+                           row_stats=in_loop.stats if in_loop is not None else None, rows=rows)
+               for top, c in buckets]
+    kernel = kernels[-1]
+    if len(kernels) > 1:  # if M <= top_0: kernel 0 elif M <= top_1: kernel 1 … else the last
+        body = kernel.body
+        for (top, _), k in zip(buckets[-2::-1], kernels[-2::-1]):
+            body = tirx.IfThenElse(tirx.LE(rows, tirx.IntImm(dtype_of(rows), top)), k.body, body)
+        kernel = tirx.PrimFunc(kernel.params, body, attrs=kernel.attrs)
+    tiles = " | ".join(f"{c.bm}x{c.bn}x64 stages={c.stages}" + (f" (M<={top})" if rows is not None
+                                                                 else "") for top, c in buckets)
     attrs = {"tirx.is_scheduled": True, RULE_ATTR: NAME, TIRX_ATTR: True,
-             KERNEL_TILE_ATTR: f"{cfg.bm}x{cfg.bn}x64 stages={cfg.stages}"}
+             KERNEL_TILE_ATTR: tiles}
     if func.attrs is not None and TUNING_ATTR in func.attrs:  # tuned / default label stays
         attrs[TUNING_ATTR] = func.attrs[TUNING_ATTR]
     return kernel.with_attrs(attrs)
@@ -221,7 +260,8 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
             and all(a.same_as(b) for a, b in zip(v.indices, ivs[::-1])))
 
 
-def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
+def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
+                            ranges: dict[str, tuple[int, int]]) -> tvm.IRModule:
     """``gemm(.., transpose(w), ..)`` → ``gemm_nt(.., w, ..)`` for the kernels just generated.
 
     The GEMM then reads W (N, K) K-major, the layout wgmma prefers, and the transpose kernel
@@ -256,7 +296,8 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict) -> tvm.IRModule:
                 return call
             if gv not in made:
                 try:
-                    kernel = build_kernel(self.builder_.get()[gv], b_transposed=True)
+                    kernel = build_kernel(self.builder_.get()[gv], b_transposed=True,
+                                          ranges=ranges)
                 except NotHandled:
                     made[gv] = None
                     return call
@@ -284,24 +325,25 @@ def Sm90Gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass name
         return mod
     mod = mod.clone()  # assigned into below: not the caller's module
     updates, kernels = {}, {}
+    ranges = symbol_ranges(mod)
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled"):
             continue
         if not _looks_like_gemm(func):
             continue
         try:
-            g = analyze(func)
+            g = analyze(func, symbolic_m=True)
             kernels[gv] = g.b if g.layout == "nn" else None
         except NotHandled:
             pass
         try:
-            updates[gv] = build_kernel(func)
+            updates[gv] = build_kernel(func, ranges=ranges)
         except NotHandled as why:
             updates[gv] = func.with_attr(FALLBACK_ATTR, f"{NAME}: {why}")
             kernels.pop(gv, None)
     # (K, N) weights made by a transpose kernel: read the (N, K) original instead (before the
     # PrimFuncs are swapped: the rewrite analyses the s_tir bodies)
-    mod = _drop_weight_transposes(mod, kernels)
+    mod = _drop_weight_transposes(mod, kernels, ranges)
     for gv, func in updates.items():
         if gv in mod.get_global_vars():
             mod[gv] = func

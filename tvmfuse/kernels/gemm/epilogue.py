@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import tvm
 import tvm.sym
+import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
@@ -42,13 +43,13 @@ class FusedGemm:
     a: int  # parameter positions
     b: int
     out: int
-    m: int
+    m: int | tirx.PrimExpr  # a PrimExpr only from analyze(func, symbolic_m=True)
     n: int
     k: int
     in_dtype: str
     out_dtype: str
     layout: str  # "nt": B (N, K); "nn": B (K, N)
-    out_shape: tuple[int, ...]
+    out_shape: tuple[int | tirx.PrimExpr, ...]
     expr: tirx.PrimExpr  # in terms of `acc` and `dims`
     acc: tirx.Var
     dims: list[tirx.Var]  # one per output dimension
@@ -64,8 +65,20 @@ def _int(e) -> int:
     raise NotHandled(f"symbolic extent {e}")
 
 
-def _shape(buf) -> tuple[int, ...]:
-    return tuple(_int(d) for d in buf.shape)
+def _rows_shape(buf, symbolic_m: bool) -> tuple:
+    """``buf``'s shape: ints, the first dimension a PrimExpr where ``symbolic_m`` lets it be one."""
+    first, *rest = buf.shape
+    lead = first if symbolic_m and not isinstance(first, tirx.IntImm) else _int(first)
+    return (lead, *(_int(d) for d in rest))
+
+
+def same_dim(a, b) -> bool:
+    """Two extents are equal: ints by value, symbolic ones structurally."""
+    if isinstance(a, (int, tirx.IntImm)) and isinstance(b, (int, tirx.IntImm)):
+        return int(a) == int(b)
+    if isinstance(a, (int, tirx.IntImm)) or isinstance(b, (int, tirx.IntImm)):
+        return False
+    return bool(tvm_ffi.structural_equal(a, b, map_free_vars=False))
 
 
 def top_blocks(func: tirx.PrimFunc):
@@ -80,8 +93,9 @@ def top_blocks(func: tirx.PrimFunc):
     return sch, out
 
 
-def _matmul(block, params):
-    """(A param, B param, layout, C buffer, M, N, K, in dtype) of the matmul block."""
+def _matmul(block, params, symbolic_m: bool = False):
+    """(A param, B param, layout, C buffer, M, N, K, in dtype) of the matmul block (M a PrimExpr
+    where ``symbolic_m`` allows it)."""
     kinds = [iv.iter_type for iv in block.iter_vars]
     if kinds.count(tirx.IterVar.CommReduce) != 1 or len(kinds) != 3:
         raise NotHandled("the GEMM block is not a 2-D matmul (batched or multi-reduction)")
@@ -121,8 +135,10 @@ def _matmul(block, params):
         raise NotHandled(f"A {x.source.dtype} and B {y.source.dtype} differ")
     if len(x.source.shape) != 2 or len(y.source.shape) != 2 or len(c.shape) != 2:
         raise NotHandled("A, B or C is not 2-D")
-    m, kk = _shape(x.source)
-    n = _shape(c)[1]
+    m, kk = _rows_shape(x.source, symbolic_m)
+    n = _rows_shape(c, symbolic_m)[1]
+    if not same_dim(m, c.shape[0]):
+        raise NotHandled("A and C have different row counts")
     return a_pos, b_pos, layout, c, m, n, kk, str(x.source.dtype)
 
 
@@ -207,8 +223,9 @@ def _same_int_width(a, b):
 
 
 
-def analyze(func: tirx.PrimFunc) -> FusedGemm:
-    """The fused GEMM in ``func``; raises :class:`NotHandled` with the reason otherwise."""
+def analyze(func: tirx.PrimFunc, symbolic_m: bool = False) -> FusedGemm:
+    """The fused GEMM in ``func``; raises :class:`NotHandled` with the reason otherwise.
+    ``symbolic_m``: M may be symbolic (``FusedGemm.m`` a PrimExpr; N and K stay static)."""
     params = list(func.params)  # 0.27: parameters are the buffers themselves
     try:
         _, blocks = top_blocks(func)
@@ -217,7 +234,7 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
     if not blocks:
         raise NotHandled("no blocks")
     first = blocks[0][0]
-    a_pos, b_pos, layout, c, m, n, k, in_dtype = _matmul(first, params)
+    a_pos, b_pos, layout, c, m, n, k, in_dtype = _matmul(first, params, symbolic_m)
     acc = tirx.Var("acc", "float32")
     dims = [tirx.Var(f"d{i}", "int32") for i in range(2)]
     inl = _Inliner(params, acc, c, dims)
@@ -246,7 +263,8 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
     else:
         raise NotHandled("the epilogue reads the GEMM result not at all or both as C[i, j] and "
                          "as pairs")
-    if [_int(iv.dom.extent) for iv in last_ivs] != [m, out_n]:
+    extents = [iv.dom.extent for iv in last_ivs]
+    if len(extents) != 2 or not (same_dim(extents[0], m) and same_dim(extents[1], out_n)):
         raise NotHandled(f"the output block does not span the (M, {out_n}) output")
     out_pos = next((i for i, p in enumerate(params) if p.same_as(last)), None)
     if out_pos is None:
@@ -257,7 +275,8 @@ def analyze(func: tirx.PrimFunc) -> FusedGemm:
     if out_pos in (a_pos, b_pos):
         raise NotHandled("output aliases an input")
     return FusedGemm(a_pos, b_pos, out_pos, m, n, k, in_dtype, str(last.dtype), layout,
-                     _shape(last), expr, acc, dims, [p.name for p in params], acc_odd)
+                     _rows_shape(last, symbolic_m), expr, acc, dims, [p.name for p in params],
+                     acc_odd)
 
 
 def expr_value(e, names: list, buffers: list, row_loads: tuple | None = None) -> tirx.PrimExpr:

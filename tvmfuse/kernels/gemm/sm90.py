@@ -205,7 +205,7 @@ def _all(*conds):
 def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buffer],
                 a_param: int, b_param: int, c_param: int, store_value: StoreValue | None = None,
                 pair_value: PairValue | None = None,
-                row_stats: RowStats | None = None) -> tirx.PrimFunc:
+                row_stats: RowStats | None = None, rows: PrimExpr | None = None) -> tirx.PrimFunc:
     """The kernel as a TIRx PrimFunc over ``params`` (the fused function's signature, kept so the
     kernel replaces it in place); A, B, C are the parameters at the given positions.
 
@@ -214,6 +214,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     the row with ``row_stats``, else None. ``pair_value(acc_even, acc_odd, row, col, stats)``
     instead makes C (M, N/2) with ``C[row, col]`` computed from the accumulators of GEMM columns
     ``2·col`` and ``2·col + 1``.
+
+    ``rows``: a symbolic M (A's and C's row count at run time, at most ``problem.m``). The grid
+    and the tiles are laid out for ``problem.m`` rows (a bucket's upper bound); at run time the
+    tensor map, the raster and the store masks take ``rows``, so a CTA's tiles past the last row
+    are never started (they are the trailing ones of its tile sequence: no gap in the barrier
+    phases).
     """
     p = problem
     ab = {"float16": "f16", "bfloat16": "bf16"}[p.in_dtype]
@@ -254,7 +260,13 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     pair_align = max(4, 2 * (8 if out_dtype.endswith("64") else 4 if out_dtype.endswith("32")
                              else 2))
     guard_full = not cfg.unguarded_full_tiles
-    all_tiles_full = p.m % cfg.bm == 0 and p.n % cfg.bn == 0
+    all_tiles_full = rows is None and p.m % cfg.bm == 0 and p.n % cfg.bn == 0
+    # M at run time (int32 in the device code) and what depends on it
+    m_rows = p.m if rows is None else rows
+    m_dev = p.m if rows is None else tirx.Cast("int32", rows)
+    units_m_dev = units_m if rows is None else _cdiv(_cdiv(m_dev, cfg.bm), cl)
+    tiles_dev = tiles if rows is None else units_m_dev * tiles_n
+    m_ragged = rows is not None or p.m % cfg.bm != 0
     has_stats = row_stats is not None
     centered = has_stats and row_stats.centered
     eps = row_stats.eps if has_stats else 0.0
@@ -277,7 +289,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     def mine(tile, ti, wg, alternate):
         """This CTA has tile ``tile``; ``alternate`` (ping-pong consumers): and it is warpgroup
         ``wg``'s (alternate tiles)."""
-        return _all(tirx.LT(tile, tiles), *([tirx.EQ(ti % 2, wg - 1)] if alternate else []))
+        return _all(tirx.LT(tile, tiles_dev), *([tirx.EQ(ti % 2, wg - 1)] if alternate else []))
 
     def tile_m0(first_m, tile, gsize, rank):
         mt = first_m + (tile % in_group) % gsize
@@ -329,7 +341,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
     def tile_inside(m0, n0):
         """The tile lies inside (M, N) (only asked when some tile does not)."""
-        return _all(*([tirx.LE(m0 + cfg.bm, p.m)] if p.m % cfg.bm else []),
+        return _all(*([tirx.LE(m0 + cfg.bm, m_dev)] if m_ragged else []),
                     *([tirx.LE(n0 + cfg.bn, p.n)] if p.n % cfg.bn else []))
 
     def launch_bounds():
@@ -342,12 +354,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     @T.prim_func(check_well_formed=False)
     def kernel():
         T.func_attr({"tirx.noalias": True})
-        C2 = T.decl_buffer((p.m, c_cols), out_dtype, data=c_buf.data)
+        C2 = T.decl_buffer((m_rows, c_cols), out_dtype, data=c_buf.data)
         # host: tensor maps (dims innermost first, byte strides, box, element strides, interleave,
         # swizzle, L2 promotion 256 B, OOB fill zeros)
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, in_dtype, 2, a_buf.data,
-                      p.k, p.m, p.k * 2, BK, cfg.bm, 1, 1, 0, SW128, 2, 0)
+                      p.k, m_rows, p.k * 2, BK, cfg.bm, 1, 1, 0, SW128, 2, 0)
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, in_dtype, 2, b_buf.data,
                       b_dim0, b_dim1, b_dim0 * 2, b_box0, b_box1, 1, 1, 0, SW128, 2, 0)
@@ -372,7 +384,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     tile = tile_unit(bid) + ti * grid
                     if mine(tile, ti, wg, alternate):
                         first_m = (tile // in_group) * group
-                        gsize = T.min(units_m - first_m, group)
+                        gsize = T.min(units_m_dev - first_m, group)
                         m0 = tile_m0(first_m, tile, gsize, rank)
                         n0 = ((tile % in_group) // gsize) * cfg.bn
                         body(ti, m0, n0)
@@ -543,7 +555,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                             col = n0 + j * 8 + (t % 4) * 2
                             for h in T.unroll(2):
                                 if guarded:
-                                    if row0 + h * 8 < p.m and col < p.n:
+                                    if row0 + h * 8 < m_dev and col < p.n:
                                         store_pair(u_acc, row0, j, h, col)
                                 else:
                                     store_pair(u_acc, row0, j, h, col)
@@ -592,7 +604,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                 pair[1] = T.Select(r % 2 == 0, other, v1)
                                 c = c0 + (r % 2) * 3
                                 if guarded:
-                                    if row < p.m and c < n_out:
+                                    if row < m_dev and c < n_out:
                                         C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]
                                 else:
                                     C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]
@@ -636,23 +648,26 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
 
 def standalone(problem: GemmProblem, cfg: GemmConfig | None = None,
-               row_stats: RowStats | None = None) -> tirx.PrimFunc:
+               row_stats: RowStats | None = None, symbolic_m: bool = False) -> tirx.PrimFunc:
     """The kernel as a PrimFunc ``main(A, B, C)`` with ``C = cast(A·B)`` (no epilogue); with
     ``row_stats``, ``C = cast(rstd ⊙ (A·B − mean))`` (LayerNorm) or ``cast(rstd ⊙ A·B)``.
+    ``symbolic_m``: A and C have ``m`` rows, a variable bound at the call (≤ ``problem.m``).
 
     For tests and device probes; the schedule rule builds its kernels from fused PrimFuncs.
     """
     cfg = cfg or GemmConfig()
     p = problem
+    rows = tirx.Var("m", "int64") if symbolic_m else None
+    m = p.m if rows is None else rows
     b_shape = (p.n, p.k) if p.layout == "nt" else (p.k, p.n)
     params = [tirx.decl_buffer(shape, dtype, name=name, data_alignment=16)
-              for name, shape, dtype in (("A", (p.m, p.k), p.in_dtype), ("B", b_shape, p.in_dtype),
-                                         ("C", (p.m, p.n), p.out_dtype))]
+              for name, shape, dtype in (("A", (m, p.k), p.in_dtype), ("B", b_shape, p.in_dtype),
+                                         ("C", (m, p.n), p.out_dtype))]
     value = None
     if row_stats is not None:
         def value(acc, row, col, stats):
             mean, rstd = stats
             return T.Cast(p.out_dtype, ((acc - mean) if row_stats.centered else acc) * rstd)
 
-    func = gemm_kernel(p, cfg, params, 0, 1, 2, value, row_stats=row_stats)
+    func = gemm_kernel(p, cfg, params, 0, 1, 2, value, row_stats=row_stats, rows=rows)
     return func.with_attr("global_symbol", "main")
