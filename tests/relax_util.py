@@ -30,10 +30,16 @@ def run_llvm(mod: tvm.IRModule, *arrays: np.ndarray) -> np.ndarray:
     return vm["main"](*[tvm.runtime.tensor(a) for a in arrays]).numpy()
 
 
-def random_inputs(mod: tvm.IRModule, seed: int = 0) -> list[np.ndarray]:
-    """Random normal arrays (never zeros) for ``main``'s parameters."""
+def random_inputs(mod: tvm.IRModule, seed: int = 0, sizes: dict[str, int] | None = None
+                  ) -> list[np.ndarray]:
+    """Random normal arrays (never zeros) for ``main``'s parameters; a symbolic dim takes its
+    value from ``sizes`` (default 7)."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal([int(d) for d in p.ty.shape.values]).astype(str(p.ty.dtype))
+
+    def dim(d) -> int:
+        return int(d) if isinstance(d, tvm.tirx.IntImm) else (sizes or {}).get(str(d), 7)
+
+    return [rng.standard_normal([dim(d) for d in p.ty.shape.values]).astype(str(p.ty.dtype))
             for p in mod["main"].params]
 
 

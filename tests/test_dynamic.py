@@ -146,3 +146,24 @@ def test_sm90_symbolic_build_compiles_with_nvcc(tmp_path):
     path = lib.export(tmp_path / "lm.so")
     assert path.stat().st_size > 0
     assert tvmfuse.runtime.read_metadata(path)["dynamic"] == {"S": [1, 64]}
+
+
+def test_symbolic_lm_fuses_its_norms_residuals_and_swiglu():
+    """With S symbolic the pattern passes fire as on static shapes (they compare symbolic dims
+    structurally; only the normalised / GEMM K and N axes must be static): per layer both RMSNorms
+    fold into their GEMMs (a statistics kernel each), the residual adds into the O and down GEMMs,
+    gate/up is one pair GEMM with the SwiGLU epilogue; no power / mean kernel is left."""
+    from tvmfuse.frontend import dynamic_ranges, import_model, input_overrides
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    module, example = tiny_lm()
+    imported = import_model(module, example, input_overrides({"ids": "1xS"}),
+                            dynamic_ranges({"S": (1, 64)}))
+    kernels = analyze(imported.mod, get_target("cpu"))["kernels"]
+    ops = [k["ops"] for k in kernels]
+    layers = TINY["n_layers"]
+    assert sum(o == ["rms_norm_stats"] for o in ops) == 2 * layers + 1, ops
+    assert sum(o[0] == "matmul" and o[-1] == "add" for o in ops) == 2 * layers, ops
+    assert sum(o[0] == "matmul" and "strided_slice" in o and "sigmoid" in o for o in ops) == layers
+    assert not any({"power", "mean"} & set(o) for o in ops), ops

@@ -11,11 +11,11 @@ from tests.relax_util import assert_same_numerics
 from tvmfuse.passes import NormGemmPrologue
 
 
-def _build(norm: str, residual: bool, n_linear: int = 1) -> tvm.IRModule:
-    """x (8, 32) → norm → n_linear × matmul(·, W_i (32, 16)) [+ the normed tensor as residual]."""
+def _build(norm: str, residual: bool, n_linear: int = 1, rows=8) -> tvm.IRModule:
+    """x (rows, 32) → norm → n_linear × matmul(·, W_i (32, 16)) [+ the normed tensor as residual]."""
     rng = np.random.default_rng(0)
     bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((8, 32), "float32"))
+    x = relax.Var("x", relax.TensorType((rows, 32), "float32"))
     g = relax.const(rng.standard_normal(32).astype("float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
@@ -44,6 +44,18 @@ def test_norm_becomes_stats_and_epilogue(norm, stats):
     script = after.script()
     assert "R.nn.rms_norm" not in script and "R.nn.layer_norm" not in script
     assert stats in _names(after)
+    assert_same_numerics(before, after, rtol=1e-5)
+
+
+def test_symbolic_rows_fold_too():
+    """x (S, 32) with S symbolic (``--dynamic``): the normalised axis is static, so it folds."""
+    rows = tvm.tirx.Var("S", "int64")
+    qkv = NormGemmPrologue()(_build("rms", residual=False, n_linear=3, rows=rows))
+    assert "R.nn.rms_norm" not in qkv.script()
+    assert qkv["main"].script().count("rms_norm_stats") == 1
+    before = _build("layer", residual=False, rows=rows)
+    after = NormGemmPrologue()(before)
+    assert "R.nn.layer_norm" not in after.script() and "layer_norm_stats" in _names(after)
     assert_same_numerics(before, after, rtol=1e-5)
 
 

@@ -172,6 +172,43 @@ class RMSHalfExpected:
         return y
 
 
+@I.ir_module
+class RMSHalfSymbolic:
+    """The same on (1, S, 64) with S symbolic (``--dynamic``): only the normalised axis is static."""
+
+    @R.function
+    def main(x: R.Tensor((1, "S", 64), "float16"), w: R.Tensor((64,), "float16")
+             ) -> R.Tensor((1, "S", 64), "float16"):
+        with R.dataflow():
+            xf = R.astype(x, "float32")
+            sq = R.power(xf, R.const(2.0, "float32"))
+            ms = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(ms, R.const(0.0009765625, "float32"))
+            inv = R.rsqrt(ve)
+            n = R.multiply(xf, inv)
+            nh = R.astype(n, "float16")
+            y = R.multiply(w, nh)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSHalfSymbolicExpected:
+    @R.function
+    def main(x: R.Tensor((1, "S", 64), "float16"), w: R.Tensor((64,), "float16")
+             ) -> R.Tensor((1, "S", 64), "float16"):
+        with R.dataflow():
+            y = R.nn.rms_norm(x, w, axes=[-1], epsilon=0.0009765625)
+            R.output(y)
+        return y
+
+
+def test_rms_norm_with_symbolic_rows():
+    after = apply_pass(FuseDecomposedNorms(), RMSHalfSymbolic)
+    tvm.ir.assert_structural_equal(after, RMSHalfSymbolicExpected)
+    assert_same_numerics(RMSHalfSymbolic, after, rtol=2e-3)
+
+
 def test_rms_norm_half_precision_hf_form():
     after = apply_pass(FuseDecomposedNorms(), RMSHalf)
     tvm.ir.assert_structural_equal(after, RMSHalfExpected)

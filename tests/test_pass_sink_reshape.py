@@ -5,6 +5,7 @@ from __future__ import annotations
 import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from tests.relax_util import apply_pass, assert_same_numerics
 from tvmfuse.passes import SinkReshape
@@ -60,6 +61,46 @@ class ReshapeChangesLastAxis:
             y = R.add(mm2, b)
             R.output(y)
         return y
+
+
+@I.ir_module
+class SymbolicLinearResidual:
+    """The same with S symbolic (``--dynamic``): shapes compare structurally."""
+
+    @R.function
+    def main(x: R.Tensor((1, "S", 16), "float32"), w: R.Tensor((16, 32), "float32"),
+             r: R.Tensor((1, "S", 32), "float32")) -> R.Tensor((1, "S", 32), "float32"):
+        S = T.int64()
+        with R.dataflow():
+            x2 = R.reshape(x, R.shape([S, 16]))
+            mm = R.matmul(x2, w)
+            mm3 = R.reshape(mm, R.shape([1, S, 32]))
+            y = R.add(mm3, r)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class SymbolicLinearResidualExpected:
+    @R.function
+    def main(x: R.Tensor((1, "S", 16), "float32"), w: R.Tensor((16, 32), "float32"),
+             r: R.Tensor((1, "S", 32), "float32")) -> R.Tensor((1, "S", 32), "float32"):
+        S = T.int64()
+        with R.dataflow():
+            x2 = R.reshape(x, R.shape([S, 16]))
+            mm = R.matmul(x2, w)
+            r2 = R.reshape(r, R.shape([S, 32]))
+            y2 = R.add(mm, r2)
+            y = R.reshape(y2, R.shape([1, S, 32]))
+            R.output(y)
+        return y
+
+
+def test_symbolic_linear_residual():
+    after = apply_pass(SinkReshape(), SymbolicLinearResidual)
+    after = tvm.relax.transform.CanonicalizeBindings()(after)
+    tvm.ir.assert_structural_equal(after, SymbolicLinearResidualExpected)
+    assert_same_numerics(SymbolicLinearResidual, after)
 
 
 def test_linear_epilogue_and_residual():

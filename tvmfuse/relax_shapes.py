@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tvm
 import tvm.sym
+import tvm_ffi
 from tvm import relax
 
 
@@ -23,9 +24,23 @@ def static_type_shape(ty) -> list[int] | None:
         return None
 
 
-def shape_expr(dims: list[int]) -> relax.ShapeExpr:
-    """A static ShapeExpr with int64 dims, as importers and TVMScript write them."""
-    return relax.ShapeExpr([tvm.tirx.IntImm("int64", d) for d in dims])
+def shape_expr(dims: list) -> relax.ShapeExpr:
+    """A ShapeExpr with int64 dims, as importers and TVMScript write them (ints, or the PrimExprs
+    of a :func:`known_shape`)."""
+    return relax.ShapeExpr([tvm.tirx.IntImm("int64", d) if isinstance(d, int) else d for d in dims])
+
+
+def same_dim(a, b) -> bool:
+    """Two dims of :func:`known_shape` are equal: ints by value, symbolic ones structurally."""
+    if isinstance(a, int) or isinstance(b, int):
+        return isinstance(a, int) and isinstance(b, int) and a == b
+    return bool(tvm_ffi.structural_equal(a, b))
+
+
+def same_shape(a: list | None, b: list | None) -> bool:
+    """Two :func:`known_shape` results are the same known shape."""
+    return a is not None and b is not None and len(a) == len(b) and all(
+        same_dim(x, y) for x, y in zip(a, b))
 
 
 def symbol_ranges(mod: tvm.IRModule) -> dict[str, tuple[int, int]]:
@@ -51,3 +66,18 @@ def upper_bound(expr: tvm.tirx.PrimExpr, ranges: dict[str, tuple[int, int]]) -> 
         analyzer.bind(var, tvm.ir.Range.from_min_extent(lo, hi - lo + 1))
     bound = analyzer.const_int_bound(expr).max_value
     return None if bound >= 2**62 else int(bound)
+
+
+def known_shape(expr: relax.Expr) -> list | None:
+    """The shape of a tensor expression with symbolic dims kept: ints where static, PrimExprs
+    where symbolic (``(1, S, 64)`` → ``[1, S, 64]``); None when only the rank (or less) is known."""
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or not isinstance(ty.shape, relax.ShapeExpr):
+        return None
+    return [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in ty.shape.values]
+
+
+def last_dim(expr: relax.Expr) -> int | None:
+    """The static size of the last dimension (the reduced one of a row norm), else None."""
+    shape = known_shape(expr)
+    return shape[-1] if shape and isinstance(shape[-1], int) else None

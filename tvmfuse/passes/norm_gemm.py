@@ -26,7 +26,7 @@ from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import weight_arrays
-from ._util import bound_value, constant_weight, folded_constant, static_shape
+from ._util import bound_value, constant_weight, folded_constant, known_shape, last_dim
 from ._util import is_op as _is_op
 from .norm_half_io import HalfNormOneKernel
 
@@ -111,15 +111,18 @@ class _NormGemm(PyExprMutator):
         if norm is None or w is None or w.ndim != 2 or not any(
                 norm.same_as(n) for n in self.only_gemm_users):
             return call  # a norm that is also needed elsewhere (e.g. BERT's residual) stays a kernel
-        shape = static_shape(x)
+        shape = known_shape(x)  # leading dims may be symbolic; the normalised one is static
+        if last_dim(x) is None:
+            return call
         if shape is not None and new_shape is not None:
-            if [int(d) for d in new_shape.values][-1] != shape[-1]:
+            last = new_shape.values[-1]
+            if not isinstance(last, tvm.tirx.IntImm) or int(last) != shape[-1]:
                 return call  # the reshape regroups the normalised axis
-            key = (x, tuple(int(d) for d in new_shape.values))
+            key = (x, tuple(str(d) for d in new_shape.values))
             if key not in self.reshaped:  # Q/K/V share one view and one set of statistics
                 self.reshaped[key] = self.builder_.emit(relax.op.reshape(x, new_shape))
             x = self.reshaped[key]
-            shape = static_shape(x)
+            shape = known_shape(x)
         axes = [int(a) for a in norm.attrs.axes]
         if shape is None or axes not in ([-1], [len(norm.args[0].ty.shape.values) - 1]) \
                 or shape[-1] != w.shape[0]:

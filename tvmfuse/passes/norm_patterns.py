@@ -18,7 +18,9 @@ from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 from ._util import (
     dataflow_bindings,
     folded_constant,
+    known_shape,
     last_axis_only,
+    last_dim,
     rewrite_functions,
     scalar_value,
     shape_expr,
@@ -114,8 +116,8 @@ def _rewrite_rms(func: relax.Function) -> relax.Function:
 
     def rewriter(expr, m):
         data, w = _rms_input(m, p), m[p["w"]]
-        shape = None if data is None else static_shape(data)
-        if shape is None or not _row_vector(w, shape[-1]):
+        shape = None if data is None else known_shape(data)  # leading dims may be symbolic
+        if shape is None or last_dim(data) is None or not _row_vector(w, shape[-1]):
             return expr
         if not _reduces_last_keepdims(m[p["mean"]], len(shape)):
             return expr
@@ -137,8 +139,9 @@ def _rewrite_layer_norm(func: relax.Function) -> relax.Function:
 
     def rewriter(expr, m):
         x, gamma, beta = m[p["x"]], m[p["gamma"]], m[p["beta"]]
-        shape = static_shape(x)
-        if shape is None or not (_row_vector(gamma, shape[-1]) and _row_vector(beta, shape[-1])):
+        shape = known_shape(x)
+        if shape is None or last_dim(x) is None or not (_row_vector(gamma, shape[-1])
+                                                         and _row_vector(beta, shape[-1])):
             return expr
         if not all(_reduces_last_keepdims(m[p[k]], len(shape)) for k in ("mu", "var")):
             return expr
@@ -159,7 +162,7 @@ def _rewrite_softmax(func: relax.Function) -> relax.Function:
 
     def rewriter(expr, m):
         x = m[p["x"]]
-        shape = static_shape(x)
+        shape = known_shape(x)
         if shape is None:
             return expr
         if not all(_reduces_last_keepdims(m[p[k]], len(shape)) for k in ("max", "sum")):

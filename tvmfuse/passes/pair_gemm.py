@@ -33,8 +33,9 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..options import current_options
+from ..relax_shapes import known_shape, same_dim, same_shape
 from . import weight_arrays
-from ._util import dataflow_bindings, is_op, static_shape
+from ._util import dataflow_bindings, is_op
 
 # elementwise ops a pair epilogue may use (same shape in, same shape out; constants may broadcast)
 _ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.astype",
@@ -82,7 +83,7 @@ def _target_takes(x: relax.Expr, k: int, n: int) -> bool:
     if target is None or target.kind.name == "llvm":
         return True
     arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
-    shape = static_shape(x)
+    shape = known_shape(x)  # rows may be symbolic (--dynamic)
     if not (str(x.ty.dtype) in ("float16", "bfloat16") and shape is not None and len(shape) == 2
             and k % 8 == 0):
         return False
@@ -90,6 +91,7 @@ def _target_takes(x: relax.Expr, k: int, n: int) -> bool:
         return n % 4 == 0
     # other sm_80+: the decode-size weight-streaming kernel (rules/gemv.py) takes the pair epilogue
     return (current_options().small_m_gemv and arch[3:5].isdigit() and int(arch[3:5]) >= 80
+            and isinstance(shape[0], int)
             and shape[0] <= min(_STREAMING_MAX_M, current_options().gemv_max_m))
 
 
@@ -127,15 +129,15 @@ def _find(func: relax.Function) -> list[_Pair]:
     def wide_source(z) -> tuple[relax.Var, list[relax.Var]] | None:
         """(matmul var, chain) when ``z`` is a constant-weight matmul after a row-wise chain of
         elementwise ops (their other operands constant or one value per row, e.g. a norm's rstd)."""
-        chain, shape = [], static_shape(z)
+        chain, shape = [], known_shape(z)
         while matmul_weight(z) is None:
             call = bound.get(z)
             if not _is_elementwise(call):
                 return None
-            same = [a for a in call.args if isinstance(a, relax.Var) and static_shape(a) == shape]
+            same = [a for a in call.args if isinstance(a, relax.Var) and same_shape(known_shape(a), shape)]
             if len(same) != 1 or any(
                     isinstance(a, relax.Var) and not a.same_as(same[0])
-                    and (static_shape(a) or [0])[-1] != 1 for a in call.args):
+                    and not same_dim((known_shape(a) or [0])[-1], 1) for a in call.args):
                 return None
             chain.insert(0, z)
             z = same[0]
@@ -146,10 +148,11 @@ def _find(func: relax.Function) -> list[_Pair]:
         call = bound.get(var)
         if not is_op(call, "relax.strided_slice") or not isinstance(call.args[0], relax.Var):
             return None
-        z, shape = call.args[0], static_shape(call.args[0])
+        z, shape = call.args[0], known_shape(call.args[0])
         axes, begin, end = (_ints(a) for a in call.args[1:4])
         strides = _ints(call.args[4]) if len(call.args) > 4 else [1]
-        if shape is None or shape[-1] % 2 or axes != [len(shape) - 1] or strides != [1]:
+        if shape is None or not isinstance(shape[-1], int) or shape[-1] % 2 \
+                or axes != [len(shape) - 1] or strides != [1]:
             return None
         half = shape[-1] // 2
         if [begin, end] not in ([[0], [half]], [[half], [2 * half]]) or wide_source(z) is None:
@@ -158,8 +161,8 @@ def _find(func: relax.Function) -> list[_Pair]:
 
     def per_row(var) -> bool:
         """A tensor computed outside the pair with one value per row, e.g. ``rstd`` (M, 1)."""
-        shape = static_shape(var) if isinstance(var, relax.Var) else None
-        return bool(shape) and shape[-1] == 1 and not _is_elementwise(bound.get(var)) \
+        shape = known_shape(var) if isinstance(var, relax.Var) else None
+        return bool(shape) and same_dim(shape[-1], 1) and not _is_elementwise(bound.get(var)) \
             and matmul_weight(var) is None
 
     def same_input(x1, x2) -> bool:
@@ -198,8 +201,8 @@ def _find(func: relax.Function) -> list[_Pair]:
             continue
         inner.discard(var)
         a, b = sorted(src, key=order.index)
-        shape = static_shape(a)
-        if shape is None or shape != static_shape(b):
+        shape = known_shape(a)
+        if shape is None or not same_shape(shape, known_shape(b)):
             continue
         halves = half_of(a), half_of(b)
         if halves[0] is None and halves[1] is None:  # two GEMMs
@@ -225,7 +228,7 @@ def _find(func: relax.Function) -> list[_Pair]:
             continue
         # every intermediate has the leaves' shape and is used inside the group only
         group = inner | outer
-        if any(static_shape(v) != shape for v in inner | {var}) or any(
+        if any(not same_shape(known_shape(v), shape) for v in inner | {var}) or any(
                 u not in group and not u.same_as(var) for v in group for u in users.get(v, [])):
             continue
         # each operand of the root must depend on one leaf alone: a gate and an up projection
@@ -236,7 +239,7 @@ def _find(func: relax.Function) -> list[_Pair]:
         while len(users.get(var, [])) == 1 and isinstance(users[var][0], relax.Var):
             nxt = users[var][0]
             ncall = bound[nxt]
-            if not (_is_elementwise(ncall) and static_shape(nxt) == shape and all(
+            if not (_is_elementwise(ncall) and same_shape(known_shape(nxt), shape) and all(
                     a_.same_as(var) or isinstance(a_, tvm.ir.expr.Constant) for a_ in ncall.args)):
                 break
             inner.add(var)
@@ -293,7 +296,7 @@ class _Rewrite(PyExprMutator):
                     vmap[p.wide] = z
                     for var in p.pre:
                         z = replay(var)
-                axis, n2 = len(static_shape(z)) - 1, 2 * int(p.halves[0].shape[1])
+                axis, n2 = len(known_shape(z)) - 1, 2 * int(p.halves[0].shape[1])
                 vmap[p.a] = bb.emit(relax.op.strided_slice(z, [axis], [0], [n2], [2]))
                 vmap[p.b] = bb.emit(relax.op.strided_slice(z, [axis], [1], [n2], [2]))
                 for var in p.body:

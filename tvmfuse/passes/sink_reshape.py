@@ -27,7 +27,8 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
-from ._util import rewrite_functions, shape_expr, static_shape, without_large_constants
+from ..relax_shapes import known_shape, same_dim, same_shape
+from ._util import rewrite_functions, shape_expr, without_large_constants
 
 UNARY = ["relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
          "relax.tanh", "relax.exp", "relax.erf", "relax.negative", "relax.astype", "relax.sqrt",
@@ -36,12 +37,13 @@ BINARY = ["relax.add", "relax.subtract", "relax.multiply", "relax.divide", "rela
           "relax.maximum", "relax.minimum"]
 
 
-def _same_last_axis(a_shape: list[int], s: list[int]) -> bool:
-    return bool(a_shape) and bool(s) and a_shape[-1] == s[-1]
+def _same_last_axis(a_shape: list, s: list) -> bool:
+    return bool(a_shape) and bool(s) and same_dim(a_shape[-1], s[-1])
 
 
-def _last_axis_broadcast(b_shape: list[int], n: int) -> bool:
-    return b_shape == [] or (b_shape[-1] in (1, n) and all(d == 1 for d in b_shape[:-1]))
+def _last_axis_broadcast(b_shape: list, n) -> bool:
+    return b_shape == [] or ((same_dim(b_shape[-1], 1) or same_dim(b_shape[-1], n))
+                             and all(same_dim(d, 1) for d in b_shape[:-1]))
 
 
 def _is_call(expr: relax.Expr, op: str) -> bool:
@@ -89,20 +91,21 @@ def _sink(func: relax.Function) -> relax.Function:
 
     def rewrite_binary(expr, m):
         inner, other, target = m[a], m[b], m[reshaped]
-        a_shape, s, o_shape = static_shape(inner), static_shape(target), static_shape(other)
-        if None in (a_shape, s, o_shape) or str(inner.ty.dtype) != str(other.ty.dtype):
+        # shapes with symbolic dims (--dynamic) compare structurally
+        a_shape, s, o_shape = known_shape(inner), known_shape(target), known_shape(other)
+        if any(x is None for x in (a_shape, s, o_shape)) or str(inner.ty.dtype) != str(other.ty.dtype):
             return expr
-        if static_shape(expr) != s:
+        if not same_shape(known_shape(expr), s):
             return expr  # the op broadcasts beyond the reshape's shape: moving it changes the result
         if _is_call(other, "relax.reshape"):
             source = other.args[0]
-            same = o_shape == s and static_shape(source) == a_shape
+            same = same_shape(o_shape, s) and same_shape(known_shape(source), a_shape)
             if same and str(source.ty.dtype) == str(inner.ty.dtype):
                 # both sides reshaped from one shape: the op runs on the originals
                 args = [source, inner] if expr.args[0].same_as(other) else [inner, source]
                 return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])
             return expr  # different origins: moving one reshape would move it back and forth
-        if o_shape == s:
+        if same_shape(o_shape, s):
             # Full-shape operand: only for a GEMM(-epilogue) output meeting a non-GEMM tensor; the reverse
             # match on the reshape this creates would otherwise move it back and forth.
             if not _gemm_rooted(inner, table) or _gemm_rooted(other, table):
@@ -121,7 +124,7 @@ def _sink(func: relax.Function) -> relax.Function:
 
     def rewrite_collapse(expr, m):
         source = m[inner_reshape].args[0] if inner_reshape in m else m[a]
-        if static_shape(source) is not None and static_shape(source) == static_shape(expr):
+        if same_shape(known_shape(source), known_shape(expr)):
             return source  # the reshapes cancel: same shape as the original tensor
         if inner_reshape in m:
             return relax.op.reshape(source, m[shape])

@@ -88,6 +88,8 @@ def row_stats_of(func: tirx.PrimFunc) -> RowStats | None:
     params = list(func.params)
     if len(params) not in (2, 3) or len(params[0].shape) != 2:
         return None
+    if not all(isinstance(d, tirx.IntImm) for d in params[0].shape):
+        return None  # symbolic rows: the wgmma GEMM's in-loop statistics need a static M
     eps = _eps_of(func)
     if eps is None:
         return None
