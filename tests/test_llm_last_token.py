@@ -1,5 +1,7 @@
 """LastTokenLogits (tvmfuse/llm/last_token.py): an entry point returns each sequence's last logits
-(B, V): ``logits[b, last[b]]`` with a new ``last`` parameter for S > 1, ``logits[:, 0]`` for S = 1."""
+(B, V): ``logits[b, last[b]]`` with a new ``last`` parameter for S > 1, ``logits[:, 0]`` for S = 1.
+The new bindings join the function's dataflow block, where the reshapes become views (after it,
+each was a copy kernel: three per decode step)."""
 
 from __future__ import annotations
 
@@ -33,12 +35,12 @@ class OneTupleExpected:
         with R.dataflow():
             y = R.multiply(x, R.const(2.0, "float32"))
             out = (y,)
-            R.output(out)
-        logits = out[0]
-        row_starts = R.arange(R.prim_value(0), R.prim_value(16), R.prim_value(8), dtype="int32")
-        last_rows = R.add(row_starts, last)
-        flat_logits = R.reshape(logits, R.shape([16, 16]))
-        last_logits = R.take(flat_logits, last_rows, axis=0, mode="clip")
+            logits = out[0]
+            row_starts = R.arange(R.prim_value(0), R.prim_value(16), R.prim_value(8), dtype="int32")
+            last_rows = R.add(row_starts, last)
+            flat_logits = R.reshape(logits, R.shape([16, 16]))
+            last_logits = R.take(flat_logits, last_rows, axis=0, mode="clip")
+            R.output(out, last_logits)
         return last_logits
 
 
@@ -59,11 +61,11 @@ class BareExpected:
              last: R.Tensor((3,), "int32")) -> R.Tensor((3, 7), "float32"):
         with R.dataflow():
             y = R.add(x, x)
-            R.output(y)
-        row_starts = R.arange(R.prim_value(0), R.prim_value(15), R.prim_value(5), dtype="int32")
-        last_rows = R.add(row_starts, last)
-        flat_logits = R.reshape(y, R.shape([15, 7]))
-        last_logits = R.take(flat_logits, last_rows, axis=0, mode="clip")
+            row_starts = R.arange(R.prim_value(0), R.prim_value(15), R.prim_value(5), dtype="int32")
+            last_rows = R.add(row_starts, last)
+            flat_logits = R.reshape(y, R.shape([15, 7]))
+            last_logits = R.take(flat_logits, last_rows, axis=0, mode="clip")
+            R.output(y, last_logits)
         return last_logits
 
 
@@ -83,9 +85,8 @@ class DecodeExpected:
     def main(x: R.Tensor((3, 1, 7), "float32")) -> R.Tensor((3, 7), "float32"):
         with R.dataflow():
             y = R.add(x, x)
-            R.output(y)
-        last_position = R.strided_slice(y, axes=[1], begin=[0], end=[1])
-        last_logits = R.reshape(last_position, R.shape([3, 7]))
+            last_logits = R.reshape(y, R.shape([3, 7]))
+            R.output(y, last_logits)
         return last_logits
 
 

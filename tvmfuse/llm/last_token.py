@@ -21,14 +21,17 @@ def _last(func: relax.Function, name: str) -> relax.Function:
     result = body.body
     bb = relax.BlockBuilder()
     tail: list[relax.VarBinding] = []
+    # inside the last dataflow block when there is one: its reshapes become views there
+    # (RewriteDataflowReshape), where bindings after the block would each be a copy kernel
+    dataflow = bool(body.blocks) and isinstance(body.blocks[-1], relax.DataflowBlock)
 
-    def bind(name: str, value: relax.Expr) -> relax.Var:
+    def bind(name: str, value: relax.Expr, last: bool = False) -> relax.Var:
         value = bb.normalize(value)
-        var = relax.Var(name, value.ty)
+        var = (relax.DataflowVar if dataflow and not last else relax.Var)(name, value.ty)
         tail.append(relax.VarBinding(var, value))
         return var
 
-    # (logits,): its field, read outside the dataflow block through the tuple (a block output)
+    # (logits,): its field, read through the tuple
     one = isinstance(result.ty, relax.TupleType) and len(result.ty.fields) == 1
     logits = bind("logits", relax.TupleGetItem(result, 0)) if one else result
     ty = logits.ty
@@ -36,17 +39,20 @@ def _last(func: relax.Function, name: str) -> relax.Function:
         raise CompileError(f"compile_lm: {name} returns {ty}, expected logits (batch, seq, vocab)")
     b, s, v = (int(d) for d in ty.shape.values)
     params = list(func.params)
-    if s == 1:
-        sliced = bind("last_position", relax.op.strided_slice(logits, [1], [0], [1]))
-        out = bind("last_logits", relax.op.reshape(sliced, [b, v]))
+    if s == 1:  # the one position: a view
+        out = bind("last_logits", relax.op.reshape(logits, [b, v]), last=True)
     else:  # row b·S + last[b] of the (B·S, V) logits
         last = relax.Var("last", relax.TensorType([b], "int32"))
         params.append(last)
         starts = bind("row_starts", relax.op.arange(0, b * s, s, "int32"))
         rows = bind("last_rows", relax.op.add(starts, last))
         flat = bind("flat_logits", relax.op.reshape(logits, [b * s, v]))
-        out = bind("last_logits", relax.op.take(flat, rows, axis=0, mode="clip"))  # in bounds
-    new_body = relax.SeqExpr([*body.blocks, relax.BindingBlock(tail)], out)
+        out = bind("last_logits", relax.op.take(flat, rows, axis=0, mode="clip"), last=True)  # in bounds
+    if dataflow:
+        blocks = [*body.blocks[:-1], relax.DataflowBlock([*body.blocks[-1].bindings, *tail])]
+    else:
+        blocks = [*body.blocks, relax.BindingBlock(tail)]
+    new_body = relax.SeqExpr(blocks, out)
     return relax.Function(params, new_body, out.ty, func.is_pure, func.attrs)
 
 
