@@ -270,6 +270,47 @@ def test_fallback_is_marked(func, reason):
     assert RULE_ATTR not in attrs and reason in attrs[FALLBACK_ATTR]
 
 
+@needs_nvcc
+def test_sm90a_fallback_keeps_tensor_cores(tmp_path):
+    """A GEMM this rule leaves (here a symbolic M) gets dlight's Matmul; on sm_90a too that is its
+    wmma schedule (dlight reads ``sm_90a`` as no tensor cores unless given the digits):
+    HMMA in the SASS."""
+    m = tirx.Var("m", "int64")
+    k_, n_ = tirx.IntImm("int64", 512), tirx.IntImm("int64", 768)
+    a = te.placeholder((m, k_), "float16", "a")
+    w = te.placeholder((n_, k_), "float16", "w")
+    k = te.reduce_axis((0, k_), "k")
+    c = te.compute((m, n_), lambda i, j: te.sum(a[i, k].astype("float32") * w[j, k].astype(
+        "float32"), axis=k), name="c")
+    y = te.compute((m, n_), lambda i, j: c[i, j].astype("float16"), name="y")
+    target = get_target("sm90")
+    with target.tvm_target():
+        sch = GemmSM80().apply(te.create_prim_func([a, w, y]), target.tvm_target(), False)
+    assert "symbolic" in str(sch.mod["main"].attrs[FALLBACK_ATTR])
+    source = _cuda_source(sch.mod, target.tvm_target())
+    assert "wmma" in source
+    sass = fatbin_sass(compile_fatbin(source, target, tmp_path))
+    assert any("HMMA" in text for text in sass.values())
+
+
+@pytest.mark.gpu
+def test_sm90a_fallback_numerics_on_the_gpu(tmp_path):
+    """H200: a Linear with K = 100 (no 16-byte TMA / cp.async rows: both tensor-core rules leave
+    it) runs dlight's wmma schedule; against torch in fp32."""
+    import torch
+
+    import tvmfuse
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(100, 256), torch.nn.ReLU()).half().eval()
+    x = torch.randn(512, 100, dtype=torch.float16)
+    lib = tvmfuse.compile(module, (x,), target="sm90")
+    run = tvmfuse.load(lib.export(tmp_path / "k100.so"), device="cuda")
+    got = torch.as_tensor(run(x.cuda())).cpu().double()
+    ref = module.float()(x.float()).double()
+    assert float((got - ref).norm() / ref.norm()) < 2e-3
+
+
 def test_not_a_gemm():
     x = te.placeholder((64, 64), "float16", name="x")
     y = te.compute((64, 64), lambda i, j: x[i, j] * 2, name="y")

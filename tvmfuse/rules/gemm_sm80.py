@@ -796,6 +796,18 @@ def _first_line(err: BaseException) -> str:
     return text[:200]
 
 
+def _digits_arch(target: Target) -> Target:
+    """``target`` with an arch dlight can read: its ``check_sm_version`` parses ``sm_90a`` as −1
+    (no tensor cores: its Matmul rule gave sm_90a fallback GEMMs CUDA-core kernels); ``sm_90``
+    schedules the same wmma code, which the real target compiles."""
+    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+    if not (arch.startswith("sm_") and arch[3:-1].isdigit() and not arch[3:].isdigit()):
+        return target
+    config = dict(target.export())
+    config["arch"] = arch[:3] + "".join(c for c in arch[3:] if c.isdigit())
+    return Target(config)
+
+
 def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
     """dlight's GEMV (guarded), then Matmul, on ``func`` marked with why this rule did not take it
     (after the reason an earlier rule, the sm90 GEMM's, recorded)."""
@@ -803,7 +815,7 @@ def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
         else None
     marked = func.with_attr(FALLBACK_ATTR, f"{earlier}; {reason}" if earlier else reason)
     for rule in (GuardedGEMV(), dl.gpu.Matmul()):
-        sch = rule.apply(marked, target, tunable)
+        sch = rule.apply(marked, _digits_arch(target), tunable)
         if sch is not None:
             return sch
     return None
