@@ -4,7 +4,7 @@
 #   bash .tvmdev/setup.sh && export PYTHONPATH=/tmp/tvmdev/site:$PWD && bash tools/device/llm_run.sh STEP...
 #
 # Steps (results under $OUT/<step>.json, logs $OUT/<step>.log, each under its own time limit):
-#   tests     pytest -m gpu: compile_lm generate, the cache kernels, PDL, GEMV numerics  (~200 s)
+#   tests     pytest -m gpu: compile_lm generate, the cache kernels, PDL, GEMV, buckets  (~350 s)
 #   lm4       bench_lm_decode lm4, ctx 2048: decode ms/token, tokens, torch.compile anchor  (~250 s)
 #   attn      bench_decode_cache: the split-KV kernel over unroll x splits, lm4 and 7b     (~120 s)
 #   7b        bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor, prefill 2048 vs compile (~500 s)
@@ -26,9 +26,9 @@ step() {  # name, limit in seconds, command...
 
 for s in "$@"; do
   case $s in
-    tests) step tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_llm_compile_lm.py \
+    tests) step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_llm_compile_lm.py \
              tests/test_llm_kv_cache.py tests/test_pass_programmatic_launch.py tests/test_schedule_gemv.py \
-             -k "not tensor_parallel" ;;
+             tests/test_schedule_gemm_sm90_buckets.py -k "not tensor_parallel" ;;
     lm4) step lm4 400 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
            --out "$OUT/lm4.json" ;;
     attn) step attn 300 python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b --case 7b_b8 \
