@@ -31,7 +31,8 @@ def shape_expr(dims: list) -> relax.ShapeExpr:
 
 
 def same_dim(a, b) -> bool:
-    """Two dims of :func:`known_shape` are equal: ints by value, symbolic ones structurally."""
+    """Two extents are equal: ints (or IntImms) by value, symbolic ones structurally."""
+    a, b = (int(x) if isinstance(x, tvm.tirx.IntImm) else x for x in (a, b))
     if isinstance(a, int) or isinstance(b, int):
         return isinstance(a, int) and isinstance(b, int) and a == b
     return bool(tvm_ffi.structural_equal(a, b))
@@ -43,14 +44,18 @@ def same_shape(a: list | None, b: list | None) -> bool:
         same_dim(x, y) for x, y in zip(a, b))
 
 
+LOWER_BOUND = "tir_var_lower_bound"  # Relax function attrs: symbol name → inclusive bound
+UPPER_BOUND = "tir_var_upper_bound"
+
+
 def symbol_ranges(mod: tvm.IRModule) -> dict[str, tuple[int, int]]:
     """Each symbolic dimension's inclusive range, by name, from the Relax functions'
     ``tir_var_lower_bound`` / ``tir_var_upper_bound`` (set at import from ``--dynamic``)."""
     ranges: dict[str, tuple[int, int]] = {}
     for _, func in mod.functions_items():
         attrs = func.attrs if isinstance(func, relax.Function) and func.attrs is not None else {}
-        upper = dict(attrs.get("tir_var_upper_bound", {}))
-        lower = dict(attrs.get("tir_var_lower_bound", {}))
+        upper = dict(attrs.get(UPPER_BOUND, {}))
+        lower = dict(attrs.get(LOWER_BOUND, {}))
         for name, hi in upper.items():
             ranges[str(name)] = (int(lower.get(name, 1)), int(hi))
     return ranges
@@ -76,8 +81,3 @@ def known_shape(expr: relax.Expr) -> list | None:
         return None
     return [int(d) if isinstance(d, tvm.tirx.IntImm) else d for d in ty.shape.values]
 
-
-def last_dim(expr: relax.Expr) -> int | None:
-    """The static size of the last dimension (the reduced one of a row norm), else None."""
-    shape = known_shape(expr)
-    return shape[-1] if shape and isinstance(shape[-1], int) else None

@@ -7,10 +7,8 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
+from ..relax_shapes import LOWER_BOUND, UPPER_BOUND
 from .spec import Ranges
-
-LOWER_BOUND = "tir_var_lower_bound"
-UPPER_BOUND = "tir_var_upper_bound"
 
 
 def symbol_vars(dynamic: Ranges) -> dict[str, tvm.tirx.Var]:

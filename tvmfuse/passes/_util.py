@@ -9,7 +9,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ..relax_shapes import known_shape, last_dim, shape_expr, static_shape  # noqa: F401  (re-exported)
+from ..relax_shapes import known_shape, shape_expr, static_shape  # noqa: F401  (re-exported)
 from . import weight_arrays
 
 

@@ -26,7 +26,7 @@ from tvm import relax, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import weight_arrays
-from ._util import bound_value, constant_weight, folded_constant, known_shape, last_dim
+from ._util import bound_value, constant_weight, folded_constant, known_shape
 from ._util import is_op as _is_op
 from .norm_half_io import HalfNormOneKernel
 
@@ -112,7 +112,7 @@ class _NormGemm(PyExprMutator):
                 norm.same_as(n) for n in self.only_gemm_users):
             return call  # a norm that is also needed elsewhere (e.g. BERT's residual) stays a kernel
         shape = known_shape(x)  # leading dims may be symbolic; the normalised one is static
-        if last_dim(x) is None:
+        if shape is None or not isinstance(shape[-1], int):
             return call
         if shape is not None and new_shape is not None:
             last = new_shape.values[-1]

@@ -20,7 +20,6 @@ from ._util import (
     folded_constant,
     known_shape,
     last_axis_only,
-    last_dim,
     rewrite_functions,
     scalar_value,
     shape_expr,
@@ -117,7 +116,7 @@ def _rewrite_rms(func: relax.Function) -> relax.Function:
     def rewriter(expr, m):
         data, w = _rms_input(m, p), m[p["w"]]
         shape = None if data is None else known_shape(data)  # leading dims may be symbolic
-        if shape is None or last_dim(data) is None or not _row_vector(w, shape[-1]):
+        if shape is None or not isinstance(shape[-1], int) or not _row_vector(w, shape[-1]):
             return expr
         if not _reduces_last_keepdims(m[p["mean"]], len(shape)):
             return expr
@@ -140,8 +139,8 @@ def _rewrite_layer_norm(func: relax.Function) -> relax.Function:
     def rewriter(expr, m):
         x, gamma, beta = m[p["x"]], m[p["gamma"]], m[p["beta"]]
         shape = known_shape(x)
-        if shape is None or last_dim(x) is None or not (_row_vector(gamma, shape[-1])
-                                                         and _row_vector(beta, shape[-1])):
+        if shape is None or not isinstance(shape[-1], int) or not (
+                _row_vector(gamma, shape[-1]) and _row_vector(beta, shape[-1])):
             return expr
         if not all(_reduces_last_keepdims(m[p[k]], len(shape)) for k in ("mu", "var")):
             return expr

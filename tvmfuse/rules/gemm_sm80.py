@@ -796,16 +796,16 @@ def _first_line(err: BaseException) -> str:
     return text[:200]
 
 
-def _digits_arch(target: Target) -> Target:
-    """``target`` with an arch dlight can read: its ``check_sm_version`` parses ``sm_90a`` as −1
-    (no tensor cores: its Matmul rule gave sm_90a fallback GEMMs CUDA-core kernels); ``sm_90``
-    schedules the same wmma code, which the real target compiles."""
-    arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
-    if not (arch.startswith("sm_") and arch[3:-1].isdigit() and not arch[3:].isdigit()):
-        return target
-    config = dict(target.export())
-    config["arch"] = arch[:3] + "".join(c for c in arch[3:] if c.isdigit())
-    return Target(config)
+class DlightMatmul(dl.gpu.Matmul):
+    """dlight's Matmul, given an arch it can read: its ``check_sm_version`` parses ``sm_90a`` as −1
+    (no tensor cores: it gave sm_90a GEMMs CUDA-core kernels); with ``sm_90`` it schedules the same
+    wmma code, which the real target compiles."""
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        arch = str(target.attrs.get("arch", "")) if target.kind.name == "cuda" else ""
+        if arch.startswith("sm_") and arch[-1].isalpha() and arch[3:-1].isdigit():
+            target = Target({**dict(target.export()), "arch": arch[:-1]})
+        return super().apply(func, target, tunable)
 
 
 def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
@@ -814,8 +814,8 @@ def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
     earlier = str(func.attrs[FALLBACK_ATTR]) if func.attrs is not None and FALLBACK_ATTR in func.attrs \
         else None
     marked = func.with_attr(FALLBACK_ATTR, f"{earlier}; {reason}" if earlier else reason)
-    for rule in (GuardedGEMV(), dl.gpu.Matmul()):
-        sch = rule.apply(marked, _digits_arch(target), tunable)
+    for rule in (GuardedGEMV(), DlightMatmul()):
+        sch = rule.apply(marked, target, tunable)
         if sch is not None:
             return sch
     return None

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import tvm
 import tvm.sym
-import tvm_ffi
 from tvm import tirx
 from tvm.script import tirx as T
 
 from ...errors import TVM_ERRORS
+from ...relax_shapes import same_dim
 from ..tir_util import BINARY_OPS as _BINARY
 from ..tir_util import MATH_CALLS as _CALLS
 from ..tir_util import Call as _Call
@@ -70,15 +70,6 @@ def _rows_shape(buf, symbolic_m: bool) -> tuple:
     first, *rest = buf.shape
     lead = first if symbolic_m and not isinstance(first, tirx.IntImm) else _int(first)
     return (lead, *(_int(d) for d in rest))
-
-
-def same_dim(a, b) -> bool:
-    """Two extents are equal: ints by value, symbolic ones structurally."""
-    if isinstance(a, (int, tirx.IntImm)) and isinstance(b, (int, tirx.IntImm)):
-        return int(a) == int(b)
-    if isinstance(a, (int, tirx.IntImm)) or isinstance(b, (int, tirx.IntImm)):
-        return False
-    return bool(tvm_ffi.structural_equal(a, b, map_free_vars=False))
 
 
 def top_blocks(func: tirx.PrimFunc):
