@@ -167,3 +167,34 @@ def test_symbolic_lm_fuses_its_norms_residuals_and_swiglu():
     assert sum(o[0] == "matmul" and o[-1] == "add" for o in ops) == 2 * layers, ops
     assert sum(o[0] == "matmul" and "strided_slice" in o and "sigmoid" in o for o in ops) == layers
     assert not any({"power", "mean"} & set(o) for o in ops), ops
+
+
+def test_transformers_llama_with_a_symbolic_length_reports_on_sm90():
+    """transformers' LlamaForCausalLM (random init, fp16) with ``--dynamic``: its RoPE slices
+    ``[..., -1]``-axis in-bounds slices legalise, a symbol passed by value to a kernel is no row
+    statistic, kernels naming the symbol their own way are sized; every projection GEMM is the
+    sm_90a wgmma kernel with its row buckets (only attention's fp32 batched products fall back)."""
+    transformers = pytest.importorskip("transformers")
+    from tvmfuse.frontend import dynamic_ranges, import_model, input_overrides
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval().half()
+
+    class Logits(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, use_cache=False).logits
+
+    imported = import_model(Logits(), (torch.randint(0, 256, (1, 16)),), input_overrides({"ids": "1xS"}),
+                            dynamic_ranges({"S": (1, 512)}))
+    kernels = analyze(imported.mod, get_target("sm90"))["kernels"]
+    projections = [k for k in kernels if "matmul" in k["name"] and "float32" not in k.get("fallback", "")]
+    assert projections and all(k.get("rule") == "gemm_sm90" for k in projections), projections

@@ -20,7 +20,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 
 from .attrs import FALLBACK_ATTR, IN_LOOP_ATTR, KEPT_ATTR, REPLACES_ATTR, RULE_ATTR, TUNING_ATTR
 from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
-from .errors import TVM_ERRORS
+from .errors import TVM_ERRORS, CompileError
 from .passes import MixedPrecision
 from .passes.attention import attention_decisions
 from .passes.canonical import BoundedSlices
@@ -76,7 +76,14 @@ def _dim_value(dim) -> int:
         return int(dim)
     analyzer = tvm.sym.Analyzer()
     for var in tirx.analysis.undefined_vars(dim):
-        analyzer.bind(var, tirx.IntImm("int64", _SIZES[var.name]))
+        size = _SIZES.get(var.name)
+        if size is None and len(_SIZES) == 1:
+            # a kernel's own name for the one symbol (TVM's legalised ops name theirs, e.g. "m")
+            size = next(iter(_SIZES.values()))
+        if size is None:
+            raise CompileError(f"report: the size of the symbolic dimension {var.name!r} (in {dim}) is "
+                               f"unknown; the model's symbols are {sorted(_SIZES)}")
+        analyzer.bind(var, tirx.IntImm("int64", size))
     return int(analyzer.simplify(dim))
 
 

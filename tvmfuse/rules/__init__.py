@@ -6,7 +6,7 @@ their norm statistics), :class:`Gemv` (M ≤ 64 with an (N, K) weight: the weigh
 kernel; the ``gemv`` pipeline stage already took the decode GEMMs it could),
 :class:`GemmSM80` (tensor-core GEMM + epilogue for sm_80 and newer; the GEMMs it
 does not take it hands to dlight's GEMV / Matmul itself, marked ``"tvmfuse.fallback"``), then
-dlight's Matmul (:class:`DlightMatmul`: given an arch it reads as tensor-core capable) and GEMV
+dlight's Matmul (:class:`Matmul`: given an arch it reads as tensor-core capable) and GEMV
 (:class:`GuardedGEMV`: dlight's, with reductions of ≤ 64 elements on its
 Fallback; they only take GEMM / GEMV shapes), then tvmfuse's
 memory-bound rules (:class:`RowNorm` for LayerNorm / RMSNorm / softmax rows, :class:`RowStats` for
@@ -24,7 +24,7 @@ from tvm.s_tir import dlight as dl
 from ..attrs import RULE_ATTR
 from .elementwise import Elementwise
 from .gemm_simt_stats import GemmSimtRowStats
-from .gemm_sm80 import DlightMatmul, GemmSM80
+from .gemm_sm80 import GemmSM80, Matmul
 from .gemv import Gemv
 from .guarded_gemv import GuardedGEMV
 from .row_norm import RowNorm
@@ -38,7 +38,7 @@ def gpu_rules() -> list:
         GemmSimtRowStats(),
         Gemv(),
         GemmSM80(),
-        DlightMatmul(),
+        Matmul(),
         GuardedGEMV(),
         RowNorm(),
         RowStats(),
@@ -50,5 +50,5 @@ def gpu_rules() -> list:
     ]
 
 
-__all__ = ["RULE_ATTR", "DlightMatmul", "Elementwise", "GemmSM80", "GemmSimtRowStats", "Gemv",
+__all__ = ["RULE_ATTR", "Matmul", "Elementwise", "GemmSM80", "GemmSimtRowStats", "Gemv",
            "GuardedGEMV", "RowNorm", "RowStats", "SingleThread", "gpu_rules"]

@@ -796,7 +796,7 @@ def _first_line(err: BaseException) -> str:
     return text[:200]
 
 
-class DlightMatmul(dl.gpu.Matmul):
+class Matmul(dl.gpu.Matmul):
     """dlight's Matmul, given an arch it can read: its ``check_sm_version`` parses ``sm_90a`` as −1
     (no tensor cores: it gave sm_90a GEMMs CUDA-core kernels); with ``sm_90`` it schedules the same
     wmma code, which the real target compiles."""
@@ -814,7 +814,7 @@ def _fallback(func: tirx.PrimFunc, target: Target, tunable: bool, reason: str):
     earlier = str(func.attrs[FALLBACK_ATTR]) if func.attrs is not None and FALLBACK_ATTR in func.attrs \
         else None
     marked = func.with_attr(FALLBACK_ATTR, f"{earlier}; {reason}" if earlier else reason)
-    for rule in (GuardedGEMV(), DlightMatmul()):
+    for rule in (GuardedGEMV(), Matmul()):
         sch = rule.apply(marked, target, tunable)
         if sch is not None:
             return sch

@@ -34,6 +34,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.s_tir import ScheduleError
+from tvm.tirx.buffer import BufferType
 
 from ..attrs import IN_LOOP_ATTR, KEPT_ATTR
 from ..device_props import device_properties
@@ -86,8 +87,9 @@ def row_stats_of(func: tirx.PrimFunc) -> RowStats | None:
     """What ``func`` computes when it is exactly NormGemmPrologue's statistics function of its
     first parameter (mean and rstd, or rstd), else None."""
     params = list(func.params)
-    if len(params) not in (2, 3) or len(params[0].shape) != 2:
-        return None
+    if len(params) not in (2, 3) or not all(isinstance(p.ty, BufferType) for p in params) \
+            or len(params[0].shape) != 2:
+        return None  # (a scalar parameter: a symbol passed by value, as --dynamic's arange takes)
     if not all(isinstance(d, tirx.IntImm) for d in params[0].shape):
         return None  # symbolic rows: the wgmma GEMM's in-loop statistics need a static M
     eps = _eps_of(func)

@@ -47,7 +47,13 @@ class _InBound(PyExprMutator):
         call = super().visit_call_(call)
         if not is_op(call, "relax.strided_slice") or call.attrs.assume_inbound:
             return call
-        new = self.builder_.normalize(relax.op.strided_slice(*call.args, assume_inbound=True))
+        data, axes, *rest = call.args
+        ndim = data.ty.ndim if isinstance(data.ty, relax.TensorType) else -1
+        if ndim < 0 or not isinstance(axes, relax.Tuple):
+            return call
+        # TVM's in-bounds legalisation takes axes as given: -1 must be written ndim - 1
+        axes = [int(a.value) % ndim for a in axes.fields]
+        new = self.builder_.normalize(relax.op.strided_slice(data, axes, *rest, assume_inbound=True))
         old_shape = self.builder_.normalize(call).ty.shape
         if old_shape is None or new.ty.shape is None:
             return call
