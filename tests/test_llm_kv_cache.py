@@ -267,20 +267,49 @@ DECODE_ROWS = ([0, 700, 999, 1500], [0, 100, 999, 5])  # offsets (1500: past the
 
 @needs_nvcc
 def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path):
-    """The CUDA decode kernel is the flash-decoding one (two kernels: partial, combine; 16-byte
-    loads of the cache) and nvcc builds it for sm_80 and sm_90a without spills."""
+    """The CUDA decode kernel is the flash-decoding one, its combine in the same launch (one
+    kernel: the last block of a head row counts itself in ``sync`` with an atomic and combines;
+    16-byte loads of the cache) and nvcc builds it for sm_80 and sm_90a without spills."""
     prim = cache_attention(DECODE, cuda=True)
+    assert [str(p.name) for p in prim.params] == ["q", "k", "v", "offsets", "starts", "sync", "out"]
+    assert [int(d) for d in prim.params[5].ty.shape] == list(DECODE.sync_shape)
     for name in ("sm80", "sm90"):
         spec = get_target(name)
         with codegen_scope():
             source = cuda_source(tvm.compile(tvm.IRModule({"main": prim.with_attr(
                 "global_symbol", "main")}), target=spec.tvm_target()))
         kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
-        assert len(kernels) == 2, f"expected the partial and combine kernels: {kernels}"
+        assert len(kernels) == 1, f"expected one kernel (partial + combine): {kernels}"
         sass = fatbin_sass(compile_fatbin(source, spec, tmp_path))
-        assert any("LDG.E.128" in text for arch, text in sass.items() if arch.startswith("sm_"))
+        text = next(t for arch, t in sass.items() if arch.startswith("sm_"))
+        assert "LDG.E.128" in text and "MEMBAR" in text
+        assert re.search(r"\b(ATOM|ATOMG|RED)\.", text), "no atomic counter in the SASS"
         log = (tmp_path / "kernels.ptxas.log").read_text()
         assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_cuda_decode_takes_one_counter_buffer_for_every_layer():
+    """On CUDA every entry point gains ``attn_sync`` after the caches (the decode kernels' counters;
+    one buffer: the layers' kernels run one after another), and each decode attention reads it."""
+    decode = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([2, 1, 4, 128], "float16"))
+    with decode.function("main", [q]):
+        with decode.dataflow():
+            a = decode.emit(relax.op.nn.attention(q, q, q, causal_mask="BottomRight"))
+            b = decode.emit(relax.op.nn.attention(a, q, q, causal_mask="BottomRight"))
+            out = decode.emit_output(b)
+        decode.emit_func_output(out)
+    after = DeriveKVCache(MAX_SEQ, cuda=True)(decode.get())["main"]
+    names = [str(p.name) for p in after.params]
+    assert names[-1] == "attn_sync" and names.count("attn_sync") == 1
+    sync = after.params[-1]
+    spec = CacheSpec(batch=2, seq=1, q_heads=4, kv_heads=4, head_dim=128, max_seq=MAX_SEQ,
+                     dtype="float16", scale=1.0)
+    assert [int(d) for d in sync.ty.shape.values] == list(spec.sync_shape) and sync.ty.dtype == "int32"
+    attn = [c for n, c in _calls(after) if n == "relax.call_tir" and len(c.args[1].fields) == 6]
+    assert len(attn) == 2 and all(c.args[1].fields[5].same_as(sync) for c in attn)
+    # the cpu target's kernels need no counters
+    assert "attn_sync" not in [str(p.name) for p in DeriveKVCache(MAX_SEQ)(decode.get())["main"].params]
 
 
 @needs_nvcc
@@ -302,13 +331,17 @@ def test_cuda_prefill_append_moves_16_bytes_a_thread(tmp_path):
 
 @pytest.mark.gpu
 def test_cuda_decode_numerics_on_the_gpu():
-    """H200: the decode kernel against float64 numpy for offsets 0, 700, 999, past the end."""
-    args, ref = _cache_attention_case(DECODE, *DECODE_ROWS, seed=3)
+    """H200: the decode kernel against float64 numpy for offsets 0, 700, 999, past the end; three
+    calls on the same counters (each call leaves them at zero for the next)."""
     dev = tvm.cuda()
     lib = tvm.compile(tvm.IRModule({"main": cache_attention(DECODE, cuda=True).with_attr(
         "global_symbol", "main")}), target=get_target("sm90").tvm_target())
-    out = tvm.runtime.empty(DECODE.q_shape, "float16", dev)
-    lib(*[tvm.runtime.tensor(a, dev) for a in args], out)
-    got = out.numpy().astype("float64")
-    err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-    assert err < 2e-3, err
+    sync = tvm.runtime.tensor(np.zeros(DECODE.sync_shape, "int32"), dev)
+    for seed in (3, 4, 5):
+        args, ref = _cache_attention_case(DECODE, *DECODE_ROWS, seed=seed)
+        out = tvm.runtime.empty(DECODE.q_shape, "float16", dev)
+        lib(*[tvm.runtime.tensor(a, dev) for a in args], sync, out)
+        got = out.numpy().astype("float64")
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 2e-3, (seed, err)
+        assert not sync.numpy().any(), sync.numpy()

@@ -172,7 +172,9 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
              for r in range(tensor_parallel)]
     _same_layout([w for _, _, w in ranks])
     decode, lowered, weights = ranks[0]
+    # the KV caches, then (CUDA) the decode kernels' counters, which start at zero
     caches = [{"shape": [int(d) for d in p.ty.shape.values], "dtype": str(p.ty.dtype)}
+              | ({"init": "zeros"} if str(p.name) == "attn_sync" else {})
               for p in decode.params[4:]]
     if not caches:
         raise CompileError("compile_lm: no KV cache was derived")

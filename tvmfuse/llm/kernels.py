@@ -28,7 +28,7 @@ import tvm
 from tvm.script import tirx as T
 
 from ..kernels.attention.flash_decode import check as decode_check
-from ..kernels.attention.flash_decode import flash_decode_cache_primfunc
+from ..kernels.attention.flash_decode import flash_decode_cache_primfunc, sync_shape
 from ..kernels.attention.spec import AttentionSpec
 
 _LOG2E = math.log2(math.e)
@@ -58,6 +58,16 @@ class CacheSpec:
     @property
     def q_shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.seq, self.q_heads, self.head_dim)
+
+    def attention_spec(self) -> AttentionSpec:
+        """The decode step's attention (one query) over the whole cache."""
+        return AttentionSpec(self.batch, 1, self.max_seq, self.q_heads, self.kv_heads,
+                             self.head_dim, self.dtype, self.scale)
+
+    @property
+    def sync_shape(self) -> tuple[int]:
+        """CUDA decode's int32 counters (zero between calls; shared by the layers)."""
+        return sync_shape(self.attention_spec())
 
 
 def _opaque(func: tvm.tirx.PrimFunc, cuda: bool) -> tvm.tirx.PrimFunc:
@@ -175,14 +185,13 @@ def _row_macro(spec: CacheSpec, scope: str):
 def cache_attention(spec: CacheSpec, cuda: bool = False) -> tvm.tirx.PrimFunc:
     """``(q, k_cache, v_cache, offsets, starts, out)``: attention over the cache (module doc).
 
-    CUDA decode (S = 1): the split-KV flash-decoding kernel reading the cache in place
+    CUDA decode (S = 1) takes ``sync`` (``spec.sync_shape`` int32, zero before the first call,
+    left zero) before ``out``: the split-KV flash-decoding kernel reading the cache in place, its
+    combine in the same launch
     (:func:`~tvmfuse.kernels.attention.flash_decode.flash_decode_cache_primfunc`)."""
     Bm, S, Hq = spec.batch, spec.seq, spec.q_heads
-    if cuda and S == 1:
-        aspec = AttentionSpec(Bm, 1, spec.max_seq, Hq, spec.kv_heads, spec.head_dim, spec.dtype,
-                              spec.scale)
-        if decode_check(aspec) is None:
-            return _opaque(flash_decode_cache_primfunc(aspec), cuda)
+    if cuda and S == 1 and decode_check(spec.attention_spec()) is None:
+        return _opaque(flash_decode_cache_primfunc(spec.attention_spec(), fused_combine=True), cuda)
     cshape, qshape, dt = spec.cache_shape, spec.q_shape, spec.dtype
     row = _row_macro(spec, "local" if cuda else "global")
 
@@ -196,6 +205,18 @@ def cache_attention(spec: CacheSpec, cuda: bool = False) -> tvm.tirx.PrimFunc:
                 for h in T.thread_binding(Hq, thread="threadIdx.x"):
                     row(q, kc, vc, offsets, starts, out, bs // S, bs % S, h)
 
+        if S == 1:  # the decode signature (sync unused)
+
+            @T.prim_func(s_tir=True)
+            def attention_sync(q: T.Buffer(qshape, dt), kc: T.Buffer(cshape, dt),
+                               vc: T.Buffer(cshape, dt), offsets: T.Buffer((Bm,), "int32"),
+                               starts: T.Buffer((Bm,), "int32"),
+                               sync: T.Buffer(spec.sync_shape, "int32"), out: T.Buffer(qshape, dt)):
+                for bs in T.thread_binding(Bm, thread="blockIdx.x"):
+                    for h in T.thread_binding(Hq, thread="threadIdx.x"):
+                        row(q, kc, vc, offsets, starts, out, bs, 0, h)
+
+            return _opaque(attention_sync, cuda)
         return _opaque(attention, cuda)
 
     @T.prim_func(s_tir=True)

@@ -19,11 +19,12 @@ values nobody reads: decode overwrites those slots, and reads slots ``starts[b] 
 reads the cache through the split-KV kernel.
 
 and the function gains the parameters ``offsets`` (B,) int32, ``starts`` (B,) int32 and
-``k_cache_0, v_cache_0, ...`` (B, Hkv, max_seq, D) after its own (kernels and their formulas:
-:mod:`tvmfuse.llm.kernels`). No cache is copied: the append writes the caller's buffers. Only
-causal self-attention is accepted (``causal_mask`` TopLeft, or BottomRight with Sq == Skv; no
-bias, no window: FuseAttention proved the model's mask causal); anything else raises a
-:class:`~tvmfuse.errors.CompileError` naming the binding.
+``k_cache_0, v_cache_0, ...`` (B, Hkv, max_seq, D) after its own, on CUDA then ``attn_sync``
+(the decode kernel's int32 counters, zero between calls; every entry point takes it). Kernels
+and their formulas: :mod:`tvmfuse.llm.kernels`. No cache is copied: the append writes the
+caller's buffers. Only causal self-attention is accepted (``causal_mask`` TopLeft, or
+BottomRight with Sq == Skv; no bias, no window: FuseAttention proved the model's mask
+causal); anything else raises a :class:`~tvmfuse.errors.CompileError` naming the binding.
 
 Sits after FuseAttention (it needs R.nn.attention with known q, k, v) and after the positions
 were made per-sequence (:mod:`tvmfuse.llm.positions`), before mixed precision and LegalizeOps.
@@ -77,6 +78,7 @@ class _Rewrite(relax.PyExprMutator):
         self.specs: list[CacheSpec] = []
         self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar | None]] = {}
         self.offsets = self.starts = None
+        self.sync: relax.Var | None = None
 
     def set_batch(self, batch: int) -> None:
         self.offsets = relax.Var("offsets", relax.TensorType([batch], "int32"))
@@ -94,6 +96,15 @@ class _Rewrite(relax.PyExprMutator):
             self.kernels[spec] = (append, attn)
         return self.kernels[spec]
 
+    def _sync_for(self, var: relax.Var, spec: CacheSpec) -> None:
+        """One counter buffer for every layer (the decode kernels run one after another)."""
+        if self.sync is None:
+            self.sync = relax.Var("attn_sync", relax.TensorType(list(spec.sync_shape), "int32"))
+        elif [int(d) for d in self.sync.ty.shape.values] != list(spec.sync_shape):
+            raise CompileError(f"compile_lm: attention at binding {var_name(var)!r} has other head "
+                               "counts than the first layer's: one decode counter buffer needs "
+                               "equal layers")
+
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         call = binding.value
         if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
@@ -101,6 +112,8 @@ class _Rewrite(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         spec = _attention_spec(binding.var, call, self.max_seq)
+        if self.cuda:
+            self._sync_for(binding.var, spec)
         layer = len(self.specs)
         self.specs.append(spec)
         ctype = relax.TensorType(list(spec.cache_shape), spec.dtype)
@@ -120,8 +133,9 @@ class _Rewrite(relax.PyExprMutator):
                 q, k_new, v_new, scale=spec.scale, causal_mask="TopLeft"),
                 name_hint=var_name(binding.var))
         else:
+            sync = [self.sync] if self.cuda else []
             out = self.builder_.emit(relax.call_tir(
-                attn, relax.Tuple([q, kc2, vc2, self.offsets, self.starts]), call.ty),
+                attn, relax.Tuple([q, kc2, vc2, self.offsets, self.starts, *sync]), call.ty),
                 name_hint=var_name(binding.var))
         self.set_var_remap(binding.var, out)
 
@@ -146,7 +160,8 @@ class DeriveKVCache:
                 raise CompileError(f"compile_lm: function {gv.name_hint!r} has no attention that "
                                    "FuseAttention recognised: no KV cache to derive (see "
                                    "`tvmfuse report` for why attention was left alone)")
-            params = [*func.params, rw.offsets, rw.starts, *rw.caches]
+            sync = [rw.sync] if rw.sync is not None else []
+            params = [*func.params, rw.offsets, rw.starts, *rw.caches, *sync]
             new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
             out = rw.builder_.finalize()
             out[out.get_global_var(gv.name_hint)] = new

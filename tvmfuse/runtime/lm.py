@@ -38,7 +38,9 @@ class LanguageModel:
         self.max_seq = int(metadata["max_seq_len"])
         self.max_batch = int(metadata["max_batch"])
         self.prefill_lengths = [int(n) for n in metadata["prefill_lengths"]]
-        self.caches = [tvm.runtime.empty(tuple(c["shape"]), c["dtype"], device)
+        self.caches = [tvm.runtime.tensor(np.zeros(c["shape"], c["dtype"]), device)
+                       if c.get("init") == "zeros" else
+                       tvm.runtime.empty(tuple(c["shape"]), c["dtype"], device)
                        for c in metadata["caches"]]
         self._prefill = {n: vm[f"prefill{n}"] for n in self.prefill_lengths}
         self._decode = vm["decode"]

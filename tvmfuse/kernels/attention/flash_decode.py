@@ -12,6 +12,12 @@
     combine  grid (B·Hq), D threads:  M = max_c m_c;  out = Σ_c 2^(m_c−M)·acc_c / Σ_c 2^(m_c−M)·l_c
              (the loops over the ≤ 128 chunks are unrolled: every load is issued at once)
 
+Over a cache the combine can run in the partial kernel instead (``fused_combine``, one launch):
+each block fences its partial and counts itself in ``sync[b, y]`` (atomic add); the block that
+counts last combines the GC heads of its (b, y) and sets the counter back to 0, so the int32
+``sync`` buffer (zero before the first call) is zero after every call and a CUDA graph can replay
+the kernel.
+
 Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
 the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
 
@@ -82,8 +88,11 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
 
 
 def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
-                                config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
-    """PrimFunc ``(q, k_cache, v_cache, offsets, starts, out)``: the same kernel over a KV cache.
+                                config: DecodeConfig | None = None,
+                                fused_combine: bool = False) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(q, k_cache, v_cache, offsets, starts, out)``: the same kernel over a KV cache;
+    with ``fused_combine`` ``(q, k_cache, v_cache, offsets, starts, sync, out)``, one launch
+    (``sync``: :func:`sync_shape` int32, zero before the first call and left zero).
 
     q, out ``(B, 1, Hq, D)``; caches ``(B, Hkv, M, D)`` (M = ``spec.kv_len`` slots); offsets,
     starts ``(B,)`` int32. Sequence b sees the slots ``lo .. p``, p = min(offsets[b], M − 1),
@@ -92,11 +101,23 @@ def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target |
     """
     if spec.causal != "none" or spec.window is not None or spec.bias_shape is not None:
         raise ValueError("flash decode over a cache: the visible slots come from offsets/starts")
-    return _primfunc(spec, target, config, cache=True)
+    return _primfunc(spec, target, config, cache=True, fused_combine=fused_combine)
+
+
+def _head_chunks(spec: AttentionSpec) -> tuple[int, int]:
+    """(GC, HC): GC query heads of one KV head per block, HC blocks per KV head."""
+    G = spec.group
+    GC = max(d for d in range(1, min(G, _MAX_GC) + 1) if G % d == 0)
+    return GC, G // GC
+
+
+def sync_shape(spec: AttentionSpec) -> tuple[int]:
+    """The fused combine's counters: one per (sequence, block row) = B · Hkv · HC."""
+    return (spec.batch * spec.kv_heads * _head_chunks(spec)[1],)
 
 
 def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: DecodeConfig | None,
-              cache: bool) -> tvm.tirx.PrimFunc:
+              cache: bool, fused_combine: bool = False) -> tvm.tirx.PrimFunc:
     reason = check(spec)
     if reason is not None:  # callers ask check() first; reaching this is a caller's bug
         raise ValueError(f"flash decode: {reason}")
@@ -104,8 +125,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     cfg = config or DecodeConfig()
     B, Skv, Hq, Hkv, D = spec.batch, spec.kv_len, spec.q_heads, spec.kv_heads, spec.head_dim
     G = spec.group
-    GC = max(d for d in range(1, min(G, _MAX_GC) + 1) if G % d == 0)
-    HC = G // GC
+    GC, HC = _head_chunks(spec)
     dt, odt = spec.dtype, spec.result_dtype
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     KV_L = "BHSD" if cache else QKV_L
@@ -134,7 +154,23 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     full = T.uint32(0xFFFFFFFF)
 
     @T.macro
-    def body(q, k, v, bias, out, offsets, starts):
+    def combine(part_o, part_ml, out, c, mc, bh, t2):
+        """Element t2 of head row bh = b·Hq + h from the n_split partials (module doc)."""
+        c[0] = T.float32(_NEG_INF)
+        for sp2 in T.unroll(n_split):
+            mc[sp2] = part_ml[(bh * n_split + sp2) * 2]
+            c[0] = T.max(c[0], mc[sp2])
+        c[1] = T.if_then_else(c[0] == T.float32(_NEG_INF), T.float32(0), c[0])
+        c[2] = T.float32(0)
+        c[3] = T.float32(0)
+        for sp2 in T.unroll(n_split):
+            c[2] = c[2] + T.exp2(mc[sp2] - c[1]) * part_o[(bh * n_split + sp2) * D + t2]
+            c[3] = c[3] + T.exp2(mc[sp2] - c[1]) * part_ml[(bh * n_split + sp2) * 2 + 1]
+        out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
+            odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
+
+    @T.macro
+    def body(q, k, v, bias, out, offsets, starts, sync):
         part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
         part_ml = T.alloc_buffer((B * Hq * n_split * 2,), "float32", scope="global")
         with T.launch_thread("blockIdx.x", n_split) as sp:
@@ -240,31 +276,50 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     if dd == 0:
                         part_ml[pbase * 2] = st[0]
                         part_ml[pbase * 2 + 1] = acc[1]
-        with T.launch_thread("blockIdx.x", B * Hq) as bh:
-            t2 = T.launch_thread("threadIdx.x", D)
-            c = T.alloc_buffer((4,), "float32", scope="local")
-            mc = T.alloc_buffer((n_split,), "float32", scope="local")
-            c[0] = T.float32(_NEG_INF)
-            for sp2 in T.unroll(n_split):
-                mc[sp2] = part_ml[(bh * n_split + sp2) * 2]
-                c[0] = T.max(c[0], mc[sp2])
-            c[1] = T.if_then_else(c[0] == T.float32(_NEG_INF), T.float32(0), c[0])
-            c[2] = T.float32(0)
-            c[3] = T.float32(0)
-            for sp2 in T.unroll(n_split):
-                c[2] = c[2] + T.exp2(mc[sp2] - c[1]) * part_o[(bh * n_split + sp2) * D + t2]
-                c[3] = c[3] + T.exp2(mc[sp2] - c[1]) * part_ml[(bh * n_split + sp2) * 2 + 1]
-            out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
-                odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
+            if fused_combine:  # the block that counts last combines its GC heads (module doc)
+                last_in = T.alloc_buffer((1,), "int32", scope="shared")
+                arrived = T.alloc_buffer((1,), "int32", scope="local")  # (no shared load in an if)
+                cc = T.alloc_buffer((4,), "float32", scope="local")
+                mcc = T.alloc_buffer((n_split,), "float32", scope="local")
+                T.cuda.thread_fence()
+                T.tvm_storage_sync("shared")
+                if tx == 0:
+                    last_in[0] = T.cuda.atomic_add(T.address_of(sync[b * (Hkv * HC) + yb]), 1)
+                T.tvm_storage_sync("shared")
+                arrived[0] = last_in[0]
+                if arrived[0] == n_split - 1:
+                    T.cuda.thread_fence()
+                    for it3 in T.serial((GC * D + _THREADS - 1) // _THREADS):
+                        idx3: T.let[T.int32] = it3 * _THREADS + tx
+                        if idx3 < GC * D:
+                            combine(part_o, part_ml, out, cc, mcc, b * Hq + h0 + idx3 // D, idx3 % D)
+                    if tx == 0:
+                        sync[b * (Hkv * HC) + yb] = 0
+        if not fused_combine:
+            with T.launch_thread("blockIdx.x", B * Hq) as bh:
+                t2 = T.launch_thread("threadIdx.x", D)
+                c = T.alloc_buffer((4,), "float32", scope="local")
+                mc = T.alloc_buffer((n_split,), "float32", scope="local")
+                combine(part_o, part_ml, out, c, mc, bh, t2)
 
-    if cache:
+    if fused_combine:
+
+        @T.prim_func
+        def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
+                         v: T.Buffer(kv_shape, dt), offsets: T.Buffer((B,), "int32"),
+                         starts: T.Buffer((B,), "int32"), sync: T.Buffer(sync_shape(spec), "int32"),
+                         out: T.Buffer(out_shape, odt)):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            body(q, k, v, q, out, offsets, starts, sync)
+
+    elif cache:
 
         @T.prim_func
         def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
                          v: T.Buffer(kv_shape, dt), offsets: T.Buffer((B,), "int32"),
                          starts: T.Buffer((B,), "int32"), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, q, out, offsets, starts)
+            body(q, k, v, q, out, offsets, starts, offsets)
 
     elif has_bias:
 
@@ -273,7 +328,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                          v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
                          out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, bias, out, q, q)
+            body(q, k, v, bias, out, q, q, q)
 
     else:
 
@@ -281,6 +336,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
                          v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, q, out, q, q)
+            body(q, k, v, q, out, q, q, q)
 
     return flash_decode
