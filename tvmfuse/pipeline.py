@@ -36,6 +36,7 @@ from .passes.attention import FuseAttention
 from .passes.attention_layout import FoldAttentionLayout
 from .passes.canonical import Canonicalize
 from .passes.cast_before_slices import CastBeforeSlices
+from .passes.duplicate_gathers import DuplicateGathers
 from .passes.fold_weight_transposes import FoldWeightTransposes
 from .passes.legalize_fixes import legalize_overrides
 from .passes.lift_weights import LiftWeights, lift_threshold
@@ -173,6 +174,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("annotate_patterns", relax.transform.AnnotateTIROpPattern(), mod)
         # Gathers read data-dependent indices, so the line above calls them opaque; they are injective.
         mod = run("annotate_gathers", InjectiveGather(), mod)
+        # A gather read by several elementwise kernels (RoPE's cos/sin, every layer) is copied per
+        # reader, so FuseOps fuses each copy instead of launching the gather alone.
+        mod = run("duplicate_gathers", DuplicateGathers(), mod)
         mod = run("fold_constants", relax.transform.FoldConstant(), mod)
         mod = run("fuse_ops", relax.transform.FuseOps(), mod)
         # FuseOps may call a group before the match_cast defining a data-dependent dim it uses.

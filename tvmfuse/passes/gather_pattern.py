@@ -41,7 +41,7 @@ def _has_load(expr) -> bool:
     return any(o is not None and _has_load(o) for o in operands)
 
 
-def _is_gather(func: tirx.PrimFunc) -> bool:
+def is_gather(func: tirx.PrimFunc) -> bool:
     """One spatial block writing ``out[v...]`` from point reads, one of them data-indexed."""
     from tvm import s_tir
 
@@ -84,7 +84,7 @@ class InjectiveGather:
                 continue
             if "tirx.is_scheduled" in attrs or "tir.is_scheduled" in attrs:
                 continue
-            if _is_gather(func):
+            if is_gather(func):
                 updates[gvar] = func.with_attr("op_pattern", INJECTIVE)
         if updates:
             mod = mod.clone()  # not the caller's module

@@ -1,0 +1,105 @@
+"""DuplicateGathers: a gather read by several elementwise kernels gets one copy per reader."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.script import tirx as T
+
+from tests.relax_util import apply_pass, fresh
+from tvmfuse.passes.duplicate_gathers import DuplicateGathers
+
+
+@T.prim_func(private=True, s_tir=True)
+def _take(A: T.Buffer((T.int64(8), T.int64(4)), "float32"), idx: T.Buffer((T.int64(3),), "int64"),
+          out: T.Buffer((T.int64(3), T.int64(4)), "float32")):
+    T.func_attr({"op_pattern": 2, "tirx.noalias": True})
+    for i, j in T.grid(T.int64(3), T.int64(4)):
+        with T.sblock("T_take"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            T.reads(A[idx[vi], vj], idx[vi])
+            T.writes(out[vi, vj])
+            out[vi, vj] = A[idx[vi], vj]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _mul(a: T.Buffer((T.int64(3), T.int64(4)), "float32"), b: T.Buffer((T.int64(3), T.int64(4)), "float32"),
+         out: T.Buffer((T.int64(3), T.int64(4)), "float32")):
+    T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+    for i, j in T.grid(T.int64(3), T.int64(4)):
+        with T.sblock("mul"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            out[vi, vj] = a[vi, vj] * b[vi, vj]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _row_sum(A: T.Buffer((T.int64(3), T.int64(4)), "float32"), out: T.Buffer((T.int64(3),), "float32")):
+    T.func_attr({"op_pattern": 3, "tirx.noalias": True})
+    for i, k in T.grid(T.int64(3), T.int64(4)):
+        with T.sblock("sum"):
+            vi, vk = T.axis.remap("SR", [i, k])
+            with T.init():
+                out[vi] = T.float32(0)
+            out[vi] = out[vi] + A[vi, vk]
+
+
+T34 = relax.TensorType([3, 4], "float32")
+
+
+def _module(readers: str, duplicated: bool = False) -> tvm.IRModule:
+    """``cos = take(table, pos)`` read by ``readers`` ("mul,mul": two rotations, "mul,sum": a
+    rotation and a reduction, "mul": one); ``duplicated``: the copies the pass should make."""
+    bb = relax.BlockBuilder()
+    take, mul, row_sum = (bb.add_func(f, n) for f, n in (
+        (_take, "take"), (_mul, "mul"), (_row_sum, "row_sum")))
+    table = relax.Var("table", relax.TensorType([8, 4], "float32"))
+    pos = relax.Var("pos", relax.TensorType([3], "int64"))
+    q, k = relax.Var("q", T34), relax.Var("k", T34)
+    with bb.function("main", [table, pos, q, k]):
+        with bb.dataflow():
+            cos = None if duplicated else bb.emit(relax.call_tir(take, [table, pos], T34), "cos")
+            outs = []
+            for i, kind in enumerate(readers.split(",")):
+                src = cos if cos is not None else bb.emit(relax.call_tir(take, [table, pos], T34), "cos_dup")
+                if kind == "mul":
+                    outs.append(bb.emit(relax.call_tir(mul, [(q, k)[i], src], T34)))
+                else:
+                    outs.append(bb.emit(relax.call_tir(row_sum, [src], relax.TensorType([3], "float32"))))
+            out = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_each_elementwise_reader_gets_its_copy():
+    tvm.ir.assert_structural_equal(apply_pass(DuplicateGathers(), _module("mul,mul")),
+                                   _module("mul,mul", duplicated=True))
+
+
+def test_fuse_ops_then_fuses_each_copy_into_its_reader():
+    """The point of the copies: after FuseOps no function is the gather alone."""
+    before = _module("mul,mul")
+    fused = relax.transform.FuseOps()(apply_pass(DuplicateGathers(), before))
+    called = [gv.name_hint for gv, f in fused.functions.items() if isinstance(f, relax.Function)
+              and gv.name_hint != "main"]
+    assert called and all("take" in name for name in called), called
+    unfused = relax.transform.FuseOps()(fresh(before))
+    assert [gv.name_hint for gv in unfused.functions if gv.name_hint == "take"]  # kept alone before
+
+
+def test_same_numbers_on_llvm():
+    rng = np.random.default_rng(0)
+    before = _module("mul,mul")
+    args = [rng.standard_normal((8, 4)).astype("float32"), np.array([5, 0, 7], "int64"),
+            rng.standard_normal((3, 4)).astype("float32"), rng.standard_normal((3, 4)).astype("float32")]
+    cos = args[0][args[1]]
+    for mod in (fresh(before), apply_pass(DuplicateGathers(), before)):
+        exe = tvm.compile(relax.transform.LegalizeOps()(mod), target="llvm")
+        got = relax.VirtualMachine(exe, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
+        np.testing.assert_allclose(got[0].numpy(), args[2] * cos, rtol=1e-6)
+        np.testing.assert_allclose(got[1].numpy(), args[3] * cos, rtol=1e-6)
+
+
+def test_left_alone_when_a_reader_does_not_fuse_or_there_is_one_reader():
+    for mod in (_module("mul,sum"), _module("mul")):
+        tvm.ir.assert_structural_equal(apply_pass(DuplicateGathers(), mod), mod)
