@@ -174,14 +174,16 @@ def test_sm90_generate_on_the_gpu(tmp_path):
 @needs_nvcc
 @pytest.mark.slow
 def test_sm90_decode_fuses_rope_into_the_cache_append():
-    """At decode the RoPE of k (and the V slice) are fused into the in-place cache append:
-    per layer one kernel writes each cache, and no kernel only copies k or v."""
+    """At decode the RoPE of q and k, the V slice and the RoPE tables' gathers are fused into the
+    in-place append of the layer's state: per layer one kernel between the QKV projection and the
+    attention, and no kernel only copies q, k or v or gathers cos / sin."""
     from tvmfuse.build.inspect import cuda_source
 
     lib = tvmfuse.compile_lm(_llama().half(), target="sm90", max_seq_len=MAX_SEQ, max_batch=2,
                              prefill_lengths=[16])
     names = re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", cuda_source(lib.executable))
-    appends = sorted({n for n in names if "decode_kv_append" in n})
-    assert len(appends) == 2, appends  # the k and v caches of a layer (every layer shares them)
-    assert any("negative" in n and "concatenate" in n for n in appends), appends  # rotate_half
-    assert all(n.startswith("fused_") for n in appends), appends
+    appends = sorted({n for n in names if "decode_append" in n})
+    assert len(appends) == 1, appends  # every layer shares it
+    assert "negative" in appends[0] and "take" in appends[0], appends  # rotate_half, cos/sin
+    assert appends[0].startswith("fused_"), appends
+    assert not [n for n in names if re.fullmatch(r"take\d*_kernel", n)], names  # cos / sin alone

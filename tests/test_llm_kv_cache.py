@@ -10,6 +10,7 @@ itself), and the kernels on llvm against numpy: the append writes only slots
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -24,7 +25,7 @@ from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.build.inspect import cuda_source, fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.errors import CompileError
-from tvmfuse.llm.kernels import CacheSpec, cache_attention, kv_append
+from tvmfuse.llm.kernels import CacheSpec, cache_attention, decode_append, kv_append
 from tvmfuse.llm.kv_cache import DeriveKVCache
 from tvmfuse.targets import get_target
 from tvmfuse.tvm_setup import codegen_scope
@@ -58,18 +59,16 @@ def _calls(func: relax.Function) -> list[tuple[str, relax.Call]]:
     return found
 
 
-def _cache_params_ok(func: relax.Function, batch: int) -> None:
+def _cache_params_ok(func: relax.Function, batch: int, rows: int = 2 * 4 * MAX_SEQ + 4) -> None:
     names = [str(p.name) for p in func.params]
-    assert names == ["q", "k", "v", "offsets", "starts", "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1"]
-    for p in func.params[5:]:
-        assert [int(d) for d in p.ty.shape.values] == [batch, 4, MAX_SEQ, 16] and p.ty.dtype == "float32"
+    assert names == ["q", "k", "v", "offsets", "starts", "cache_0", "cache_1"]
+    for p in func.params[5:]:  # one state a layer: K rows, V rows, q rows
+        assert [int(d) for d in p.ty.shape.values] == [batch, rows, 16] and p.ty.dtype == "float32"
     for p in func.params[3:5]:
         assert [int(d) for d in p.ty.shape.values] == [batch] and p.ty.dtype == "int32"
     for _, call in _calls(func):
-        if call.op.name == "relax.call_tir_inplace":  # writes the cache it is given, in place
+        if call.op.name == "relax.call_tir_inplace":  # writes the state it is given, in place
             assert [int(i) for i in call.attrs.inplace_indices] == [0]
-            assert str(call.args[1].fields[0].name) in (
-                "k_cache_0", "v_cache_0", "k_cache_1", "v_cache_1")
 
 
 def test_prefill_appends_and_attends_this_calls_keys():
@@ -87,7 +86,7 @@ def test_prefill_appends_and_attends_this_calls_keys():
     for call in attention:
         assert len(call.args) == 3 and str(call.attrs.causal_mask) == "TopLeft"
     prims = [gv.name_hint for gv, f in after.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert prims == ["main_kv_append0"]
+    assert sorted(prims) == ["main_k_append0", "main_v_append0"]
 
 
 @I.ir_module
@@ -109,10 +108,12 @@ def test_decode_appends_and_reads_the_cache():
     _cache_params_ok(func, 2)
     ops = [name for name, _ in _calls(func)]
     assert "relax.nn.attention" not in ops
-    assert ops.count("relax.call_tir_inplace") == 4 and ops.count("relax.call_tir") == 2
+    # one append a layer (q, k and v, concatenated over heads) and the attention
+    assert ops.count("relax.call_tir_inplace") == 2 and ops.count("relax.call_tir") == 2
+    assert ops.count("relax.concat") == 2
     # both layers have the same shapes: one append and one attention kernel shared
     prims = [gv.name_hint for gv, f in after.functions.items() if isinstance(f, tvm.tirx.PrimFunc)]
-    assert sorted(prims) == ["main_cache_attention0", "main_kv_append0"]
+    assert sorted(prims) == ["main_cache_attention0", "main_decode_append0"]
 
 
 @I.ir_module
@@ -135,8 +136,8 @@ def test_right_padded_prefill_rows_see_only_real_tokens_before_them():
     q = rng.standard_normal((2, 8, 4, 16)).astype("float32")
     k, v = (rng.standard_normal((2, 8, 2, 16)).astype("float32") for _ in range(2))
     zeros = np.zeros(2, "int32")
-    caches = [np.zeros((2, 2, MAX_SEQ, 16), "float32") for _ in range(2)]
-    out = run_llvm(after, q, k, v, zeros, zeros, *caches)
+    state = np.zeros((2, 2 * 2 * MAX_SEQ + 4, 16), "float32")
+    out = run_llvm(after, q, k, v, zeros, zeros, state)
     # float64 causal attention over sequence 1's first 5 tokens (GQA: head h reads KV head h // 2)
     q5, k5, v5 = (x[1, :5].astype("float64") for x in (q, k, v))
     scores = np.einsum("shd,thd->hst", q5, np.repeat(k5, 2, axis=1)) / 4.0
@@ -153,8 +154,8 @@ def test_prefill_from_slot_zero_equals_causal_attention():
     q, k, v = (rng.standard_normal((2, 8, 4, 16)).astype("float32") for _ in range(3))
     ref = run_llvm(TwoLayers, q, k, v)
     zeros = np.zeros(2, "int32")
-    caches = [rng.standard_normal((2, 4, MAX_SEQ, 16)).astype("float32") for _ in range(4)]
-    out = run_llvm(after, q, k, v, zeros, zeros, *caches)
+    states = [rng.standard_normal((2, 2 * 4 * MAX_SEQ + 4, 16)).astype("float32") for _ in range(2)]
+    out = run_llvm(after, q, k, v, zeros, zeros, *states)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -209,53 +210,106 @@ def _build(prim: tvm.tirx.PrimFunc):
     return tvm.compile(tvm.IRModule({"main": prim.with_attr("global_symbol", "main")}), target="llvm")
 
 
+def _state(spec: CacheSpec, kc: np.ndarray, vc: np.ndarray, q: np.ndarray | None = None) -> np.ndarray:
+    """The state (Bm, R, D) holding caches (Bm, Hkv, M, D) and (decode) the query (Bm, 1, Hq, D)."""
+    k0, v0, q0, rows = spec.rows
+    B, Hkv, M, D = spec.cache_shape
+    state = np.zeros((B, rows, D), kc.dtype)
+    state[:, k0:k0 + Hkv * M] = kc.reshape(B, Hkv * M, D)
+    state[:, v0:v0 + Hkv * M] = vc.reshape(B, Hkv * M, D)
+    if q is not None:
+        state[:, q0:] = q.reshape(B, spec.q_heads, D)
+    return state
+
+
+def _caches(spec: CacheSpec, state: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(K, V, q rows) of a state, inverse of :func:`_state`."""
+    k0, v0, q0, _ = spec.rows
+    B, Hkv, M, D = spec.cache_shape
+    return (state[:, k0:k0 + Hkv * M].reshape(spec.cache_shape),
+            state[:, v0:v0 + Hkv * M].reshape(spec.cache_shape), state[:, q0:])
+
+
 def test_append_writes_only_the_new_slots():
-    """Offsets 0, 5 and 14 (the last one runs past max_seq: slots 14, 15 written, 2 dropped)."""
+    """Prefill: offsets 0, 5 and 14 (the last one runs past max_seq: slots 14, 15 written, 2
+    dropped), keys into the K rows, values into the V rows; nothing else of the state changes."""
     rng = np.random.default_rng(1)
-    kc = rng.standard_normal(SPEC.cache_shape).astype("float32")
-    k = rng.standard_normal(SPEC.kv_shape).astype("float32")
+    kc, vc = (rng.standard_normal(SPEC.cache_shape).astype("float32") for _ in range(2))
+    state = _state(SPEC, kc, vc, rng.standard_normal((3, 1, 4, 8)).astype("float32"))
+    k, v = (rng.standard_normal(SPEC.kv_shape).astype("float32") for _ in range(2))
     offsets = np.array([0, 5, 14], "int32")
-    args = [tvm.runtime.tensor(a) for a in (kc, k, offsets)]
-    _build(kv_append(SPEC))(*args)
-    ref_k = kc.copy()
+    args = [tvm.runtime.tensor(a) for a in (state, k, offsets)]
+    _build(kv_append(SPEC, 0))(*args)
+    _build(kv_append(SPEC, 1))(args[0], tvm.runtime.tensor(v), args[2])
+    ref_k, ref_v = kc.copy(), vc.copy()
     for b, off in enumerate(offsets):
         for s in range(SPEC.seq):
             if off + s < MAX_SEQ:
                 ref_k[b, :, off + s] = k[b, s]
-    np.testing.assert_array_equal(args[0].numpy(), ref_k)
+                ref_v[b, :, off + s] = v[b, s]
+    got_k, got_v, got_q = _caches(SPEC, args[0].numpy())
+    np.testing.assert_array_equal(got_k, ref_k)
+    np.testing.assert_array_equal(got_v, ref_v)
+    np.testing.assert_array_equal(got_q, state[:, SPEC.rows[2]:])
     assert not np.array_equal(ref_k, kc)  # something was written
 
 
+SPEC1 = dataclasses.replace(SPEC, seq=1)
+
+
+def test_decode_append_writes_the_query_and_one_slot():
+    """Decode: x = concat(q, k, v) over heads → the q rows, and slot offsets[b] of K and V (14;
+    16 is past the cache: only q is written for that row)."""
+    rng = np.random.default_rng(4)
+    kc, vc = (rng.standard_normal(SPEC1.cache_shape).astype("float32") for _ in range(2))
+    state = _state(SPEC1, kc, vc, np.zeros((3, 1, 4, 8), "float32"))
+    x = rng.standard_normal((3, 1, 4 + 2 * 2, 8)).astype("float32")
+    offsets = np.array([0, 14, 16], "int32")
+    args = [tvm.runtime.tensor(a) for a in (state, x, offsets)]
+    _build(decode_append(SPEC1))(*args)
+    ref_k, ref_v = kc.copy(), vc.copy()
+    for b, off in enumerate(offsets):
+        if off < MAX_SEQ:
+            ref_k[b, :, off] = x[b, 0, 4:6]
+            ref_v[b, :, off] = x[b, 0, 6:8]
+    got_k, got_v, got_q = _caches(SPEC1, args[0].numpy())
+    np.testing.assert_array_equal(got_q, x[:, 0, :4])
+    np.testing.assert_array_equal(got_k, ref_k)
+    np.testing.assert_array_equal(got_v, ref_v)
+
+
 def _cache_attention_ref(spec: CacheSpec, q, kc, vc, offsets, starts) -> np.ndarray:
-    """float64 numpy: row (b, s, h) attends slots min(starts[b], p) .. p, p = min(offsets[b] + s, M-1)."""
+    """float64 numpy: row (b, h) attends slots min(starts[b], p) .. p, p = min(offsets[b], M-1)."""
     q, kc, vc = (a.astype("float64") for a in (q, kc, vc))
     ref = np.zeros(spec.q_shape)
     group = spec.q_heads // spec.kv_heads
     for b in range(spec.batch):
-        for s in range(spec.seq):
-            p = min(offsets[b] + s, spec.max_seq - 1)
-            lo = min(starts[b], p)
-            for h in range(spec.q_heads):
-                keys, vals = kc[b, h // group, lo:p + 1], vc[b, h // group, lo:p + 1]
-                scores = spec.scale * keys @ q[b, s, h]
-                w = np.exp(scores - scores.max())
-                ref[b, s, h] = (w / w.sum()) @ vals
+        p = min(offsets[b], spec.max_seq - 1)
+        lo = min(starts[b], p)
+        for h in range(spec.q_heads):
+            keys, vals = kc[b, h // group, lo:p + 1], vc[b, h // group, lo:p + 1]
+            scores = spec.scale * keys @ q[b, 0, h]
+            w = np.exp(scores - scores.max())
+            ref[b, 0, h] = (w / w.sum()) @ vals
     return ref
 
 
 def _cache_attention_case(spec: CacheSpec, offsets, starts, seed: int):
+    """(state, offsets, starts) with random caches and query, and the float64 result."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal(spec.q_shape).astype(spec.dtype)
     kc, vc = (rng.standard_normal(spec.cache_shape).astype(spec.dtype) for _ in range(2))
     offsets, starts = np.array(offsets, "int32"), np.array(starts, "int32")
-    return (q, kc, vc, offsets, starts), _cache_attention_ref(spec, q, kc, vc, offsets, starts)
+    return ((_state(spec, kc, vc, q), offsets, starts),
+            _cache_attention_ref(spec, q, kc, vc, offsets, starts))
 
 
 def test_cache_attention_reads_the_visible_slots():
-    """GQA (2 query heads per KV head), per-sequence offsets and starts (left padding)."""
-    args, ref = _cache_attention_case(SPEC, [0, 6, 11], [0, 3, 9], seed=2)
-    out = tvm.runtime.empty(SPEC.q_shape, "float32")
-    _build(cache_attention(SPEC))(*[tvm.runtime.tensor(a) for a in args], out)
+    """GQA (2 query heads per KV head), per-sequence offsets and starts (left padding); this
+    step's query from the state's q rows."""
+    args, ref = _cache_attention_case(SPEC1, [0, 6, 11], [0, 3, 9], seed=2)
+    out = tvm.runtime.empty(SPEC1.q_shape, "float32")
+    _build(cache_attention(SPEC1))(*[tvm.runtime.tensor(a) for a in args], out)
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -266,24 +320,27 @@ DECODE_ROWS = ([0, 700, 999, 1500], [0, 100, 999, 5])  # offsets (1500: past the
 
 
 @needs_nvcc
-def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path):
-    """The CUDA decode kernel is the flash-decoding one, its combine in the same launch (one
-    kernel: the last block of a head row counts itself in ``sync`` with an atomic and combines;
-    16-byte loads of the cache) and nvcc builds it for sm_80 and sm_90a without spills."""
-    prim = cache_attention(DECODE, cuda=True)
-    assert [str(p.name) for p in prim.params] == ["q", "k", "v", "offsets", "starts", "sync", "out"]
-    assert [int(d) for d in prim.params[5].ty.shape] == list(DECODE.sync_shape)
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused_combine"])
+def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path, fused):
+    """The CUDA decode kernel is the flash-decoding one over the state (16-byte loads of the
+    cache); its combine a second kernel, or in the same launch (the last block of a head row
+    counts itself in ``sync`` with an atomic and combines); nvcc builds it for sm_80 and sm_90a
+    without spills."""
+    prim = cache_attention(DECODE, cuda=True, fused_combine=fused)
+    assert [str(p.name) for p in prim.params] == ["state", "offsets", "starts", "sync", "out"]
+    assert [int(d) for d in prim.params[3].ty.shape] == list(DECODE.sync_shape)
     for name in ("sm80", "sm90"):
         spec = get_target(name)
         with codegen_scope():
             source = cuda_source(tvm.compile(tvm.IRModule({"main": prim.with_attr(
                 "global_symbol", "main")}), target=spec.tvm_target()))
         kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
-        assert len(kernels) == 1, f"expected one kernel (partial + combine): {kernels}"
+        assert len(kernels) == (1 if fused else 2), kernels
         sass = fatbin_sass(compile_fatbin(source, spec, tmp_path))
         text = next(t for arch, t in sass.items() if arch.startswith("sm_"))
-        assert "LDG.E.128" in text and "MEMBAR" in text
-        assert re.search(r"\b(ATOM|ATOMG|RED)\.", text), "no atomic counter in the SASS"
+        assert "LDG.E.128" in text
+        has_atomic = re.search(r"\b(ATOM|ATOMG|RED)\.", text) is not None
+        assert has_atomic == fused and ("MEMBAR" in text) == fused
         log = (tmp_path / "kernels.ptxas.log").read_text()
         assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
 
@@ -306,8 +363,8 @@ def test_cuda_decode_takes_one_counter_buffer_for_every_layer():
     spec = CacheSpec(batch=2, seq=1, q_heads=4, kv_heads=4, head_dim=128, max_seq=MAX_SEQ,
                      dtype="float16", scale=1.0)
     assert [int(d) for d in sync.ty.shape.values] == list(spec.sync_shape) and sync.ty.dtype == "int32"
-    attn = [c for n, c in _calls(after) if n == "relax.call_tir" and len(c.args[1].fields) == 6]
-    assert len(attn) == 2 and all(c.args[1].fields[5].same_as(sync) for c in attn)
+    attn = [c for n, c in _calls(after) if n == "relax.call_tir" and len(c.args[1].fields) == 4]
+    assert len(attn) == 2 and all(c.args[1].fields[3].same_as(sync) for c in attn)
     # the cpu target's kernels need no counters
     assert "attn_sync" not in [str(p.name) for p in DeriveKVCache(MAX_SEQ)(decode.get())["main"].params]
 
@@ -318,7 +375,7 @@ def test_cuda_prefill_append_moves_16_bytes_a_thread(tmp_path):
     a thread): 128-bit loads of x and stores into the cache rows, one guard on the slot."""
     spec = CacheSpec(batch=2, seq=16, q_heads=4, kv_heads=2, head_dim=64, max_seq=40,
                      dtype="float16", scale=0.125)
-    func = kv_append(spec, fusable=False, cuda=True)
+    func = kv_append(spec, 1, cuda=True)
     assert func.attrs["tirx.is_scheduled"] and int(func.attrs["op_pattern"]) == 8
     target = get_target("sm90")
     with codegen_scope():
@@ -330,12 +387,14 @@ def test_cuda_prefill_append_moves_16_bytes_a_thread(tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_decode_numerics_on_the_gpu():
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused_combine"])
+def test_cuda_decode_numerics_on_the_gpu(fused):
     """H200: the decode kernel against float64 numpy for offsets 0, 700, 999, past the end; three
     calls on the same counters (each call leaves them at zero for the next)."""
     dev = tvm.cuda()
-    lib = tvm.compile(tvm.IRModule({"main": cache_attention(DECODE, cuda=True).with_attr(
-        "global_symbol", "main")}), target=get_target("sm90").tvm_target())
+    lib = tvm.compile(tvm.IRModule({"main": cache_attention(DECODE, cuda=True, fused_combine=fused)
+                                    .with_attr("global_symbol", "main")}),
+                      target=get_target("sm90").tvm_target())
     sync = tvm.runtime.tensor(np.zeros(DECODE.sync_shape, "int32"), dev)
     for seed in (3, 4, 5):
         args, ref = _cache_attention_case(DECODE, *DECODE_ROWS, seed=seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tvm
 from tvm import relax
 from tvm.script import tirx as T
@@ -34,6 +35,27 @@ def _mul(a: T.Buffer((T.int64(3), T.int64(4)), "float32"), b: T.Buffer((T.int64(
 
 
 @T.prim_func(private=True, s_tir=True)
+def _reshape(a: T.Buffer((T.int64(3), T.int64(4)), "float32"),
+             out: T.Buffer((T.int64(3), T.int64(1), T.int64(4)), "float32")):
+    T.func_attr({"op_pattern": 2, "tirx.noalias": True})
+    for i, o, j in T.grid(T.int64(3), T.int64(1), T.int64(4)):
+        with T.sblock("reshape"):
+            vi, vo, vj = T.axis.remap("SSS", [i, o, j])
+            out[vi, vo, vj] = a[vi, vj]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _mul3(a: T.Buffer((T.int64(3), T.int64(1), T.int64(4)), "float32"),
+          b: T.Buffer((T.int64(3), T.int64(1), T.int64(4)), "float32"),
+          out: T.Buffer((T.int64(3), T.int64(1), T.int64(4)), "float32")):
+    T.func_attr({"op_pattern": 0, "tirx.noalias": True})
+    for i, o, j in T.grid(T.int64(3), T.int64(1), T.int64(4)):
+        with T.sblock("mul"):
+            vi, vo, vj = T.axis.remap("SSS", [i, o, j])
+            out[vi, vo, vj] = a[vi, vo, vj] * b[vi, vo, vj]
+
+
+@T.prim_func(private=True, s_tir=True)
 def _row_sum(A: T.Buffer((T.int64(3), T.int64(4)), "float32"), out: T.Buffer((T.int64(3),), "float32")):
     T.func_attr({"op_pattern": 3, "tirx.noalias": True})
     for i, k in T.grid(T.int64(3), T.int64(4)):
@@ -47,23 +69,31 @@ def _row_sum(A: T.Buffer((T.int64(3), T.int64(4)), "float32"), out: T.Buffer((T.
 T34 = relax.TensorType([3, 4], "float32")
 
 
-def _module(readers: str, duplicated: bool = False) -> tvm.IRModule:
-    """``cos = take(table, pos)`` read by ``readers`` ("mul,mul": two rotations, "mul,sum": a
-    rotation and a reduction, "mul": one); ``duplicated``: the copies the pass should make."""
+def _module(readers: str, duplicated: bool = False, reshaped: bool = False) -> tvm.IRModule:
+    """``cos = take(table, pos)`` (``reshaped``: then reshaped to (3, 1, 4), as RoPE tables are)
+    read by ``readers`` ("mul,mul": two rotations, "mul,sum": a rotation and a reduction, "mul":
+    one); ``duplicated``: the copies the pass should make."""
     bb = relax.BlockBuilder()
-    take, mul, row_sum = (bb.add_func(f, n) for f, n in (
-        (_take, "take"), (_mul, "mul"), (_row_sum, "row_sum")))
+    take, mul, mul3, row_sum, reshape = (bb.add_func(f, n) for f, n in (
+        (_take, "take"), (_mul, "mul"), (_mul3, "mul3"), (_row_sum, "row_sum"), (_reshape, "reshape")))
+    t134 = relax.TensorType([3, 1, 4], "float32")
     table = relax.Var("table", relax.TensorType([8, 4], "float32"))
     pos = relax.Var("pos", relax.TensorType([3], "int64"))
-    q, k = relax.Var("q", T34), relax.Var("k", T34)
+    q, k = (relax.Var(n, t134 if reshaped else T34) for n in "qk")
+
+    def gather(name):
+        out = bb.emit(relax.call_tir(take, [table, pos], T34), name)
+        return bb.emit(relax.call_tir(reshape, [out], t134), f"{name}_r") if reshaped else out
+
     with bb.function("main", [table, pos, q, k]):
         with bb.dataflow():
-            cos = None if duplicated else bb.emit(relax.call_tir(take, [table, pos], T34), "cos")
+            cos = None if duplicated else gather("cos")
             outs = []
             for i, kind in enumerate(readers.split(",")):
-                src = cos if cos is not None else bb.emit(relax.call_tir(take, [table, pos], T34), "cos_dup")
+                src = cos if cos is not None else gather("cos_dup")
                 if kind == "mul":
-                    outs.append(bb.emit(relax.call_tir(mul, [(q, k)[i], src], T34)))
+                    outs.append(bb.emit(relax.call_tir(mul3 if reshaped else mul, [(q, k)[i], src],
+                                                       t134 if reshaped else T34)))
                 else:
                     outs.append(bb.emit(relax.call_tir(row_sum, [src], relax.TensorType([3], "float32"))))
             out = bb.emit_output(relax.Tuple(outs) if len(outs) > 1 else outs[0])
@@ -71,9 +101,11 @@ def _module(readers: str, duplicated: bool = False) -> tvm.IRModule:
     return bb.get()
 
 
-def test_each_elementwise_reader_gets_its_copy():
-    tvm.ir.assert_structural_equal(apply_pass(DuplicateGathers(), _module("mul,mul")),
-                                   _module("mul,mul", duplicated=True))
+@pytest.mark.parametrize("reshaped", [False, True], ids=["gather", "gather_reshape"])
+def test_each_elementwise_reader_gets_its_copy(reshaped):
+    """The gather (with the reshape after it, the chain is copied whole) once per rotation."""
+    tvm.ir.assert_structural_equal(apply_pass(DuplicateGathers(), _module("mul,mul", reshaped=reshaped)),
+                                   _module("mul,mul", duplicated=True, reshaped=reshaped))
 
 
 def test_fuse_ops_then_fuses_each_copy_into_its_reader():

@@ -165,9 +165,9 @@ def _compile_lm(model: str, output: str, target: str, dtype: str | None, max_seq
     path = lib.export(output)
     meta = lib.metadata
     click.echo(f"wrote {path} (target {target}, LM, {time.perf_counter() - t0:.1f} s)")
+    layers = sum(c.get("init") != "zeros" for c in meta["caches"])  # not the decode counters
     click.echo(f"  max_seq_len {meta['max_seq_len']}, max_batch {meta['max_batch']}, vocab "
-               f"{meta['vocab']}, {len(meta['caches']) // 2} KV-cache layers, prefill lengths "
-               f"{meta['prefill_lengths']}")
+               f"{meta['vocab']}, {layers} KV-cache layers, prefill lengths {meta['prefill_lengths']}")
     if tensor_parallel > 1:
         click.echo(f"  tensor parallel: {tensor_parallel} ranks, weights "
                    f"{weights_path(path, 0).name} .. {weights_path(path, tensor_parallel - 1).name}")

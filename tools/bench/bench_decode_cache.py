@@ -1,9 +1,11 @@
 """Decode attention over a KV cache (the split-KV kernel of ``compile_lm``), swept over its config.
 
     out[b, 0, h] = softmax_j(scale · q[b, 0, h] · K[b, h // G, j]) · V[b, h // G, j],
-    j over the visible slots 0 .. p (p = ctx − 1), caches (B, Hkv, M, D) with M ≥ ctx slots.
+    j over the visible slots 0 .. p (p = ctx − 1), M ≥ ctx slots; K, V and q are rows of the
+    layer's state (B, 2·Hkv·M + Hq, D) as ``compile_lm`` lays it out (``state_rows``).
 
-Each ``DecodeConfig(unroll, splits)`` of ``--unroll`` × ``--splits`` is built
+Each ``DecodeConfig(unroll, splits, fused_combine)`` of ``--unroll`` × ``--splits`` ×
+``--combine`` (``kernel``: a second kernel, ``fused``: in the partial kernel) is built
 (``flash_decode_cache_primfunc``), exported and loaded (kernels built in-process cannot launch
 on the device), checked against a float32 torch reference on random inputs and timed with CUDA
 events; the anchor is torch's SDPA on the visible slice (GQA by ``enable_gqa``). Rate: TB/s over
@@ -12,12 +14,14 @@ the visible K/V bytes (2·B·Hkv·ctx·D·2), floor at 4.21 TB/s. Shapes (``--ca
 ``7b_b8`` (the same at batch 8), ``long`` (B1, 32q/8kv, ctx 8192, M 8224).
 
     python3 tools/bench/bench_decode_cache.py --case lm4 --unroll 2,4 --splits 0,33,66,128
+    python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b_b8 --combine kernel,fused
     python3 tools/bench/bench_decode_cache.py --build-only      # nvcc builds only (any machine)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -31,8 +35,9 @@ CASES = {"lm4": (1, 16, 4, 128, 2048, 2081), "7b": (1, 32, 32, 128, 1024, 1057),
          "7b_b8": (8, 32, 32, 128, 1024, 1057), "long": (1, 32, 8, 128, 8192, 8224)}
 
 
-def build(case: tuple[int, ...], unroll: int, splits: int, path: Path, target: str = "sm90") -> Path:
-    """The cache kernel of ``case`` with ``DecodeConfig(unroll, splits)``, exported to ``path``."""
+def build(case: tuple[int, ...], unroll: int, splits: int, fused: bool, path: Path,
+          target: str = "sm90") -> Path:
+    """The cache kernel of ``case`` with ``DecodeConfig(unroll, splits, fused)``, exported to ``path``."""
     import tvm
 
     from tvmfuse.kernels.attention.flash_decode import DecodeConfig, flash_decode_cache_primfunc
@@ -42,7 +47,8 @@ def build(case: tuple[int, ...], unroll: int, splits: int, path: Path, target: s
 
     b, hq, hkv, d, _ctx, m = case
     spec = AttentionSpec(b, 1, m, hq, hkv, d, "float16", d ** -0.5)
-    prim = flash_decode_cache_primfunc(spec, config=DecodeConfig(unroll=unroll, splits=splits))
+    prim = flash_decode_cache_primfunc(spec, config=DecodeConfig(unroll=unroll, splits=splits,
+                                                                 fused_combine=fused))
     with codegen_scope():
         lib = tvm.compile(tvm.IRModule({"main": prim.with_attr("global_symbol", "main")}),
                           target=get_target(target).tvm_target())
@@ -50,19 +56,26 @@ def build(case: tuple[int, ...], unroll: int, splits: int, path: Path, target: s
     return path
 
 
-def row(name: str, case: tuple[int, ...], unroll: int, splits: int, path: Path,
+def row(name: str, case: tuple[int, ...], unroll: int, splits: int, fused: bool, path: Path,
         args: argparse.Namespace) -> dict[str, Any]:
     import tvm
 
+    from tvmfuse.kernels.attention.flash_decode import state_rows, sync_shape
+    from tvmfuse.kernels.attention.spec import AttentionSpec
+
     b, hq, hkv, d, ctx, m = case
     torch.manual_seed(0)
-    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.float16)
-    kc, vc = (torch.randn(b, hkv, m, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    k0, v0, q0, rows = state_rows(hkv, m, hq)
+    state = torch.randn(b, rows, d, device="cuda", dtype=torch.float16)
+    q = state[:, q0:].view(b, 1, hq, d)
+    kc, vc = (state[:, r0:r0 + hkv * m].view(b, hkv, m, d) for r0 in (k0, v0))
     offsets = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)  # p = ctx − 1
     starts = torch.zeros(b, device="cuda", dtype=torch.int32)
+    sync = torch.zeros(sync_shape(AttentionSpec(b, 1, m, hq, hkv, d, "float16", 1.0)), device="cuda",
+                       dtype=torch.int32)
     out = torch.empty_like(q)
     lib = tvm.runtime.load_module(str(path))
-    targs = [tvm.runtime.from_dlpack(x) for x in (q, kc, vc, offsets, starts, out)]
+    targs = [tvm.runtime.from_dlpack(x) for x in (state, offsets, starts, sync, out)]
     lib["main"](*targs)
     qh = q.transpose(1, 2)  # (B, Hq, 1, D)
     k, v = kc[:, :, :ctx], vc[:, :, :ctx]
@@ -74,7 +87,7 @@ def row(name: str, case: tuple[int, ...], unroll: int, splits: int, path: Path,
     kv_bytes = 2.0 * b * hkv * ctx * d * 2
     us = common.kernel_us(lambda i: lib["main"](*targs), args.iters)  # both kernels, no host gap
     return {"workload": f"decode_cache_{name}", "shape": f"B={b} Hq={hq} Hkv={hkv} D={d} ctx={ctx} M={m}",
-            "config": {"unroll": unroll, "splits": splits}, "rel_err": err,
+            "config": {"unroll": unroll, "splits": splits, "fused_combine": fused}, "rel_err": err,
             "correct": err <= common.TOLERANCE["float16"], "tvmfuse_us": round(ms * 1e3, 2),
             "sdpa_us": round(sdpa * 1e3, 2), "tbps": round(kv_bytes / (ms * 1e9), 3),
             "kernel_us": round(us, 2), "kernel_tbps": round(kv_bytes / (us * 1e6), 3),
@@ -86,6 +99,7 @@ def main() -> None:
     p.add_argument("--case", choices=list(CASES), action="append")
     p.add_argument("--unroll", default="4", help="comma-separated DecodeConfig.unroll values")
     p.add_argument("--splits", default="0", help="comma-separated DecodeConfig.splits (0: default)")
+    p.add_argument("--combine", default="kernel", help="comma-separated: kernel, fused")
     p.add_argument("--build-only", action="store_true", help="nvcc builds only (no GPU needed)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
@@ -94,14 +108,16 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="decode-cache-"))
     rows = []
     for name in args.case or ["lm4"]:
-        for unroll in (int(u) for u in args.unroll.split(",")):
-            for splits in (int(s) for s in args.splits.split(",")):
-                path = build(CASES[name], unroll, splits, work / f"{name}_{unroll}_{splits}.so")
-                if args.build_only:
-                    print(f"built {name} unroll={unroll} splits={splits}: {path}", flush=True)
-                    continue
-                rows.append(row(name, CASES[name], unroll, splits, path, args))
-                print(rows[-1], flush=True)
+        for unroll, splits, combine in itertools.product(
+                (int(u) for u in args.unroll.split(",")), [int(s) for s in args.splits.split(",")],
+                args.combine.split(",")):
+            fused = combine == "fused"
+            path = build(CASES[name], unroll, splits, fused, work / f"{name}_{unroll}_{splits}_{combine}.so")
+            if args.build_only:
+                print(f"built {name} unroll={unroll} splits={splits} {combine}: {path}", flush=True)
+                continue
+            rows.append(row(name, CASES[name], unroll, splits, fused, path, args))
+            print(rows[-1], flush=True)
     if args.out and rows:
         common.write_results(args.out, rows, common.command_line(), append=True)
 

@@ -231,6 +231,8 @@ def main() -> None:
                    help="Options.programmatic_launch (sm_90: PDL between kernels)")
     p.add_argument("--gemv-l2-prefetch", type=int, default=0,
                    help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
+    p.add_argument("--decode-fused-combine", action="store_true",
+                   help="Options.decode_fused_combine: the split-KV combine in the partial kernel")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -249,9 +251,11 @@ def main() -> None:
     row["gemv_simt_max_m"] = args.gemv_simt_max_m
     row["programmatic_launch"] = args.programmatic_launch
     row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
+    row["decode_fused_combine"] = args.decode_fused_combine
     with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
                              programmatic_launch=args.programmatic_launch,
-                             gemv_l2_prefetch_bytes=args.gemv_l2_prefetch)):
+                             gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,
+                             decode_fused_combine=args.decode_fused_combine)):
         lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
                                  prefill_lengths=sorted({args.ctx, prefill_len}))
     row["compile_s"] = round(time.perf_counter() - t0, 1)

@@ -31,7 +31,7 @@ for s in "$@"; do
              tests/test_schedule_gemm_sm90_buckets.py -k "not tensor_parallel" ;;
     lm4) step lm4 400 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
            --out "$OUT/lm4.json" ;;
-    attn) step attn 300 python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b --case 7b_b8 \
+    attn) step attn 300 python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b --case 7b_b8 --combine kernel,fused \
             --unroll 2,4 --splits 0,16,33,66,128 --out "$OUT/attn.json" ;;
     7b) step 7b 560 env TVMFUSE_TIME_STAGES=1 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 \
           --new 32 --no-compile --prefill-len 2048 --compile-prefill --out "$OUT/7b.json" ;;

@@ -4,10 +4,12 @@
     S = prefill length | 1), canonical passes + FuseAttention, DeriveKVCache, LastTokenLogits →
     the tvmfuse pipeline (all entry points in one module) → relax.build
 
-Entry points (``Bm`` = max_batch, caches ``(Bm, Hkv, max_seq, D)`` per layer, written in place)::
+Entry points (``Bm`` = max_batch; one cache per layer, ``(Bm, 2·Hkv·max_seq + Hq, D)``: its keys,
+values and the decode step's query (:mod:`tvmfuse.llm.kernels`), written in place; on CUDA then
+the decode attention's counters ``attn_sync``)::
 
     prefill{S}(ids (Bm, S), positions (Bm, S), last (Bm,), offsets (Bm,), starts (Bm,),
-               k_cache_0, v_cache_0, ...)       → logits (Bm, V) at each row's last real token
+               cache_0, cache_1, ...)            → logits (Bm, V) at each row's last real token
     decode(ids (Bm, 1), positions (Bm, 1), offsets, starts, caches...)        → logits (Bm, V)
     advance(logits, ids, positions, offsets, history (Bm, max_seq + 1))   greedy step in place
 

@@ -1,13 +1,15 @@
 """Derived KV cache: each ``R.nn.attention`` of a cache-less causal LM reads and writes a cache.
 
-For attention layer l of a function with static shapes (B, S)::
+For attention layer l of a function with static shapes (B, S); ``state_l`` (B, 2·Hkv·M + Hq, D)
+holds the layer's keys, values and (decode) this step's query (:mod:`tvmfuse.llm.kernels`)::
 
     o = R.nn.attention(q (B,S,Hq,D), k (B,S,Hkv,D), v, scale, causal_mask)
-  →
-    kc_l = call_tir_inplace(kv_append, (k_cache_l, k, offsets))   # in place; vc_l likewise
-    o = call_tir(cache_attention, (q, kc_l, vc_l, offsets, starts))       # decode (S = 1)
-    o = R.nn.attention(q, kc_l[:, :, :S]ᵀ, vc_l[:, :, :S]ᵀ, scale,
-                       causal_mask="TopLeft")                                      # prefill (S > 1)
+  → decode (S = 1):
+    s_l = call_tir_inplace(decode_append, (state_l, concat(q, k, v), offsets))   # in place
+    o = call_tir(cache_attention, (s_l, offsets, starts[, attn_sync]))
+  → prefill (S > 1):
+    s_l = call_tir_inplace(kv_append_k, (state_l, k, offsets));  then kv_append_v with v
+    o = R.nn.attention(q, K(s_l)[:, :, :S]ᵀ, V(s_l)[:, :, :S]ᵀ, scale, causal_mask="TopLeft")
 
 A prefill starts its sequences (the runtime passes offsets 0): its attention is over this call's
 keys and values (read back from the slots just written, which keeps the append alive), computed
@@ -19,7 +21,7 @@ values nobody reads: decode overwrites those slots, and reads slots ``starts[b] 
 reads the cache through the split-KV kernel.
 
 and the function gains the parameters ``offsets`` (B,) int32, ``starts`` (B,) int32 and
-``k_cache_0, v_cache_0, ...`` (B, Hkv, max_seq, D) after its own, on CUDA then ``attn_sync``
+``cache_0, cache_1, ...`` (the states) after its own, on CUDA then ``attn_sync``
 (the decode kernel's int32 counters, zero between calls; every entry point takes it). Kernels
 and their formulas: :mod:`tvmfuse.llm.kernels`. No cache is copied: the append writes the
 caller's buffers. Only causal self-attention is accepted (``causal_mask`` TopLeft, or
@@ -38,8 +40,9 @@ import tvm
 from tvm import relax
 
 from ..errors import CompileError
+from ..options import current_options
 from ._graph import var_name
-from .kernels import CacheSpec, cache_attention, kv_append
+from .kernels import CacheSpec, cache_attention, decode_append, kv_append
 
 # every form FuseAttention may leave: the ones with a bias or packed lengths are refused, never
 # left in place (they would attend over this call's keys only)
@@ -84,16 +87,18 @@ class _Rewrite(relax.PyExprMutator):
         self.offsets = relax.Var("offsets", relax.TensorType([batch], "int32"))
         self.starts = relax.Var("starts", relax.TensorType([batch], "int32"))
 
-    def _kernels(self, spec: CacheSpec) -> tuple[relax.GlobalVar, relax.GlobalVar | None]:
-        """The append kernel and (decode only) the cache-attention kernel of ``spec``."""
+    def _kernels(self, spec: CacheSpec) -> tuple[relax.GlobalVar, relax.GlobalVar]:
+        """Decode: (append of concat(q, k, v), cache attention); prefill: (K append, V append)."""
         if spec not in self.kernels:
-            n = len(self.kernels)
-            # decode: the RoPE of k and the V slice fuse into the append kernel
-            append = self.builder_.add_func(kv_append(spec, fusable=spec.seq == 1, cuda=self.cuda),
-                                            f"{self.prefix}kv_append{n}")
-            attn = None if spec.seq > 1 else self.builder_.add_func(
-                cache_attention(spec, self.cuda), f"{self.prefix}cache_attention{n}")
-            self.kernels[spec] = (append, attn)
+            n, add = len(self.kernels), self.builder_.add_func
+            if spec.seq == 1:  # the RoPE of q and k and the V slice fuse into the append kernel
+                pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
+                        add(cache_attention(spec, self.cuda, current_options().decode_fused_combine),
+                            f"{self.prefix}cache_attention{n}"))
+            else:
+                pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")
+                             for region, kv in ((0, "k"), (1, "v")))
+            self.kernels[spec] = pair
         return self.kernels[spec]
 
     def _sync_for(self, var: relax.Var, spec: CacheSpec) -> None:
@@ -116,26 +121,35 @@ class _Rewrite(relax.PyExprMutator):
             self._sync_for(binding.var, spec)
         layer = len(self.specs)
         self.specs.append(spec)
-        ctype = relax.TensorType(list(spec.cache_shape), spec.dtype)
-        kc, vc = relax.Var(f"k_cache_{layer}", ctype), relax.Var(f"v_cache_{layer}", ctype)
-        self.caches += [kc, vc]
-        append, attn = self._kernels(spec)
+        stype = relax.TensorType(list(spec.state_shape), spec.dtype)
+        state = relax.Var(f"cache_{layer}", stype)
+        self.caches.append(state)
+        first, second = self._kernels(spec)
         q, k, v = (self.visit_expr(a) for a in call.args[:3])
-        kc2, vc2 = (self.builder_.emit(relax.op.call_tir_inplace(
-            append, relax.Tuple([c, x, self.offsets]), [0], ctype), name_hint=f"{n}_{layer}")
-            for c, x, n in ((kc, k, "kc"), (vc, v, "vc")))
+
+        def in_place(kernel, x, name):
+            return self.builder_.emit(relax.op.call_tir_inplace(
+                kernel, relax.Tuple([state, x, self.offsets]), [0], stype), name_hint=name)
+
         if spec.seq > 1:  # prefill starts sequences: attention over this call's k, v (flash kernels)
-            # read back from slots 0..S-1 of the caches just written: the data dependence keeps
-            # the in-place append (a pure call to Relax) from being removed as unused
+            state = in_place(first, k, f"kc_{layer}")
+            state = in_place(second, v, f"vc_{layer}")
+            # read back from slots 0..S-1 of the rows just written: the data dependence keeps
+            # the in-place appends (pure calls to Relax) from being removed as unused
+            B, Hkv, M, D = spec.cache_shape
             k_new, v_new = (self.builder_.emit(relax.op.permute_dims(relax.op.strided_slice(
-                c, [2], [0], [spec.seq]), [0, 2, 1, 3])) for c in (kc2, vc2))
+                relax.op.reshape(relax.op.strided_slice(state, [1], [row0], [row0 + Hkv * M]),
+                                 [B, Hkv, M, D]), [2], [0], [spec.seq]), [0, 2, 1, 3]))
+                for row0 in spec.rows[:2])
             out = self.builder_.emit(relax.op.nn.attention(
                 q, k_new, v_new, scale=spec.scale, causal_mask="TopLeft"),
                 name_hint=var_name(binding.var))
         else:
+            qkv = self.builder_.emit(relax.op.concat([q, k, v], axis=2), name_hint=f"qkv_{layer}")
+            state = in_place(first, qkv, f"state_{layer}")
             sync = [self.sync] if self.cuda else []
             out = self.builder_.emit(relax.call_tir(
-                attn, relax.Tuple([q, kc2, vc2, self.offsets, self.starts, *sync]), call.ty),
+                second, relax.Tuple([state, self.offsets, self.starts, *sync]), call.ty),
                 name_hint=var_name(binding.var))
         self.set_var_remap(binding.var, out)
 

@@ -11,10 +11,12 @@ Given one copy per reader, each copy has one consumer and fuses into that rotati
 which then reads ``cos_table[positions[b, s], d]`` directly: the same bytes, a kernel fewer
 (two per call for cos and sin; at decode each is a launch of its own).
 
-Only gathers (:func:`~tvmfuse.passes.gather_pattern.is_gather`, injective: the pass after
-``InjectiveGather``) whose every reader is a ``call_tir`` of an elementwise or broadcast PrimFunc
-(``op_pattern`` ≤ 1) in the same dataflow block: a GEMM or reduction reading the gather keeps
-the single copy (its kernel would not fuse a producer). Runs before ``FuseOps``.
+What is copied is a chain: a gather (:func:`~tvmfuse.passes.gather_pattern.is_gather`, injective:
+the pass runs after ``InjectiveGather``) and the injective ops that only reshape it (each reading
+the previous link alone), when every reader of every link is the next link or a ``call_tir`` of
+an elementwise or broadcast PrimFunc (``op_pattern`` ≤ 1) in the same dataflow block: a GEMM or
+reduction reading the chain keeps the single copy (its kernel would not fuse a producer). Runs
+before ``FuseOps``.
 """
 
 from __future__ import annotations
@@ -27,18 +29,6 @@ from .gather_pattern import INJECTIVE, is_gather
 _ELEMENTWISE_MAX = 1  # kElemWise 0, kBroadcast 1
 
 
-def _fuses_a_producer(mod: tvm.IRModule, call: relax.Expr) -> bool:
-    """A ``call_tir`` of an elementwise / broadcast PrimFunc (FuseOps fuses injective producers
-    into it)."""
-    callee = call.args[0]
-    if not isinstance(callee, tvm.ir.GlobalVar):
-        return False
-    func = mod[callee]
-    if not isinstance(func, tirx.PrimFunc) or func.attrs is None or "op_pattern" not in func.attrs:
-        return False
-    return int(func.attrs["op_pattern"]) <= _ELEMENTWISE_MAX
-
-
 def _call_tir_args(value: relax.Expr) -> list | None:
     """The argument list of a ``call_tir`` (None for anything else)."""
     if (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
@@ -47,44 +37,87 @@ def _call_tir_args(value: relax.Expr) -> list | None:
     return None
 
 
+def _pattern_at_most(mod: tvm.IRModule, call: relax.Expr, most: int) -> bool:
+    callee = call.args[0]
+    if not isinstance(callee, tvm.ir.GlobalVar):
+        return False
+    func = mod[callee]
+    return (isinstance(func, tirx.PrimFunc) and func.attrs is not None and "op_pattern" in func.attrs
+            and int(func.attrs["op_pattern"]) <= most)
+
+
+def _chains(mod: tvm.IRModule, bindings: list, gathers: set, outside: set) -> dict:
+    """var → the bindings computing it from a gather: the gather, then injective ops (reshapes)
+    each reading only the previous one (other arguments are not variables)."""
+    chains: dict = {}
+    for b in bindings:
+        args = _call_tir_args(b.value)
+        if args is None or b.var in outside:
+            continue
+        if b.value.args[0] in gathers:
+            chains[b.var] = [b]
+            continue
+        var_args = [a for a in args if isinstance(a, relax.Var)]
+        if (len(var_args) == 1 and var_args[0] in chains
+                and _pattern_at_most(mod, b.value, INJECTIVE)):
+            chains[b.var] = [*chains[var_args[0]], b]
+    return chains
+
+
 def _duplicate_block(mod: tvm.IRModule, block: relax.DataflowBlock, gathers: set,
                      outside: set) -> relax.DataflowBlock | None:
     bindings = list(block.bindings)
-    candidates = {}
-    for b in bindings:
-        args = _call_tir_args(b.value)
-        if args is not None and b.value.args[0] in gathers and b.var not in outside:
-            candidates[b.var] = b.value
+    chains = _chains(mod, bindings, gathers, outside)
     readers: dict = {}
     for b in bindings:
         for var in relax.analysis.free_vars(b.value):
-            if var in candidates:
+            if var in chains:
                 readers.setdefault(var, []).append(b)
-    dup = {var for var, rs in readers.items()
-           if len(rs) >= 2 and all(_call_tir_args(r.value) is not None
-                                   and _fuses_a_producer(mod, r.value)
-                                   and var in _call_tir_args(r.value) for r in rs)}
-    if not dup:
+    # a chain is copied when every reader of every member is the next link or an elementwise
+    # kernel (each then fuses its copy), and some member has two readers (else nothing is shared)
+    links = {id(b) for chain in chains.values() for b in chain}
+    ends = {}
+    for var, chain in chains.items():
+        members = [b.var for b in chain]
+        outer = [r for m in members for r in readers.get(m, []) if id(r) not in links]
+        elementwise = [_call_tir_args(r.value) is not None
+                       and _pattern_at_most(mod, r.value, _ELEMENTWISE_MAX) for r in outer]
+        if (outer and all(elementwise)
+                and any(len(readers.get(m, [])) >= 2 for m in members)
+                and all(r.var not in chains for r in outer)):
+            ends[var] = chain
+    # a member of a copied chain whose readers are all copied away goes
+    copied = {b.var for var, chain in ends.items() for b in chain}
+    if not ends:
         return None
     out = []
     for b in bindings:
-        if b.var in dup:
+        if b.var in copied:
             continue  # each reader gets its copy below
         args = _call_tir_args(b.value)
-        if args is None or not any(a in dup for a in args):
+        if args is None or not any(a in ends for a in args):
             out.append(b)
             continue
         copies = {}
         for a in args:
-            if a in dup and a not in copies:
-                copies[a] = relax.DataflowVar(f"{a.name}_dup", a.ty)
-                out.append(relax.VarBinding(copies[a], candidates[a]))
-        call = b.value
-        new_args = relax.Tuple([copies.get(a, a) for a in args])
-        out.append(relax.VarBinding(b.var, relax.Call(call.op, [call.args[0], new_args,
-                                                               *call.args[2:]],
-                                                      call.attrs, call.ty_args, ret_ty=call.ty)))
+            if a in ends and a not in copies:
+                prev = {}
+                for link in ends[a]:
+                    value = link.value
+                    if prev:  # the link reads the previous link's copy
+                        value = _with_args(value, [prev.get(x, x) for x in _call_tir_args(value)])
+                    new = relax.DataflowVar(f"{link.var.name}_dup", link.var.ty)
+                    out.append(relax.VarBinding(new, value))
+                    prev = {link.var: new}
+                copies[a] = prev[a]
+        out.append(relax.VarBinding(b.var, _with_args(b.value, [copies.get(a, a) for a in args])))
     return relax.DataflowBlock(out)
+
+
+def _with_args(call: relax.Call, args: list) -> relax.Call:
+    """``call`` (a call_tir) with its argument tuple replaced."""
+    return relax.Call(call.op, [call.args[0], relax.Tuple(args), *call.args[2:]], call.attrs,
+                      call.ty_args, ret_ty=call.ty)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.DuplicateGathers")

@@ -7,6 +7,9 @@ channel) index to ``threadIdx.y`` in different orders, so the second stage read 
 other threads held in their registers: 0.69 relative error on the H200. A reduction this short
 gains nothing from splitting across threads; it gets dlight's Fallback instead (one thread per
 output, the sum serial), which has no second stage to disagree with the first.
+
+A function without a reduction is no GEMV: declined before dlight's analysis, which asserts on
+a write region whose index is data dependent (the decode cache append's ``if_then_else`` row).
 """
 
 from __future__ import annotations
@@ -36,11 +39,21 @@ def reduction_length(func: tirx.PrimFunc) -> int | None:
     return max(lengths, default=None)
 
 
+def _has_reduction(func: tirx.PrimFunc) -> bool:
+    """Any block under the root of ``func`` with a reduction iterator."""
+    sch = s_tir.Schedule(func)
+    return any(iv.iter_type == tirx.IterVar.CommReduce
+               for block in sch.get_child_blocks(sch.get_sblock("root"))
+               for iv in sch.get(block).iter_vars)
+
+
 class GuardedGEMV(dl.gpu.GEMV):
     """``dl.gpu.GEMV``; a function it takes whose reductions sum ≤ :data:`TINY` elements gets
     ``dl.gpu.Fallback``'s schedule instead (module docstring)."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        if not _has_reduction(func):
+            return None
         space = super().apply(func, target, tunable)
         if space is None:
             return None

@@ -12,11 +12,12 @@
     combine  grid (B·Hq), D threads:  M = max_c m_c;  out = Σ_c 2^(m_c−M)·acc_c / Σ_c 2^(m_c−M)·l_c
              (the loops over the ≤ 128 chunks are unrolled: every load is issued at once)
 
-Over a cache the combine can run in the partial kernel instead (``fused_combine``, one launch):
-each block fences its partial and counts itself in ``sync[b, y]`` (atomic add); the block that
-counts last combines the GC heads of its (b, y) and sets the counter back to 0, so the int32
-``sync`` buffer (zero before the first call) is zero after every call and a CUDA graph can replay
-the kernel.
+Over a cache (:func:`flash_decode_cache_primfunc`) q, K and V are rows of one per-layer state
+(:func:`state_rows`), and the combine can run in the partial kernel (``DecodeConfig.fused_combine``,
+one launch): each block fences
+its partial and counts itself in ``sync[b, y]`` (atomic add); the block that counts last combines
+the GC heads of its (b, y) and sets the counter back to 0, so the int32 ``sync`` buffer (zero
+before the first call) is zero after every call and a CUDA graph can replay the kernel.
 
 Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
 the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
@@ -49,7 +50,8 @@ _MAX_SPLITS = 128  # the combine unrolls its loops over the chunks
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """``unroll`` keys in flight per lane group; ``splits`` KV chunks (0: ~2 blocks per SM).
+    """``unroll`` keys in flight per lane group; ``splits`` KV chunks (0: ~2 blocks per SM);
+    ``fused_combine`` (over a cache only): the combine in the partial kernel (module doc).
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -57,6 +59,7 @@ class DecodeConfig:
 
     unroll: int = 8
     splits: int = 0
+    fused_combine: bool = False
 
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
@@ -87,21 +90,28 @@ def flash_decode_primfunc(spec: AttentionSpec, target: tvm.target.Target | None 
     return _primfunc(spec, target, config, cache=False)
 
 
-def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
-                                config: DecodeConfig | None = None,
-                                fused_combine: bool = False) -> tvm.tirx.PrimFunc:
-    """PrimFunc ``(q, k_cache, v_cache, offsets, starts, out)``: the same kernel over a KV cache;
-    with ``fused_combine`` ``(q, k_cache, v_cache, offsets, starts, sync, out)``, one launch
-    (``sync``: :func:`sync_shape` int32, zero before the first call and left zero).
+def state_rows(kv_heads: int, max_seq: int, q_heads: int) -> tuple[int, int, int, int]:
+    """Rows of a decode state ``(B, R, D)``: (K row 0, V row 0, q row 0, R). Row ``g·M + j`` is
+    key slot j of KV head g, ``Hkv·M + g·M + j`` its value, ``2·Hkv·M + h`` this step's query
+    of head h (M = max_seq): one buffer, so one in-place kernel writes q and appends K and V."""
+    v0 = kv_heads * max_seq
+    return 0, v0, 2 * v0, 2 * v0 + q_heads
 
-    q, out ``(B, 1, Hq, D)``; caches ``(B, Hkv, M, D)`` (M = ``spec.kv_len`` slots); offsets,
-    starts ``(B,)`` int32. Sequence b sees the slots ``lo .. p``, p = min(offsets[b], M − 1),
+
+def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
+                                config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
+    """PrimFunc ``(state, offsets, starts, sync, out)``: the same kernel over a KV cache (``sync``
+is read only with ``config.fused_combine``: then one launch).
+
+    state ``(B, R, D)`` (:func:`state_rows`, M = ``spec.kv_len`` slots), out ``(B, 1, Hq, D)``;
+    offsets, starts ``(B,)`` int32; ``sync`` :func:`sync_shape` int32, zero before the first call
+    and left zero. Sequence b sees the slots ``lo .. p``, p = min(offsets[b], M − 1),
     lo = min(starts[b], p), read where they lie (no copy); the chunks are cut from M, and the
     blocks of chunks past p only write an empty partial (m = −inf, l = 0).
     """
     if spec.causal != "none" or spec.window is not None or spec.bias_shape is not None:
         raise ValueError("flash decode over a cache: the visible slots come from offsets/starts")
-    return _primfunc(spec, target, config, cache=True, fused_combine=fused_combine)
+    return _primfunc(spec, target, config, cache=True)
 
 
 def _head_chunks(spec: AttentionSpec) -> tuple[int, int]:
@@ -117,7 +127,7 @@ def sync_shape(spec: AttentionSpec) -> tuple[int]:
 
 
 def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: DecodeConfig | None,
-              cache: bool, fused_combine: bool = False) -> tvm.tirx.PrimFunc:
+              cache: bool) -> tvm.tirx.PrimFunc:
     reason = check(spec)
     if reason is not None:  # callers ask check() first; reaching this is a caller's bug
         raise ValueError(f"flash decode: {reason}")
@@ -128,8 +138,18 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     GC, HC = _head_chunks(spec)
     dt, odt = spec.dtype, spec.result_dtype
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
-    KV_L = "BHSD" if cache else QKV_L
-    q_shape, kv_shape, out_shape = spec.q_shape, at(KV_L, B, Skv, Hkv, D), spec.out_shape
+    q_shape, kv_shape, out_shape = spec.q_shape, at(QKV_L, B, Skv, Hkv, D), spec.out_shape
+    fused_combine = cache and cfg.fused_combine  # the counters live beside the cache
+    k0, v0, q0, rows = state_rows(Hkv, Skv, Hq)
+
+    def q_at(b, h, d):
+        return (b, q0 + h, d) if cache else at(QKV_L, b, 0, h, d)
+
+    def k_at(b, j, g, d):
+        return (b, k0 + g * Skv + j, d) if cache else at(QKV_L, b, j, g, d)
+
+    def v_at(b, j, g, d):
+        return (b, v0 + g * Skv + j, d) if cache else at(QKV_L, b, j, g, d)
     LPR = D // vec  # lanes per key row
     NG = _THREADS // LPR  # key rows in flight per unroll step
     U = cfg.unroll
@@ -207,13 +227,13 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
                 for e in T.unroll(vec):
-                    qr[hh * vec + e] = T.Cast("float32", q[at(QKV_L, b, 0, h0 + hh, d0 + e)]) * sc
+                    qr[hh * vec + e] = T.Cast("float32", q[q_at(b, h0 + hh, d0 + e)]) * sc
                     acc[hh * vec + e] = T.float32(0)
             for it in T.serial(Lc // per_iter):
                 for u in T.unroll(U):
                     jl: T.let[T.int32] = kb + T.min(j0 + it * per_iter + u * NG + grp, ke - 1)
-                    kr[T.ramp(u * vec, 1, vec)] = k[at(KV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
-                    vr[T.ramp(u * vec, 1, vec)] = v[at(KV_L, b, jl, kvh, T.ramp(d0, 1, vec))]
+                    kr[T.ramp(u * vec, 1, vec)] = k[k_at(b, jl, kvh, T.ramp(d0, 1, vec))]
+                    vr[T.ramp(u * vec, 1, vec)] = v[v_at(b, jl, kvh, T.ramp(d0, 1, vec))]
                 for u in T.unroll(U):
                     for hh in T.unroll(GC):
                         s[u * GC + hh] = T.float32(0)
@@ -302,24 +322,14 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 mc = T.alloc_buffer((n_split,), "float32", scope="local")
                 combine(part_o, part_ml, out, c, mc, bh, t2)
 
-    if fused_combine:
+    if cache:
 
         @T.prim_func
-        def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
-                         v: T.Buffer(kv_shape, dt), offsets: T.Buffer((B,), "int32"),
+        def flash_decode(state: T.Buffer((B, rows, D), dt), offsets: T.Buffer((B,), "int32"),
                          starts: T.Buffer((B,), "int32"), sync: T.Buffer(sync_shape(spec), "int32"),
                          out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, q, out, offsets, starts, sync)
-
-    elif cache:
-
-        @T.prim_func
-        def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
-                         v: T.Buffer(kv_shape, dt), offsets: T.Buffer((B,), "int32"),
-                         starts: T.Buffer((B,), "int32"), out: T.Buffer(out_shape, odt)):
-            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, q, out, offsets, starts, offsets)
+            body(state, state, state, state, out, offsets, starts, sync)
 
     elif has_bias:
 
