@@ -135,3 +135,12 @@ def test_same_numbers_on_llvm():
 def test_left_alone_when_a_reader_does_not_fuse_or_there_is_one_reader():
     for mod in (_module("mul,sum"), _module("mul")):
         tvm.ir.assert_structural_equal(apply_pass(DuplicateGathers(), mod), mod)
+
+
+def test_a_large_gather_keeps_its_one_kernel(monkeypatch):
+    """Above MAX_BYTES (a prefill's tables) re-gathering in every reader costs more than the
+    launch it saves: left alone."""
+    from tvmfuse.passes import duplicate_gathers
+
+    monkeypatch.setattr(duplicate_gathers, "MAX_BYTES", 3 * 4 * 4 - 1)  # the (3, 4) fp32 output
+    tvm.ir.assert_structural_equal(apply_pass(DuplicateGathers(), _module("mul,mul")), _module("mul,mul"))
