@@ -9,19 +9,11 @@ from tvm import relax
 from tvm.script import tirx as T
 
 from tests.relax_util import apply_pass, fresh
+from tests.test_pass_gather_pattern import _row_sum as opaque_row_sum
+from tests.test_pass_gather_pattern import _take as gather_take
 from tvmfuse.passes.duplicate_gathers import DuplicateGathers
 
-
-@T.prim_func(private=True, s_tir=True)
-def _take(A: T.Buffer((T.int64(8), T.int64(4)), "float32"), idx: T.Buffer((T.int64(3),), "int64"),
-          out: T.Buffer((T.int64(3), T.int64(4)), "float32")):
-    T.func_attr({"op_pattern": 2, "tirx.noalias": True})
-    for i, j in T.grid(T.int64(3), T.int64(4)):
-        with T.sblock("T_take"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            T.reads(A[idx[vi], vj], idx[vi])
-            T.writes(out[vi, vj])
-            out[vi, vj] = A[idx[vi], vj]
+_take = gather_take(2)  # the injective gather InjectiveGather leaves
 
 
 @T.prim_func(private=True, s_tir=True)
@@ -55,16 +47,7 @@ def _mul3(a: T.Buffer((T.int64(3), T.int64(1), T.int64(4)), "float32"),
             out[vi, vo, vj] = a[vi, vo, vj] * b[vi, vo, vj]
 
 
-@T.prim_func(private=True, s_tir=True)
-def _row_sum(A: T.Buffer((T.int64(3), T.int64(4)), "float32"), out: T.Buffer((T.int64(3),), "float32")):
-    T.func_attr({"op_pattern": 3, "tirx.noalias": True})
-    for i, k in T.grid(T.int64(3), T.int64(4)):
-        with T.sblock("sum"):
-            vi, vk = T.axis.remap("SR", [i, k])
-            with T.init():
-                out[vi] = T.float32(0)
-            out[vi] = out[vi] + A[vi, vk]
-
+_row_sum = opaque_row_sum.with_attr("op_pattern", 3)  # a reduction reading the gather
 
 T34 = relax.TensorType([3, 4], "float32")
 

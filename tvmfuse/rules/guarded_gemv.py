@@ -20,6 +20,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir import dlight as dl
 from tvm.target import Target
 
+from ..errors import TVM_ERRORS
+
 TINY = 64  # elements summed per output at or below which the serial schedule is used
 
 
@@ -39,12 +41,16 @@ def reduction_length(func: tirx.PrimFunc) -> int | None:
     return max(lengths, default=None)
 
 
-def _has_reduction(func: tirx.PrimFunc) -> bool:
-    """Any block under the root of ``func`` with a reduction iterator."""
-    sch = s_tir.Schedule(func)
+def _has_reduction(func: tirx.PrimFunc) -> bool | None:
+    """Whether a block under the root of ``func`` has a reduction iterator; None when ``func`` has
+    no root block to look under (dlight's own analysis then decides)."""
+    try:
+        sch = s_tir.Schedule(func)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    except TVM_ERRORS:
+        return None
     return any(iv.iter_type == tirx.IterVar.CommReduce
-               for block in sch.get_child_blocks(sch.get_sblock("root"))
-               for iv in sch.get(block).iter_vars)
+               for block in blocks for iv in sch.get(block).iter_vars)
 
 
 class GuardedGEMV(dl.gpu.GEMV):
@@ -52,7 +58,7 @@ class GuardedGEMV(dl.gpu.GEMV):
     ``dl.gpu.Fallback``'s schedule instead (module docstring)."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if not _has_reduction(func):
+        if _has_reduction(func) is False:
             return None
         space = super().apply(func, target, tunable)
         if space is None:
