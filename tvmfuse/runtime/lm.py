@@ -1,6 +1,8 @@
 """Greedy generation with a ``tvmfuse.compile_lm`` library. Needs only the TVM runtime (and numpy).
 
-State per loaded model: one K and one V cache per layer, ``(max_batch, Hkv, max_seq, D)``, allocated
+State per loaded model: one cache per layer, ``(max_batch, 2·Hkv·max_seq + Hq, D)`` (its keys,
+values and the decode step's query: :mod:`tvmfuse.llm.kernels`), and on CUDA the decode
+attention's int32 counters (metadata ``init: zeros``: zeroed once, left zero by every call), allocated
 once on the device and written in place by the library's entry points (no copy per step), and the
 weights (``<name>.safetensors``, uploaded once), passed to every entry point after the caches.
 
