@@ -79,7 +79,7 @@ class _Rewrite(relax.PyExprMutator):
         self.max_seq, self.cuda, self.prefix = max_seq, cuda, prefix
         self.caches: list[relax.Var] = []
         self.specs: list[CacheSpec] = []
-        self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar | None]] = {}
+        self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar]] = {}
         self.offsets = self.starts = None
         self.sync: relax.Var | None = None
 

@@ -96,9 +96,7 @@ def _duplicate_block(mod: tvm.IRModule, block: relax.DataflowBlock, gathers: set
         outer = [r for m in members for r in readers.get(m, []) if id(r) not in links]
         elementwise = [_call_tir_args(r.value) is not None
                        and _pattern_at_most(mod, r.value, _ELEMENTWISE_MAX) for r in outer]
-        if (outer and all(elementwise)
-                and any(len(readers.get(m, [])) >= 2 for m in members)
-                and all(r.var not in chains for r in outer)):
+        if outer and all(elementwise) and any(len(readers.get(m, [])) >= 2 for m in members):
             ends[var] = chain
     # a member of a copied chain whose readers are all copied away goes
     copied = {b.var for var, chain in ends.items() for b in chain}

@@ -25,32 +25,26 @@ from ..errors import TVM_ERRORS
 TINY = 64  # elements summed per output at or below which the serial schedule is used
 
 
-def reduction_length(func: tirx.PrimFunc) -> int | None:
-    """Elements summed per output by the reduction blocks of ``func`` (the largest static product
-    of their reduce extents); None when there is no reduction or an extent is symbolic."""
-    sch = s_tir.Schedule(func)
-    lengths = []
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
-        extents = [iv.dom.extent for iv in sch.get(block).iter_vars
-                   if iv.iter_type == tirx.IterVar.CommReduce]
-        if not extents:
-            continue
-        if not all(isinstance(e, tirx.IntImm) for e in extents):
-            return None
-        lengths.append(math.prod(int(e) for e in extents))
-    return max(lengths, default=None)
-
-
-def _has_reduction(func: tirx.PrimFunc) -> bool | None:
-    """Whether a block under the root of ``func`` has a reduction iterator; None when ``func`` has
-    no root block to look under (dlight's own analysis then decides)."""
+def _reduce_extents(func: tirx.PrimFunc) -> list[list] | None:
+    """The reduce-iterator extents of each reduction block under the root of ``func`` (empty: no
+    reduction); None when ``func`` has no root block to look under."""
     try:
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
     except TVM_ERRORS:
         return None
-    return any(iv.iter_type == tirx.IterVar.CommReduce
-               for block in blocks for iv in sch.get(block).iter_vars)
+    extents = ([iv.dom.extent for iv in sch.get(block).iter_vars
+                if iv.iter_type == tirx.IterVar.CommReduce] for block in blocks)
+    return [e for e in extents if e]
+
+
+def reduction_length(func: tirx.PrimFunc) -> int | None:
+    """Elements summed per output by the reduction blocks of ``func`` (the largest static product
+    of their reduce extents); None when there is no reduction or an extent is symbolic."""
+    extents = _reduce_extents(func)
+    if not extents or not all(isinstance(e, tirx.IntImm) for block in extents for e in block):
+        return None
+    return max(math.prod(int(e) for e in block) for block in extents)
 
 
 class GuardedGEMV(dl.gpu.GEMV):
@@ -58,7 +52,7 @@ class GuardedGEMV(dl.gpu.GEMV):
     ``dl.gpu.Fallback``'s schedule instead (module docstring)."""
 
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
-        if _has_reduction(func) is False:
+        if _reduce_extents(func) == []:  # no reduction: no GEMV (module docstring)
             return None
         space = super().apply(func, target, tunable)
         if space is None:

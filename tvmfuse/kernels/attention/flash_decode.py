@@ -13,11 +13,11 @@
              (the loops over the ≤ 128 chunks are unrolled: every load is issued at once)
 
 Over a cache (:func:`flash_decode_cache_primfunc`) q, K and V are rows of one per-layer state
-(:func:`state_rows`), and the combine can run in the partial kernel (``DecodeConfig.fused_combine``,
-one launch): each block fences
-its partial and counts itself in ``sync[b, y]`` (atomic add); the block that counts last combines
-the GC heads of its (b, y) and sets the counter back to 0, so the int32 ``sync`` buffer (zero
-before the first call) is zero after every call and a CUDA graph can replay the kernel.
+(:func:`state_rows`), and the combine can run in the partial kernel
+(``DecodeConfig.fused_combine``, one launch): each block fences its partial and counts itself in
+``sync[b, y]`` (atomic add); the block that counts last combines the GC heads of its (b, y) and
+sets the counter back to 0, so the int32 ``sync`` buffer (zero before the first call) is zero
+after every call and a CUDA graph can replay the kernel.
 
 Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
 the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
@@ -101,7 +101,7 @@ def state_rows(kv_heads: int, max_seq: int, q_heads: int) -> tuple[int, int, int
 def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
                                 config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
     """PrimFunc ``(state, offsets, starts, sync, out)``: the same kernel over a KV cache (``sync``
-is read only with ``config.fused_combine``: then one launch).
+    is read only with ``config.fused_combine``: then one launch).
 
     state ``(B, R, D)`` (:func:`state_rows`, M = ``spec.kv_len`` slots), out ``(B, 1, Hq, D)``;
     offsets, starts ``(B,)`` int32; ``sync`` :func:`sync_shape` int32, zero before the first call
