@@ -80,3 +80,18 @@ def assert_attention_kernel(path, kind: str) -> None:
             assert instr in sass, f"{arch}: no {instr} in the attention kernel (expected {kind})"
         for instr in never:
             assert instr not in sass, f"{arch}: {instr} in the attention kernel (expected {kind})"
+
+
+def kernel_bodies(source: str) -> dict[str, tuple[list[str], str]]:
+    """``{name: (pointer parameters, body)}`` of every ``__global__`` kernel in CUDA source."""
+    out = {}
+    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\) \{',
+                         source):
+        depth, i = 0, m.end() - 1
+        for j in range(i, len(source)):
+            depth += {"{": 1, "}": -1}.get(source[j], 0)
+            if depth == 0:
+                break
+        params = re.findall(r"\*\s*__restrict__\s+(\w+)", m.group(2))
+        out[m.group(1)] = (params, source[i + 1:j])
+    return out

@@ -20,7 +20,7 @@ from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tests.cuda_tools import needs_nvcc
+from tests.cuda_tools import kernel_bodies, needs_nvcc
 from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.build.inspect import cuda_source, fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
@@ -319,23 +319,38 @@ DECODE = CacheSpec(batch=4, seq=1, q_heads=8, kv_heads=2, head_dim=128, max_seq=
 DECODE_ROWS = ([0, 700, 999, 1500], [0, 100, 999, 5])  # offsets (1500: past the end), starts
 
 
+VARIANTS = [(False, False), (True, False), (False, True), (True, True)]
+VARIANT_IDS = ["two_kernels", "fused_combine", "two_kernels_prefetch", "fused_prefetch"]
+
+
 @needs_nvcc
-@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused_combine"])
-def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path, fused):
+@pytest.mark.parametrize("fused, prefetch", VARIANTS, ids=VARIANT_IDS)
+def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path, fused, prefetch):
     """The CUDA decode kernel is the flash-decoding one over the state (16-byte loads of the
     cache); its combine a second kernel, or in the same launch (the last block of a head row
     counts itself in ``sync`` with an atomic and combines); nvcc builds it for sm_80 and sm_90a
-    without spills."""
-    prim = cache_attention(DECODE, cuda=True, fused_combine=fused)
+    without spills. With ``l2_prefetch`` (sm_90 only: PDL) the partial kernel's only accesses
+    before its ``griddepcontrol.wait`` are the offsets/starts and two bulk L2 prefetches."""
+    prim = cache_attention(DECODE, cuda=True, fused_combine=fused, l2_prefetch=prefetch)
     assert [str(p.name) for p in prim.params] == ["state", "offsets", "starts", "sync", "out"]
     assert [int(d) for d in prim.params[3].ty.shape] == list(DECODE.sync_shape)
-    for name in ("sm80", "sm90"):
+    for name in ("sm90",) if prefetch else ("sm80", "sm90"):
         spec = get_target(name)
         with codegen_scope():
             source = cuda_source(tvm.compile(tvm.IRModule({"main": prim.with_attr(
                 "global_symbol", "main")}), target=spec.tvm_target()))
         kernels = set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))
         assert len(kernels) == (1 if fused else 2), kernels
+        bodies = kernel_bodies(source)
+        params, partial = bodies["main_kernel"]
+        assert ("griddepcontrol_wait" in partial) == prefetch
+        assert all("griddepcontrol" not in body for _, body in bodies.values() if body != partial)
+        if prefetch:  # before the wait: offsets/starts and the two prefetches of the state
+            before = partial[: partial.index("griddepcontrol_wait")]
+            assert before.count("prefetch_L2_global(") == 2, before
+            rest = re.sub(r"prefetch_L2_global\(\(&\(state\w*\[", "", before)
+            read = {p for p in params if re.search(rf"\b{p}\[", rest)}
+            assert read and read <= {"offsets_ptr", "starts_ptr"}, (read, before)
         sass = fatbin_sass(compile_fatbin(source, spec, tmp_path))
         text = next(t for arch, t in sass.items() if arch.startswith("sm_"))
         assert "LDG.E.128" in text
@@ -387,13 +402,14 @@ def test_cuda_prefill_append_moves_16_bytes_a_thread(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused_combine"])
-def test_cuda_decode_numerics_on_the_gpu(fused):
+@pytest.mark.parametrize("fused, prefetch", VARIANTS, ids=VARIANT_IDS)
+def test_cuda_decode_numerics_on_the_gpu(fused, prefetch):
     """H200: the decode kernel against float64 numpy for offsets 0, 700, 999, past the end; three
-    calls on the same counters (each call leaves them at zero for the next)."""
+    calls on the same counters (each call leaves them at zero for the next). The prefetching
+    variant launched plainly (its ``griddepcontrol.wait`` returns at once)."""
     dev = tvm.cuda()
-    lib = tvm.compile(tvm.IRModule({"main": cache_attention(DECODE, cuda=True, fused_combine=fused)
-                                    .with_attr("global_symbol", "main")}),
+    prim = cache_attention(DECODE, cuda=True, fused_combine=fused, l2_prefetch=prefetch)
+    lib = tvm.compile(tvm.IRModule({"main": prim.with_attr("global_symbol", "main")}),
                       target=get_target("sm90").tvm_target())
     sync = tvm.runtime.tensor(np.zeros(DECODE.sync_shape, "int32"), dev)
     for seed in (3, 4, 5):

@@ -16,7 +16,7 @@ from tvm.script import ir as I
 from tvm.script import tirx as T
 
 import tvmfuse
-from tests.cuda_tools import needs_nvcc
+from tests.cuda_tools import kernel_bodies, needs_nvcc
 from tvmfuse.build.inspect import cuda_source, launch_tags
 from tvmfuse.options import Options
 from tvmfuse.rules.programmatic_launch import (
@@ -103,21 +103,6 @@ def test_wait_goes_first_in_kernels_that_ask():
     tvm.ir.assert_structural_equal(insert_grid_dependency_wait(plain)["double"], plain["double"])
 
 
-def _kernels(source: str) -> dict[str, tuple[list[str], str]]:
-    """``{name: (pointer parameters, body)}`` of every ``__global__`` kernel in CUDA source."""
-    out = {}
-    for m in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(([^)]*)\) \{',
-                         source):
-        depth, i = 0, m.end() - 1
-        for j in range(i, len(source)):
-            depth += {"{": 1, "}": -1}.get(source[j], 0)
-            if depth == 0:
-                break
-        params = re.findall(r"\*\s*__restrict__\s+(\w+)", m.group(2))
-        out[m.group(1)] = (params, source[i + 1:j])
-    return out
-
-
 class _Mlp(torch.nn.Module):
     """RMSNorm (transformers' form) → gate/up SwiGLU → down + residual: GEMVs at M = 1."""
 
@@ -150,14 +135,14 @@ def sm90_prefetch_lib():
 
 
 def test_sm90_every_kernel_waits_first(sm90_lib):
-    kernels = _kernels(cuda_source(sm90_lib.executable))
+    kernels = kernel_bodies(cuda_source(sm90_lib.executable))
     assert kernels
     for name, (_, body) in kernels.items():  # the first statement (default: no GEMV prefetch)
         assert body.lstrip().startswith("tvm_builtin_ptx_griddepcontrol_wait();"), (name, body[:200])
 
 
 def test_sm90_gemv_prefetch_is_the_only_access_before_the_wait(sm90_prefetch_lib):
-    kernels = _kernels(cuda_source(sm90_prefetch_lib.executable))
+    kernels = kernel_bodies(cuda_source(sm90_prefetch_lib.executable))
     assert kernels
     gemv = 0
     for name, (params, body) in kernels.items():
@@ -216,7 +201,7 @@ def test_default_scope_is_the_decode_step_of_compile_lm():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval().half()
     lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=64, max_batch=1, prefill_lengths=[16])
-    kernels = _kernels(cuda_source(lib.executable))
+    kernels = kernel_bodies(cuda_source(lib.executable))
     waits = {name: "griddepcontrol_wait()" in body for name, (_, body) in kernels.items()}
     decode = [n for n in waits if "decode_cache_attention" in n or "greedy_advance" in n]
     prefill = [n for n in waits if n.startswith(("prefill16_k_append", "prefill16_v_append"))]

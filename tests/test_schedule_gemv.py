@@ -130,13 +130,17 @@ def _sass(func: tirx.PrimFunc, spec, tmp_path) -> tuple[str, str]:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("m, n, k, pair", [(1, 4096, 4096, False), (4, 688, 128, True),
-                                          (16, 4096, 4096, False), (64, 4096, 11008, False)])
-def test_sass(m, n, k, pair, tmp_path):
+@pytest.mark.parametrize("m, n, k, pair, stats", [
+    (1, 4096, 4096, False, False), (4, 688, 128, True, False), (16, 4096, 4096, False, False),
+    (64, 4096, 11008, False, False), (8, 12288, 4096, False, True), (8, 22016, 4096, True, True),
+    (1, 4096, 4096, False, True)])
+def test_sass(m, n, k, pair, stats, tmp_path):
+    """16-byte W loads, tensor cores exactly on the mma engine, no local memory — also with the
+    RMS statistics in the loop (the decode's QKV and gate/up at batch 8 and 1)."""
     p = GemvProblem(m, n, k, "float16", "float16", pair)
-    cfg = pick_config(p, 132)
+    cfg = pick_config(p, 132, row_stats=stats)
     for spec in (SM80, SM90):
-        sass, log = _sass(standalone(p, cfg), spec, tmp_path)
+        sass, log = _sass(standalone(p, cfg, rms_eps=1e-5 if stats else None), spec, tmp_path)
         for arch, text in sass.items():
             if not arch.startswith("sm_"):
                 continue

@@ -77,6 +77,11 @@ class Options:
     # of a head row combines; one launch) instead of a second kernel. Off: the 4-layer LM decoded
     # at 0.1767 ms/token with it, 0.1672 without (H200, session 14, one call)
     decode_fused_combine: bool = False
+    # compile_lm decode attention with programmatic launch (sm_90+): a layer's cache of at most
+    # this many bytes is prefetched into L2 by the attention kernel before it waits for the append
+    # kernel (the old rows load while the append runs); 0: never. Larger caches (the 7B at batch 8:
+    # 134 MB a layer) would only evict the weights from the 50 MB L2
+    decode_kv_prefetch_bytes: int = 24 << 20
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV

@@ -23,6 +23,10 @@ includes the host's launch cost: for an 8 µs kernel most of it), every row reco
 own duration from the profiler (``kernel_us``), the figure a CUDA-graph replay sees.
 
     python3 tools/bench/bench_gemv.py --shapes 7b --ms 8 --configs auto,mma:16:8:4,mma:8:8:4 --jobs 16
+
+``--stats``: the kernel RMS-normalises x with statistics it computes in its loop, as the decode's
+QKV and gate/up GEMVs do (``y = rstd · x·Wᵀ``; ``auto`` is then pick_config's ``row_stats``
+choice); the reference normalises in fp32, cuBLAS stays a plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ COPY_TBPS = 4.21
 ROTATE_BYTES = 200e6  # weight copies cycled per timing loop (> 4 × the 50 MB L2)
 
 
-def parse_config(spec: str, problem: Any, simt_max_m: int, sms: int):
+def parse_config(spec: str, problem: Any, simt_max_m: int, sms: int, stats: bool = False):
     """``auto`` (pick_config's choice) or ``ENGINE:ROWS:WARPS:UNROLL``, either with an optional
     ``+pfBYTES`` (L2 prefetch of each block's weight rows) → (GemvConfig, prefetch bytes)."""
     from tvmfuse.kernels.gemm.gemv import GemvConfig, pick_config
@@ -52,7 +56,7 @@ def parse_config(spec: str, problem: Any, simt_max_m: int, sms: int):
     spec, _, pf = spec.partition("+pf")
     prefetch = int(pf or 0)
     if spec == "auto":
-        return pick_config(problem, sms, simt_max_m), prefetch
+        return pick_config(problem, sms, simt_max_m, row_stats=stats), prefetch
     engine, rows, warps, unroll = spec.split(":")
     if engine not in ("mma", "simt"):
         raise ValueError(f"config {spec!r}: engine must be mma or simt")
@@ -60,8 +64,11 @@ def parse_config(spec: str, problem: Any, simt_max_m: int, sms: int):
     return cfg, prefetch
 
 
+RMS_EPS = 1e-5
+
+
 def build_kernel(m: int, n: int, k: int, dtype: str, target: str, cfg: Any, prefetch: int,
-                 path: str) -> str:
+                 path: str, stats: bool = False) -> str:
     """Build tvmfuse's GEMV kernel for (M, N, K) with ``cfg`` into the library ``path``
     (run in a worker process; returns ``path``)."""
     import os
@@ -77,7 +84,8 @@ def build_kernel(m: int, n: int, k: int, dtype: str, target: str, cfg: Any, pref
     from tvmfuse.targets import get_target
 
     problem = GemvProblem(m, n, k, dtype, dtype)
-    rt = tvm.compile(tvm.IRModule({"main": standalone(problem, cfg, prefetch)}),
+    func = standalone(problem, cfg, prefetch, RMS_EPS if stats else None)
+    rt = tvm.compile(tvm.IRModule({"main": func}),
                      target=get_target(target).tvm_target())
     rt.export_library(path)
     return path
@@ -127,8 +135,11 @@ def run_row(m: int, k: int, n: int, args: argparse.Namespace,
                for _ in range(copies)]
     y = torch.empty(m, n, device="cuda", dtype=tdt)
     row: dict[str, Any] = {"workload": "gemv", "shape": f"M={m} K={k} N={n}", "dtype": args.dtype,
-                           "weight_copies": copies}
-    ref = F.linear(x.float(), weights[0].float())
+                           "weight_copies": copies, "rms_stats": args.stats}
+    xf = x.float()
+    if args.stats:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+    ref = F.linear(xf, weights[0].float())
     cublas_ms = _time(lambda w: F.linear(x, w), weights, args.iters, args.warmup)
     cublas_us = common.kernel_us(lambda i: F.linear(x, weights[i % copies]), args.iters)
     row["baselines"] = {"cublas_ms": round(cublas_ms, 5),
@@ -175,7 +186,7 @@ def build_all(jobs: list[tuple[int, int, int]], specs: list[str], args: argparse
     import multiprocessing as mp
     import os
 
-    from tvmfuse.kernels.gemm.gemv import GemvProblem, check
+    from tvmfuse.kernels.gemm.gemv import GemvProblem, RowStats, check
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out: dict[tuple[int, int, int], dict[str, tuple[Any, Any]]] = {}
@@ -186,12 +197,14 @@ def build_all(jobs: list[tuple[int, int, int]], specs: list[str], args: argparse
             out[(m, k, n)] = {}
             seen = set()
             for spec in specs:
-                cfg, prefetch = parse_config(spec, problem, args.simt_max_m, sms)
-                if (cfg, prefetch) in seen or check(problem, cfg) is not None:
+                cfg, prefetch = parse_config(spec, problem, args.simt_max_m, sms, args.stats)
+                stats = RowStats(False, RMS_EPS) if args.stats else None
+                if (cfg, prefetch) in seen or check(problem, cfg, stats) is not None:
                     continue
                 seen.add((cfg, prefetch))
                 path = os.path.join(workdir, f"gemv_{m}_{k}_{n}_{len(futures)}.so")
-                fut = pool.submit(build_kernel, m, n, k, args.dtype, args.target, cfg, prefetch, path)
+                fut = pool.submit(build_kernel, m, n, k, args.dtype, args.target, cfg, prefetch, path,
+                                  args.stats)
                 futures[fut] = (m, k, n, spec, (cfg, prefetch))
         for fut in cf.as_completed(futures):
             m, k, n, spec, built = futures[fut]  # built: (GemvConfig, prefetch bytes)
@@ -216,6 +229,8 @@ def main() -> int:
     p.add_argument("--jobs", type=int, default=8, help="build processes")
     p.add_argument("--simt-max-m", type=int, default=4,
                    help="M up to which the CUDA-core engine runs (0: the mma engine for every M)")
+    p.add_argument("--stats", action="store_true",
+                   help="x RMS-normalised with in-loop statistics (the decode's QKV, gate/up)")
     p.add_argument("--out", help="results JSON (rows appended)")
     args = p.parse_args()
     if not torch.cuda.is_available():

@@ -233,6 +233,9 @@ def main() -> None:
                    help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
     p.add_argument("--decode-fused-combine", action="store_true",
                    help="Options.decode_fused_combine: the split-KV combine in the partial kernel")
+    p.add_argument("--decode-kv-prefetch", type=int, default=None,
+                   help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
+                        "no cache rows before its PDL wait; default: the option's default)")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -252,10 +255,12 @@ def main() -> None:
     row["programmatic_launch"] = args.programmatic_launch
     row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
     row["decode_fused_combine"] = args.decode_fused_combine
+    extra = {} if args.decode_kv_prefetch is None else {"decode_kv_prefetch_bytes": args.decode_kv_prefetch}
+    row["decode_kv_prefetch_bytes"] = Options(**extra).decode_kv_prefetch_bytes
     with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
                              programmatic_launch=args.programmatic_launch,
                              gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,
-                             decode_fused_combine=args.decode_fused_combine)):
+                             decode_fused_combine=args.decode_fused_combine, **extra)):
         lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
                                  prefill_lengths=sorted({args.ctx, prefill_len}))
     row["compile_s"] = round(time.perf_counter() - t0, 1)

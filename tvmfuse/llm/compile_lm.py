@@ -35,11 +35,14 @@ from tvm import relax
 from ..build import export_library
 from ..errors import CompileError, InputSpecError
 from ..frontend.torch_import import load_factory
+from ..options import current_options
 from ..passes import FuseDecomposedNorms, SimplifyNoOps
 from ..passes.attention import FuseAttention
 from ..passes.canonical import Canonicalize
 from ..passes.lift_weights import take_weights
 from ..pipeline import build, lower
+from ..rules.programmatic_launch import scope as pdl_scope
+from ..rules.programmatic_launch import supported as pdl_supported
 from ..runtime import load
 from ..runtime.lm import LM_FORMAT
 from ..targets import TargetSpec, get_target
@@ -68,7 +71,7 @@ def default_prefill_lengths(max_seq: int) -> list[int]:
 
 
 def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, cuda: bool,
-           tp: tuple[int, int] = (1, 0)) -> tvm.IRModule:
+           tp: tuple[int, int] = (1, 0), pdl: bool = False) -> tvm.IRModule:
     ids = sym.params[0]
     b, s = ids.ty.shape.values
     func = bind_shapes(sym, {str(b): batch, str(s): seq}).with_attr("global_symbol", name)
@@ -81,7 +84,7 @@ def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, c
         LastTokenLogits(),
         # before the cache: its kernels take the rank's head counts
         ShardTensorParallel(*tp),
-        DeriveKVCache(max_seq, cuda), relax.transform.DeadCodeElimination(),
+        DeriveKVCache(max_seq, cuda, pdl), relax.transform.DeadCodeElimination(),
     ]
     for stage in stages:
         mod = stage(mod)
@@ -117,8 +120,12 @@ def _lower_rank(sym: relax.Function, entries: dict[str, int], max_batch: int, ma
     """Every entry point of rank ``tp[1]`` of ``tp[0]``: (decode before lowering, lowered module,
     weights)."""
     combined = tvm.IRModule()
+    # the decode kernels launch programmatically (PDL): its attention may prefetch before waiting
+    pdl = (spec.is_cuda and pdl_scope(current_options().programmatic_launch) != "off"
+           and pdl_supported(spec.tvm_target()))
     for name, seq in entries.items():
-        for gv, func in _entry(sym, name, max_batch, seq, max_seq, spec.is_cuda, tp).functions.items():
+        for gv, func in _entry(sym, name, max_batch, seq, max_seq, spec.is_cuda, tp,
+                               pdl).functions.items():
             combined[gv] = func
     # greedy steps on the device: decode + advance on the same tensors, capturable as a CUDA graph
     decode = combined["decode"]

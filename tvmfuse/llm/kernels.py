@@ -235,19 +235,22 @@ def _row_macro(spec: CacheSpec, scope: str):
     return row
 
 
-def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = False
-                    ) -> tvm.tirx.PrimFunc:
+def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = False,
+                    l2_prefetch: bool = False) -> tvm.tirx.PrimFunc:
     """``(state, offsets, starts, out)``: decode attention (S = 1) over the cache, this step's
     query from the state (module doc). CUDA takes ``sync`` (``spec.sync_shape`` int32, zero
     before the first call, left zero) before ``out``: the split-KV flash-decoding kernel reading
     the state in place, its combine a second kernel or (``fused_combine``) in the same launch
-    (:func:`~tvmfuse.kernels.attention.flash_decode.flash_decode_cache_primfunc`)."""
+    (:func:`~tvmfuse.kernels.attention.flash_decode.flash_decode_cache_primfunc`);
+    ``l2_prefetch`` (sm_90, kernels launched with PDL only): the partial kernel prefetches its
+    cache rows into L2 and then waits for its predecessor itself."""
     Bm, Hq = spec.batch, spec.q_heads
     if spec.seq != 1:
         raise ValueError(f"cache_attention: one query per sequence (decode), not S = {spec.seq}")
     if cuda and decode_check(spec.attention_spec()) is None:
         return _opaque(flash_decode_cache_primfunc(
-            spec.attention_spec(), config=DecodeConfig(fused_combine=fused_combine)), cuda)
+            spec.attention_spec(), config=DecodeConfig(fused_combine=fused_combine,
+                                                       l2_prefetch=l2_prefetch)), cuda)
     sshape, qshape, dt = spec.state_shape, spec.q_shape, spec.dtype
     row = _row_macro(spec, "local" if cuda else "global")
 

@@ -74,9 +74,10 @@ def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int) -> CacheSpec
 
 @relax.expr_functor.mutator
 class _Rewrite(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, max_seq: int, cuda: bool, prefix: str) -> None:
+    def __init__(self, mod: tvm.IRModule, max_seq: int, cuda: bool, prefix: str,
+                 pdl: bool = False) -> None:
         super().__init__(mod)
-        self.max_seq, self.cuda, self.prefix = max_seq, cuda, prefix
+        self.max_seq, self.cuda, self.prefix, self.pdl = max_seq, cuda, prefix, pdl
         self.caches: list[relax.Var] = []
         self.specs: list[CacheSpec] = []
         self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar]] = {}
@@ -92,8 +93,13 @@ class _Rewrite(relax.PyExprMutator):
         if spec not in self.kernels:
             n, add = len(self.kernels), self.builder_.add_func
             if spec.seq == 1:  # the RoPE of q and k and the V slice fuse into the append kernel
+                opts = current_options()
+                # with PDL, a cache that fits beside the weights in L2 is prefetched while the
+                # append runs (flash_decode's l2_prefetch)
+                state_bytes = math.prod(spec.state_shape) * tvm.DataType(spec.dtype).bits // 8
+                prefetch = self.pdl and state_bytes <= opts.decode_kv_prefetch_bytes
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
-                        add(cache_attention(spec, self.cuda, current_options().decode_fused_combine),
+                        add(cache_attention(spec, self.cuda, opts.decode_fused_combine, prefetch),
                             f"{self.prefix}cache_attention{n}"))
             else:
                 pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")
@@ -158,8 +164,10 @@ class _Rewrite(relax.PyExprMutator):
 class DeriveKVCache:
     """Every Relax function with attention gets the cache parameters (module doc)."""
 
-    def __init__(self, max_seq: int, cuda: bool = False) -> None:
-        self.max_seq, self.cuda = max_seq, cuda
+    def __init__(self, max_seq: int, cuda: bool = False, pdl: bool = False) -> None:
+        """``pdl``: the decode kernels launch programmatically (sm_90+, ``programmatic_launch``
+        on): the decode attention may prefetch its cache rows before its wait."""
+        self.max_seq, self.cuda, self.pdl = max_seq, cuda, pdl
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         out = mod.clone()
@@ -167,7 +175,7 @@ class DeriveKVCache:
             if not isinstance(func, relax.Function):
                 continue
             batch = int(func.params[0].ty.shape.values[0])
-            rw = _Rewrite(out, self.max_seq, self.cuda, prefix=f"{gv.name_hint}_")
+            rw = _Rewrite(out, self.max_seq, self.cuda, prefix=f"{gv.name_hint}_", pdl=self.pdl)
             rw.set_batch(batch)
             body = rw.visit_expr(func.body)
             if not rw.specs:

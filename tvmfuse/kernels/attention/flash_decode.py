@@ -19,6 +19,14 @@ Over a cache (:func:`flash_decode_cache_primfunc`) q, K and V are rows of one pe
 sets the counter back to 0, so the int32 ``sync`` buffer (zero before the first call) is zero
 after every call and a CUDA graph can replay the kernel.
 
+With ``l2_prefetch`` the partial kernel, launched programmatically (PDL) while the append kernel
+before it still runs, first has one thread hand its chunk's K rows and V rows (two contiguous
+ranges) to the TMA unit as bulk L2 prefetches, then executes ``griddepcontrol.wait`` itself (the
+PDL device pass then adds no wait of its own): the cache's old rows come from HBM while the
+append runs, and the reads after the wait hit L2. Safe for the row the append writes: L2 is the
+point of coherence, so a prefetched line is updated by the later write; offsets/starts were
+written kernels earlier (a kernel launches only once its predecessor passed its own wait).
+
 Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
 the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
 
@@ -51,7 +59,9 @@ _MAX_SPLITS = 128  # the combine unrolls its loops over the chunks
 @dataclass(frozen=True)
 class DecodeConfig:
     """``unroll`` keys in flight per lane group; ``splits`` KV chunks (0: ~2 blocks per SM);
-    ``fused_combine`` (over a cache only): the combine in the partial kernel (module doc).
+    ``fused_combine`` (over a cache only): the combine in the partial kernel (module doc);
+    ``l2_prefetch`` (over a cache, sm_90, launched with PDL): each block prefetches its K and V
+    rows into L2, then waits for its predecessor (``griddepcontrol.wait``) — module doc.
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -60,6 +70,7 @@ class DecodeConfig:
     unroll: int = 8
     splits: int = 0
     fused_combine: bool = False
+    l2_prefetch: bool = False
 
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
@@ -140,6 +151,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     q_shape, kv_shape, out_shape = spec.q_shape, at(QKV_L, B, Skv, Hkv, D), spec.out_shape
     fused_combine = cache and cfg.fused_combine  # the counters live beside the cache
+    prefetch = cache and cfg.l2_prefetch
+    row_bytes = D * tvm.DataType(dt).bits // 8
     k0, v0, q0, rows = state_rows(Hkv, Skv, Hq)
 
     def q_at(b, h, d):
@@ -189,6 +202,29 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
             odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
 
+    tail_iters = (GC * D + _THREADS - 1) // _THREADS
+    unroll_tail = tail_iters * n_split <= 512  # the loads of every output in flight together
+
+    @T.macro
+    def tail_output(part_o, sm_ml2, out, c, b, h0, idx):
+        """Fused combine: output element ``idx`` (head h0 + idx // D) from the chunks' (m, l) in
+        ``sm_ml2`` (shared, [head, chunk, 2]) and their partial sums in ``part_o``."""
+        if idx < GC * D:
+            hh: T.let[T.int32] = idx // D
+            c[0] = T.float32(_NEG_INF)
+            for sp2 in T.unroll(n_split):
+                c[0] = T.max(c[0], sm_ml2[(hh * n_split + sp2) * 2])
+            c[1] = T.if_then_else(c[0] == T.float32(_NEG_INF), T.float32(0), c[0])
+            c[2] = T.float32(0)
+            c[3] = T.float32(0)
+            for sp2 in T.unroll(n_split):
+                c[2] = c[2] + T.exp2(sm_ml2[(hh * n_split + sp2) * 2] - c[1]) * part_o[
+                    ((b * Hq + h0 + hh) * n_split + sp2) * D + idx % D]
+                c[3] = c[3] + T.exp2(sm_ml2[(hh * n_split + sp2) * 2] - c[1]) * sm_ml2[
+                    (hh * n_split + sp2) * 2 + 1]
+            out[at(OUT_L, b, 0, h0 + hh, idx % D)] = T.Cast(
+                odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
+
     @T.macro
     def body(q, k, v, bias, out, offsets, starts, sync):
         part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
@@ -223,6 +259,15 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 ke = T.meta_var(kv_eff)
                 Lc = T.meta_var(L)
             j0: T.let[T.int32] = sp * Lc
+            if prefetch:  # this chunk's K and V rows into L2, then wait for the append (module doc)
+                n_rows: T.let[T.int32] = T.max(T.min(Lc, ke - j0), 0)
+                if tx == 0 and n_rows > 0:
+                    T.ptx.cp.async_.bulk.prefetch.L2.global_(
+                        T.address_of(k[k_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
+                    T.ptx.cp.async_.bulk.prefetch.L2.global_(
+                        T.address_of(v[v_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
+                T.ptx.griddepcontrol.wait()
+                T.ptx.griddepcontrol.launch_dependents()
             for hh in T.unroll(GC):
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
@@ -300,7 +345,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 last_in = T.alloc_buffer((1,), "int32", scope="shared")
                 arrived = T.alloc_buffer((1,), "int32", scope="local")  # (no shared load in an if)
                 cc = T.alloc_buffer((4,), "float32", scope="local")
-                mcc = T.alloc_buffer((n_split,), "float32", scope="local")
                 T.cuda.thread_fence()
                 T.tvm_storage_sync("shared")
                 if tx == 0:
@@ -309,10 +353,22 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 arrived[0] = last_in[0]
                 if arrived[0] == n_split - 1:
                     T.cuda.thread_fence()
-                    for it3 in T.serial((GC * D + _THREADS - 1) // _THREADS):
-                        idx3: T.let[T.int32] = it3 * _THREADS + tx
-                        if idx3 < GC * D:
-                            combine(part_o, part_ml, out, cc, mcc, b * Hq + h0 + idx3 // D, idx3 % D)
+                    # every chunk's (m, l) of the GC heads into shared memory at once (sm_o is free:
+                    # the merge above read it before the barrier), then each output element loads
+                    # its n_split partials together: two L2 round trips for the whole tail
+                    for it4 in T.serial((GC * n_split + _THREADS - 1) // _THREADS):
+                        idx4: T.let[T.int32] = it4 * _THREADS + tx
+                        if idx4 < GC * n_split:
+                            src: T.let[T.int32] = (b * Hq + h0 + idx4 // n_split) * n_split + idx4 % n_split
+                            sm_o[idx4 * 2] = part_ml[src * 2]
+                            sm_o[idx4 * 2 + 1] = part_ml[src * 2 + 1]
+                    T.tvm_storage_sync("shared")
+                    if unroll_tail:
+                        for it3 in T.unroll(tail_iters):
+                            tail_output(part_o, sm_o, out, cc, b, h0, it3 * _THREADS + tx)
+                    else:
+                        for it3 in T.serial(tail_iters):
+                            tail_output(part_o, sm_o, out, cc, b, h0, it3 * _THREADS + tx)
                     if tx == 0:
                         sync[b * (Hkv * HC) + yb] = 0
         if not fused_combine:

@@ -304,12 +304,18 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                             if kq < p.k and i * 16 + h * 8 + lane // 4 < p.m:
                                 av[T.Ramp(((u * mt + i) * 2 + h) * VEC, 1, VEC)] = x[
                                     i * 16 + h * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
-                                if has_stats:
-                                    stat_add(i * 2 + h, i * 16 + h * 8 + lane // 4, av,
-                                             ((u * mt + i) * 2 + h) * VEC)
                             else:
                                 av[T.Ramp(((u * mt + i) * 2 + h) * VEC, 1, VEC)] = zeros()
                 for u in T.unroll(unroll):
+                    if has_stats:
+                        # after every load of the iteration is issued: summed right after its own
+                        # load, x of chunk 0 stalled the loads of chunks 1.. (session 15)
+                        kq2 = T.meta_var(chunk_k(it, wid, u, (lane % 4) * VEC))
+                        for i in T.unroll(mt):
+                            for h in T.unroll(2):
+                                if kq2 < p.k and i * 16 + h * 8 + lane // 4 < p.m:
+                                    stat_add(i * 2 + h, i * 16 + h * 8 + lane // 4, av,
+                                             ((u * mt + i) * 2 + h) * VEC)
                     for s in T.unroll(2):
                         # A fragment of step s: a0 = row g halves 4s, 4s+1; a1 = row g+8; a2, a3:
                         # halves 4s+2, 4s+3 of rows g, g+8
@@ -410,19 +416,30 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
 
 
 def standalone(problem: GemvProblem, cfg: GemvConfig | None = None,
-               l2_prefetch: int = 0) -> tirx.PrimFunc:
+               l2_prefetch: int = 0, rms_eps: float | None = None) -> tirx.PrimFunc:
     """``main(x, W, y)`` with ``y = cast(x · Wᵀ)`` (pair: ``y[m, c] = cast(silu(y₂c) · y₂c₊₁)``),
-    for tests, benchmarks and device probes; the rule builds its kernels from fused PrimFuncs."""
+    for tests, benchmarks and device probes; the rule builds its kernels from fused PrimFuncs.
+    ``rms_eps``: x is RMS-normalised first, its statistics computed in the loop (the decode's QKV
+    and gate/up): ``y = cast(rstd_m · x·Wᵀ)``, ``rstd_m = 1/√(mean_k x[m, k]² + eps)``."""
     p = problem
-    cfg = cfg or pick_config(p, 132)
+    cfg = cfg or pick_config(p, 132, row_stats=rms_eps is not None)
+    stats = RowStats(False, rms_eps) if rms_eps is not None else None
     out_n = p.n // 2 if p.pair else p.n
     params = [tirx.decl_buffer(shape, dtype, name=name, data_alignment=16)
               for name, shape, dtype in (("x", (p.m, p.k), p.in_dtype), ("w", (p.n, p.k), p.in_dtype),
                                          ("y", (p.m, out_n), p.out_dtype))]
 
-    def silu_mul(a, b, row, col, stats):
+    def scaled(acc, st):
+        return acc * st[1] if st is not None else acc
+
+    def silu_mul(a, b, row, col, st):
+        a, b = scaled(a, st), scaled(b, st)
         return T.Cast(p.out_dtype, a * T.sigmoid(a) * b)
 
-    func = gemv_kernel(p, cfg, params, 0, 1, 2, pair_value=silu_mul if p.pair else None,
+    def store(acc, row, col, st):
+        return T.Cast(p.out_dtype, scaled(acc, st))
+
+    func = gemv_kernel(p, cfg, params, 0, 1, 2, store_value=None if p.pair else store,
+                       pair_value=silu_mul if p.pair else None, row_stats=stats,
                        l2_prefetch=l2_prefetch)
     return func.with_attr("global_symbol", "main")
