@@ -18,7 +18,7 @@ from tvm.script import tirx as T
 import tvmfuse
 from tests.cuda_tools import kernel_bodies, needs_nvcc
 from tvmfuse.build.inspect import cuda_source, launch_tags
-from tvmfuse.options import Options, use_options
+from tvmfuse.options import Options
 from tvmfuse.rules.programmatic_launch import (
     PDL_TAG,
     insert_grid_dependency_wait,
@@ -28,25 +28,6 @@ from tvmfuse.rules.programmatic_launch import (
 )
 
 ALL = Options(programmatic_launch="all")
-
-
-def _order(func) -> tuple[str, str]:
-    """The first two griddepcontrol actions of a kernel's body."""
-    return tuple(str(s.value.args[0]).strip('"') for s in list(func.body)[:2])
-
-
-def test_decode_append_triggers_early_with_the_option():
-    """``decode_early_trigger``: the decode append kernel lets its successor launch before it waits
-    (``launch_dependents; wait``); every other kernel keeps ``wait; launch_dependents``; off by
-    default."""
-    mod = mark_programmatic_launch("all")(_module())
-    mod["fused_rope_decode_decode_append0_kernel"] = mod["double"]
-    with use_options(Options(decode_early_trigger=True)):
-        out = insert_grid_dependency_wait(mod)
-    assert _order(out["fused_rope_decode_decode_append0_kernel"]) == ("launch_dependents", "wait")
-    assert _order(out["double"]) == ("wait", "launch_dependents")
-    default = insert_grid_dependency_wait(mod)
-    assert _order(default["fused_rope_decode_decode_append0_kernel"]) == ("wait", "launch_dependents")
 
 
 def _module():

@@ -236,9 +236,6 @@ def main() -> None:
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
                    help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
                         "no cache rows before its PDL wait; default: the option's default)")
-    p.add_argument("--decode-early-trigger", action="store_true",
-                   help="Options.decode_early_trigger: the append kernel triggers the attention "
-                        "before its own PDL wait")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -259,9 +256,7 @@ def main() -> None:
     row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
     row["decode_fused_combine"] = args.decode_fused_combine
     extra = {} if args.decode_kv_prefetch is None else {"decode_kv_prefetch_bytes": args.decode_kv_prefetch}
-    extra["decode_early_trigger"] = args.decode_early_trigger
     row["decode_kv_prefetch_bytes"] = Options(**extra).decode_kv_prefetch_bytes
-    row["decode_early_trigger"] = args.decode_early_trigger
     with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
                              programmatic_launch=args.programmatic_launch,
                              gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,

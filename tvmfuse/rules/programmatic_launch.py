@@ -24,9 +24,7 @@ Two pieces, both here:
   ``wait; launch_dependents`` as its first statements — so it touches no memory before its
   predecessor is done, and lets its own successor launch. Generators that know which reads are
   safe before the wait (the GEMV's weights: :func:`~tvmfuse.kernels.gemm.gemv.gemv_kernel`'s
-  ``l2_prefetch``, the decode attention's cache rows) place the wait themselves; this pass then
-  leaves the kernel alone. With ``Options.decode_early_trigger`` the decode append kernel gets
-  ``launch_dependents; wait`` instead (:func:`triggers_early`).
+  ``l2_prefetch``) place the wait themselves; this pass then leaves the kernel alone.
 
 A prefetch into L2 is safe before the wait even for memory the predecessor writes: L2 is the
 point of coherence of global memory, so a line prefetched early is updated by a later write.
@@ -124,33 +122,15 @@ def mark_programmatic_launch(option: str | bool) -> tvm.transform.Pass:
     return mark
 
 
-EARLY_TRIGGER = "decode_append"  # compile_lm's decode append kernels (llm/kv_cache.py names them)
-
-
-def triggers_early(name: str) -> bool:
-    """With ``Options.decode_early_trigger``: the decode append kernel (its successor, the split-KV
-    attention, prefetches its cache rows before its own wait) lets its successor launch before it
-    waits itself, so that prefetch overlaps the QKV GEMV, not only the append."""
-    from ..options import current_options
-
-    return current_options().decode_early_trigger and EARLY_TRIGGER in name
-
-
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.InsertGridDependencyWait")
 def insert_grid_dependency_wait(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     """Device kernels that ask for PDL and do not wait themselves: ``wait; launch_dependents``
-    before their body (on a copy); ``launch_dependents; wait`` for :func:`triggers_early` ones.
-    A kernel's successor launches only once every block of it is resident, so an early trigger
-    never keeps the kernel itself from running; the successor reads nothing this kernel or its
-    predecessor writes before its own wait."""
+    before their body (on a copy)."""
     out = tvm.IRModule(dict(mod.functions_items()), attrs=mod.attrs)
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or not asks_for_pdl(func) or _has_wait(func.body):
             continue
-        order = ["wait", "launch_dependents"]
-        if triggers_early(gv.name_hint):
-            order.reverse()
-        body = tirx.SeqStmt([*(griddepcontrol(a) for a in order), func.body])
+        body = tirx.SeqStmt([griddepcontrol("wait"), griddepcontrol("launch_dependents"), func.body])
         out[gv] = func.with_body(body)
     return out
 
