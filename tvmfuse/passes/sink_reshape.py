@@ -149,15 +149,36 @@ class SinkReshape:
         return rewrite_functions(mod, without_large_constants(_sink))  # weights not read
 
 
+def drop_same_shape_broadcasts(func: relax.Function) -> relax.Function:
+    """``broadcast_to(x, shape of x)`` → ``x`` (symbolic dims compared structurally)."""
+    x = wildcard()
+
+    def drop(expr, m):
+        return m[x] if same_shape(known_shape(m[x]), known_shape(expr)) else expr
+
+    return rewrite_call(is_op("relax.broadcast_to")(x, wildcard()), drop, func)
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.RemoveRedundantReshape")
 class RemoveRedundantReshapes:
-    """TVM's ``RemoveRedundantReshape`` (views only) run with the weights lifted: on a 7B-shaped
-    layer it spent ~2 s per function carrying the constants through its rewriter."""
+    """TVM's ``RemoveRedundantReshape`` (views only), then broadcasts of a tensor to its own
+    shape dropped, with the weights lifted (on a 7B-shaped layer TVM's pass spent ~2 s per
+    function carrying the constants through its rewriter).
+
+    A Linear on a (B, S, K) activation with B > 1 arrives as a broadcast of x to its own shape
+    before the 3-D matmul; left in place it is a copy kernel (compile_lm's batch-8 decode: one a
+    layer, between the attention and the O projection). Dropped here, after the attention and
+    norm patterns: FuseAttention tells a mask from the scores by such broadcasts (GPT-2's
+    ``where``, the decoder layer's additive mask)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         inner = RemoveRedundantReshape()
+
+        def rewrite(gv, f):
+            return drop_same_shape_broadcasts(inner(tvm.IRModule({gv: f}))[gv])
+
         out = mod.clone()  # assigned into below: not the caller's module
         for gv, func in mod.functions_items():
             if isinstance(func, relax.Function):
-                out[gv] = without_large_constants(lambda f, gv=gv: inner(tvm.IRModule({gv: f}))[gv])(func)
+                out[gv] = without_large_constants(lambda f, gv=gv: rewrite(gv, f))(func)
         return out
