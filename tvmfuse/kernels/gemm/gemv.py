@@ -146,15 +146,15 @@ def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4,
     chunks in flight per warp (2 above M = 16: the A fragments' registers) — in the 7B model at
     batch 8 the down projection went from 39.4 to 26.3 µs and O from 16.2 to 11.7 µs a layer
     (``bench_gemv.py --configs`` at M = 8: the fastest or within 1.5 % on all four shapes). With
-    ``row_stats`` every block recomputes the statistics of all of x, so fewer, larger blocks:
-    rows from 32 / 16 / 8 as long as every SM gets a block, 4 warps, 2 chunks in flight (the
-    8-row config made the in-model QKV 1089 → 1239 µs and gate/up 1796 → 2255 µs a step).
-    Default ``simt_max_m`` 4: the engines tie at M = 4 over the 7B shapes and the mma engine is
-    1.5× faster at M = 8 (session 11)."""
+    ``row_stats`` every block recomputes the statistics of all of x: 32-row blocks of 4 warps
+    with 2 chunks in flight where N still gives every SM a block, else the 8-row config
+    (``bench_gemv.py --stats`` at M = 8, session 15: 32 rows 28.3 vs 28.9 µs on 4096×12288 and
+    49.1 vs 49.7 on 4096×22016; on N = 4096 the 16-row 4-warp choice of before took 16.8 vs 11.7 µs
+    and 40.6 vs 26.4 µs). Default ``simt_max_m`` 4: the engines tie at M = 4 over the 7B shapes and
+    the mma engine is 1.5× faster at M = 8 (session 11)."""
     if problem.m > min(simt_max_m, SIMT_MAX_M):
-        if row_stats:
-            rows = next((r for r in (32, 16, 8) if _cdiv(problem.n, r) >= sms), 8)
-            cfg = GemvConfig(rows=rows, warps=4, unroll=2, mma=True)
+        if row_stats and _cdiv(problem.n, 32) >= sms:
+            cfg = GemvConfig(rows=32, warps=4, unroll=2, mma=True)
         else:
             cfg = GemvConfig(rows=8, warps=8, unroll=4 if _cdiv(problem.m, 16) == 1 else 2, mma=True)
     else:
