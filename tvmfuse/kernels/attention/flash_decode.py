@@ -187,20 +187,33 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     full = T.uint32(0xFFFFFFFF)
 
     @T.macro
-    def combine(part_o, part_ml, out, c, mc, bh, t2):
-        """Element t2 of head row bh = b·Hq + h from the n_split partials (module doc)."""
+    def merge(c, m_at, l_at, o_at):
+        """``c[2] / c[3]`` = Σ_c 2^(m_c − M)·o_c / Σ_c 2^(m_c − M)·l_c over the n_split chunks,
+        M = max_c m_c (``c[0]``; ``c[1]``: 0 where every chunk is empty); ``m_at(c)``, ``l_at(c)``,
+        ``o_at(c)`` give chunk c's running max, sum and partial output."""
         c[0] = T.float32(_NEG_INF)
         for sp2 in T.unroll(n_split):
-            mc[sp2] = part_ml[(bh * n_split + sp2) * 2]
-            c[0] = T.max(c[0], mc[sp2])
+            c[0] = T.max(c[0], m_at(sp2))
         c[1] = T.if_then_else(c[0] == T.float32(_NEG_INF), T.float32(0), c[0])
         c[2] = T.float32(0)
         c[3] = T.float32(0)
         for sp2 in T.unroll(n_split):
-            c[2] = c[2] + T.exp2(mc[sp2] - c[1]) * part_o[(bh * n_split + sp2) * D + t2]
-            c[3] = c[3] + T.exp2(mc[sp2] - c[1]) * part_ml[(bh * n_split + sp2) * 2 + 1]
-        out[at(OUT_L, bh // Hq, 0, bh % Hq, t2)] = T.Cast(
+            c[2] = c[2] + T.exp2(m_at(sp2) - c[1]) * o_at(sp2)
+            c[3] = c[3] + T.exp2(m_at(sp2) - c[1]) * l_at(sp2)
+
+    @T.macro
+    def store(out, c, b, h, d):
+        out[at(OUT_L, b, 0, h, d)] = T.Cast(
             odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
+
+    @T.macro
+    def combine(part_o, part_ml, out, c, mc, bh, t2):
+        """Element t2 of head row bh = b·Hq + h from the n_split partials (module doc)."""
+        for sp2 in T.unroll(n_split):
+            mc[sp2] = part_ml[(bh * n_split + sp2) * 2]
+        merge(c, lambda s: mc[s], lambda s: part_ml[(bh * n_split + s) * 2 + 1],
+              lambda s: part_o[(bh * n_split + s) * D + t2])
+        store(out, c, bh // Hq, bh % Hq, t2)
 
     tail_iters = (GC * D + _THREADS - 1) // _THREADS
     unroll_tail = tail_iters * n_split <= 512  # the loads of every output in flight together
@@ -211,19 +224,10 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         ``sm_ml2`` (shared, [head, chunk, 2]) and their partial sums in ``part_o``."""
         if idx < GC * D:
             hh: T.let[T.int32] = idx // D
-            c[0] = T.float32(_NEG_INF)
-            for sp2 in T.unroll(n_split):
-                c[0] = T.max(c[0], sm_ml2[(hh * n_split + sp2) * 2])
-            c[1] = T.if_then_else(c[0] == T.float32(_NEG_INF), T.float32(0), c[0])
-            c[2] = T.float32(0)
-            c[3] = T.float32(0)
-            for sp2 in T.unroll(n_split):
-                c[2] = c[2] + T.exp2(sm_ml2[(hh * n_split + sp2) * 2] - c[1]) * part_o[
-                    ((b * Hq + h0 + hh) * n_split + sp2) * D + idx % D]
-                c[3] = c[3] + T.exp2(sm_ml2[(hh * n_split + sp2) * 2] - c[1]) * sm_ml2[
-                    (hh * n_split + sp2) * 2 + 1]
-            out[at(OUT_L, b, 0, h0 + hh, idx % D)] = T.Cast(
-                odt, T.if_then_else(c[3] > T.float32(0), c[2] / c[3], T.float32(0)))
+            merge(c, lambda s: sm_ml2[(hh * n_split + s) * 2],
+                  lambda s: sm_ml2[(hh * n_split + s) * 2 + 1],
+                  lambda s: part_o[((b * Hq + h0 + hh) * n_split + s) * D + idx % D])
+            store(out, c, b, h0 + hh, idx % D)
 
     @T.macro
     def body(q, k, v, bias, out, offsets, starts, sync):
