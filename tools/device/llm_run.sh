@@ -10,6 +10,8 @@
 #   7b        bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor, prefill 2048 vs compile (~500 s)
 #   7b_b8     bench_lm_decode 7b, batch 8, ctx 1024                                         (~300 s)
 #   7b4       the 7B shapes with 4 layers, ctx 2048: prefill kernel split vs torch.compile   (~150 s)
+#   ratio     the batch-8 ratio in one call: 7b at batch 8, then at batch 1                  (~440 s)
+#   split     PDL-off kernel splits of the 7B shapes with 4 layers at batch 1 and 8          (~125 s)
 #   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -27,7 +29,7 @@ step() {  # name, limit in seconds, command...
 for s in "$@"; do
   case $s in
     tests) step tests 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_llm_compile_lm.py \
-             tests/test_llm_kv_cache.py tests/test_pass_programmatic_launch.py tests/test_schedule_gemv.py \
+             tests/test_llm_kv_cache.py tests/test_llm_greedy.py tests/test_pass_programmatic_launch.py tests/test_schedule_gemv.py \
              tests/test_schedule_gemm_sm90_buckets.py -k "not tensor_parallel" ;;
     lm4) step lm4 400 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
            --out "$OUT/lm4.json" ;;
@@ -40,6 +42,14 @@ for s in "$@"; do
     7b4) step 7b4 300 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 2048 --new 16 --no-compile \
            --compile-prefill --out "$OUT/7b4.json" ;;
     gemv) step gemv 400 python3 tools/bench/bench_gemv.py --out "$OUT/gemv.json" ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv)"; exit 2 ;;
+    ratio) step 7b_b8 300 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 16 --batch 8 \
+             --no-compile --out "$OUT/7b_b8.json"
+           step 7b_b1 280 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 32 \
+             --no-compile --out "$OUT/7b_b1.json" ;;
+    split) for b in 8 1; do
+             step "7b4_b${b}_off" 90 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
+               --batch "$b" --no-compile --programmatic-launch off --out "$OUT/7b4_b${b}_off.json"
+           done ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split)"; exit 2 ;;
   esac
 done
