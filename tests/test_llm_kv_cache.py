@@ -25,6 +25,7 @@ from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.build.inspect import cuda_source, fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.errors import CompileError
+from tvmfuse.kernels.attention.flash_decode import DecodeConfig, flash_decode_cache_primfunc
 from tvmfuse.llm.kernels import CacheSpec, cache_attention, decode_append, kv_append
 from tvmfuse.llm.kv_cache import DeriveKVCache
 from tvmfuse.targets import get_target
@@ -360,6 +361,30 @@ def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path, fused, p
         assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+MHA_DECODE = dataclasses.replace(DECODE, q_heads=8, kv_heads=8)  # one query head a block (GC = 1)
+
+
+def _pipelined(spec: CacheSpec, fused: bool = False) -> tvm.tirx.PrimFunc:
+    return flash_decode_cache_primfunc(spec.attention_spec(), config=DecodeConfig(
+        pipeline=True, fused_combine=fused)).with_attr("global_symbol", "main")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("spec", [DECODE, MHA_DECODE], ids=["gqa", "mha"])
+def test_cuda_decode_pipelined_builds_without_spills(spec, tmp_path):
+    """``DecodeConfig(pipeline=True)`` (a second register set of keys and values): nvcc builds it
+    for sm_90a with 16-byte loads and no local memory, for 4 query heads a block and for 1."""
+    target = get_target("sm90")
+    with codegen_scope():
+        source = cuda_source(tvm.compile(tvm.IRModule({"main": _pipelined(spec)}),
+                                         target=target.tvm_target()))
+    sass = fatbin_sass(compile_fatbin(source, target, tmp_path))
+    text = next(t for arch, t in sass.items() if arch.startswith("sm_"))
+    assert "LDG.E.128" in text and "STL" not in text
+    log = (tmp_path / "kernels.ptxas.log").read_text()
+    assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
 def test_cuda_decode_takes_one_counter_buffer_for_every_layer():
     """On CUDA every entry point gains ``attn_sync`` after the caches (the decode kernels' counters;
     one buffer: the layers' kernels run one after another), and each decode attention reads it."""
@@ -420,3 +445,21 @@ def test_cuda_decode_numerics_on_the_gpu(fused, prefetch):
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err < 2e-3, (seed, err)
         assert not sync.numpy().any(), sync.numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [DECODE, MHA_DECODE], ids=["gqa", "mha"])
+@pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused_combine"])
+def test_cuda_decode_pipelined_numerics_on_the_gpu(spec, fused):
+    """H200: the pipelined variant against float64 numpy (offsets 0, 700, 999, past the end: chunks
+    of 0, 1 and several iterations, odd and even counts)."""
+    dev = tvm.cuda()
+    lib = tvm.compile(tvm.IRModule({"main": _pipelined(spec, fused)}),
+                      target=get_target("sm90").tvm_target())
+    sync = tvm.runtime.tensor(np.zeros(spec.sync_shape, "int32"), dev)
+    for seed in (3, 4):
+        args, ref = _cache_attention_case(spec, *DECODE_ROWS, seed=seed)
+        out = tvm.runtime.empty(spec.q_shape, "float16", dev)
+        lib(*[tvm.runtime.tensor(a, dev) for a in args], sync, out)
+        err = np.linalg.norm(out.numpy().astype("float64") - ref) / np.linalg.norm(ref)
+        assert err < 2e-3, (seed, err)

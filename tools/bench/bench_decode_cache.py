@@ -4,8 +4,9 @@
     j over the visible slots 0 .. p (p = ctx − 1), M ≥ ctx slots; K, V and q are rows of the
     layer's state (B, 2·Hkv·M + Hq, D) as ``compile_lm`` lays it out (``state_rows``).
 
-Each ``DecodeConfig(unroll, splits, fused_combine)`` of ``--unroll`` × ``--splits`` ×
-``--combine`` (``kernel``: a second kernel, ``fused``: in the partial kernel) is built
+Each ``DecodeConfig(unroll, splits, fused_combine, pipeline)`` of ``--unroll`` × ``--splits`` ×
+``--combine`` (``kernel``: a second kernel, ``fused``: in the partial kernel) × ``--pipeline``
+(``off``; ``on``: a second register set, the next iteration's K/V loads in flight) is built
 (``flash_decode_cache_primfunc``), exported and loaded (kernels built in-process cannot launch
 on the device), checked against a float32 torch reference on random inputs and timed with CUDA
 events; the anchor is torch's SDPA on the visible slice (GQA by ``enable_gqa``). Rate: TB/s over
@@ -15,12 +16,14 @@ the visible K/V bytes (2·B·Hkv·ctx·D·2), floor at 4.21 TB/s. Shapes (``--ca
 
     python3 tools/bench/bench_decode_cache.py --case lm4 --unroll 2,4 --splits 0,33,66,128
     python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b_b8 --combine kernel,fused
+    python3 tools/bench/bench_decode_cache.py --case 7b --case 7b_b8 --pipeline off,on
     python3 tools/bench/bench_decode_cache.py --build-only      # nvcc builds only (any machine)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import tempfile
 from pathlib import Path
@@ -35,20 +38,18 @@ CASES = {"lm4": (1, 16, 4, 128, 2048, 2081), "7b": (1, 32, 32, 128, 1024, 1057),
          "7b_b8": (8, 32, 32, 128, 1024, 1057), "long": (1, 32, 8, 128, 8192, 8224)}
 
 
-def build(case: tuple[int, ...], unroll: int, splits: int, fused: bool, path: Path,
-          target: str = "sm90") -> Path:
-    """The cache kernel of ``case`` with ``DecodeConfig(unroll, splits, fused)``, exported to ``path``."""
+def build(case: tuple[int, ...], cfg: Any, path: Path, target: str = "sm90") -> Path:
+    """The cache kernel of ``case`` with the DecodeConfig ``cfg``, exported to ``path``."""
     import tvm
 
-    from tvmfuse.kernels.attention.flash_decode import DecodeConfig, flash_decode_cache_primfunc
+    from tvmfuse.kernels.attention.flash_decode import flash_decode_cache_primfunc
     from tvmfuse.kernels.attention.spec import AttentionSpec
     from tvmfuse.targets import get_target
     from tvmfuse.tvm_setup import codegen_scope
 
     b, hq, hkv, d, _ctx, m = case
     spec = AttentionSpec(b, 1, m, hq, hkv, d, "float16", d ** -0.5)
-    prim = flash_decode_cache_primfunc(spec, config=DecodeConfig(unroll=unroll, splits=splits,
-                                                                 fused_combine=fused))
+    prim = flash_decode_cache_primfunc(spec, config=cfg)
     with codegen_scope():
         lib = tvm.compile(tvm.IRModule({"main": prim.with_attr("global_symbol", "main")}),
                           target=get_target(target).tvm_target())
@@ -56,7 +57,7 @@ def build(case: tuple[int, ...], unroll: int, splits: int, fused: bool, path: Pa
     return path
 
 
-def row(name: str, case: tuple[int, ...], unroll: int, splits: int, fused: bool, path: Path,
+def row(name: str, case: tuple[int, ...], cfg: Any, path: Path,
         args: argparse.Namespace) -> dict[str, Any]:
     import tvm
 
@@ -87,7 +88,7 @@ def row(name: str, case: tuple[int, ...], unroll: int, splits: int, fused: bool,
     kv_bytes = 2.0 * b * hkv * ctx * d * 2
     us = common.kernel_us(lambda i: lib["main"](*targs), args.iters)  # both kernels, no host gap
     return {"workload": f"decode_cache_{name}", "shape": f"B={b} Hq={hq} Hkv={hkv} D={d} ctx={ctx} M={m}",
-            "config": {"unroll": unroll, "splits": splits, "fused_combine": fused}, "rel_err": err,
+            "config": dataclasses.asdict(cfg), "rel_err": err,
             "correct": err <= common.TOLERANCE["float16"], "tvmfuse_us": round(ms * 1e3, 2),
             "sdpa_us": round(sdpa * 1e3, 2), "tbps": round(kv_bytes / (ms * 1e9), 3),
             "kernel_us": round(us, 2), "kernel_tbps": round(kv_bytes / (us * 1e6), 3),
@@ -100,23 +101,28 @@ def main() -> None:
     p.add_argument("--unroll", default="4", help="comma-separated DecodeConfig.unroll values")
     p.add_argument("--splits", default="0", help="comma-separated DecodeConfig.splits (0: default)")
     p.add_argument("--combine", default="kernel", help="comma-separated: kernel, fused")
+    p.add_argument("--pipeline", default="off", help="comma-separated: off, on")
     p.add_argument("--build-only", action="store_true", help="nvcc builds only (no GPU needed)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--out")
     args = p.parse_args()
+    from tvmfuse.kernels.attention.flash_decode import DecodeConfig
+
     work = Path(tempfile.mkdtemp(prefix="decode-cache-"))
     rows = []
     for name in args.case or ["lm4"]:
-        for unroll, splits, combine in itertools.product(
-                (int(u) for u in args.unroll.split(",")), [int(s) for s in args.splits.split(",")],
-                args.combine.split(",")):
-            fused = combine == "fused"
-            path = build(CASES[name], unroll, splits, fused, work / f"{name}_{unroll}_{splits}_{combine}.so")
+        for unroll, splits, combine, pipe in itertools.product(
+                [int(u) for u in args.unroll.split(",")], [int(s) for s in args.splits.split(",")],
+                args.combine.split(","), args.pipeline.split(",")):
+            cfg = DecodeConfig(unroll=unroll, splits=splits, fused_combine=combine == "fused",
+                               pipeline=pipe == "on")
+            tag = f"{name}_{unroll}_{splits}_{combine}_{pipe}"
+            path = build(CASES[name], cfg, work / f"{tag}.so")
             if args.build_only:
-                print(f"built {name} unroll={unroll} splits={splits} {combine}: {path}", flush=True)
+                print(f"built {tag}: {path}", flush=True)
                 continue
-            rows.append(row(name, CASES[name], unroll, splits, fused, path, args))
+            rows.append(row(name, CASES[name], cfg, path, args))
             print(rows[-1], flush=True)
     if args.out and rows:
         common.write_results(args.out, rows, common.command_line(), append=True)

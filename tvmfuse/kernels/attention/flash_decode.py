@@ -61,7 +61,9 @@ class DecodeConfig:
     """``unroll`` keys in flight per lane group; ``splits`` KV chunks (0: ~2 blocks per SM);
     ``fused_combine`` (over a cache only): the combine in the partial kernel (module doc);
     ``l2_prefetch`` (over a cache, sm_90, launched with PDL): each block prefetches its K and V
-    rows into L2, then waits for its predecessor (``griddepcontrol.wait``) — module doc.
+    rows into L2, then waits for its predecessor (``griddepcontrol.wait``) — module doc;
+    ``pipeline``: a second register set of keys and values, so each iteration's loads are in
+    flight while the previous one's scores and accumulation run (not yet timed).
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -71,6 +73,7 @@ class DecodeConfig:
     splits: int = 0
     fused_combine: bool = False
     l2_prefetch: bool = False
+    pipeline: bool = False
 
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
@@ -152,6 +155,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     q_shape, kv_shape, out_shape = spec.q_shape, at(QKV_L, B, Skv, Hkv, D), spec.out_shape
     fused_combine = cache and cfg.fused_combine  # the counters live beside the cache
     prefetch = cache and cfg.l2_prefetch
+    pipeline = cfg.pipeline
     row_bytes = D * tvm.DataType(dt).bits // 8
     k0, v0, q0, rows = state_rows(Hkv, Skv, Hq)
 
@@ -230,6 +234,52 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             store(out, c, b, h0 + hh, idx % D)
 
     @T.macro
+    def load_keys(k, v, kbuf, vbuf, it, b, kvh, kb, ke, j0, grp, d0):
+        """Keys and values of iteration ``it`` (``U`` rows a lane group) into registers."""
+        for u in T.unroll(U):
+            jl: T.let[T.int32] = kb + T.min(j0 + it * per_iter + u * NG + grp, ke - 1)
+            kbuf[T.ramp(u * vec, 1, vec)] = k[k_at(b, jl, kvh, T.ramp(d0, 1, vec))]
+            vbuf[T.ramp(u * vec, 1, vec)] = v[v_at(b, jl, kvh, T.ramp(d0, 1, vec))]
+
+    @T.macro
+    def attend(kbuf, vbuf, it, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp):
+        """Scores, online softmax and the V accumulation of iteration ``it``'s keys."""
+        for u in T.unroll(U):
+            for hh in T.unroll(GC):
+                s[u * GC + hh] = T.float32(0)
+                for e in T.unroll(vec):
+                    s[u * GC + hh] = s[u * GC + hh] + qr[hh * vec + e] * T.Cast(
+                        "float32", kbuf[u * vec + e])
+        for u in T.unroll(U):
+            for hh in T.unroll(GC):
+                for x in T.unroll(LPR.bit_length() - 1):
+                    s[u * GC + hh] = s[u * GC + hh] + T.tvm_warp_shuffle_xor(
+                        full, s[u * GC + hh], 1 << x, 32, 32)
+        for u in T.unroll(U):
+            j: T.let[T.int32] = j0 + it * per_iter + u * NG + grp
+            for hh in T.unroll(GC):
+                if has_bias:
+                    s[u * GC + hh] = s[u * GC + hh] + T.Cast("float32", bias[
+                        b * fb, (h0 + hh) * fh, 0, kbase + T.min(j, kv_eff - 1)]) * l2e
+                if j >= T.min(j0 + Lc, ke):
+                    s[u * GC + hh] = T.float32(_NEG_INF)
+        for hh in T.unroll(GC):
+            st[0] = m[hh]
+            for u in T.unroll(U):
+                st[0] = T.max(st[0], s[u * GC + hh])
+            st[1] = T.if_then_else(st[0] == T.float32(_NEG_INF), T.float32(0), st[0])
+            lsum[hh] = lsum[hh] * T.exp2(m[hh] - st[1])
+            for e in T.unroll(vec):
+                acc[hh * vec + e] = acc[hh * vec + e] * T.exp2(m[hh] - st[1])
+            m[hh] = st[0]
+            for u in T.unroll(U):
+                s[u * GC + hh] = T.exp2(s[u * GC + hh] - st[1])
+                lsum[hh] = lsum[hh] + s[u * GC + hh]
+                for e in T.unroll(vec):
+                    acc[hh * vec + e] = acc[hh * vec + e] + s[u * GC + hh] * T.Cast(
+                        "float32", vbuf[u * vec + e])
+
+    @T.macro
     def body(q, k, v, bias, out, offsets, starts, sync):
         part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
         part_ml = T.alloc_buffer((B * Hq * n_split * 2,), "float32", scope="global")
@@ -241,6 +291,9 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             acc = T.alloc_buffer((GC * vec,), "float32", scope="local")
             kr = T.alloc_buffer((U * vec,), dt, scope="local")
             vr = T.alloc_buffer((U * vec,), dt, scope="local")
+            if pipeline:
+                kr2 = T.alloc_buffer((U * vec,), dt, scope="local")
+                vr2 = T.alloc_buffer((U * vec,), dt, scope="local")
             s = T.alloc_buffer((U * GC,), "float32", scope="local")
             m = T.alloc_buffer((GC,), "float32", scope="local")
             lsum = T.alloc_buffer((GC,), "float32", scope="local")
@@ -278,45 +331,21 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 for e in T.unroll(vec):
                     qr[hh * vec + e] = T.Cast("float32", q[q_at(b, h0 + hh, d0 + e)]) * sc
                     acc[hh * vec + e] = T.float32(0)
-            for it in T.serial(Lc // per_iter):
-                for u in T.unroll(U):
-                    jl: T.let[T.int32] = kb + T.min(j0 + it * per_iter + u * NG + grp, ke - 1)
-                    kr[T.ramp(u * vec, 1, vec)] = k[k_at(b, jl, kvh, T.ramp(d0, 1, vec))]
-                    vr[T.ramp(u * vec, 1, vec)] = v[v_at(b, jl, kvh, T.ramp(d0, 1, vec))]
-                for u in T.unroll(U):
-                    for hh in T.unroll(GC):
-                        s[u * GC + hh] = T.float32(0)
-                        for e in T.unroll(vec):
-                            s[u * GC + hh] = s[u * GC + hh] + qr[hh * vec + e] * T.Cast(
-                                "float32", kr[u * vec + e])
-                for u in T.unroll(U):
-                    for hh in T.unroll(GC):
-                        for x in T.unroll(LPR.bit_length() - 1):
-                            s[u * GC + hh] = s[u * GC + hh] + T.tvm_warp_shuffle_xor(
-                                full, s[u * GC + hh], 1 << x, 32, 32)
-                for u in T.unroll(U):
-                    j: T.let[T.int32] = j0 + it * per_iter + u * NG + grp
-                    for hh in T.unroll(GC):
-                        if has_bias:
-                            s[u * GC + hh] = s[u * GC + hh] + T.Cast("float32", bias[
-                                b * fb, (h0 + hh) * fh, 0, kbase + T.min(j, kv_eff - 1)]) * l2e
-                        if j >= T.min(j0 + Lc, ke):
-                            s[u * GC + hh] = T.float32(_NEG_INF)
-                for hh in T.unroll(GC):
-                    st[0] = m[hh]
-                    for u in T.unroll(U):
-                        st[0] = T.max(st[0], s[u * GC + hh])
-                    st[1] = T.if_then_else(st[0] == T.float32(_NEG_INF), T.float32(0), st[0])
-                    lsum[hh] = lsum[hh] * T.exp2(m[hh] - st[1])
-                    for e in T.unroll(vec):
-                        acc[hh * vec + e] = acc[hh * vec + e] * T.exp2(m[hh] - st[1])
-                    m[hh] = st[0]
-                    for u in T.unroll(U):
-                        s[u * GC + hh] = T.exp2(s[u * GC + hh] - st[1])
-                        lsum[hh] = lsum[hh] + s[u * GC + hh]
-                        for e in T.unroll(vec):
-                            acc[hh * vec + e] = acc[hh * vec + e] + s[u * GC + hh] * T.Cast(
-                                "float32", vr[u * vec + e])
+            if pipeline:  # the next iteration's loads in flight during this one's math
+                n_it: T.let[T.int32] = Lc // per_iter
+                load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
+                for it2 in T.serial((n_it + 1) // 2):
+                    # past the chunk's last iteration: clamped to a real key, never attended
+                    load_keys(k, v, kr2, vr2, it2 * 2 + 1, b, kvh, kb, ke, j0, grp, d0)
+                    attend(kr, vr, it2 * 2, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp)
+                    load_keys(k, v, kr, vr, it2 * 2 + 2, b, kvh, kb, ke, j0, grp, d0)
+                    if it2 * 2 + 1 < n_it:
+                        attend(kr2, vr2, it2 * 2 + 1, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0,
+                               Lc, grp)
+            else:
+                for it in T.serial(Lc // per_iter):
+                    load_keys(k, v, kr, vr, it, b, kvh, kb, ke, j0, grp, d0)
+                    attend(kr, vr, it, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp)
             # merge the NG lane groups of this block
             for hh in T.unroll(GC):
                 for e in T.unroll(vec):
