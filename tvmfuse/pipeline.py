@@ -50,9 +50,8 @@ from .rules.gemm_row_stats_simt import SimtGemmRowStats
 from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .rules.gemm_sm90_stats import Sm90GemmRowStats
 from .rules.gemv import SmallMGemm
+from .rules.programmatic_launch import active as pdl_active
 from .rules.programmatic_launch import mark_programmatic_launch
-from .rules.programmatic_launch import scope as pdl_scope
-from .rules.programmatic_launch import supported as pdl_supported
 from .targets import TargetSpec
 from .tuning_db import ApplyTuningDatabase
 from .tvm_setup import S_TIR_PIPELINE, codegen_scope, register_tvm_patches
@@ -204,9 +203,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             # sm_90+: the decode step's kernels (Options.programmatic_launch) may launch while their
             # predecessor ends and wait for it inside (PDL); after scheduling: every PrimFunc is a
             # kernel.
-            pdl = current_options().programmatic_launch
-            if pdl_scope(pdl) != "off" and pdl_supported(target):
-                mod = run("programmatic_launch", mark_programmatic_launch(pdl), mod)
+            if pdl_active(target):
+                mod = run("programmatic_launch",
+                          mark_programmatic_launch(current_options().programmatic_launch), mod)
         # One-output models return the tensor, not a 1-tuple: less host work on every call
         # (after the views are made: a reshape feeding the unwrapped output stays a view).
         mod = run("unwrap_single_output", UnwrapSingleOutput(), mod)

@@ -35,14 +35,12 @@ from tvm import relax
 from ..build import export_library
 from ..errors import CompileError, InputSpecError
 from ..frontend.torch_import import load_factory
-from ..options import current_options
 from ..passes import FuseDecomposedNorms, SimplifyNoOps
 from ..passes.attention import FuseAttention
 from ..passes.canonical import Canonicalize
 from ..passes.lift_weights import take_weights
 from ..pipeline import build, lower
-from ..rules.programmatic_launch import scope as pdl_scope
-from ..rules.programmatic_launch import supported as pdl_supported
+from ..rules.programmatic_launch import active as pdl_active
 from ..runtime import load
 from ..runtime.lm import LM_FORMAT
 from ..targets import TargetSpec, get_target
@@ -121,8 +119,7 @@ def _lower_rank(sym: relax.Function, entries: dict[str, int], max_batch: int, ma
     weights)."""
     combined = tvm.IRModule()
     # the decode kernels launch programmatically (PDL): its attention may prefetch before waiting
-    pdl = (spec.is_cuda and pdl_scope(current_options().programmatic_launch) != "off"
-           and pdl_supported(spec.tvm_target()))
+    pdl = pdl_active(spec.tvm_target())
     for name, seq in entries.items():
         for gv, func in _entry(sym, name, max_batch, seq, max_seq, spec.is_cuda, tp,
                                pdl).functions.items():

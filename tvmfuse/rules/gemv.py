@@ -43,8 +43,7 @@ from ..passes._util import const_array
 from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
-from .programmatic_launch import scope as pdl_scope
-from .programmatic_launch import supported as pdl_supported
+from .programmatic_launch import active as pdl_active
 
 NAME = "gemv"
 _CALL_TIR = "relax.call_tir"
@@ -72,9 +71,7 @@ def small_m_gemm(func: tirx.PrimFunc) -> FusedGemm | None:
 def l2_prefetch_bytes(target: Target | None) -> int:
     """Bytes of W each block prefetches before the programmatic-launch wait (0 where kernels do
     not launch programmatically: options off, or a target below sm_90)."""
-    opts = current_options()
-    on = pdl_scope(opts.programmatic_launch) != "off" and pdl_supported(target)
-    return opts.gemv_l2_prefetch_bytes if on else 0
+    return current_options().gemv_l2_prefetch_bytes if pdl_active(target) else 0
 
 
 def max_m() -> int:

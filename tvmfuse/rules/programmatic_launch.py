@@ -35,6 +35,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, tirx
 
+from ..options import current_options
 from .gemm_sm80 import _sm
 
 NAME = "programmatic_launch"
@@ -83,6 +84,12 @@ def scope(option: str | bool) -> str:
     if option not in SCOPES:
         raise ValueError(f"programmatic_launch must be one of {', '.join(SCOPES)}, not {option!r}")
     return option
+
+
+def active(target: tvm.target.Target | None) -> bool:
+    """Kernels for ``target`` launch programmatically under the options in effect:
+    ``Options.programmatic_launch`` is not "off" and the target is sm_90+ CUDA."""
+    return scope(current_options().programmatic_launch) != "off" and supported(target)
 
 
 def _called(mod: tvm.IRModule, names: tuple[str, ...]) -> set:
