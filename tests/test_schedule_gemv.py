@@ -3,13 +3,15 @@
 CPU: which GEMMs the rule and the ``gemv`` stage take (M ≤ 64, a weight operand, sm_80+), the LM's
 decode graph on sm90 / sm80, and nvcc builds for sm_80 / sm_90a whose SASS streams W with
 ``LDG.E.128`` (and uses ``HMMA`` for the tensor-core engine) without spills.
-GPU (``-m gpu``): numerics against torch for M in (1, 4, 16, 64) with each epilogue.
+GPU (``-m gpu``): numerics against torch for M in (1, 4, 16, 64) with each epilogue; the ring
+engine (a cp.async ring of W in shared memory) against float64 numpy.
 """
 
 from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 import tvm
@@ -151,6 +153,48 @@ def test_sass(m, n, k, pair, stats, tmp_path):
         assert all(s == "0" for s in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+RING_CASES = [  # (m, n, k, pair, stats, config): N, K past the tiles and chunks; odd M
+    (8, 12288, 4096, False, False, GemvConfig(16, 4, 8, True, 3)),
+    (1, 1000, 1000, False, True, GemvConfig(16, 4, 8, True, 3)),
+    (3, 4096, 11008, False, True, GemvConfig(32, 4, 4, True, 3)),
+    (16, 688, 1032, True, False, GemvConfig(16, 4, 4, True, 2)),
+    (8, 22016, 4096, True, True, GemvConfig(16, 2, 8, True, 4)),
+    (64, 256, 512, False, False, GemvConfig(32, 4, 2, True, 2)),
+]
+RING_IDS = [f"{m}x{n}x{k}{'-pair' if pr else ''}{'-stats' if st else ''}-{c.tag.replace(' ', '_')}"
+            for m, n, k, pr, st, c in RING_CASES]
+
+
+def test_ring_config_checks():
+    """The ring takes 16-row tiles, even unrolls (64-wide chunks: the skew's bank argument) and
+    ≥ 2 stages; its shared memory is the ring's (the reduction reuses it)."""
+    p = GemvProblem(8, 4096, 4096, "float16", "float16")
+    assert check(p, GemvConfig(16, 4, 8, True, 3)) is None
+    assert "16-row" in check(p, GemvConfig(8, 4, 8, True, 3))
+    assert "16-row" in check(p, GemvConfig(16, 4, 3, True, 3))
+    assert "16-row" in check(p, GemvConfig(16, 4, 8, True, 1))
+    assert "shared memory" in check(p, GemvConfig(32, 8, 8, True, 4))
+    assert GemvConfig(16, 4, 8, True, 3).chunk == 256
+    assert GemvConfig(16, 4, 8, True, 3).tag == "ring rows=16 warps=4 u=8 s=3"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("m, n, k, pair, stats, cfg", RING_CASES[:3], ids=RING_IDS[:3])
+def test_ring_sass(m, n, k, pair, stats, cfg, tmp_path):
+    """The ring engine: W by ``LDGSTS`` (cp.async) into shared memory, fragments by 16-byte
+    ``LDS.128``, ``HMMA``; x by ``LDG.E.128``; no local memory or spills on sm_80 and sm_90a."""
+    p = GemvProblem(m, n, k, "float16", "float16", pair)
+    for spec in (SM80, SM90):
+        sass, log = _sass(standalone(p, cfg, rms_eps=1e-5 if stats else None), spec, tmp_path)
+        for arch, text in sass.items():
+            if not arch.startswith("sm_"):
+                continue
+            for op in ("LDGSTS", "LDS.128", "HMMA", "LDG.E.128"):
+                assert op in text, f"{arch}: no {op}"
+            assert "STL" not in text and "LDL" not in text, f"{arch}: local memory"
+        assert all(s == "0" for s in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
 _ELEM_BYTES = {"half": 2, "nv_bfloat16": 2, "float": 4, "uint4": 16, "uint2": 8, "uint1": 4}
 
 
@@ -223,3 +267,35 @@ def test_gpu_numerics(m, n, k, epilogue, target, tmp_path):
         ref = module.float()(*(t.float() for t in inputs))
     err = float((out.float().cpu() - ref).norm() / ref.norm())
     assert err < 1e-2, err
+
+
+def _gemv_reference(x, w, pair: bool, eps: float | None):
+    """float64 ``standalone``: ``y = x·Wᵀ`` (RMS-normalised x), pair: ``silu(y₂c) · y₂c₊₁``."""
+    x, w = x.astype("float64"), w.astype("float64")
+    if eps is not None:
+        x = x / np.sqrt((x * x).mean(-1, keepdims=True) + eps)
+    y = x @ w.T
+    if pair:
+        a, b = y[:, 0::2], y[:, 1::2]
+        y = a / (1 + np.exp(-a)) * b
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, pair, stats, cfg", RING_CASES, ids=RING_IDS)
+def test_ring_numerics_on_the_gpu(m, n, k, pair, stats, cfg):
+    """H200: the ring engine against float64 numpy on random inputs (rows of W and chunks of K
+    past the ends zero-filled, M below the 8-column tile, the statistics and the pair epilogue)."""
+    dev = tvm.cuda()
+    eps = 1e-5 if stats else None
+    p = GemvProblem(m, n, k, "float16", "float16", pair)
+    lib = tvm.compile(tvm.IRModule({"main": standalone(p, cfg, rms_eps=eps)}),
+                      target=SM90.tvm_target())
+    rng = np.random.default_rng(m * 7 + k)
+    x = rng.standard_normal((m, k)).astype("float16")
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float16")
+    y = tvm.runtime.empty((m, n // 2 if pair else n), "float16", dev)
+    lib(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev), y)
+    ref = _gemv_reference(x, w, pair, eps)
+    err = np.linalg.norm(y.numpy().astype("float64") - ref) / np.linalg.norm(ref)
+    assert err < 2e-3, err

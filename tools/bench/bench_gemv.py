@@ -17,7 +17,8 @@ target and called on the torch tensors (DLPack, no copies).
     python3 tools/bench/bench_gemv.py --out tools/bench/results/gemv.json [--quick] [--target sm80]
 
 Config sweep (``--configs``): each row is timed for every listed config of the kernel
-(``ENGINE:ROWS:WARPS:UNROLL``, e.g. ``mma:16:8:4``, or ``auto`` for :func:`pick_config`'s); the
+(``ENGINE:ROWS:WARPS:UNROLL``, e.g. ``mma:16:8:4``; the ring engine ``ring:ROWS:WARPS:UNROLL:STAGES``,
+e.g. ``ring:16:4:8:3``; or ``auto`` for :func:`pick_config`'s); the
 kernels are built beforehand in ``--jobs`` processes. Besides the per-call CUDA-event time (which
 includes the host's launch cost: for an 8 µs kernel most of it), every row records the kernel's
 own duration from the profiler (``kernel_us``), the figure a CUDA-graph replay sees.
@@ -57,10 +58,11 @@ def parse_config(spec: str, problem: Any, simt_max_m: int, sms: int, stats: bool
     prefetch = int(pf or 0)
     if spec == "auto":
         return pick_config(problem, sms, simt_max_m, row_stats=stats), prefetch
-    engine, rows, warps, unroll = spec.split(":")
-    if engine not in ("mma", "simt"):
-        raise ValueError(f"config {spec!r}: engine must be mma or simt")
-    cfg = GemvConfig(rows=int(rows), warps=int(warps), unroll=int(unroll), mma=engine == "mma")
+    engine, rows, warps, unroll, *stages = spec.split(":")
+    if engine not in ("mma", "simt", "ring") or len(stages) != (engine == "ring"):
+        raise ValueError(f"config {spec!r}: ENGINE:ROWS:WARPS:UNROLL (ring: also :STAGES)")
+    cfg = GemvConfig(rows=int(rows), warps=int(warps), unroll=int(unroll), mma=engine != "simt",
+                     stages=int(stages[0]) if stages else 0)
     return cfg, prefetch
 
 

@@ -59,19 +59,23 @@ MMA_CHUNK = 4 * VEC  # K values per chunk of the mma engine: two k16 steps
 MAX_M = 64
 SIMT_MAX_M = 8
 MAX_SMEM = 48 * 1024  # static shared memory of one block
+MAX_RING_SMEM = 160 * 1024  # dynamic shared memory of a ring block (sm_80 allows 163 KB)
+RING_SKEW = 32  # halves after each ring row: rows g and g + 1 of a fragment load hit other banks
 _ALL_LANES = 0xFFFFFFFF
 _MMA_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    """``rows`` of W per block (tensor cores: a multiple of 8), ``warps`` splitting K,
-    ``unroll`` K chunks a warp loads per iteration, ``mma``: tensor cores."""
+    """``rows`` of W per block (tensor cores: a multiple of 8; the ring: of 16), ``warps`` splitting
+    K, ``unroll`` K chunks a warp loads per iteration (the ring: 32-wide K slabs per stage),
+    ``mma``: tensor cores; ``stages`` > 0: the ring engine (module doc) with that many stages."""
 
     rows: int = 4
     warps: int = 8
     unroll: int = 2
     mma: bool = False
+    stages: int = 0
 
     @property
     def threads(self) -> int:
@@ -79,10 +83,15 @@ class GemvConfig:
 
     @property
     def chunk(self) -> int:
+        """K values a warp takes per step: a register chunk, or one ring stage."""
+        if self.stages:
+            return MMA_CHUNK * self.unroll
         return MMA_CHUNK if self.mma else SIMT_CHUNK
 
     @property
     def tag(self) -> str:
+        if self.stages:
+            return f"ring rows={self.rows} warps={self.warps} u={self.unroll} s={self.stages}"
         return f"{'mma' if self.mma else 'simt'} rows={self.rows} warps={self.warps} u={self.unroll}"
 
 
@@ -103,14 +112,30 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _m_pad(problem: GemvProblem, cfg: GemvConfig) -> int:
-    """Rows of x the engine computes: M, or M rounded up to the 16-row mma tile."""
+    """Rows of x the engine computes: M, or M rounded up to the mma tile (16 rows of the A
+    operand; the ring's x is the B operand: 8 columns)."""
+    if cfg.stages:
+        return _cdiv(problem.m, 8) * 8
     return _cdiv(problem.m, 16) * 16 if cfg.mma else problem.m
 
 
-def smem_bytes(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = None) -> int:
-    """Shared memory of the cross-warp reduction: partial sums (and statistics) per warp."""
+def _red_bytes(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None) -> int:
+    """The cross-warp reduction: partial sums (and statistics) per warp, fp32."""
     per_warp = _m_pad(problem, cfg) * (cfg.rows + (2 if row_stats is not None else 0))
     return cfg.warps * per_warp * 4
+
+
+def _ring_row(cfg: GemvConfig) -> int:
+    """Halves per W row of a ring stage: the chunk and 32 halves of skew (module doc)."""
+    return cfg.chunk + RING_SKEW
+
+
+def smem_bytes(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = None) -> int:
+    """Shared memory of one block: the reduction's, or the ring's (the reduction reuses it)."""
+    red = _red_bytes(problem, cfg, row_stats)
+    if cfg.stages:
+        return max(red, cfg.warps * cfg.stages * cfg.rows * _ring_row(cfg) * 2)
+    return red
 
 
 def check(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = None) -> str | None:
@@ -128,10 +153,13 @@ def check(problem: GemvProblem, cfg: GemvConfig, row_stats: RowStats | None = No
         return f"pair epilogue with N={p.n}, {cfg.rows} rows per block (both must be even)"
     if cfg.mma and cfg.rows % 8:
         return f"{cfg.rows} rows per block: the mma engine takes 8-row tiles"
+    if cfg.stages and (cfg.rows % 16 or cfg.unroll % 2 or cfg.stages < 2):
+        return f"config {cfg.tag}: the ring takes 16-row tiles, 64-wide K chunks, ≥ 2 stages"
     if cfg.rows < 1 or cfg.warps < 1 or cfg.unroll < 1 or cfg.threads > 1024:
         return f"config {cfg.tag} unsupported"
-    if smem_bytes(p, cfg, row_stats) > MAX_SMEM:
-        return f"{smem_bytes(p, cfg, row_stats)} bytes of shared memory > {MAX_SMEM}"
+    limit = MAX_RING_SMEM if cfg.stages else MAX_SMEM
+    if smem_bytes(p, cfg, row_stats) > limit:
+        return f"{smem_bytes(p, cfg, row_stats)} bytes of shared memory > {limit}"
     if p.m * p.k >= 2**31 or p.n * p.k >= 2**31:
         return "tensor beyond int32 indexing"
     return None
@@ -163,7 +191,7 @@ def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4,
         best = next((r for r in rows if _cdiv(problem.n, r) >= sms), rows[-1])
         cfg = GemvConfig(rows=best)
     while smem_bytes(problem, cfg, RowStats(True, 0.0)) > MAX_SMEM and cfg.warps > 1:
-        cfg = GemvConfig(cfg.rows, cfg.warps // 2, cfg.unroll, cfg.mma)
+        cfg = GemvConfig(cfg.rows, cfg.warps // 2, cfg.unroll, cfg.mma, cfg.stages)
     return cfg
 
 
@@ -195,7 +223,10 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
     rows, warps, unroll, chunk = cfg.rows, cfg.warps, cfg.unroll, cfg.chunk
     m_pad = _m_pad(p, cfg)
     grid = _cdiv(p.n, rows)
-    iters = _cdiv(_cdiv(p.k, chunk), warps * unroll)
+    stages = cfg.stages
+    ring_on = stages > 0  # (TVMScript's `if` takes a bool)
+    # the ring's step is one chunk (a stage); the register engines' is ``unroll`` chunks
+    iters = _cdiv(_cdiv(p.k, chunk), warps * (1 if stages else unroll))
     has_stats = row_stats is not None
     centered = has_stats and row_stats.centered
     n_stats = 2 if has_stats else 0
@@ -206,9 +237,17 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
     out_iters = _cdiv(outputs, cfg.threads)
     k_f = float(p.k)
     eps = row_stats.eps if has_stats else 0.0
-    mt, nt = m_pad // 16, rows // 8  # mma tiles
-    mma_ty = _MMA_TYPE[in_dtype]
     elem_bytes = 2
+    mt, nt = m_pad // 16, rows // 8  # mma tiles
+    # the ring: W is the A operand (16-row tiles), x the B operand (8-column tiles)
+    wt, xt = rows // 16, m_pad // 8
+    ring_row = _ring_row(cfg)
+    stage_elems = rows * ring_row
+    slabs = chunk // MMA_CHUNK  # 32-wide K slabs of a stage: two k16 steps each
+    vec_per_row = chunk // VEC
+    copies = rows * vec_per_row // WARP  # 16-byte cp.async per lane and stage
+    smem_elems = smem_bytes(p, cfg, row_stats) // elem_bytes
+    mma_ty = _MMA_TYPE[in_dtype]
     pf_bytes = l2_prefetch // 16 * 16  # cp.async.bulk sizes are multiples of 16 bytes
 
     def chunk_k(it, wid, u, lane_off):
@@ -234,8 +273,18 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
         T.func_attr({"tirx.noalias": True})
         bx = T.launch_thread("blockIdx.x", grid)
         tx = T.launch_thread("threadIdx.x", cfg.threads)
-        red = T.alloc_buffer((red_size + warps * m_pad * n_stats,), "float32", scope="shared")
-        if cfg.mma:
+        if ring_on:
+            # per warp ``stages`` slots of rows × ring_row halves; after the loop the reduction's
+            # partial sums reuse the memory
+            ring = T.alloc_buffer((smem_elems,), in_dtype, scope="shared.dyn", align=128)
+            red = T.decl_buffer((smem_elems // 2,), "float32", data=ring.data, scope="shared.dyn")
+            acc = T.alloc_buffer((wt * xt * 4,), "float32", scope="local")
+            wv = T.alloc_buffer((wt * 2 * VEC,), in_dtype, scope="local", align=16)
+            xv = T.alloc_buffer((slabs * xt * VEC,), in_dtype, scope="local", align=16)
+            afrag = T.alloc_buffer((wt * 2 * VEC,), in_dtype, scope="local", align=16)
+            bfrag = T.alloc_buffer((xt * 4,), in_dtype, scope="local", align=16)
+        elif cfg.mma:
+            red = T.alloc_buffer((red_size + warps * m_pad * n_stats,), "float32", scope="shared")
             acc = T.alloc_buffer((mt * nt * 4,), "float32", scope="local")
             bv = T.alloc_buffer((unroll * nt * VEC,), in_dtype, scope="local", align=16)
             av = T.alloc_buffer((unroll * mt * 2 * VEC,), in_dtype, scope="local", align=16)
@@ -245,6 +294,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
             # land 8× too far (NaN on the H200, session 8)
             bfrag = T.alloc_buffer((nt * 4,), in_dtype, scope="local", align=16)
         else:
+            red = T.alloc_buffer((red_size + warps * m_pad * n_stats,), "float32", scope="shared")
             acc = T.alloc_buffer((p.m * rows,), "float32", scope="local")
             bv = T.alloc_buffer((unroll * rows * VEC,), in_dtype, scope="local", align=16)
             av = T.alloc_buffer((unroll * p.m * VEC,), in_dtype, scope="local", align=16)
@@ -283,13 +333,83 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                     st[slot * 2 + 1] = st[slot * 2 + 1] + T.Cast("float32", xv[base + e]) * T.Cast(
                         "float32", xv[base + e])
 
-        for i in T.unroll(mt * nt * 4 if cfg.mma else p.m * rows):
+        @T.inline
+        def ring_load(slot, c):
+            # chunk c of this warp's rows of W → ring slot ``slot``: each instruction copies
+            # whole 16-byte runs of one or two rows (coalesced, like the CUDA-core engine's loads);
+            # past N or K the copy reads nothing and zero-fills
+            for t in T.unroll(copies):
+                r = T.meta_var((t * WARP + lane) // vec_per_row)
+                kk = T.meta_var(c * chunk + (t * WARP + lane) % vec_per_row * VEC)
+                T.ptx["cp.async.cg.shared.global"](
+                    T.cuda.cvta_generic_to_shared(T.address_of(ring[
+                        (wid * stages + slot) * stage_elems + r * ring_row
+                        + (t * WARP + lane) % vec_per_row * VEC])),
+                    T.address_of(w[T.min(n0 + r, p.n - 1), T.min(kk, p.k - VEC)]),
+                    16,
+                    T.Cast("uint32", T.if_then_else(n0 + r < p.n and kk < p.k, 16, 0)),
+                )
+
+        for i in T.unroll(wt * xt * 4 if ring_on else mt * nt * 4 if cfg.mma else p.m * rows):
             acc[i] = T.float32(0)
         if has_stats:
             for i in T.unroll(n_stats * m_pad):
                 st[i] = T.float32(0)
+        if ring_on:
+            for s0 in T.unroll(stages - 1):
+                if s0 < iters:
+                    ring_load(s0, s0 * warps + wid)
+                T.ptx["cp.async.commit_group"]()
         for it in T.serial(iters):
-            if cfg.mma:
+            if ring_on:
+                # slot (it − 1) % stages is free once every lane has left step it − 1's math;
+                # refill it with chunk it + stages − 1, then wait for chunk it
+                T.cuda.warp_sync()
+                if it + stages - 1 < iters:
+                    ring_load((it + stages - 1) % stages, (it + stages - 1) * warps + wid)
+                T.ptx["cp.async.commit_group"]()
+                T.ptx["cp.async.wait_group"](stages - 1)
+                T.cuda.warp_sync()
+                base = T.meta_var((wid * stages + it % stages) * stage_elems)
+                for sl in T.unroll(slabs):  # x of every slab first: one L1/L2 round trip a step
+                    kx = T.meta_var((it * warps + wid) * chunk + sl * MMA_CHUNK + (lane % 4) * VEC)
+                    for j in T.unroll(xt):
+                        if kx < p.k and j * 8 + lane // 4 < p.m:
+                            xv[T.Ramp((sl * xt + j) * VEC, 1, VEC)] = x[j * 8 + lane // 4,
+                                                                         T.Ramp(kx, 1, VEC)]
+                        else:
+                            xv[T.Ramp((sl * xt + j) * VEC, 1, VEC)] = zeros()
+                for sl in T.unroll(slabs):
+                    kx2 = T.meta_var((it * warps + wid) * chunk + sl * MMA_CHUNK + (lane % 4) * VEC)
+                    if has_stats:
+                        for j in T.unroll(xt):
+                            if kx2 < p.k and j * 8 + lane // 4 < p.m:
+                                stat_add(j, j * 8 + lane // 4, xv, (sl * xt + j) * VEC)
+                    # lane (g, q) of W's tile i: rows 16i + g and 16i + g + 8, halves 8q .. 8q + 7
+                    # of the slab; the k16 step s takes halves 4s .. 4s + 3 (the order of k is
+                    # permuted alike in x: a dot product does not care)
+                    for i in T.unroll(wt):
+                        for h in T.unroll(2):
+                            wv[T.Ramp((i * 2 + h) * VEC, 1, VEC)] = ring[T.Ramp(
+                                base + (i * 16 + h * 8 + lane // 4) * ring_row + sl * MMA_CHUNK
+                                + (lane % 4) * VEC, 1, VEC)]
+                    for s in T.unroll(2):
+                        for i in T.unroll(wt):
+                            for r in T.unroll(2):
+                                for h in T.unroll(2):
+                                    for e in T.unroll(2):
+                                        afrag[i * 8 + r * 4 + h * 2 + e] = wv[
+                                            (i * 2 + h) * VEC + s * 4 + r * 2 + e]
+                        for j in T.unroll(xt):
+                            for e in T.unroll(4):
+                                bfrag[j * 4 + e] = xv[(sl * xt + j) * VEC + s * 4 + e]
+                        for i in T.unroll(wt):
+                            for j in T.unroll(xt):
+                                T.evaluate(T.ptx_legacy.mma(
+                                    "m16n8k16", "row", "col", mma_ty, mma_ty, "fp32",
+                                    afrag.data, i * 8, bfrag.data, j * 4,
+                                    acc.data, (i * xt + j) * 4, False, dtype="float32"))
+            elif cfg.mma:
                 # loads of `unroll` chunks first (all in flight), then the mmas
                 for u in T.unroll(unroll):
                     kq = T.meta_var(chunk_k(it, wid, u, (lane % 4) * VEC))
@@ -358,7 +478,23 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                                         "float32", av[(u * p.m + m) * VEC + e]) * T.Cast(
                                         "float32", bv[(u * rows + r) * VEC + e])
         # this warp's partial sums → red[wid, m, n] (statistics after them: [wid, m, 2])
-        if cfg.mma:
+        if ring_on:
+            T.tvm_storage_sync("shared")  # every warp is out of its ring: red reuses it
+            # C fragment: c0, c1 = (W row g, x rows 2q, 2q + 1), c2, c3 = W row g + 8
+            for i in T.unroll(wt):
+                for j in T.unroll(xt):
+                    for h in T.unroll(2):
+                        for e in T.unroll(2):
+                            red[(wid * m_pad + j * 8 + (lane % 4) * 2 + e) * rows + i * 16 + h * 8
+                                + lane // 4] = acc[(i * xt + j) * 4 + h * 2 + e]
+            if has_stats:  # the 4 lanes of a group read one x row's slab together
+                for i in T.unroll(xt * 2):
+                    shfl_sum(st, i, 4)
+                if lane % 4 == 0:
+                    for j in T.unroll(xt):
+                        for c in T.unroll(2):
+                            red[red_size + (wid * m_pad + j * 8 + lane // 4) * 2 + c] = st[j * 2 + c]
+        elif cfg.mma:
             for i in T.unroll(mt):
                 for j in T.unroll(nt):
                     for h in T.unroll(2):
