@@ -25,7 +25,12 @@ from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.build.inspect import cuda_source, fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.errors import CompileError
-from tvmfuse.kernels.attention.flash_decode import DecodeConfig, flash_decode_cache_primfunc
+from tvmfuse.kernels.attention.flash_decode import (
+    DecodeConfig,
+    flash_decode_cache_primfunc,
+    pick_config,
+)
+from tvmfuse.kernels.attention.spec import AttentionSpec
 from tvmfuse.llm.kernels import CacheSpec, cache_attention, decode_append, kv_append
 from tvmfuse.llm.kv_cache import DeriveKVCache
 from tvmfuse.targets import get_target
@@ -383,6 +388,20 @@ def test_cuda_decode_pipelined_builds_without_spills(spec, tmp_path):
     assert "LDG.E.128" in text and "STL" not in text
     log = (tmp_path / "kernels.ptxas.log").read_text()
     assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+@pytest.mark.parametrize("batch, q_heads, kv_heads, slots, piped", [
+    (8, 32, 32, 1057, True),  # the 7B at batch 8: 2 chunks, 17 iterations a block
+    (1, 32, 32, 1057, False),  # batch 1: 9 chunks, 4 iterations
+    (1, 16, 4, 2081, False),  # the 4-layer LM: 33 chunks, 2 iterations
+    (2, 32, 32, 1057, False)])
+def test_decode_config_pipelines_long_chunks(batch, q_heads, kv_heads, slots, piped):
+    """``pick_config``: unroll 4 with the pipeline where each block loops ≥ 8 iterations, the
+    default (unroll 8) elsewhere; the flags pass through."""
+    spec = AttentionSpec(batch, 1, slots, q_heads, kv_heads, 128, "float16", 128 ** -0.5)
+    cfg = pick_config(spec, 132, fused_combine=True)
+    assert cfg.fused_combine and not cfg.l2_prefetch
+    assert (cfg.pipeline, cfg.unroll) == ((True, 4) if piped else (False, 8))
 
 
 def test_cuda_decode_takes_one_counter_buffer_for_every_layer():

@@ -35,13 +35,14 @@ from dataclasses import dataclass
 import tvm
 from tvm.script import tirx as T
 
+from ..device_props import device_properties
+from ..kernels.attention.flash_decode import check as decode_check
 from ..kernels.attention.flash_decode import (
-    DecodeConfig,
     flash_decode_cache_primfunc,
     state_rows,
     sync_shape,
 )
-from ..kernels.attention.flash_decode import check as decode_check
+from ..kernels.attention.flash_decode import pick_config as pick_decode_config
 from ..kernels.attention.spec import AttentionSpec
 
 _LOG2E = math.log2(math.e)
@@ -248,9 +249,9 @@ def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = F
     if spec.seq != 1:
         raise ValueError(f"cache_attention: one query per sequence (decode), not S = {spec.seq}")
     if cuda and decode_check(spec.attention_spec()) is None:
-        return _opaque(flash_decode_cache_primfunc(
-            spec.attention_spec(), config=DecodeConfig(fused_combine=fused_combine,
-                                                       l2_prefetch=l2_prefetch)), cuda)
+        attn = spec.attention_spec()
+        config = pick_decode_config(attn, device_properties().sms, fused_combine, l2_prefetch)
+        return _opaque(flash_decode_cache_primfunc(attn, config=config), cuda)
     sshape, qshape, dt = spec.state_shape, spec.q_shape, spec.dtype
     row = _row_macro(spec, "local" if cuda else "global")
 

@@ -63,7 +63,7 @@ class DecodeConfig:
     ``l2_prefetch`` (over a cache, sm_90, launched with PDL): each block prefetches its K and V
     rows into L2, then waits for its predecessor (``griddepcontrol.wait``) — module doc;
     ``pipeline``: a second register set of keys and values, so each iteration's loads are in
-    flight while the previous one's scores and accumulation run (not yet timed).
+    flight while the previous one's scores and accumulation run (:func:`pick_config`).
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -83,6 +83,48 @@ def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, 
         return max(1, min(cfg.splits, most))
     want = (sms * 2 + blocks_per_split - 1) // blocks_per_split  # ~2 blocks per SM
     return max(1, min(want, most))
+
+
+def _visible(spec: AttentionSpec) -> tuple[int, int]:
+    """(kbase, kv_eff): the first visible key and how many are visible. Sq == 1: TopLeft sees key
+    0 only; BottomRight (j ≤ Skv − 1) and none see all keys; a window of w keys (BottomRight)
+    the last w."""
+    kv_eff = 1 if spec.causal == "TopLeft" else spec.kv_len
+    kbase = 0
+    if spec.window is not None:
+        kbase = max(kv_eff - spec.window, 0)
+        kv_eff -= kbase
+    return kbase, kv_eff
+
+
+def _chunks(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> tuple[int, int, int]:
+    """(n_split, L, per_iter): KV chunks, keys per chunk (a multiple of the keys one iteration
+    takes, ``per_iter`` = 8 lane groups × ``unroll`` at 16 lanes a row)."""
+    vec = _VEC if spec.dtype != "float32" else 4
+    per_iter = _THREADS // (spec.head_dim // vec) * cfg.unroll
+    _, kv_eff = _visible(spec)
+    n_split = _split_count(spec, cfg, spec.batch * spec.kv_heads * _head_chunks(spec)[1], kv_eff,
+                           per_iter, sms)
+    L = (kv_eff + n_split - 1) // n_split
+    L = (L + per_iter - 1) // per_iter * per_iter
+    return (kv_eff + L - 1) // L, L, per_iter
+
+
+_PIPELINE_MIN_ITERS = 8
+
+
+def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
+                l2_prefetch: bool = False) -> DecodeConfig:
+    """Unroll 8, or unroll 4 with the pipeline where each block loops ≥ 8 iterations (few
+    splits: many sequences × KV heads fill the SMs). H200, ``bench_decode_cache.py`` (session 16,
+    kernel alone): the 7B cache at batch 8, ctx 1024 (16 iterations a block at unroll 4)
+    pipelined 34.98 µs vs 36.75 (unroll 8) and 38.1 (unroll 4); at batch 1 (≤ 4 iterations)
+    the pipeline was slower: 7B 5.94 vs 5.54 µs, the 4-layer LM's cache 6.93 vs 6.22."""
+    base = DecodeConfig(fused_combine=fused_combine, l2_prefetch=l2_prefetch)
+    piped = DecodeConfig(unroll=4, fused_combine=fused_combine, l2_prefetch=l2_prefetch,
+                         pipeline=True)
+    _, L, per_iter = _chunks(spec, piped, sms)
+    return piped if L // per_iter >= _PIPELINE_MIN_ITERS else base
 
 
 def check(spec: AttentionSpec) -> str | None:
@@ -170,18 +212,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     LPR = D // vec  # lanes per key row
     NG = _THREADS // LPR  # key rows in flight per unroll step
     U = cfg.unroll
-    # Sq == 1: TopLeft sees key 0 only; BottomRight (j ≤ Skv − 1) and none see all keys; a window
-    # of w keys starts at key kbase = Skv − w (BottomRight). kv_eff keys from kbase are visible
-    kv_eff = 1 if spec.causal == "TopLeft" else Skv
-    kbase = 0
-    if spec.window is not None:
-        kbase = max(kv_eff - spec.window, 0)
-        kv_eff -= kbase
-    per_iter = NG * U
-    n_split = _split_count(spec, cfg, B * Hkv * HC, kv_eff, per_iter, device_properties(target).sms)
-    L = (kv_eff + n_split - 1) // n_split
-    L = (L + per_iter - 1) // per_iter * per_iter
-    n_split = (kv_eff + L - 1) // L
+    kbase, kv_eff = _visible(spec)  # kv_eff keys from kbase are visible
+    n_split, L, per_iter = _chunks(spec, cfg, device_properties(target).sms)
     has_bias = spec.bias_shape is not None
     fb, fh, _ = bias_strides(spec) if has_bias else (0, 0, 0)
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
