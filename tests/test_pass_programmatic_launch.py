@@ -7,6 +7,7 @@ into L2, before the wait; the exported function map carries the launch flag). sm
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -191,19 +192,35 @@ def test_gpu_numerics_with_programmatic_launch(tmp_path):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_compile_lm_turns_the_decode_scope_off_above_the_batch_limit():
+    """compile_lm's options: "decode" stays up to ``programmatic_launch_max_batch`` sequences and
+    becomes "off" above (measured slower at batch 8); "all" and "off" are left as they are."""
+    from tvmfuse.llm.compile_lm import _launch_options
+
+    default = Options()
+    assert _launch_options(default, 1) is None
+    assert _launch_options(default, 8).programmatic_launch == "off"
+    assert _launch_options(dataclasses.replace(default, programmatic_launch_max_batch=8), 8) is None
+    assert _launch_options(Options(programmatic_launch="all"), 8) is None
+
+
 @pytest.mark.slow
-def test_default_scope_is_the_decode_step_of_compile_lm():
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_default_scope_is_the_decode_step_of_compile_lm(max_batch):
     """compile_lm for sm90 with the default options: the decode step's kernels (split-KV attention,
-    the greedy advance) wait first; the prefill's (its cache appends) launch plainly."""
+    the greedy advance) wait first; the prefill's (its cache appends) launch plainly. At
+    max_batch 2 (above ``programmatic_launch_max_batch``) no kernel waits."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval().half()
-    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=64, max_batch=1, prefill_lengths=[16])
+    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=64, max_batch=max_batch,
+                             prefill_lengths=[16])
     kernels = kernel_bodies(cuda_source(lib.executable))
     waits = {name: "griddepcontrol_wait()" in body for name, (_, body) in kernels.items()}
     decode = [n for n in waits if "decode_cache_attention" in n or "greedy_advance" in n]
     prefill = [n for n in waits if n.startswith(("prefill16_k_append", "prefill16_v_append"))]
     assert decode and prefill, list(waits)
-    assert all(waits[n] for n in decode) and not any(waits[n] for n in prefill), waits
+    assert all(waits[n] == (max_batch == 1) for n in decode), waits
+    assert not any(waits[n] for n in prefill), waits

@@ -165,6 +165,17 @@ RING_IDS = [f"{m}x{n}x{k}{'-pair' if pr else ''}{'-stats' if st else ''}-{c.tag.
             for m, n, k, pr, st, c in RING_CASES]
 
 
+def test_pick_config_takes_the_ring_for_long_k_without_statistics():
+    """M = 8 on K = 11008 (the 7B's down projection at batch 8): the ring; with statistics, on
+    K = 4096 or at M = 16: the register engines."""
+    down = GemvProblem(8, 4096, 11008, "float16", "float16")
+    assert pick_config(down, 132) == GemvConfig(16, 4, 8, True, 2)
+    assert not pick_config(down, 132, row_stats=True).stages
+    assert not pick_config(GemvProblem(8, 4096, 4096, "float16", "float16"), 132).stages
+    assert not pick_config(GemvProblem(16, 4096, 11008, "float16", "float16"), 132).stages
+    assert not pick_config(GemvProblem(1, 4096, 11008, "float16", "float16"), 132).mma
+
+
 def test_ring_config_checks():
     """The ring takes 16-row tiles, even unrolls (64-wide chunks: the skew's bank argument) and
     ≥ 2 stages; its shared memory is the ring's (the reduction reuses it)."""

@@ -69,6 +69,10 @@ class Options:
     # "decode": the kernels of compile_lm's decode step (measured faster there, slower on the
     # prefill); "all": every kernel; "off": plain stream-ordered launches
     programmatic_launch: str = "decode"
+    # "decode" applies to compile_lm libraries of at most this max_batch (larger: "off"). The 7B
+    # shapes with 4 layers at batch 8, ctx 1024, one call: 0.789 ms/token with PDL, 0.738 without
+    # (H200, session 16); at batch 1 PDL is faster (the 4-layer LM: 0.1866 vs 0.1935, session 12)
+    programmatic_launch_max_batch: int = 1
     # gemv with programmatic_launch: bytes of each block's weight rows prefetched into L2 before
     # the wait (0: none). 0: 64 KiB made every 7B-shaped GEMV 3-12 % slower standalone and the
     # 4-layer LM's decode no faster with PDL (H200, session 12)

@@ -229,6 +229,8 @@ def main() -> None:
                    help="Options.gemv_simt_max_m: M up to which the GEMV runs on CUDA cores")
     p.add_argument("--programmatic-launch", choices=["decode", "all", "off"], default="decode",
                    help="Options.programmatic_launch (sm_90: PDL between kernels)")
+    p.add_argument("--programmatic-launch-max-batch", type=int, default=None,
+                   help="Options.programmatic_launch_max_batch (above it 'decode' is off)")
     p.add_argument("--gemv-l2-prefetch", type=int, default=0,
                    help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
     p.add_argument("--decode-fused-combine", action="store_true",
@@ -256,7 +258,10 @@ def main() -> None:
     row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
     row["decode_fused_combine"] = args.decode_fused_combine
     extra = {} if args.decode_kv_prefetch is None else {"decode_kv_prefetch_bytes": args.decode_kv_prefetch}
+    if args.programmatic_launch_max_batch is not None:
+        extra["programmatic_launch_max_batch"] = args.programmatic_launch_max_batch
     row["decode_kv_prefetch_bytes"] = Options(**extra).decode_kv_prefetch_bytes
+    row["programmatic_launch_max_batch"] = Options(**extra).programmatic_launch_max_batch
     with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
                              programmatic_launch=args.programmatic_launch,
                              gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,

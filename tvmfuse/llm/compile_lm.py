@@ -23,6 +23,7 @@ so the symbolic import is specialised per prefill length; a prompt is right-padd
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -35,12 +36,14 @@ from tvm import relax
 from ..build import export_library
 from ..errors import CompileError, InputSpecError
 from ..frontend.torch_import import load_factory
+from ..options import Options, current_options, use_options
 from ..passes import FuseDecomposedNorms, SimplifyNoOps
 from ..passes.attention import FuseAttention
 from ..passes.canonical import Canonicalize
 from ..passes.lift_weights import take_weights
 from ..pipeline import build, lower
 from ..rules.programmatic_launch import active as pdl_active
+from ..rules.programmatic_launch import scope as pdl_scope
 from ..runtime import load
 from ..runtime.lm import LM_FORMAT
 from ..targets import TargetSpec, get_target
@@ -148,6 +151,14 @@ def _same_layout(shards: list[list[tuple[str, Any]]]) -> None:
                                "share one library")
 
 
+def _launch_options(opts: Options, max_batch: int) -> Options | None:
+    """The options to compile with: programmatic launch of the decode step off above
+    ``Options.programmatic_launch_max_batch`` sequences (measured slower there); None: as they are."""
+    if pdl_scope(opts.programmatic_launch) == "decode" and max_batch > opts.programmatic_launch_max_batch:
+        return dataclasses.replace(opts, programmatic_launch="off")
+    return None
+
+
 def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max_batch: int = 1,
                prefill_lengths: list[int] | None = None, dtype: str | None = None,
                tensor_parallel: int = 1) -> LMLibrary:
@@ -172,20 +183,21 @@ def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max
         model, _ = load_factory(model)
     sym = PositionTables(max_seq_len)(import_lm(model, max_seq_len, max_batch))["main"]
     entries = {f"prefill{n}": n for n in lengths} | {"decode": 1}
-    # one lowering per rank: the weights are folded (transposed, fused, cast) per rank; the
-    # functions are the same for every rank, so rank 0's module is the one built
-    ranks = [_lower_rank(sym, entries, max_batch, max_seq_len, spec, dtype, (tensor_parallel, r))
-             for r in range(tensor_parallel)]
-    _same_layout([w for _, _, w in ranks])
-    decode, lowered, weights = ranks[0]
-    # the KV caches, then (CUDA) the decode kernels' counters, which start at zero
-    caches = [{"shape": [int(d) for d in p.ty.shape.values], "dtype": str(p.ty.dtype)}
-              | ({"init": "zeros"} if str(p.name) == "attn_sync" else {})
-              for p in decode.params[4:]]
-    if not caches:
-        raise CompileError("compile_lm: no KV cache was derived")
-    vocab = int(decode.ret_ty.shape.values[1])
-    executable = build(lowered, spec)
+    with use_options(_launch_options(current_options(), max_batch)):
+        # one lowering per rank: the weights are folded (transposed, fused, cast) per rank; the
+        # functions are the same for every rank, so rank 0's module is the one built
+        ranks = [_lower_rank(sym, entries, max_batch, max_seq_len, spec, dtype,
+                             (tensor_parallel, r)) for r in range(tensor_parallel)]
+        _same_layout([w for _, _, w in ranks])
+        decode, lowered, weights = ranks[0]
+        # the KV caches, then (CUDA) the decode kernels' counters, which start at zero
+        caches = [{"shape": [int(d) for d in p.ty.shape.values], "dtype": str(p.ty.dtype)}
+                  | ({"init": "zeros"} if str(p.name) == "attn_sync" else {})
+                  for p in decode.params[4:]]
+        if not caches:
+            raise CompileError("compile_lm: no KV cache was derived")
+        vocab = int(decode.ret_ty.shape.values[1])
+        executable = build(lowered, spec)
     metadata = {
         "format": LM_FORMAT, "target": spec.name, "sass": [real for _, real in spec.gencode],
         "dtype": dtype, "max_seq_len": max_seq_len, "max_batch": max_batch,

@@ -61,6 +61,7 @@ SIMT_MAX_M = 8
 MAX_SMEM = 48 * 1024  # static shared memory of one block
 MAX_RING_SMEM = 160 * 1024  # dynamic shared memory of a ring block (sm_80 allows 163 KB)
 RING_SKEW = 32  # halves after each ring row: rows g and g + 1 of a fragment load hit other banks
+RING_MAX_M, RING_MIN_K = 8, 8192  # where pick_config takes the ring (its docstring)
 _ALL_LANES = 0xFFFFFFFF
 _MMA_TYPE = {"float16": "fp16", "bfloat16": "bf16"}
 
@@ -179,8 +180,14 @@ def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4,
     (``bench_gemv.py --stats`` at M = 8, session 15: 32 rows 28.3 vs 28.9 µs on 4096×12288 and
     49.1 vs 49.7 on 4096×22016; on N = 4096 the 16-row 4-warp choice of before took 16.8 vs 11.7 µs
     and 40.6 vs 26.4 µs). Default ``simt_max_m`` 4: the engines tie at M = 4 over the 7B shapes and
-    the mma engine is 1.5× faster at M = 8 (session 11)."""
+    the mma engine is 1.5× faster at M = 8 (session 11).
+
+    The ring (16 rows × 4 warps, 256-wide chunks, 2 stages) for M ≤ 8 without statistics where
+    K ≥ 8192 (long per-warp streams): ``bench_gemv.py`` at M = 8 (session 16) 11008×4096 24.3 vs
+    25.7 µs; on K = 4096 it was 1–3 % slower than the register engine and with statistics 5–15 %."""
     if problem.m > min(simt_max_m, SIMT_MAX_M):
+        if not row_stats and problem.m <= RING_MAX_M and problem.k >= RING_MIN_K:
+            return GemvConfig(rows=16, warps=4, unroll=8, mma=True, stages=2)
         if row_stats and _cdiv(problem.n, 32) >= sms:
             cfg = GemvConfig(rows=32, warps=4, unroll=2, mma=True)
         else:
