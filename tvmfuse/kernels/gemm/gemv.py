@@ -21,6 +21,15 @@ is chosen small enough that every SM streams (:func:`pick_config`). Two engines:
   permuted consistently in both operands: its k16 step s takes halves ``4s .. 4s + 3`` of every
   lane's vectors (fragment registers b0 = halves 4s, 4s+1, b1 = 4s+2, 4s+3; a0/a2 likewise from the
   row g vector, a1/a3 from row g + 8). No shared memory, no ldmatrix, 16-byte loads of W.
+* the ring (``stages`` > 0, M ≤ 64; :func:`pick_config` takes it for M ≤ 8 on long K): W goes
+  by ``cp.async`` (16 bytes a lane; each instruction copies whole runs of one or two rows, the
+  CUDA-core engine's coalescing) into ``stages`` slots per warp of dynamic shared memory, a slot
+  ``rows × (chunk + 32)`` halves (the 32-half skew puts rows g and g + 1 of a fragment load in
+  other banks). Each step a warp refills the slot it finished, waits for the next
+  (``cp.async.wait_group``, ``__syncwarp``) and reads its fragments by ``LDS.128``: W is the A
+  operand (16-row tiles: rows g, g + 8), x the B operand (8-column tiles, so M ≤ 8 has no padded
+  half), x's vectors of all the stage's 32-wide slabs loaded from global first; the k order is
+  permuted alike in both, as above. The reduction below reuses the ring after a block barrier.
 
 Then every warp puts its partial sums in shared memory (``red[warp, m, n]``), and the block's
 threads add the warps' partials of one output each and store ``f`` of it (out-of-range rows and
