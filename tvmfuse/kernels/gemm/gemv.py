@@ -350,6 +350,28 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                         "float32", xv[base + e])
 
         @T.inline
+        def mma_k16(s, afrag, bfrag, a, a0, n_a, b, b0, n_b):
+            # k16 step s of a 32-wide slab: A fragments of n_a 16-row tiles from a (the vectors of
+            # rows g, g + 8 of tile i at a0 + (2i, 2i + 1)·8): a0 = row g halves 4s, 4s+1,
+            # a1 = row g + 8, a2, a3 = halves 4s+2, 4s+3; B fragments of n_b 8-column tiles from b
+            # (tile j at b0 + 8j): b0 = halves 4s, 4s+1, b1 = 4s+2, 4s+3; the n_a × n_b mmas into acc
+            for i in T.unroll(n_a):
+                for r in T.unroll(2):
+                    for h in T.unroll(2):
+                        for e in T.unroll(2):
+                            afrag[i * 8 + r * 4 + h * 2 + e] = a[a0 + (i * 2 + h) * VEC + s * 4
+                                                                 + r * 2 + e]
+            for j in T.unroll(n_b):
+                for e in T.unroll(4):
+                    bfrag[j * 4 + e] = b[b0 + j * VEC + s * 4 + e]
+            for i in T.unroll(n_a):
+                for j in T.unroll(n_b):
+                    T.evaluate(T.ptx_legacy.mma(
+                        "m16n8k16", "row", "col", mma_ty, mma_ty, "fp32",
+                        afrag.data, i * 8, bfrag.data, j * 4,
+                        acc.data, (i * n_b + j) * 4, False, dtype="float32"))
+
+        @T.inline
         def ring_load(slot, c):
             # chunk c of this warp's rows of W → ring slot ``slot``: each instruction copies
             # whole 16-byte runs of one or two rows (coalesced, like the CUDA-core engine's loads);
@@ -410,21 +432,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                                 base + (i * 16 + h * 8 + lane // 4) * ring_row + sl * MMA_CHUNK
                                 + (lane % 4) * VEC, 1, VEC)]
                     for s in T.unroll(2):
-                        for i in T.unroll(wt):
-                            for r in T.unroll(2):
-                                for h in T.unroll(2):
-                                    for e in T.unroll(2):
-                                        afrag[i * 8 + r * 4 + h * 2 + e] = wv[
-                                            (i * 2 + h) * VEC + s * 4 + r * 2 + e]
-                        for j in T.unroll(xt):
-                            for e in T.unroll(4):
-                                bfrag[j * 4 + e] = xv[(sl * xt + j) * VEC + s * 4 + e]
-                        for i in T.unroll(wt):
-                            for j in T.unroll(xt):
-                                T.evaluate(T.ptx_legacy.mma(
-                                    "m16n8k16", "row", "col", mma_ty, mma_ty, "fp32",
-                                    afrag.data, i * 8, bfrag.data, j * 4,
-                                    acc.data, (i * xt + j) * 4, False, dtype="float32"))
+                        mma_k16(s, afrag, bfrag, wv, 0, wt, xv, sl * xt * VEC, xt)
             elif cfg.mma:
                 # loads of `unroll` chunks first (all in flight), then the mmas
                 for u in T.unroll(unroll):
@@ -453,23 +461,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                                     stat_add(i * 2 + h, i * 16 + h * 8 + lane // 4, av,
                                              ((u * mt + i) * 2 + h) * VEC)
                     for s in T.unroll(2):
-                        # A fragment of step s: a0 = row g halves 4s, 4s+1; a1 = row g+8; a2, a3:
-                        # halves 4s+2, 4s+3 of rows g, g+8
-                        for i in T.unroll(mt):
-                            for r in T.unroll(2):
-                                for h in T.unroll(2):
-                                    for e in T.unroll(2):
-                                        afrag[i * 8 + r * 4 + h * 2 + e] = av[
-                                            ((u * mt + i) * 2 + h) * VEC + s * 4 + r * 2 + e]
-                        for j in T.unroll(nt):
-                            for e in T.unroll(4):
-                                bfrag[j * 4 + e] = bv[(u * nt + j) * VEC + s * 4 + e]
-                        for i in T.unroll(mt):
-                            for j in T.unroll(nt):
-                                T.evaluate(T.ptx_legacy.mma(
-                                    "m16n8k16", "row", "col", mma_ty, mma_ty, "fp32",
-                                    afrag.data, i * 8, bfrag.data, j * 4,
-                                    acc.data, (i * nt + j) * 4, False, dtype="float32"))
+                        mma_k16(s, afrag, bfrag, av, u * mt * 2 * VEC, mt, bv, u * nt * VEC, nt)
             else:
                 for u in T.unroll(unroll):
                     kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
