@@ -257,6 +257,9 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
     mt, nt = m_pad // 16, rows // 8  # mma tiles
     # the ring: W is the A operand (16-row tiles), x the B operand (8-column tiles)
     wt, xt = rows // 16, m_pad // 8
+    tensor_cores = ring_on or cfg.mma
+    # mma tiles of the tensor-core engines: 16-row A tiles × 8-column B tiles
+    a_tiles, b_tiles = (wt, xt) if ring_on else (mt, nt)
     ring_row = _ring_row(cfg)
     stage_elems = rows * ring_row
     slabs = chunk // MMA_CHUNK  # 32-wide K slabs of a stage: two k16 steps each
@@ -294,23 +297,22 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
             # partial sums reuse the memory
             ring = T.alloc_buffer((smem_elems,), in_dtype, scope="shared.dyn", align=128)
             red = T.decl_buffer((smem_elems // 2,), "float32", data=ring.data, scope="shared.dyn")
-            acc = T.alloc_buffer((wt * xt * 4,), "float32", scope="local")
-            wv = T.alloc_buffer((wt * 2 * VEC,), in_dtype, scope="local", align=16)
-            xv = T.alloc_buffer((slabs * xt * VEC,), in_dtype, scope="local", align=16)
-            afrag = T.alloc_buffer((wt * 2 * VEC,), in_dtype, scope="local", align=16)
-            bfrag = T.alloc_buffer((xt * 4,), in_dtype, scope="local", align=16)
-        elif cfg.mma:
-            red = T.alloc_buffer((red_size + warps * m_pad * n_stats,), "float32", scope="shared")
-            acc = T.alloc_buffer((mt * nt * 4,), "float32", scope="local")
-            bv = T.alloc_buffer((unroll * nt * VEC,), in_dtype, scope="local", align=16)
-            av = T.alloc_buffer((unroll * mt * 2 * VEC,), in_dtype, scope="local", align=16)
-            afrag = T.alloc_buffer((mt * 2 * VEC,), in_dtype, scope="local", align=16)
-            # B fragments copied element-wise out of bv: were bv only read through the mma's
-            # pointer, TVM would retype it as uint4[] and the pointer offsets (in halves) would
-            # land 8× too far (NaN on the H200, session 8)
-            bfrag = T.alloc_buffer((nt * 4,), in_dtype, scope="local", align=16)
         else:
             red = T.alloc_buffer((red_size + warps * m_pad * n_stats,), "float32", scope="shared")
+        if tensor_cores:
+            acc = T.alloc_buffer((a_tiles * b_tiles * 4,), "float32", scope="local")
+            afrag = T.alloc_buffer((a_tiles * 2 * VEC,), in_dtype, scope="local", align=16)
+            # B fragments copied element-wise out of bv / xv: were bv only read through the mma's
+            # pointer, TVM would retype it as uint4[] and the pointer offsets (in halves) would
+            # land 8× too far (NaN on the H200, session 8)
+            bfrag = T.alloc_buffer((b_tiles * 4,), in_dtype, scope="local", align=16)
+        if ring_on:
+            wv = T.alloc_buffer((wt * 2 * VEC,), in_dtype, scope="local", align=16)
+            xv = T.alloc_buffer((slabs * xt * VEC,), in_dtype, scope="local", align=16)
+        elif cfg.mma:
+            bv = T.alloc_buffer((unroll * nt * VEC,), in_dtype, scope="local", align=16)
+            av = T.alloc_buffer((unroll * mt * 2 * VEC,), in_dtype, scope="local", align=16)
+        else:
             acc = T.alloc_buffer((p.m * rows,), "float32", scope="local")
             bv = T.alloc_buffer((unroll * rows * VEC,), in_dtype, scope="local", align=16)
             av = T.alloc_buffer((unroll * p.m * VEC,), in_dtype, scope="local", align=16)
@@ -388,7 +390,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                     T.Cast("uint32", T.if_then_else(n0 + r < p.n and kk < p.k, 16, 0)),
                 )
 
-        for i in T.unroll(wt * xt * 4 if ring_on else mt * nt * 4 if cfg.mma else p.m * rows):
+        for i in T.unroll(a_tiles * b_tiles * 4 if tensor_cores else p.m * rows):
             acc[i] = T.float32(0)
         if has_stats:
             for i in T.unroll(n_stats * m_pad):
