@@ -176,11 +176,17 @@ def test_sm90_generate_on_the_gpu(tmp_path):
 def test_sm90_decode_fuses_rope_into_the_cache_append():
     """At decode the RoPE of q and k, the V slice and the RoPE tables' gathers are fused into the
     in-place append of the layer's state: per layer one kernel between the QKV projection and the
-    attention, and no kernel only copies q, k or v or gathers cos / sin."""
-    from tvmfuse.build.inspect import cuda_source
+    attention, and no kernel only copies q, k or v or gathers cos / sin. (With
+    ``Options.decode_fold_append``, the default, that kernel then moves into the attention:
+    tests/test_rule_fold_decode_append.py.)"""
+    import dataclasses
 
-    lib = tvmfuse.compile_lm(_llama().half(), target="sm90", max_seq_len=MAX_SEQ, max_batch=2,
-                             prefill_lengths=[16])
+    from tvmfuse.build.inspect import cuda_source
+    from tvmfuse.options import current_options, use_options
+
+    with use_options(dataclasses.replace(current_options(), decode_fold_append=False)):
+        lib = tvmfuse.compile_lm(_llama().half(), target="sm90", max_seq_len=MAX_SEQ, max_batch=2,
+                                 prefill_lengths=[16])
     names = re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", cuda_source(lib.executable))
     appends = sorted({n for n in names if "decode_append" in n})
     assert len(appends) == 1, appends  # every layer shares it

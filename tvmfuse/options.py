@@ -81,6 +81,10 @@ class Options:
     # of a head row combines; one launch) instead of a second kernel. Off: the 4-layer LM decoded
     # at 0.1767 ms/token with it, 0.1672 without (H200, session 14, one call)
     decode_fused_combine: bool = False
+    # compile_lm decode (CUDA): the append kernel (RoPE of q and k, the K/V row into the cache)
+    # folded into the split-KV attention kernel, one launch a layer fewer
+    # (rules/fold_decode_append.py)
+    decode_fold_append: bool = True
     # compile_lm decode attention with programmatic launch (sm_90+): a layer's cache of at most
     # this many bytes is prefetched into L2 by the attention kernel before it waits for the append
     # kernel (the old rows load while the append runs); 0: never. Larger caches (the 7B at batch 8:

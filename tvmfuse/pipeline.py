@@ -46,6 +46,7 @@ from .passes.unit_k_matmul import UnitKMatmul
 from .passes.unwrap_output import UnwrapSingleOutput
 from .rules import gpu_rules
 from .rules.fallback import ApplyRules
+from .rules.fold_decode_append import FoldDecodeAppend
 from .rules.gemm_row_stats_simt import SimtGemmRowStats
 from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .rules.gemm_sm90_stats import Sm90GemmRowStats
@@ -189,6 +190,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             mod = run("apply_tuning_db", ApplyTuningDatabase(tuning_db, spec), mod)
         # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
         if spec.is_cuda:
+            # compile_lm decode: the append's elementwise body moves into the split-KV attention
+            # kernel (one launch a layer fewer); needs the append as one unscheduled PrimFunc.
+            mod = run("fold_decode_append", FoldDecodeAppend(), mod)
             # sm_80+: small-M GEMMs (decode) become weight-streaming kernels (their norm statistics
             # inside, constant weights passed (N, K)); before the wgmma passes below see them.
             mod = run("gemv", SmallMGemm, mod)

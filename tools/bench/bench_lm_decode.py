@@ -235,6 +235,8 @@ def main() -> None:
                    help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
     p.add_argument("--decode-fused-combine", action="store_true",
                    help="Options.decode_fused_combine: the split-KV combine in the partial kernel")
+    p.add_argument("--no-fold-append", action="store_true",
+                   help="Options(decode_fold_append=False): the decode append as its own kernel")
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
                    help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
                         "no cache rows before its PDL wait; default: the option's default)")
@@ -257,6 +259,7 @@ def main() -> None:
     row["programmatic_launch"] = args.programmatic_launch
     row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
     row["decode_fused_combine"] = args.decode_fused_combine
+    row["decode_fold_append"] = not args.no_fold_append
     extra = {} if args.decode_kv_prefetch is None else {"decode_kv_prefetch_bytes": args.decode_kv_prefetch}
     if args.programmatic_launch_max_batch is not None:
         extra["programmatic_launch_max_batch"] = args.programmatic_launch_max_batch
@@ -265,7 +268,8 @@ def main() -> None:
     with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
                              programmatic_launch=args.programmatic_launch,
                              gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,
-                             decode_fused_combine=args.decode_fused_combine, **extra)):
+                             decode_fused_combine=args.decode_fused_combine,
+                             decode_fold_append=not args.no_fold_append, **extra)):
         lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
                                  prefill_lengths=sorted({args.ctx, prefill_len}))
     row["compile_s"] = round(time.perf_counter() - t0, 1)

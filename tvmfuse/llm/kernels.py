@@ -29,12 +29,15 @@ fallback binds (b, h) to blocks/threads, one row a thread: correct, not fast).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from dataclasses import dataclass
 
 import tvm
 from tvm.script import tirx as T
 
+from ..attrs import CACHE_ATTENTION_ATTR
 from ..device_props import device_properties
 from ..kernels.attention.flash_decode import check as decode_check
 from ..kernels.attention.flash_decode import (
@@ -251,7 +254,10 @@ def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = F
     if cuda and decode_check(spec.attention_spec()) is None:
         attn = spec.attention_spec()
         config = pick_decode_config(attn, device_properties().sms, fused_combine, l2_prefetch)
-        return _opaque(flash_decode_cache_primfunc(attn, config=config), cuda)
+        # the spec and config, for the pass that rebuilds it with the append inside
+        meta = json.dumps({"spec": dataclasses.asdict(attn), "config": dataclasses.asdict(config)})
+        return _opaque(flash_decode_cache_primfunc(attn, config=config), cuda).with_attr(
+            CACHE_ATTENTION_ATTR, meta)
     sshape, qshape, dt = spec.state_shape, spec.q_shape, spec.dtype
     row = _row_macro(spec, "local" if cuda else "global")
 

@@ -27,6 +27,12 @@ append runs, and the reads after the wait hit L2. Safe for the row the append wr
 point of coherence, so a prefetched line is updated by the later write; offsets/starts were
 written kernels earlier (a kernel launches only once its predecessor passed its own wait).
 
+With ``new_token`` (over a cache; :class:`NewToken`) the kernel also does the decode append: each
+block computes its query heads from this step's unrotated projections (the model's RoPE, folded
+in as an expression), and the block whose chunk holds the newest slot ``p = offsets[b]`` (when
+``p < M``) writes that slot's key and value row, then a block barrier, then reads the chunk as
+usual: one launch a layer fewer, no query rows written to the state.
+
 Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
 the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
 
@@ -39,6 +45,7 @@ at HBM bandwidth.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import tvm
@@ -74,6 +81,17 @@ class DecodeConfig:
     fused_combine: bool = False
     l2_prefetch: bool = False
     pipeline: bool = False
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """This step's q, k and v as expressions, for the kernel that does the decode append itself:
+    ``value(b, h, d)`` is element ``d`` of head ``h`` of ``concat(q, k, v)`` over heads (h < Hq:
+    query heads after RoPE, then Hkv key heads after RoPE, then Hkv value heads) of sequence
+    ``b`` (int32 PrimExprs in, a PrimExpr of the cache dtype out). The buffers it reads become
+    parameters of the kernel's caller (:mod:`tvmfuse.passes.fold_decode_append`)."""
+
+    value: Callable
 
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
@@ -155,9 +173,12 @@ def state_rows(kv_heads: int, max_seq: int, q_heads: int) -> tuple[int, int, int
 
 
 def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
-                                config: DecodeConfig | None = None) -> tvm.tirx.PrimFunc:
+                                config: DecodeConfig | None = None,
+                                new_token: NewToken | None = None) -> tvm.tirx.PrimFunc:
     """PrimFunc ``(state, offsets, starts, sync, out)``: the same kernel over a KV cache (``sync``
-    is read only with ``config.fused_combine``: then one launch).
+    is read only with ``config.fused_combine``: then one launch). ``new_token``: the kernel
+    appends this step's key and value and computes its query itself (module doc); the buffers
+    ``new_token.value`` reads are left free for the caller to bind.
 
     state ``(B, R, D)`` (:func:`state_rows`, M = ``spec.kv_len`` slots), out ``(B, 1, Hq, D)``;
     offsets, starts ``(B,)`` int32; ``sync`` :func:`sync_shape` int32, zero before the first call
@@ -167,7 +188,7 @@ def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target |
     """
     if spec.causal != "none" or spec.window is not None or spec.bias_shape is not None:
         raise ValueError("flash decode over a cache: the visible slots come from offsets/starts")
-    return _primfunc(spec, target, config, cache=True)
+    return _primfunc(spec, target, config, cache=True, new_token=new_token)
 
 
 def _head_chunks(spec: AttentionSpec) -> tuple[int, int]:
@@ -183,7 +204,7 @@ def sync_shape(spec: AttentionSpec) -> tuple[int]:
 
 
 def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: DecodeConfig | None,
-              cache: bool) -> tvm.tirx.PrimFunc:
+              cache: bool, new_token: NewToken | None = None) -> tvm.tirx.PrimFunc:
     reason = check(spec)
     if reason is not None:  # callers ask check() first; reaching this is a caller's bug
         raise ValueError(f"flash decode: {reason}")
@@ -198,6 +219,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     fused_combine = cache and cfg.fused_combine  # the counters live beside the cache
     prefetch = cache and cfg.l2_prefetch
     pipeline = cfg.pipeline
+    folded = new_token is not None
+    new = new_token.value if folded else None
     row_bytes = D * tvm.DataType(dt).bits // 8
     k0, v0, q0, rows = state_rows(Hkv, Skv, Hq)
 
@@ -357,11 +380,22 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                         T.address_of(v[v_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
                 T.ptx.griddepcontrol.wait()
                 T.ptx.griddepcontrol.launch_dependents()
+            if folded:  # the decode append: this block's chunk holds the newest slot p
+                if j0 < ke and ke <= j0 + Lc and offsets[b] < Skv:
+                    for i5 in T.unroll((2 * D + _THREADS - 1) // _THREADS):
+                        idx5: T.let[T.int32] = i5 * _THREADS + tx
+                        if idx5 < 2 * D:
+                            k[b, T.if_then_else(idx5 < D, k0, v0) + kvh * Skv + offsets[b], idx5 % D] = new(
+                                b, Hq + idx5 // D * Hkv + kvh, idx5 % D)
+                    T.tvm_storage_sync("shared")  # the row written before any lane reads it
             for hh in T.unroll(GC):
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
                 for e in T.unroll(vec):
-                    qr[hh * vec + e] = T.Cast("float32", q[q_at(b, h0 + hh, d0 + e)]) * sc
+                    if folded:
+                        qr[hh * vec + e] = T.Cast("float32", new(b, h0 + hh, d0 + e)) * sc
+                    else:
+                        qr[hh * vec + e] = T.Cast("float32", q[q_at(b, h0 + hh, d0 + e)]) * sc
                     acc[hh * vec + e] = T.float32(0)
             if pipeline:  # the next iteration's loads in flight during this one's math
                 n_it: T.let[T.int32] = Lc // per_iter
@@ -445,12 +479,17 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
 
     if cache:
 
-        @T.prim_func
+        # with new_token the buffers its expression reads are free until the caller binds them
+        # (checked below otherwise)
+        @T.prim_func(check_well_formed=False)
         def flash_decode(state: T.Buffer((B, rows, D), dt), offsets: T.Buffer((B,), "int32"),
                          starts: T.Buffer((B,), "int32"), sync: T.Buffer(sync_shape(spec), "int32"),
                          out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(state, state, state, state, out, offsets, starts, sync)
+
+        if not folded:
+            tvm.tirx.analysis.verify_well_formed(flash_decode)
 
     elif has_bias:
 
