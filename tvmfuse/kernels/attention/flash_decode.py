@@ -28,10 +28,11 @@ point of coherence, so a prefetched line is updated by the later write; offsets/
 written kernels earlier (a kernel launches only once its predecessor passed its own wait).
 
 With ``new_token`` (over a cache; :class:`NewToken`) the kernel also does the decode append: each
-block computes its query heads from this step's unrotated projections (the model's RoPE, folded
-in as an expression), and the block whose chunk holds the newest slot ``p = offsets[b]`` (when
-``p < M``) writes that slot's key and value row, then a block barrier, then reads the chunk as
-usual: one launch a layer fewer, no query rows written to the state.
+block computes its GC query heads from this step's unrotated projections (the model's RoPE,
+folded in as an expression) into shared memory, 128 threads sharing the work, while its first
+keys load; the block whose chunk holds the newest slot ``p = offsets[b]`` (when ``p < M``) first
+writes that slot's key and value row, then (after the block barrier) loads its keys. One launch
+a layer fewer, no query rows written to the state.
 
 Over a cache the chunk length follows the sequence: ``ceil(visible / n_split)`` keys (rounded to
 the keys one iteration takes), so every block works whatever the cache's capacity ``M``.
@@ -355,6 +356,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             st = T.alloc_buffer((2,), "float32", scope="local")
             sm_o = T.alloc_buffer((NG * GC * D,), "float32", scope="shared")
             sm_ml = T.alloc_buffer((NG * GC * 2,), "float32", scope="shared")
+            if folded:
+                sm_q = T.alloc_buffer((GC * D,), "float32", scope="shared")
             kvh: T.let[T.int32] = yb // HC
             h0: T.let[T.int32] = kvh * G + (yb % HC) * GC
             grp: T.let[T.int32] = tx // LPR
@@ -380,26 +383,39 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                         T.address_of(v[v_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
                 T.ptx.griddepcontrol.wait()
                 T.ptx.griddepcontrol.launch_dependents()
-            if folded:  # the decode append: this block's chunk holds the newest slot p
-                if j0 < ke and ke <= j0 + Lc and offsets[b] < Skv:
+            if folded:  # the decode append inside (module doc)
+                # keys of the first iteration in flight during the RoPE work, except in the block
+                # whose chunk holds the newest slot p: it writes that slot first
+                has_p: T.let[T.bool] = j0 < ke and ke <= j0 + Lc and offsets[b] < Skv
+                if not has_p:
+                    load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
+                # the GC query heads once per block (every lane group reads them), via shared memory
+                for i6 in T.unroll((GC * D + _THREADS - 1) // _THREADS):
+                    idx6: T.let[T.int32] = i6 * _THREADS + tx
+                    if idx6 < GC * D:
+                        sm_q[idx6] = T.Cast("float32", new(b, h0 + idx6 // D, idx6 % D)) * sc
+                if has_p:
                     for i5 in T.unroll((2 * D + _THREADS - 1) // _THREADS):
                         idx5: T.let[T.int32] = i5 * _THREADS + tx
                         if idx5 < 2 * D:
                             k[b, T.if_then_else(idx5 < D, k0, v0) + kvh * Skv + offsets[b], idx5 % D] = new(
                                 b, Hq + idx5 // D * Hkv + kvh, idx5 % D)
-                    T.tvm_storage_sync("shared")  # the row written before any lane reads it
+                T.tvm_storage_sync("shared")  # q, and the new slot's row, before any lane reads them
+                if has_p:
+                    load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
             for hh in T.unroll(GC):
                 m[hh] = T.float32(_NEG_INF)
                 lsum[hh] = T.float32(0)
                 for e in T.unroll(vec):
                     if folded:
-                        qr[hh * vec + e] = T.Cast("float32", new(b, h0 + hh, d0 + e)) * sc
+                        qr[hh * vec + e] = sm_q[hh * D + d0 + e]
                     else:
                         qr[hh * vec + e] = T.Cast("float32", q[q_at(b, h0 + hh, d0 + e)]) * sc
                     acc[hh * vec + e] = T.float32(0)
             if pipeline:  # the next iteration's loads in flight during this one's math
                 n_it: T.let[T.int32] = Lc // per_iter
-                load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
+                if not folded:
+                    load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
                 for it2 in T.serial((n_it + 1) // 2):
                     # past the chunk's last iteration: clamped to a real key, never attended
                     load_keys(k, v, kr2, vr2, it2 * 2 + 1, b, kvh, kb, ke, j0, grp, d0)
@@ -408,6 +424,11 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     if it2 * 2 + 1 < n_it:
                         attend(kr2, vr2, it2 * 2 + 1, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0,
                                Lc, grp)
+            elif folded:  # iteration 0's keys are loaded above
+                attend(kr, vr, 0, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp)
+                for it in T.serial(Lc // per_iter - 1):
+                    load_keys(k, v, kr, vr, it + 1, b, kvh, kb, ke, j0, grp, d0)
+                    attend(kr, vr, it + 1, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp)
             else:
                 for it in T.serial(Lc // per_iter):
                     load_keys(k, v, kr, vr, it, b, kvh, kb, ke, j0, grp, d0)
