@@ -97,3 +97,28 @@ def test_cli_json_and_plot(tmp_path):
     assert [(b["kernels"], b["reason"].split(":")[0]) for b in report["not_fused"]] == [
         ([k["name"] for k in report["kernels"]], "GEMM feeding a GEMM")]
     assert png.stat().st_size > 10_000
+
+
+def _decode_residual_linear():
+    """y = x + h·Wᵀ at 8 tokens (a decode step's down projection), W a constant (1024, 11008)."""
+    import numpy as np
+    from tvm import relax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([8, 1024], "float16"))
+    h = relax.Var("h", relax.TensorType([8, 11008], "float16"))
+    w = relax.const(np.random.default_rng(0).standard_normal((1024, 11008)).astype("float16"))
+    with bb.function("main", [x, h]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.add(x, relax.op.matmul(h, relax.op.permute_dims(w))))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def test_gemv_kernels_carry_their_config():
+    """A small-M GEMM's kernel names the GEMV engine and config it was generated with (``tile``)."""
+    report = analyze(_decode_residual_linear(), get_target("sm90"))
+    (kernel,) = report["kernels"]
+    assert kernel["rule"] == "gemv" and kernel["pattern"] == "gemv"
+    assert kernel["tile"].startswith(("ring ", "mma ", "simt ")), kernel
+    assert "tile" not in analyze(SeedExample, get_target("cpu"))["kernels"][0]  # none: left out

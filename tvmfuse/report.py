@@ -18,7 +18,16 @@ from tvm.relax.backend import cpu_generic as stock_cpu
 from tvm.relax.backend import cuda as stock_cuda
 from tvm.s_tir.analysis import estimate_tir_flops
 
-from .attrs import FALLBACK_ATTR, IN_LOOP_ATTR, KEPT_ATTR, REPLACES_ATTR, RULE_ATTR, TUNING_ATTR
+from .attrs import (
+    FALLBACK_ATTR,
+    IN_LOOP_ATTR,
+    KEPT_ATTR,
+    KERNEL_TILE_ATTR,
+    REPLACES_ATTR,
+    RULE_ATTR,
+    TILE_ATTR,
+    TUNING_ATTR,
+)
 from .device_props import DEFAULT_DEVICE, DEVICES, device_properties
 from .errors import TVM_ERRORS, CompileError
 from .passes import MixedPrecision
@@ -51,10 +60,12 @@ class KernelInfo:
     tuning: str | None = field(default=None)  # with a tuning database: "tuned" or "default: why"
     fallback: str | None = field(default=None)  # why a rule / generator left it (tvmfuse.fallback)
     rule: str | None = field(default=None)  # the tvmfuse rule / generator that made it (tvmfuse.rule)
+    # the tile / config it was generated with (tvmfuse.gemm_tile, tvmfuse.tile): e.g. a GEMV's engine
+    tile: str | None = field(default=None)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        for key in ("measured_ms", "tuning", "fallback", "rule"):
+        for key in ("measured_ms", "tuning", "fallback", "rule", "tile"):
             if d[key] is None:
                 del d[key]
         return d
@@ -241,7 +252,9 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
                                   tuning=str(attrs[TUNING_ATTR]) if attrs and
                                   TUNING_ATTR in attrs else None,
                                   fallback=str(attrs[FALLBACK_ATTR]) if attrs and
-                                  FALLBACK_ATTR in attrs else None, rule=rule))
+                                  FALLBACK_ATTR in attrs else None, rule=rule,
+                                  tile=next((str(attrs[a]) for a in (TILE_ATTR, KERNEL_TILE_ATTR)
+                                             if attrs and a in attrs), None)))
     return kernels
 
 
