@@ -235,8 +235,6 @@ def main() -> None:
                    help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
     p.add_argument("--decode-fused-combine", action="store_true",
                    help="Options.decode_fused_combine: the split-KV combine in the partial kernel")
-    p.add_argument("--steps-per-graph", type=int, default=None,
-                   help="LanguageModel.steps_per_graph: greedy steps per CUDA graph (default: the runtime's)")
     p.add_argument("--no-fold-append", action="store_true",
                    help="Options(decode_fold_append=False): the decode append as its own kernel")
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
@@ -277,8 +275,6 @@ def main() -> None:
     row["compile_s"] = round(time.perf_counter() - t0, 1)
     print("compile_s", row["compile_s"], flush=True)
     lm = tvmfuse.load(lib.export(Path(tempfile.mkdtemp(prefix="lm-decode-")) / "lm.so"), device="cuda")
-    if args.steps_per_graph is not None:
-        lm.steps_per_graph = args.steps_per_graph
     torch.manual_seed(1)
     ids = torch.randint(1, SIZES[args.size]["vocab_size"], (args.batch, args.ctx))
     lm.generate(ids, max_new_tokens=4)  # warm-up

@@ -26,7 +26,6 @@ import numpy as np
 from ..errors import InputError
 
 LM_FORMAT = "tvmfuse-lm/1"
-STEPS_PER_GRAPH = 8  # greedy steps one CUDA graph holds (LanguageModel.steps_per_graph)
 
 
 class LanguageModel:
@@ -52,8 +51,6 @@ class LanguageModel:
         self._offsets = np.zeros(self.max_batch, "int32")  # each sequence's next slot
         self._batch = 0
         self.timings: dict[str, float] = {}
-        # CUDA: decode steps captured into one graph and replayed together (_graph_steps)
-        self.steps_per_graph = STEPS_PER_GRAPH
 
     def __repr__(self) -> str:
         return (f"LanguageModel({self.path}, target={self.metadata['target']}, max_batch="
@@ -138,45 +135,31 @@ class LanguageModel:
                          for b in range(self._batch)])
 
     def _graph_steps(self, step, steps: int) -> int:
-        """Run ``steps`` steps as one eager step + captured CUDA graphs (torch's capture, the
-        library's kernels on torch's stream): one graph of ``steps_per_graph`` consecutive steps
-        replayed, and one of the remaining steps. Consecutive steps inside a graph follow each
-        other without a graph launch between them (and, with programmatic launch, overlap).
-        The steps done (0 when capture is unavailable: the caller runs them eagerly). Timings:
-        the replay loop only."""
+        """Run ``steps`` steps as one eager step + a captured CUDA graph replayed ``steps − 1``
+        times (torch's capture, the library's kernels on torch's stream); the steps done (0 when
+        capture is unavailable: the caller runs them eagerly). Timings: the replay loop only."""
         try:
             import torch
             import tvm_ffi
         except ImportError:
             self.timings["cuda_graph"] = "off: torch is not installed"
             return 0
-        step()  # eager: the VM's memory pool holds every buffer the captured steps use
-        left = steps - 1
-        per = max(1, min(self.steps_per_graph, left))
-
-        def capture(count: int):
-            graph = torch.cuda.CUDAGraph()
-            with tvm_ffi.use_torch_stream(torch.cuda.graph(graph, capture_error_mode="relaxed")):
-                for _ in range(count):
-                    logits = step()  # recorded, not run
-            return graph, logits
-
+        step()  # eager: the VM's memory pool holds every buffer the captured step uses
+        graph = torch.cuda.CUDAGraph()
         try:
-            graphs = [capture(per)] + ([capture(left % per)] if left % per else [])
+            with tvm_ffi.use_torch_stream(torch.cuda.graph(graph, capture_error_mode="relaxed")):
+                logits = step()  # recorded, not run
         except Exception as err:  # noqa: BLE001 - fall back to eager steps, say why
             self.timings["cuda_graph"] = f"off: capture failed: {type(err).__name__}: {err}"[:300]
             return 1
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(left // per):
-            graphs[0][0].replay()
-        if len(graphs) > 1:
-            graphs[1][0].replay()
+        for _ in range(steps - 1):
+            graph.replay()
         torch.cuda.synchronize()
-        self.timings["decode_ms_per_token"] = (time.perf_counter() - start) * 1e3 / left
+        self.timings["decode_ms_per_token"] = (time.perf_counter() - start) * 1e3 / (steps - 1)
         self.timings["cuda_graph"] = "on"
-        self.timings["steps_per_graph"] = per
-        del graphs
+        del logits
         return steps
 
     def generate(self, input_ids: Any, max_new_tokens: int = 16, attention_mask: Any = None) -> Any:
