@@ -16,6 +16,19 @@ TIE_REL = 1e-3
 LOGITS_REL = 2e-2
 
 
+def tiny_llama(**config) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM at random init (seed 0), eval mode, fp32: vocab 128, hidden
+    64, FFN 128, 2 layers, 4 query / 2 KV heads (``config`` overrides LlamaConfig fields)."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        **config})
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
 def torch_greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int,
                  mask: torch.Tensor | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
     """Greedy tokens (B, steps) of a cache-less model and each step's logits (B, V), recomputing

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.cuda_tools import needs_nvcc
-from tests.lm_reference import check_tokens, torch_greedy
+from tests.lm_reference import check_tokens, tiny_llama, torch_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,11 +22,7 @@ MAX_SEQ = 64
 
 
 def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=256)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import tvm
 from tvm import tirx
 
 from tests.cuda_tools import kernel_sass, needs_nvcc
+from tests.lm_reference import tiny_llama
 from tests.test_llm_kv_cache import DECODE, DECODE_ROWS, _cache_attention_ref, _caches, _state
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
@@ -23,19 +24,10 @@ from tvmfuse.rules.fold_decode_append import _substitute, _Unknown
 from tvmfuse.targets import get_target
 from tvmfuse.tvm_setup import codegen_scope
 
-transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
 
 import tvmfuse  # noqa: E402
 from tvmfuse.build.inspect import cuda_source  # noqa: E402
-
-
-def _llama():
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=256)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).eval().half()
 
 
 def _kernels(lib) -> list[str]:
@@ -46,7 +38,7 @@ def _kernels(lib) -> list[str]:
 def _compile(fold: bool):
     opts = dataclasses.replace(current_options(), decode_fold_append=fold)
     with use_options(opts):
-        return tvmfuse.compile_lm(_llama(), target="sm90", max_seq_len=64, max_batch=2,
+        return tvmfuse.compile_lm(tiny_llama().half(), target="sm90", max_seq_len=64, max_batch=2,
                                   prefill_lengths=[16])
 
 

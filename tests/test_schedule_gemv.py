@@ -17,7 +17,7 @@ import torch
 import tvm
 from tvm import te, tirx
 
-from tests.cuda_tools import needs_nvcc
+from tests.cuda_tools import kernel_bodies, needs_nvcc
 from tvmfuse.attrs import RULE_ATTR
 from tvmfuse.build.inspect import cuda_source, fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
@@ -123,6 +123,33 @@ def test_off_with_the_option(target):
     """With ``Options(small_m_gemv=False)`` no kernel is a gemv one and the rule declines."""
     assert "gemv" not in _lm_rules(target)
     assert Gemv().apply(te_linear(1, 256, 512), SM80.tvm_target(), False) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on", [False, True], ids=["default", "prefetch_after_attention"])
+def test_prefetch_after_attention_takes_the_o_projection_only(on):
+    """``Options.gemv_prefetch_after_attention``: in compile_lm's sm90 decode the GEMV reading the
+    attention's output (O projection + residual) bulk-prefetches its rows into L2 before its PDL
+    wait; the QKV, gate/up, down and lm_head GEMVs do not (nor any GEMV by default)."""
+    import dataclasses
+
+    import tvmfuse
+    from tvmfuse.options import current_options
+
+    pytest.importorskip("transformers")
+    from tests.lm_reference import tiny_llama
+
+    model = tiny_llama().half()
+    with use_options(dataclasses.replace(current_options(), gemv_prefetch_after_attention=on)):
+        lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=64, prefill_lengths=[16])
+    bodies = {n: body for n, (_, body) in kernel_bodies(cuda_source(lib.executable)).items()
+              if n.endswith("_gemv_kernel")}
+    assert len(bodies) >= 5, sorted(bodies)  # decode's five (and the prefill's small ones)
+    prefetching = {n for n, body in bodies.items() if "prefetch" in body}
+    # the decode O projection (hidden → hidden + the residual; the first matmul after QKV's);
+    # the prefill's (flash attention before it, no PDL) does not prefetch
+    assert prefetching == ({n for n in bodies if "add" in n and "matmul1" in n} if on else set()), (
+        sorted(bodies), prefetching)
 
 
 def _sass(func: tirx.PrimFunc, spec, tmp_path) -> tuple[str, str]:

@@ -77,6 +77,10 @@ class Options:
     # the wait (0: none). 0: 64 KiB made every 7B-shaped GEMV 3-12 % slower standalone and the
     # 4-layer LM's decode no faster with PDL (H200, session 12)
     gemv_l2_prefetch_bytes: int = 0
+    # gemv with programmatic_launch: a GEMV reading a compile_lm decode attention's output (the O
+    # projection) prefetches all its weight rows into L2 before its wait, during the attention
+    # (which moves few bytes for its time)
+    gemv_prefetch_after_attention: bool = False
     # compile_lm decode attention (CUDA): the split-KV combine in the partial kernel (the last block
     # of a head row combines; one launch) instead of a second kernel. Off: the 4-layer LM decoded
     # at 0.1767 ms/token with it, 0.1672 without (H200, session 14, one call)

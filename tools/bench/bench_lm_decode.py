@@ -235,8 +235,11 @@ def main() -> None:
                    help="Options.gemv_l2_prefetch_bytes (with programmatic launch)")
     p.add_argument("--decode-fused-combine", action="store_true",
                    help="Options.decode_fused_combine: the split-KV combine in the partial kernel")
-    p.add_argument("--no-fold-append", action="store_true",
-                   help="Options(decode_fold_append=False): the decode append as its own kernel")
+    p.add_argument("--gemv-prefetch-after-attention", action="store_true",
+                   help="Options.gemv_prefetch_after_attention: the O projection's GEMV prefetches "
+                        "its weight into L2 during the attention")
+    p.add_argument("--fold-append", action="store_true",
+                   help="Options.decode_fold_append: the decode append inside the attention kernel")
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
                    help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
                         "no cache rows before its PDL wait; default: the option's default)")
@@ -259,7 +262,8 @@ def main() -> None:
     row["programmatic_launch"] = args.programmatic_launch
     row["gemv_l2_prefetch"] = args.gemv_l2_prefetch
     row["decode_fused_combine"] = args.decode_fused_combine
-    row["decode_fold_append"] = not args.no_fold_append
+    row["decode_fold_append"] = args.fold_append
+    row["gemv_prefetch_after_attention"] = args.gemv_prefetch_after_attention
     extra = {} if args.decode_kv_prefetch is None else {"decode_kv_prefetch_bytes": args.decode_kv_prefetch}
     if args.programmatic_launch_max_batch is not None:
         extra["programmatic_launch_max_batch"] = args.programmatic_launch_max_batch
@@ -269,7 +273,9 @@ def main() -> None:
                              programmatic_launch=args.programmatic_launch,
                              gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,
                              decode_fused_combine=args.decode_fused_combine,
-                             decode_fold_append=not args.no_fold_append, **extra)):
+                             decode_fold_append=args.fold_append,
+                             gemv_prefetch_after_attention=args.gemv_prefetch_after_attention,
+                             **extra)):
         lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
                                  prefill_lengths=sorted({args.ctx, prefill_len}))
     row["compile_s"] = round(time.perf_counter() - t0, 1)

@@ -32,7 +32,14 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-from ..attrs import FALLBACK_ATTR, IN_LOOP_ATTR, REPLACES_ATTR, RULE_ATTR, TILE_ATTR
+from ..attrs import (
+    CACHE_ATTENTION_ATTR,
+    FALLBACK_ATTR,
+    IN_LOOP_ATTR,
+    REPLACES_ATTR,
+    RULE_ATTR,
+    TILE_ATTR,
+)
 from ..device_props import device_properties
 from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze
 from ..kernels.gemm.gemv import MAX_M, GemvConfig, GemvProblem, check, gemv_kernel, pick_config
@@ -68,10 +75,19 @@ def small_m_gemm(func: tirx.PrimFunc) -> FusedGemm | None:
     return g if g.m <= max_m() else None
 
 
-def l2_prefetch_bytes(target: Target | None) -> int:
+def l2_prefetch_bytes(target: Target | None, after_attention: bool = False) -> int:
     """Bytes of W each block prefetches before the programmatic-launch wait (0 where kernels do
-    not launch programmatically: options off, or a target below sm_90)."""
-    return current_options().gemv_l2_prefetch_bytes if pdl_active(target) else 0
+    not launch programmatically: options off, or a target below sm_90). ``after_attention``: the
+    GEMV reads a decode attention's output (the O projection), which moves few bytes for its
+    time: with ``Options.gemv_prefetch_after_attention`` each block prefetches all its rows."""
+    if not pdl_active(target):
+        return 0
+    if after_attention and current_options().gemv_prefetch_after_attention:
+        return _WHOLE_ROWS
+    return current_options().gemv_l2_prefetch_bytes
+
+
+_WHOLE_ROWS = 1 << 30  # l2_prefetch bytes: the kernel clamps it to the block's rows
 
 
 def max_m() -> int:
@@ -80,12 +96,13 @@ def max_m() -> int:
 
 
 def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transposed: bool = False,
-                 in_loop: InLoopStats | None = None) -> tirx.PrimFunc:
+                 in_loop: InLoopStats | None = None, after_attention: bool = False) -> tirx.PrimFunc:
     """The GEMV kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads W as (K, N), the kernel takes its transpose (N, K) (the
     caller passes the transposed weight). ``in_loop``: the kernel computes x's row statistics;
-    its signature is ``func``'s without the statistics parameters.
+    its signature is ``func``'s without the statistics parameters. ``after_attention``: x is a
+    decode attention's output (:func:`l2_prefetch_bytes`).
     """
     g = analyze(func)
     if g.m > MAX_M:
@@ -105,7 +122,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
                                                                    in_loop)
     kernel = gemv_kernel(problem, cfg, buffers, *positions, store_value, pair_value,
                          row_stats=in_loop.stats if in_loop is not None else None,
-                         l2_prefetch=l2_prefetch_bytes(Target.current(allow_none=True)))
+                         l2_prefetch=l2_prefetch_bytes(Target.current(allow_none=True),
+                                                       after_attention))
     return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
 
 
@@ -138,21 +156,38 @@ class _Plan:
         self.stats_names: dict = {}  # key → the statistics PrimFunc's name (for the report)
         self.transposed = weight_arrays.DerivedConstants()  # (N, K) copies, one per (K, N) weight
 
-    def kernel(self, mod, gvar, b_transposed, in_loop) -> tirx.PrimFunc | str:
-        key = _key(gvar, b_transposed, in_loop)
+    def kernel(self, mod, gvar, b_transposed, in_loop, after_attention=False) -> tirx.PrimFunc | str:
+        key = _key(gvar, b_transposed, in_loop, after_attention)
         if key not in self.kernels:
             try:
                 self.kernels[key] = build_kernel(mod[gvar], b_transposed=b_transposed,
-                                                 in_loop=in_loop)
+                                                 in_loop=in_loop, after_attention=after_attention)
             except NotHandled as why:
                 self.kernels[key] = str(why)
         return self.kernels[key]
 
 
-def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None) -> tuple:
+def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None, after_attention: bool = False) -> tuple:
     """A dict key for one kernel variant (InLoopStats is not hashable)."""
     stats = None if in_loop is None else (in_loop.stats, in_loop.mean, in_loop.rstd)
-    return gvar, b_transposed, stats
+    return gvar, b_transposed, stats, after_attention
+
+
+def _attention_outputs(mod: tvm.IRModule, func: relax.Function) -> set:
+    """Vars holding a decode attention's output (compile_lm's cache attention, the PrimFunc with
+    ``CACHE_ATTENTION_ATTR``), or a reshape of one."""
+    found: set = set()
+    for b in (b for block in func.body.blocks for b in block.bindings):
+        v = b.value
+        if not isinstance(v, relax.Call):
+            continue
+        if (isinstance(v.op, tvm.ir.Op) and v.op.name == _CALL_TIR
+                and isinstance(v.args[0], tvm.ir.GlobalVar)
+                and CACHE_ATTENTION_ATTR in (mod[v.args[0]].attrs or {})):
+            found.add(b.var)
+        elif isinstance(v.op, tvm.ir.Op) and v.op.name == "relax.reshape" and v.args[0] in found:
+            found.add(b.var)
+    return found
 
 
 def _weight_arg(g: FusedGemm, args: list, plan: _Plan) -> tuple[bool, relax.Expr] | None:
@@ -194,6 +229,7 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
             mine.append((user, in_loop, stats_call.args[0].name_hint))
         else:
             stats_for += mine
+    attention_out = _attention_outputs(mod, func)
     for binding in (b for block in func.body.blocks for b in block.bindings):
         call = binding.value
         if not (isinstance(call, relax.Call) and call.op == call_tir and call.args[0] in gemms):
@@ -206,14 +242,15 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
             continue
         in_loop, stats_name = next(((il, n) for c, il, n in stats_for if c.same_as(call)),
                                    (None, None))
-        kernel = plan.kernel(mod, gv, weight[0], in_loop)
+        after_attention = args[g.a] in attention_out
+        kernel = plan.kernel(mod, gv, weight[0], in_loop, after_attention)
         if isinstance(kernel, str):
             refused[gv] = kernel
             continue
         args[g.b] = weight[1]
         if in_loop is not None:
             args = [a for i, a in enumerate(args) if i not in in_loop.dropped]
-        key = _key(gv, weight[0], in_loop)
+        key = _key(gv, weight[0], in_loop, after_attention)
         plan.calls.append((call, key, args))
         plan.stats_names[key] = stats_name
 
@@ -243,7 +280,7 @@ def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass na
                 return super().visit_call_(call)
             key, args = found
             if key not in added:
-                gv, _, in_loop = key
+                gv, _, in_loop, _ = key
                 kernel = plan.kernels[key].with_attr(REPLACES_ATTR, gv.name_hint)
                 if in_loop is not None:  # the report counts the statistics in this kernel
                     kernel = kernel.with_attr(IN_LOOP_ATTR,
