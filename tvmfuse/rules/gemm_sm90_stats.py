@@ -49,11 +49,11 @@ NAME = "gemm_sm90_row_stats"
 # Measured on the H200 (.devq stats1, 2026-11-30, fp16): the in-loop statistics (an extra shared-
 # memory read of each A stage) slow a compute-bound main loop by 9-12 % (LN+Linear 8192x4096->4096:
 # GEMM 485.9 vs 444.8 us; MLP fc1 2048x4096->16384: 563.0 vs 503.1 us), at 618 TFLOP/s without them;
-# the statistics kernel reads x at 3.78 TB/s and takes at least 1.14 us (tools/bench/results
-# *-row-stats.json). In-loop pays only where 12 % of the GEMM is less than the statistics kernel:
-# small GEMMs and launch-bound shapes, not large-N projections. The rates are kept as fractions of
-# the device's peaks (device_props; H200: 775 TFLOP/s fp16, 4.21 TB/s copy) so that the estimate
-# follows the target.
+# the statistics kernel reads x at 3.78 TB/s and takes at least 1.14 us (tools/bench/results/
+# archive-2026-11-30-to-12-02.tar.xz: 2026-11-30-row-stats.json). In-loop pays only where 12 % of
+# the GEMM is less than the statistics kernel: small GEMMs and launch-bound shapes, not large-N
+# projections. The rates are kept as fractions of the device's peaks (device_props; H200: 775
+# TFLOP/s fp16, 4.21 TB/s copy) so that the estimate follows the target.
 IN_LOOP_OVERHEAD = 0.12
 GEMM_EFFICIENCY = 618 / 775  # the wgmma GEMM's rate / the device's fp16 peak
 STATS_EFFICIENCY = 3.78 / 4.21  # the statistics kernel's read rate / the device's copy bandwidth

@@ -24,7 +24,8 @@ the functions whose last block writes whole rows; this rule shares its analysis 
 
 On the H200 (kernel time, 8192 × 4096 fp16): LayerNorm stats 17.8 µs (3.78 TB/s of x), RMSNorm
 stats 16.5 µs (4.06 TB/s); before this rule dlight's Fallback took 4.32 ms (one thread a row) for
-the former and its Reduction rule 42.0 µs for the latter (tools/bench/results/*-row-stats.json).
+the former and its Reduction rule 42.0 µs for the latter (tools/bench/results/
+archive-2026-11-30-to-12-02.tar.xz: 2026-11-30-row-stats.json).
 
 Returns ``None`` for anything else (row-wide outputs, more than two outputs, symbolic shapes, rows
 of a prime number of vectors, tiles over the register budget): dlight's rules take those.
