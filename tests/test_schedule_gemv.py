@@ -126,11 +126,13 @@ def test_off_with_the_option(target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("on", [False, True], ids=["default", "prefetch_after_attention"])
-def test_prefetch_after_attention_takes_the_o_projection_only(on):
+@pytest.mark.parametrize("on, fold", [(False, False), (True, False), (True, True)],
+                         ids=["default", "prefetch_after_attention", "with_the_folded_append"])
+def test_prefetch_after_attention_takes_the_o_projection_only(on, fold):
     """``Options.gemv_prefetch_after_attention``: in compile_lm's sm90 decode the GEMV reading the
     attention's output (O projection + residual) bulk-prefetches its rows into L2 before its PDL
-    wait; the QKV, gate/up, down and lm_head GEMVs do not (nor any GEMV by default)."""
+    wait, also when the attention does the append (its output then the second of a pair); the
+    QKV, gate/up, down and lm_head GEMVs do not (nor any GEMV by default)."""
     import dataclasses
 
     import tvmfuse
@@ -140,7 +142,9 @@ def test_prefetch_after_attention_takes_the_o_projection_only(on):
     from tests.lm_reference import tiny_llama
 
     model = tiny_llama().half()
-    with use_options(dataclasses.replace(current_options(), gemv_prefetch_after_attention=on)):
+    opts = dataclasses.replace(current_options(), gemv_prefetch_after_attention=on,
+                               decode_fold_append=fold)
+    with use_options(opts):
         lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=64, prefill_lengths=[16])
     bodies = {n: body for n, (_, body) in kernel_bodies(cuda_source(lib.executable)).items()
               if n.endswith("_gemv_kernel")}

@@ -101,7 +101,10 @@ def _fold(mod: tvm.IRModule, append: relax.Call, attention: relax.Call
     meta = json.loads(str(kfunc.attrs[CACHE_ATTENTION_ATTR]))
     spec = AttentionSpec(**meta["spec"])
     config = DecodeConfig(**meta["config"])
-    (state_index,) = [int(i) for i in append.attrs.inplace_indices]
+    indices = [int(i) for i in append.attrs.inplace_indices]
+    if len(indices) != 1:  # the decode append writes one tensor in place: the state
+        return None
+    state_index = indices[0]
     a_args = list(append.args[1].fields)
     found = _append_store(afunc, (spec.batch, 1, spec.q_heads + 2 * spec.kv_heads, spec.head_dim))
     if found is None:

@@ -175,17 +175,19 @@ def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None, after_attention:
 
 def _attention_outputs(mod: tvm.IRModule, func: relax.Function) -> set:
     """Vars holding a decode attention's output (compile_lm's cache attention, the PrimFunc with
-    ``CACHE_ATTENTION_ATTR``), or a reshape of one."""
+    ``CACHE_ATTENTION_ATTR``; folded with the append, the output of its (state, output) pair), or
+    a reshape of one."""
     found: set = set()
     for b in (b for block in func.body.blocks for b in block.bindings):
         v = b.value
-        if not isinstance(v, relax.Call):
+        if isinstance(v, relax.TupleGetItem) and v.tuple_value in found and v.index == 1:
+            found.add(b.var)
+        if not (isinstance(v, relax.Call) and isinstance(v.op, tvm.ir.Op)):
             continue
-        if (isinstance(v.op, tvm.ir.Op) and v.op.name == _CALL_TIR
-                and isinstance(v.args[0], tvm.ir.GlobalVar)
+        if (v.op.name in (_CALL_TIR, "relax.call_tir_inplace") and isinstance(v.args[0], tvm.ir.GlobalVar)
                 and CACHE_ATTENTION_ATTR in (mod[v.args[0]].attrs or {})):
             found.add(b.var)
-        elif isinstance(v.op, tvm.ir.Op) and v.op.name == "relax.reshape" and v.args[0] in found:
+        elif v.op.name == "relax.reshape" and v.args[0] in found:
             found.add(b.var)
     return found
 
