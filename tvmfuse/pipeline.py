@@ -190,8 +190,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             mod = run("apply_tuning_db", ApplyTuningDatabase(tuning_db, spec), mod)
         # GPU kernels need thread bindings: rules are tried in order per fused PrimFunc.
         if spec.is_cuda:
-            # compile_lm decode: the append's elementwise body moves into the split-KV attention
-            # kernel (one launch a layer fewer); needs the append as one unscheduled PrimFunc.
+            # compile_lm decode (Options.decode_fold_append, off): the append's elementwise body
+            # moves into the split-KV attention kernel; needs the append as one unscheduled PrimFunc.
             mod = run("fold_decode_append", FoldDecodeAppend(), mod)
             # sm_80+: small-M GEMMs (decode) become weight-streaming kernels (their norm statistics
             # inside, constant weights passed (N, K)); before the wgmma passes below see them.

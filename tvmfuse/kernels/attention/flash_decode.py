@@ -90,7 +90,7 @@ class NewToken:
     ``value(b, h, d)`` is element ``d`` of head ``h`` of ``concat(q, k, v)`` over heads (h < Hq:
     query heads after RoPE, then Hkv key heads after RoPE, then Hkv value heads) of sequence
     ``b`` (int32 PrimExprs in, a PrimExpr of the cache dtype out). The buffers it reads become
-    parameters of the kernel's caller (:mod:`tvmfuse.passes.fold_decode_append`)."""
+    parameters of the kernel's caller (:mod:`tvmfuse.rules.fold_decode_append`)."""
 
     value: Callable
 
