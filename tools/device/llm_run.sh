@@ -13,6 +13,8 @@
 #   ratio     the batch-8 ratio in one call: 7b at batch 8, then at batch 1                  (~440 s)
 #   split     PDL-off kernel splits of the 7B shapes with 4 layers at batch 1 and 8          (~125 s)
 #   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
+#   lm4ab     lm4 decode with and without Options.gemv_prefetch_after_attention, same call   (~150 s)
+#   gemv_lm4  bench_gemv at M = 1 over the 4-layer LM's shapes, CUDA-core configs swept      (~60 s)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}
@@ -50,6 +52,13 @@ for s in "$@"; do
              step "7b4_b${b}_off" 90 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
                --batch "$b" --no-compile --programmatic-launch off --out "$OUT/7b4_b${b}_off.json"
            done ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split)"; exit 2 ;;
+    lm4ab) for pf in off on; do
+             flag=(); [ "$pf" = on ] && flag=(--gemv-prefetch-after-attention)
+             step "lm4_prefetch_$pf" 120 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 \
+               --new 32 --no-compile "${flag[@]}" --out "$OUT/lm4_prefetch_$pf.json"
+           done ;;
+    gemv_lm4) step gemv_lm4 200 python3 tools/bench/bench_gemv.py --shapes lm4 --ms 1 \
+                --configs auto,simt:4:8:4,simt:8:4:4,simt:2:8:8,simt:8:8:8 --out "$OUT/gemv_lm4.json" ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab gemv_lm4)"; exit 2 ;;
   esac
 done
