@@ -151,3 +151,81 @@ def test_folded_kernel_numerics_on_the_gpu(name):
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err < 2e-3, (seed, err)
         assert not sync.numpy().any(), sync.numpy()
+
+
+class _Captured(Exception):
+    """Stops compile_lm's lowering once the module FoldDecodeAppend receives is captured."""
+
+
+def _pass_input(monkeypatch) -> tvm.IRModule:
+    """compile_lm's sm90 module as the fold_decode_append stage receives it (no tuning database:
+    the module after ``reshape_to_view``)."""
+    import importlib
+
+    compile_lm = importlib.import_module("tvmfuse.llm.compile_lm")
+    real, seen = compile_lm.lower, {}
+
+    def lower(*args, **kwargs):
+        def on_stage(name, mod):
+            if name == "reshape_to_view":
+                seen["mod"] = mod
+                raise _Captured
+
+        return real(*args, on_stage=on_stage, **kwargs)
+
+    monkeypatch.setattr(compile_lm, "lower", lower)
+    with pytest.raises(_Captured):
+        tvmfuse.compile_lm(tiny_llama().half(), target="sm90", max_seq_len=64, max_batch=2,
+                           prefill_lengths=[16])
+    return seen["mod"]
+
+
+def _calls(func) -> list:
+    """(op name, callee name, call) of every call_tir / call_tir_inplace in ``func``'s bindings."""
+    out = []
+    for block in func.body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if isinstance(v, tvm.relax.Call) and getattr(v.op, "name", "") in (
+                    "relax.call_tir", "relax.call_tir_inplace"):
+                out.append((v.op.name, v.args[0].name_hint, v))
+    return out
+
+
+def test_pass_folds_each_layers_append_and_leaves_its_input(monkeypatch):
+    """On the decode step: each layer's append call and attention call become one
+    ``call_tir_inplace`` (the cache in place, the output new) of one shared rebuilt kernel, whose
+    arguments are the cache, offsets, starts, counters, then the append's other inputs; the two
+    PrimFuncs it replaces leave the module; the caller's module is not modified; with the option
+    off nothing changes."""
+    from tvmfuse.attrs import CACHE_ATTENTION_ATTR
+    from tvmfuse.rules.fold_decode_append import FoldDecodeAppend
+
+    mod = _pass_input(monkeypatch)
+    before = _calls(mod["decode"])
+    appends = [c for c in before if "decode_append" in c[1]]
+    attentions = [c for c in before if c[1] == "decode_cache_attention0"]
+    assert len(appends) == 2 and len(attentions) == 2 and all(
+        c[0] == "relax.call_tir_inplace" for c in appends), before
+    text = mod.script()
+    with get_target("sm90").tvm_target():
+        with use_options(dataclasses.replace(current_options(), decode_fold_append=False)):
+            assert FoldDecodeAppend()(mod).same_as(mod)
+        with use_options(dataclasses.replace(current_options(), decode_fold_append=True)):
+            after = FoldDecodeAppend()(mod)
+    assert mod.script() == text  # the input module is left as it was
+    calls = _calls(after["decode"])
+    assert not [c for c in calls if "decode_append" in c[1] or c[1] == "decode_cache_attention0"]
+    folded = [c for c in calls if c[1].startswith("decode_cache_attention0_append")]
+    assert len(folded) == 2 and len({c[1] for c in folded}) == 1, calls  # one kernel, both layers
+    params = {str(p.name): p for p in after["decode"].params}
+    for i, (op, _, call) in enumerate(folded):
+        args = list(call.args[1].fields)
+        assert op == "relax.call_tir_inplace" and [int(x) for x in call.attrs.inplace_indices] == [0, -1]
+        assert args[0].same_as(params[f"cache_{i}"])
+        assert [a.same_as(params[n]) for a, n in zip(args[1:4], ("offsets", "starts", "attn_sync"))] == [
+            True] * 3
+    names = {gv.name_hint for gv in after.functions}
+    assert appends[0][1] not in names and "decode_cache_attention0" not in names
+    kernel = after[folded[0][1]]
+    assert CACHE_ATTENTION_ATTR in kernel.attrs and kernel.attrs["tirx.is_scheduled"]
