@@ -92,20 +92,23 @@ def _append_store(func: tirx.PrimFunc, shape: tuple[int, ...]) -> tuple[list, ti
     return (ivs, body) if isinstance(body, tirx.BufferStore) else None
 
 
-def _fold(mod: tvm.IRModule, append: relax.Call, attention: relax.Call
-          ) -> tuple[tirx.PrimFunc, list[relax.Expr]] | None:
-    """(the attention kernel doing the append, its arguments) or None (module doc)."""
+def _state_index(append: relax.Call) -> int | None:
+    """The argument the decode append writes in place (the state); None if not exactly one."""
+    indices = [int(i) for i in append.attrs.inplace_indices]
+    return indices[0] if len(indices) == 1 else None
+
+
+def _fold_kernel(mod: tvm.IRModule, append: relax.Call, attention: relax.Call
+                 ) -> tirx.PrimFunc | None:
+    """The attention kernel doing the append, or None (module doc). Its parameters: the
+    attention's (state, offsets, starts, sync), the append's other inputs, the output."""
     afunc, kfunc = mod[append.args[0]], mod[attention.args[0]]
-    if not isinstance(afunc, tirx.PrimFunc):
+    state_index = _state_index(append)
+    if not isinstance(afunc, tirx.PrimFunc) or state_index is None:
         return None
     meta = json.loads(str(kfunc.attrs[CACHE_ATTENTION_ATTR]))
     spec = AttentionSpec(**meta["spec"])
     config = DecodeConfig(**meta["config"])
-    indices = [int(i) for i in append.attrs.inplace_indices]
-    if len(indices) != 1:  # the decode append writes one tensor in place: the state
-        return None
-    state_index = indices[0]
-    a_args = list(append.args[1].fields)
     found = _append_store(afunc, (spec.batch, 1, spec.q_heads + 2 * spec.kv_heads, spec.head_dim))
     if found is None:
         return None
@@ -125,10 +128,16 @@ def _fold(mod: tvm.IRModule, append: relax.Call, attention: relax.Call
     extra = [p for i, p in enumerate(afunc.params) if i != state_index]
     params = [*kernel.params[:4], *extra, kernel.params[4]]
     attrs = {**dict(kfunc.attrs), **dict(kernel.attrs or {})}
-    func = tirx.PrimFunc(params, kernel.body, attrs=tvm.ir.make_node("ir.DictAttrs", **attrs))
-    # the cache the append wrote in place, then the attention's own inputs, then the append's
-    return func, [a_args[state_index], *attention.args[1].fields[1:],
-                  *(a for i, a in enumerate(a_args) if i != state_index)]
+    return tirx.PrimFunc(params, kernel.body, attrs=tvm.ir.make_node("ir.DictAttrs", **attrs))
+
+
+def _fold_args(append: relax.Call, attention: relax.Call) -> list[relax.Expr]:
+    """The folded call's arguments: the cache the append wrote in place, the attention's own
+    inputs, then the append's (in :func:`_fold_kernel`'s parameter order)."""
+    state_index = _state_index(append)
+    a_args = list(append.args[1].fields)
+    return [a_args[state_index], *attention.args[1].fields[1:],
+            *(a for i, a in enumerate(a_args) if i != state_index)]
 
 
 def _is_call(value: relax.Expr, op: str) -> bool:
@@ -136,34 +145,33 @@ def _is_call(value: relax.Expr, op: str) -> bool:
             and isinstance(value.args[1], relax.Tuple))
 
 
-def _fold_block(mod: tvm.IRModule, block: relax.DataflowBlock, uses: dict, new_funcs: dict,
-                replaced: set, bb: relax.BlockBuilder) -> relax.DataflowBlock | None:
-    """``block`` with each append → attention pair folded (None: none was); the new kernels go
-    into ``bb``'s module (``new_funcs``: (append, attention) names → GlobalVar), the names of the
-    PrimFuncs folded into ``replaced``."""
+def _fold_block(mod: tvm.IRModule, block: relax.DataflowBlock, uses: dict, kernels: dict,
+                bb: relax.BlockBuilder) -> relax.DataflowBlock | None:
+    """``block`` with each append → attention pair folded (None: none was). ``kernels``:
+    (append, attention) PrimFunc names → the folded kernel's GlobalVar in ``bb``'s module, or None
+    where the fold does not apply (the layers share both PrimFuncs: one kernel for all)."""
     producers = {b.var: b.value for b in block.bindings
                  if _is_call(b.value, "relax.call_tir_inplace")}
     out, changed = [], False
     for b in block.bindings:
-        value = b.value
-        folded = None
+        value, gv = b.value, None
         if (_is_call(value, "relax.call_tir") and isinstance(value.args[0], tvm.ir.GlobalVar)
                 and (mod[value.args[0]].attrs or {}).get(CACHE_ATTENTION_ATTR) is not None):
             state = value.args[1].fields[0]
             if state in producers and uses.get(state, 0) == 1:
-                folded = _fold(mod, producers[state], value)
-        if folded is None:
+                append = producers[state]
+                key = (append.args[0].name_hint, value.args[0].name_hint)
+                if key not in kernels:
+                    func = _fold_kernel(mod, append, value)
+                    kernels[key] = None if func is None else bb.add_func(func, f"{key[1]}_append")
+                gv = kernels[key]
+        if gv is None:
             out.append(b)
             continue
-        func, args = folded
-        pair_names = (producers[value.args[1].fields[0]].args[0].name_hint, value.args[0].name_hint)
-        replaced |= set(pair_names)
-        if pair_names not in new_funcs:  # the layers share their append and attention PrimFuncs
-            new_funcs[pair_names] = bb.add_func(func, f"{pair_names[1]}_append")
-        gv = new_funcs[pair_names]
-        state_ty = args[0].ty
+        state_ty = append.args[1].fields[_state_index(append)].ty
         pair = relax.DataflowVar(f"{b.var.name}_{NAME}", relax.TupleType([state_ty, value.ty]))
-        call = relax.op.call_tir_inplace(gv, relax.Tuple(args), [0, -1], [state_ty, value.ty])
+        call = relax.op.call_tir_inplace(gv, relax.Tuple(_fold_args(append, value)), [0, -1],
+                                         [state_ty, value.ty])
         out.append(relax.VarBinding(pair, call))
         out.append(relax.VarBinding(b.var, relax.TupleGetItem(pair, 1)))
         changed = True
@@ -191,8 +199,7 @@ class FoldDecodeAppend:
                 isinstance(f, tirx.PrimFunc) and f.attrs is not None and CACHE_ATTENTION_ATTR in f.attrs
                 for f in mod.functions.values()):
             return mod
-        new_funcs: dict = {}
-        replaced: set = set()
+        kernels: dict = {}
         updates = {}
         bb = relax.BlockBuilder(mod)  # copy on write: the caller's module stays as it is
         for gv, func in mod.functions.items():
@@ -201,32 +208,18 @@ class FoldDecodeAppend:
             uses = _uses(func)
             blocks, changed = [], False
             for block in func.body.blocks:
-                new = (_fold_block(mod, block, uses, new_funcs, replaced, bb)
+                new = (_fold_block(mod, block, uses, kernels, bb)
                        if isinstance(block, relax.DataflowBlock) else None)
                 changed |= new is not None
                 blocks.append(new or block)
             if changed:
                 body = relax.SeqExpr(blocks, func.body.body)
-                updates[gv] = relax.analysis.remove_all_unused(bb.normalize(
-                    relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)))
+                updates[gv] = bb.normalize(
+                    relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs))
         if not updates:
             return mod
         mod = bb.get()
         for gv, func in updates.items():
             mod[mod.get_global_var(gv.name_hint)] = func
-        return _drop_uncalled(mod, replaced)
-
-
-def _drop_uncalled(mod: tvm.IRModule, candidates: set) -> tvm.IRModule:
-    """``mod`` without those of ``candidates`` (the folded appends and attentions) that no
-    function calls any more."""
-    called: list = []
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(
-                func, lambda e: called.append(e) if isinstance(e, tvm.ir.GlobalVar) else None)
-    for name in candidates:
-        if not any(c.name_hint == name for c in called):
-            del mod[mod.get_global_var(name)]
-    return mod
-
+        # the appends' bindings, and the append and attention PrimFuncs nothing calls any more
+        return relax.transform.DeadCodeElimination()(mod)

@@ -75,6 +75,9 @@ def small_m_gemm(func: tirx.PrimFunc) -> FusedGemm | None:
     return g if g.m <= max_m() else None
 
 
+_WHOLE_ROWS = 1 << 30  # l2_prefetch bytes: the kernel clamps it to the block's rows
+
+
 def l2_prefetch_bytes(target: Target | None, after_attention: bool = False) -> int:
     """Bytes of W each block prefetches before the programmatic-launch wait (0 where kernels do
     not launch programmatically: options off, or a target below sm_90). ``after_attention``: the
@@ -86,8 +89,6 @@ def l2_prefetch_bytes(target: Target | None, after_attention: bool = False) -> i
         return _WHOLE_ROWS
     return current_options().gemv_l2_prefetch_bytes
 
-
-_WHOLE_ROWS = 1 << 30  # l2_prefetch bytes: the kernel clamps it to the block's rows
 
 
 def max_m() -> int:
