@@ -125,9 +125,15 @@ def test_llama_lm_module(dtype):
     check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
 
 
-def _sm90_fp16_llama(path):
+def _sm90_fp16_llama(path, **options):
+    """The fp16 tiny Llama compiled for sm90 under ``options`` (Options fields), exported to path."""
+    import dataclasses
+
+    from tvmfuse.options import current_options, use_options
+
     model = _llama().half()
-    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=MAX_SEQ, max_batch=2, prefill_lengths=[16])
+    with use_options(dataclasses.replace(current_options(), **options)):
+        lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=MAX_SEQ, max_batch=2, prefill_lengths=[16])
     return model, lib.export(path)
 
 
@@ -148,9 +154,13 @@ def test_sm90_lowers_and_builds_with_nvcc(tmp_path):
 
 
 @pytest.mark.gpu
-def test_sm90_generate_on_the_gpu(tmp_path):
-    """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU)."""
-    model, path = _sm90_fp16_llama(tmp_path / "lm.so")
+@pytest.mark.parametrize("options", [{}, {"gemv_prefetch_after_attention": True},
+                                     {"decode_fold_append": True, "gemv_prefetch_after_attention": True}],
+                         ids=["default", "prefetch_after_attention", "fold_and_prefetch"])
+def test_sm90_generate_on_the_gpu(tmp_path, options):
+    """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU), with the
+    decode options that change kernels off their defaults too."""
+    model, path = _sm90_fp16_llama(tmp_path / "lm.so", **options)
     lm = tvmfuse.load(path, device="cuda")
     torch.manual_seed(3)
     ids = torch.randint(0, 128, (2, 9))
@@ -173,7 +183,7 @@ def test_sm90_decode_fuses_rope_into_the_cache_append():
     """At decode the RoPE of q and k, the V slice and the RoPE tables' gathers are fused into the
     in-place append of the layer's state: per layer one kernel between the QKV projection and the
     attention, and no kernel only copies q, k or v or gathers cos / sin. (With
-    ``Options.decode_fold_append``, the default, that kernel then moves into the attention:
+    ``Options.decode_fold_append`` (off by default) that kernel then moves into the attention:
     tests/test_rule_fold_decode_append.py.)"""
     import dataclasses
 
