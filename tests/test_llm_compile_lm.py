@@ -155,10 +155,8 @@ def test_sm90_lowers_and_builds_with_nvcc(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"gemv_prefetch_after_attention": True},
-                                     {"decode_fold_append": True, "gemv_prefetch_after_attention": True},
-                                     {"decode_weight_prefetch_bytes": 1 << 20,
-                                      "programmatic_launch_max_batch": 2}],
-                         ids=["default", "prefetch_after_attention", "fold_and_prefetch", "weight_prefetch"])
+                                     {"decode_fold_append": True, "gemv_prefetch_after_attention": True}],
+                         ids=["default", "prefetch_after_attention", "fold_and_prefetch"])
 def test_sm90_generate_on_the_gpu(tmp_path, options):
     """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU), with the
     decode options that change kernels off their defaults too."""

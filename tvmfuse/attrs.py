@@ -20,12 +20,9 @@ TUNING_ATTR = "tvmfuse.tuning"
 CONFIG_ATTR = "tvmfuse.kernel_config"
 # JSON of the AttentionSpec a flash-attention kernel computes
 SPEC_ATTR = "tvmfuse.attention_spec"
-# JSON {"spec": AttentionSpec, "config": DecodeConfig, "pdl": bool} of compile_lm's split-KV
-# decode attention over a cache (rules/fold_decode_append.py rebuilds it with the append inside,
-# rules/prefetch_decode_weights.py with weight prefetches)
+# JSON {"spec": AttentionSpec, "config": DecodeConfig} of compile_lm's split-KV decode attention
+# over a cache (rules/fold_decode_append.py rebuilds it with the append inside)
 CACHE_ATTENTION_ATTR = "tvmfuse.cache_attention"
-# positions of a kernel's parameters it only prefetches into L2 (the report counts no bytes for them)
-PREFETCH_ONLY_ATTR = "tvmfuse.prefetch_only"
 # on a GEMM PrimFunc merged with its norm statistics: "layer" (mean, rstd) or "rms" (rstd)
 SIMT_ATTR = "tvmfuse.simt_row_stats"
 # on a statistics PrimFunc that still runs: why it was not moved into the GEMM

@@ -95,11 +95,6 @@ class Options:
     # kernel (the old rows load while the append runs); 0: never. Larger caches (the 7B at batch 8:
     # 134 MB a layer) would only evict the weights from the 50 MB L2
     decode_kv_prefetch_bytes: int = 24 << 20
-    # compile_lm decode attention with PDL (sm_90+): bytes of the weights of the GEMVs after it
-    # (the O projection, then the gate/up pair) its partial kernel prefetches into L2 before its
-    # wait, while the latency-bound attention leaves HBM idle (rules/prefetch_decode_weights.py);
-    # 0: none
-    decode_weight_prefetch_bytes: int = 0
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV

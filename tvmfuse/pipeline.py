@@ -51,7 +51,6 @@ from .rules.gemm_row_stats_simt import SimtGemmRowStats
 from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .rules.gemm_sm90_stats import Sm90GemmRowStats
 from .rules.gemv import SmallMGemm
-from .rules.prefetch_decode_weights import PrefetchDecodeWeights
 from .rules.programmatic_launch import active as pdl_active
 from .rules.programmatic_launch import mark_programmatic_launch
 from .targets import TargetSpec
@@ -197,9 +196,6 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             # sm_80+: small-M GEMMs (decode) become weight-streaming kernels (their norm statistics
             # inside, constant weights passed (N, K)); before the wgmma passes below see them.
             mod = run("gemv", SmallMGemm, mod)
-            # sm_90 decode with PDL: the latency-bound attention prefetches the next GEMVs' weights
-            # into L2 (Options.decode_weight_prefetch_bytes); after gemv fixed their layouts.
-            mod = run("prefetch_decode_weights", PrefetchDecodeWeights(), mod)
             # sm_90a only: a norm's row statistics move into the wgmma GEMMs that read them.
             mod = run("gemm_sm90_row_stats", Sm90GemmRowStats, mod)
             # fp32 GEMMs (SIMT): the row statistics merge into them; after the wgmma ones took theirs.

@@ -23,7 +23,6 @@ from .attrs import (
     IN_LOOP_ATTR,
     KEPT_ATTR,
     KERNEL_TILE_ATTR,
-    PREFETCH_ONLY_ATTR,
     REPLACES_ATTR,
     RULE_ATTR,
     TILE_ATTR,
@@ -114,10 +113,8 @@ def _param_bytes(param) -> int:
 
 
 def primfunc_bytes(func: tirx.PrimFunc) -> int:
-    """Every buffer parameter read or written once (a kernel's minimal HBM traffic); parameters it
-    only prefetches into L2 for a later kernel (``PREFETCH_ONLY_ATTR``) count for that kernel."""
-    skip = {int(i) for i in (func.attrs or {}).get(PREFETCH_ONLY_ATTR, [])}
-    return sum(_param_bytes(p) for i, p in enumerate(func.params) if i not in skip)
+    """Every buffer parameter read or written once (a kernel's minimal HBM traffic)."""
+    return sum(_param_bytes(p) for p in func.params)
 
 
 def kernel_flops(func: tirx.PrimFunc) -> int:

@@ -243,9 +243,6 @@ def main() -> None:
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
                    help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
                         "no cache rows before its PDL wait; default: the option's default)")
-    p.add_argument("--weight-prefetch-mib", type=float, default=0,
-                   help="Options.decode_weight_prefetch_bytes in MiB: the decode attention prefetches "
-                        "the next GEMVs' weights into L2 before its PDL wait")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -270,8 +267,6 @@ def main() -> None:
     extra = {} if args.decode_kv_prefetch is None else {"decode_kv_prefetch_bytes": args.decode_kv_prefetch}
     if args.programmatic_launch_max_batch is not None:
         extra["programmatic_launch_max_batch"] = args.programmatic_launch_max_batch
-    extra["decode_weight_prefetch_bytes"] = int(args.weight_prefetch_mib * (1 << 20))
-    row["decode_weight_prefetch_bytes"] = extra["decode_weight_prefetch_bytes"]
     row["decode_kv_prefetch_bytes"] = Options(**extra).decode_kv_prefetch_bytes
     row["programmatic_launch_max_batch"] = Options(**extra).programmatic_launch_max_batch
     with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,

@@ -99,8 +99,7 @@ class _Rewrite(relax.PyExprMutator):
                 state_bytes = math.prod(spec.state_shape) * tvm.DataType(spec.dtype).bits // 8
                 prefetch = self.pdl and state_bytes <= opts.decode_kv_prefetch_bytes
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
-                        add(cache_attention(spec, self.cuda, opts.decode_fused_combine, prefetch,
-                                            self.pdl),
+                        add(cache_attention(spec, self.cuda, opts.decode_fused_combine, prefetch),
                             f"{self.prefix}cache_attention{n}"))
             else:
                 pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")

@@ -27,15 +27,6 @@ append runs, and the reads after the wait hit L2. Safe for the row the append wr
 point of coherence, so a prefetched line is updated by the later write; offsets/starts were
 written kernels earlier (a kernel launches only once its predecessor passed its own wait).
 
-With ``weights`` (over a cache, sm_90, launched with PDL; :class:`WeightPrefetch`) the partial
-kernel also hands the next projections' weights to L2 before its wait: the decode attention chain
-(append, partial, combine) is latency-bound and leaves HBM mostly idle for its ~9 µs, so the
-GEMVs after it (the O projection, the gate/up pair) find part of their weights in L2. The
-prefetched rows are spread over the blocks: block ``i`` of ``nb`` takes the first ``P // nb``
-rows of its stripe ``[i·⌊R/nb⌋, (i+1)·⌊R/nb⌋)`` of an (R, K) weight of which ``P`` rows are
-asked for, in bulk prefetches of ~``_PREFETCH_BYTES``; every size is static. Weights
-are read-only, so the prefetch is safe at any time.
-
 With ``new_token`` (over a cache; :class:`NewToken`) the kernel also does the decode append: each
 block computes its GC query heads from this step's unrotated projections (the model's RoPE,
 folded in as an expression) into shared memory, 128 threads sharing the work, while its first
@@ -71,7 +62,6 @@ _THREADS = 128
 _VEC = 8  # elements per 16-byte load
 _MAX_GC = 8  # query heads per block (registers: 2·GC·8 floats of q and acc per thread)
 _MAX_SPLITS = 128  # the combine unrolls its loops over the chunks
-_PREFETCH_BYTES = 128 << 10  # weight bytes per bulk L2 prefetch (whole rows, at least one)
 
 
 @dataclass(frozen=True)
@@ -103,16 +93,6 @@ class NewToken:
     parameters of the kernel's caller (:mod:`tvmfuse.rules.fold_decode_append`)."""
 
     value: Callable
-
-
-@dataclass(frozen=True)
-class WeightPrefetch:
-    """A weight the partial kernel prefetches into L2 before its wait (module doc): ``buffer``
-    (R, K), left free for the caller to bind (:mod:`tvmfuse.rules.prefetch_decode_weights`), and
-    ``rows`` ≤ R of it, spread over the blocks."""
-
-    buffer: tvm.tirx.Buffer
-    rows: int
 
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
@@ -195,13 +175,11 @@ def state_rows(kv_heads: int, max_seq: int, q_heads: int) -> tuple[int, int, int
 
 def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
                                 config: DecodeConfig | None = None,
-                                new_token: NewToken | None = None,
-                                weights: tuple[WeightPrefetch, ...] = ()) -> tvm.tirx.PrimFunc:
+                                new_token: NewToken | None = None) -> tvm.tirx.PrimFunc:
     """PrimFunc ``(state, offsets, starts, sync, out)``: the same kernel over a KV cache (``sync``
     is read only with ``config.fused_combine``: then one launch). ``new_token``: the kernel
     appends this step's key and value and computes its query itself (module doc); the buffers
-    ``new_token.value`` reads are left free for the caller to bind, as are the ``weights``
-    buffers it prefetches into L2 (module doc).
+    ``new_token.value`` reads are left free for the caller to bind.
 
     state ``(B, R, D)`` (:func:`state_rows`, M = ``spec.kv_len`` slots), out ``(B, 1, Hq, D)``;
     offsets, starts ``(B,)`` int32; ``sync`` :func:`sync_shape` int32, zero before the first call
@@ -211,7 +189,7 @@ def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target |
     """
     if spec.causal != "none" or spec.window is not None or spec.bias_shape is not None:
         raise ValueError("flash decode over a cache: the visible slots come from offsets/starts")
-    return _primfunc(spec, target, config, cache=True, new_token=new_token, weights=weights)
+    return _primfunc(spec, target, config, cache=True, new_token=new_token)
 
 
 def _head_chunks(spec: AttentionSpec) -> tuple[int, int]:
@@ -227,8 +205,7 @@ def sync_shape(spec: AttentionSpec) -> tuple[int]:
 
 
 def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: DecodeConfig | None,
-              cache: bool, new_token: NewToken | None = None,
-              weights: tuple[WeightPrefetch, ...] = ()) -> tvm.tirx.PrimFunc:
+              cache: bool, new_token: NewToken | None = None) -> tvm.tirx.PrimFunc:
     reason = check(spec)
     if reason is not None:  # callers ask check() first; reaching this is a caller's bug
         raise ValueError(f"flash decode: {reason}")
@@ -245,8 +222,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     pipeline = cfg.pipeline
     folded = new_token is not None
     new = new_token.value if folded else None
-    weights = tuple(w for w in weights if cache and w.rows > 0)
-    has_weights = len(weights) > 0
     row_bytes = D * tvm.DataType(dt).bits // 8
     k0, v0, q0, rows = state_rows(Hkv, Skv, Hq)
 
@@ -270,21 +245,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     sc = float(spec.scale * _LOG2E)
     l2e = float(_LOG2E)
     full = T.uint32(0xFFFFFFFF)
-
-    n_blocks = n_split * Hkv * HC * B
-
-    def prefetch_weights(blk):
-        """This block's share of each weight into L2 (module doc; statements via the IR builder)."""
-        for w in weights:
-            rows, k_elems = int(w.buffer.shape[0]), math.prod(int(x) for x in w.buffer.shape[1:])
-            stripe, take = rows // n_blocks, min(rows // n_blocks, w.rows // n_blocks)
-            w_row = k_elems * tvm.DataType(w.buffer.dtype).bits // 8
-            piece = max(1, _PREFETCH_BYTES // w_row)
-            for r in range(0, take, piece):
-                n = min(piece, take - r)
-                index = [blk * stripe + r] + [0] * (len(w.buffer.shape) - 1)
-                T.evaluate(T.ptx.cp.async_.bulk.prefetch.L2.global_(
-                    T.address_of(w.buffer[tuple(index)]), T.uint32(n * w_row)))
 
     @T.macro
     def merge(c, m_at, l_at, o_at):
@@ -421,10 +381,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                         T.address_of(k[k_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
                     T.ptx.cp.async_.bulk.prefetch.L2.global_(
                         T.address_of(v[v_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
-            if has_weights:  # the next GEMVs' weights, from another warp (module doc)
-                if tx == 32:
-                    prefetch_weights((b * (Hkv * HC) + yb) * n_split + sp)
-            if prefetch or has_weights:
                 T.ptx.griddepcontrol.wait()
                 T.ptx.griddepcontrol.launch_dependents()
             if folded:  # the decode append inside (module doc)
@@ -553,7 +509,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(state, state, state, state, out, offsets, starts, sync)
 
-        if not folded and not has_weights:
+        if not folded:
             tvm.tirx.analysis.verify_well_formed(flash_decode)
 
     elif has_bias:
