@@ -70,6 +70,25 @@ def report(label: str, fn, inputs: tuple, wl, iters: int) -> None:
     print(f"{label} {wl.shape}: kernels {total_us:.1f} µs per call, {rate}")
     for kname, (us, n) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0]):
         print(f"    {us:9.1f} µs  x{n // iters:<3d} {kname[:110]}")
+    print_gaps(label, prof, iters)
+
+
+def print_gaps(label: str, prof, iters: int) -> None:
+    """Where the GPU idles: the profiled loop's span (first kernel start to last kernel end) per
+    call against the kernels' busy time, and the widest gaps between consecutive kernels (each
+    with the kernel before and after it)."""
+    evs = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                 if ev.device_type == torch.autograd.DeviceType.CUDA)
+    if len(evs) < 2:
+        return
+    span = (evs[-1][1] - evs[0][0]) / iters
+    busy = sum(e - s for s, e, _ in evs) / iters
+    gaps = sorted(((b[0] - a[1], a[2], b[2]) for a, b in zip(evs, evs[1:])), reverse=True)
+    mean_gap = (span - busy) * iters / (len(evs) - 1)
+    print(f"{label}: span {span:.1f} µs per call, kernels busy {busy:.1f}, idle {span - busy:.1f} "
+          f"({len(evs) / iters:.0f} launches a call, mean gap {mean_gap:.2f} µs)")
+    for gap, before, after in gaps[:8]:
+        print(f"    gap {gap:8.1f} µs  after {before[:50]}  before {after[:50]}")
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,8 @@
 Run on the H200 from the repository root: ``python tools/device/sm90_gemm_probe.py``; the session-5
 cluster / ping-pong A/B set: ``--cluster build DIR`` then ``--cluster run DIR 0`` (see cluster_main);
 a tile sweep of given shapes (the default config against 128×256 / 128×192 / 128×128 / 256×128
-tiles): ``--sweep 2048x3072x2048,2048x2048x2048`` (see sweep_main).
+tiles): ``--sweep 2048x3072x2048,2048x2048x2048`` (see sweep_main); ``--tiles 176:5:2,160:6:1`` adds
+128×BN tiles (BN:stages:cluster_m) to each shape's sweep.
 Prints one line per case: shape, layout, dtype, tile, rel err vs fp32 torch, ms, TFLOP/s.
 """
 
@@ -145,21 +146,24 @@ def cluster_main(argv: list[str]) -> None:
         print("DONE", i, flush=True)
 
 
-def sweep_configs(m: int, n: int) -> list[GemmConfig]:
-    """The default tile for (m, n) first, then the alternatives the wave-count model weighs."""
+def sweep_configs(m: int, n: int, tiles: str = "") -> list[GemmConfig]:
+    """The default tile for (m, n) first, then the alternatives the wave-count model weighs, then
+    the ``tiles`` asked for (``BN:stages:cluster_m``, comma-separated; 128-row tiles)."""
     from tvmfuse.rules.gemm_sm90 import select_config
 
     pair = {"cluster_m": 2, "warp_release": True} if m > 128 else {}
     out = [select_config(m, n, 132)]
+    extra = [GemmConfig(bn=bn, stages=st, cluster_m=cl, warp_release=cl > 1)
+             for bn, st, cl in (map(int, t.split(":")) for t in tiles.split(",") if t)]
     for cfg in (GemmConfig(**pair), GemmConfig(bn=192, stages=5, **pair),
                 GemmConfig(bn=128, stages=6, **pair),
-                GemmConfig(bm=256, bn=128, wg_rows=128, **pair), GemmConfig(bn=192, stages=5)):
+                GemmConfig(bm=256, bn=128, wg_rows=128, **pair), GemmConfig(bn=192, stages=5), *extra):
         if cfg not in out:
             out.append(cfg)
     return out
 
 
-def sweep_main(shapes: str, out_dir: str = "/tmp/gemm_sweep") -> None:
+def sweep_main(shapes: str, tiles: str = "", out_dir: str = "/tmp/gemm_sweep") -> None:
     """Build every (shape, config) of :func:`sweep_configs` in parallel, then time each (nt fp16)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -167,7 +171,7 @@ def sweep_main(shapes: str, out_dir: str = "/tmp/gemm_sweep") -> None:
     cases = []
     for shape in shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
-        cases += [(m, n, k, "float16", "nt", cfg, True) for cfg in sweep_configs(m, n)]
+        cases += [(m, n, k, "float16", "nt", cfg, True) for cfg in sweep_configs(m, n, tiles)]
     os.makedirs(out_dir, exist_ok=True)
     with ProcessPoolExecutor(max_workers=min(14, os.cpu_count() or 4),
                              mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -184,7 +188,8 @@ def sweep_main(shapes: str, out_dir: str = "/tmp/gemm_sweep") -> None:
 
 def main() -> None:
     if "--sweep" in sys.argv:
-        return sweep_main(sys.argv[sys.argv.index("--sweep") + 1])
+        tiles = sys.argv[sys.argv.index("--tiles") + 1] if "--tiles" in sys.argv else ""
+        return sweep_main(sys.argv[sys.argv.index("--sweep") + 1], tiles)
     if "--cluster" in sys.argv:
         return cluster_main(sys.argv[sys.argv.index("--cluster") + 1:])
     print(torch.cuda.get_device_name(), tvm.__version__, flush=True)
