@@ -76,6 +76,22 @@ def _ptxas_kernels(log: str) -> dict[str, tuple[int, int]]:
     return out
 
 
+def test_select_config_fills_the_last_wave():
+    """128×176 tiles (no cluster) where they fill the last wave much better than 128×256 and B is
+    (N, K); (K, N) B needs 64-column tiles; 128×192 where that fills it better still."""
+    from tvmfuse.kernels.gemm.sm90 import check
+    from tvmfuse.rules.gemm_sm90 import select_config
+
+    lm_pair = select_config(2048, 11264, 132)  # 704 tiles of 128×256 = 5.33 waves; 1024 of 176
+    assert (lm_pair.bn, lm_pair.cluster_m) == (176, 1)
+    assert select_config(2048, 11264, 132, layout="nn").bn == 256
+    assert check(GemmProblem(2048, 11264, 2048, "float16", "float16", "nn"), lm_pair) is not None
+    assert check(GemmProblem(2048, 11264, 2048, "float16", "float16", "nt"), lm_pair) is None
+    assert select_config(2048, 22016, 132).bn == 256  # the 7B pair: the same wave cost
+    assert select_config(2048, 3072, 132).bn == 192
+    assert select_config(2048, 2048, 132).bn == 256  # one wave: the tile's size counts
+
+
 @needs_cuobjdump
 @pytest.mark.parametrize("layout, dtype, cfg", [
     ("nt", "float16", GemmConfig()),
@@ -89,6 +105,7 @@ def _ptxas_kernels(log: str) -> dict[str, tuple[int, int]]:
     ("nn", "float16", GemmConfig(bm=64, stages=5, pingpong=True, cluster_m=2, warp_release=True)),
     ("nt", "bfloat16", GemmConfig(bn=128, stages=6, pingpong=True, cluster_m=2, warp_release=True)),
     ("nn", "float16", GemmConfig(bm=256, bn=128, wg_rows=128, cluster_m=2, warp_release=True)),
+    ("nt", "float16", GemmConfig(bn=176, stages=5)),  # select_config's tile for the LM's pair
 ])
 def test_kernel_sass_has_hgmma_and_tma(layout, dtype, cfg, tmp_path, monkeypatch):
     """The generated kernel compiles for sm_90a to HGMMA + UTMALDG with no spills."""

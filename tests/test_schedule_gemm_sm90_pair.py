@@ -45,15 +45,22 @@ def test_pair_function_is_read_as_pair_epilogue():
 
 
 @needs_cuobjdump
-def test_swiglu_is_one_sm90_kernel(tmp_path, monkeypatch):
-    """One GEMM kernel (not two), the pair store into the (M, N) output; nvcc: HGMMA, no spills."""
-    module = ConstSwiGLU(512, 256).to(torch.bfloat16).eval()
-    inputs = (_x(256, 256, torch.bfloat16),)
+@pytest.mark.parametrize("n, m, k, hgmma", [
+    (512, 256, 256, "HGMMA.64x256x16.F32.BF16"),
+    # the 4-layer LM's gate/up pair (2N = 11264 at M = 2048): 128×176 tiles fill the last wave
+    # (select_config); ragged M
+    pytest.param(5632, 2000, 512, "HGMMA.64x176x16.F32.BF16", marks=pytest.mark.slow)],
+    ids=["128x256", "128x176"])
+def test_swiglu_is_one_sm90_kernel(n, m, k, hgmma, tmp_path, monkeypatch):
+    """One GEMM kernel (not two), the pair store into the (M, N) output; nvcc: HGMMA of the
+    tile's width, no spills."""
+    module = ConstSwiGLU(n, k).to(torch.bfloat16).eval()
+    inputs = (_x(m, k, torch.bfloat16),)
     funcs = _lowered_funcs(module, inputs)
     gemm = [f for f in funcs.values() if f.attrs.get("tvmfuse.rule") == NAME]
     assert len(gemm) == 1
     text = gemm[0].script()
-    assert "(256, 512)" in text and "T.cuda.__shfl_xor_sync" in text  # N/2-wide, lane swap
+    assert f"({m}, {n})" in text and "T.cuda.__shfl_xor_sync" in text  # N/2-wide, lane swap
     from tvmfuse.build import export
 
     logs = []
@@ -68,7 +75,7 @@ def test_swiglu_is_one_sm90_kernel(tmp_path, monkeypatch):
     path = tvmfuse.compile(module, inputs, target="sm90").export(tmp_path / "m.so")
     (fmt, code), = cuda_images(path)
     sass = fatbin_sass(code)["sm_90a"]
-    assert "HGMMA.64x256x16.F32.BF16" in sass and "UTMALDG" in sass
+    assert hgmma in sass and "UTMALDG" in sass
     kernels = _ptxas_kernels(logs[0])
     assert kernels and all(spill == 0 for _, spill in kernels.values()), kernels
 
@@ -91,8 +98,9 @@ def test_norm_mlp_mixed_precision_is_one_sm90_kernel():
     assert not any("sigmoid" in f.script() for n, f in funcs.items() if n not in gemm)
 
 
-# (M, N, K): tile-aligned; ragged M with N not a multiple of the tile (2N = 1040) and a K tail
-PAIR_CASES = [(512, 1024, 512), (1000, 520, 1000), (16, 2048, 1024)]
+# (M, N, K): tile-aligned; ragged M with N not a multiple of the tile (2N = 1040) and a K tail;
+# the 4-layer LM's pair width on 128×176 tiles (select_config) with ragged M
+PAIR_CASES = [(512, 1024, 512), (1000, 520, 1000), (16, 2048, 1024), (2000, 5632, 1024)]
 
 
 @pytest.mark.gpu
@@ -119,3 +127,43 @@ def test_gpu_norm_mlp_mixed_precision(tmp_path):
     with torch.no_grad():
         ref = module.double()(x.double())
     assert rel_err(out, ref) <= 1e-2
+
+
+def test_lm_pair_reads_its_weight_transposed_for_the_176_tile():
+    """At the 4-layer LM's pair width the (K, N) constant B becomes its (N, K) transpose, made at
+    compile time (128×176 tiles need B K-major): one kernel reading the transpose, the (K, N)
+    constant gone; a width where both layouts get the same tile keeps (K, N)."""
+    import numpy as np
+    import tvm
+
+    from tvmfuse.frontend import import_model
+    from tvmfuse.passes._util import const_array
+    from tvmfuse.pipeline import lower
+    from tvmfuse.targets import get_target
+
+    def stages(n):
+        seen = {}
+        module = ConstSwiGLU(n, 512).half().eval()
+        lower(import_model(module, (_x(2000, 512, torch.float16),)).mod, get_target("sm90"),
+              on_stage=lambda name, mod: seen.setdefault(name, mod))
+        return seen
+
+    def pair_weights(mod):
+        out = []
+        for _, f in mod.functions_items():
+            if isinstance(f, tvm.relax.Function):
+                tvm.relax.analysis.post_order_visit(f, lambda e: out.extend(
+                    (e.args[0].name_hint, const_array(a)) for a in (e.args[1].fields if isinstance(
+                        e, tvm.relax.Call) and getattr(e.op, "name", "") == "relax.call_tir" else [])
+                    if isinstance(a, tvm.ir.expr.Constant) and "pair" in e.args[0].name_hint))
+        return out
+
+    seen = stages(5632)
+    (name0, before), = pair_weights(seen["gemm_row_stats_simt"])
+    (name1, after), = pair_weights(seen["gemm_sm90"])
+    assert before.shape == (512, 11264) and name1 == f"{name0}_nt"
+    np.testing.assert_array_equal(after, before.T)
+    assert seen["gemm_sm90"][name1].attrs["tvmfuse.tile"] == "128x176x64 stages=5"
+    seen = stages(512)  # 2N = 1024 at M = 2000: 128×256 either way
+    (name1, after), = pair_weights(seen["gemm_sm90"])
+    assert after.shape == (512, 1024) and not name1.endswith("_nt")

@@ -64,13 +64,13 @@ def _fields(cfg: Any) -> dict[str, Any]:
 
 # ---- GEMM ---------------------------------------------------------------------------------------
 
-def gemm_candidates(m: int, n: int) -> list[dict[str, Any]]:
+def gemm_candidates(m: int, n: int, layout: str = "nt") -> list[dict[str, Any]]:
     """Tile × pipeline depth × raster group; the default (``select_config``) first.
 
     128×256 at 3/4 stages (48 KiB a stage), 128×128 at 4/6 stages, 64×256 (one consumer
     warpgroup, for short M), each with raster groups of 4/8/16 row tiles where it differs.
     """
-    default = select_config(m, n)
+    default = select_config(m, n, layout=layout)
     out = [default]
     for bm, bn, stages in ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 4)):
         for group_m in (8, 16, 4):
@@ -87,9 +87,9 @@ def gemm_space(func: tirx.PrimFunc, key: str) -> ConfigSpace | None:
         problem = gemm_problem(func)
     except NotHandled:
         return None
-    if check(problem, select_config(problem.m, problem.n)):
+    if check(problem, select_config(problem.m, problem.n, layout=problem.layout)):
         return None
-    cands = [c for c in gemm_candidates(problem.m, problem.n)
+    cands = [c for c in gemm_candidates(problem.m, problem.n, problem.layout)
              if check(problem, GemmConfig(**c)) is None]
 
     def build(cfg: dict[str, Any]) -> tvm.IRModule:

@@ -79,7 +79,10 @@ class Options:
     gemv_l2_prefetch_bytes: int = 0
     # gemv with programmatic_launch: a GEMV reading a compile_lm decode attention's output (the O
     # projection) prefetches all its weight rows into L2 before its wait, during the attention
-    # (which moves few bytes for its time)
+    # (which moves few bytes for its time). Off: no faster on the H200 (the 4-layer LM at ctx 2048,
+    # same call: 0.16271 ms/token with it, 0.16307 without, session 18). Prefetching the next
+    # GEMVs' weights from the attention's partial kernel instead (8–36 MiB) was slower at every
+    # size (0.1680–0.1747 vs 0.1625): it slows the attention more than it speeds the GEMVs
     gemv_prefetch_after_attention: bool = False
     # compile_lm decode attention (CUDA): the split-KV combine in the partial kernel (the last block
     # of a head row combines; one launch) instead of a second kernel. Off: the 4-layer LM decoded

@@ -34,6 +34,8 @@ from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value, 
 from ..kernels.gemm.opmath import fast_math16, opmath
 from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
 from ..kernels.tir_util import Load, dtype_of, strip_cast
+from ..passes import weight_arrays
+from ..passes._util import const_array
 from ..relax_shapes import symbol_ranges, upper_bound
 from .weight_twins import TransposedTwins
 
@@ -65,10 +67,14 @@ def _looks_like_gemm(func: tirx.PrimFunc) -> bool:
     return False
 
 
-def select_config(m: int, n: int, sms: int | None = None) -> GemmConfig:
-    """Tile for an (M, N) output: 128×256 for large outputs, 128×128 when N is small, 128×192
-    when it fills the last wave much better (:func:`_wave_cost`); the persistent grid has one
-    CTA per SM (``sms``, None: the current target's, :mod:`.device_props`).
+def select_config(m: int, n: int, sms: int | None = None, layout: str = "nt") -> GemmConfig:
+    """Tile for an (M, N) output: 128×256 for large outputs, 128×128 when N is small, 128×192 or
+    128×176 (no cluster) when it fills the last wave much better (:func:`_wave_cost`); the
+    persistent grid has one CTA per SM (``sms``, None: the current target's, :mod:`.device_props`).
+
+    128×176: the 4-layer LM's gate/up pair, 2048×11264×2048 fp16 on the H200, 0.1542 ms vs
+    0.1619 at 128×256 with a cluster of 2 (one sweep, ``sm90_gemm_probe.py --tiles``; with a
+    cluster 128×176 was 0.1676); the 7B's pair (N = 22016, same wave cost) keeps 128×256.
 
     With at least two row tiles, CTA pairs share their B tile (cluster of 2, TMA multicast) and
     one lane per warp frees a stage: 4096³ fp16 0.1979 → 0.1958 ms, 8192×8192×4096 0.814 → 0.796
@@ -81,6 +87,9 @@ def select_config(m: int, n: int, sms: int | None = None) -> GemmConfig:
     more_than_a_wave = -(-m // 128) * -(-n // 256) > sms  # else the tiles' size is what counts
     if more_than_a_wave and _wave_cost(m, n, 192, sms) < 0.9 * _wave_cost(m, n, 256, sms):
         return GemmConfig(bn=192, stages=5, num_sms=sms)
+    if (more_than_a_wave and layout == "nt"  # (K, N) B comes in 64-column chunks
+            and _wave_cost(m, n, 176, sms) < 0.95 * _wave_cost(m, n, 256, sms)):
+        return GemmConfig(bn=176, stages=5, num_sms=sms)
     return GemmConfig(num_sms=sms, **pair)
 
 
@@ -169,14 +178,15 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
 M_BUCKETS = (64, 512)
 
 
-def bucket_configs(hi: int, n: int, sms: int | None = None) -> list[tuple[int, GemmConfig]]:
+def bucket_configs(hi: int, n: int, sms: int | None = None, layout: str = "nt"
+                   ) -> list[tuple[int, GemmConfig]]:
     """``(largest M, tile)`` per bucket of a symbolic M of at most ``hi`` rows, in order:
     64-row tiles (one consumer warpgroup, 128 columns: more CTAs on a thin A) up to 64 rows, then
     :func:`select_config` at the bucket's largest M."""
     sms = sms or device_properties().sms
     tops = [u for u in M_BUCKETS if u < hi] + [hi]
     return [(u, GemmConfig(bm=64, bn=128, stages=6, num_sms=sms) if u <= 64
-             else select_config(u, n, sms)) for u in tops]
+             else select_config(u, n, sms, layout)) for u in tops]
 
 
 def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
@@ -200,13 +210,13 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
             raise NotHandled("B is already (N, K)")
         layout = "nt"
     if isinstance(g.m, int):
-        cfg = cfg or gemm_config_of(func) or select_config(g.m, g.n)  # a tuning record's first
+        cfg = cfg or gemm_config_of(func) or select_config(g.m, g.n, layout=layout)  # a record's first
         buckets, rows = [(g.m, cfg)], None
     else:
         hi = upper_bound(g.m, ranges)
         if hi is None:
             raise NotHandled(f"symbolic M={g.m} without an upper bound (--dynamic S=LO..HI)")
-        buckets, rows = bucket_configs(hi, g.n), g.m
+        buckets, rows = bucket_configs(hi, g.n, layout=layout), g.m
     for top, c in buckets:
         reason = check(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
                        in_loop.stats if in_loop is not None else None)
@@ -260,18 +270,38 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
             and all(a.same_as(b) for a, b in zip(v.indices, ivs[::-1])))
 
 
+def _constant_uses(mod: tvm.IRModule) -> dict[int, int]:
+    """How many ``call_tir`` arguments in ``mod`` are each constant (by its handle)."""
+    call_tir, uses = tvm.ir.Op.get("relax.call_tir"), {}
+
+    def visit(expr) -> None:
+        if isinstance(expr, relax.Call) and expr.op == call_tir:
+            for arg in expr.args[1].fields:
+                if isinstance(arg, tvm.ir.expr.Constant):
+                    uses[hash(arg)] = uses.get(hash(arg), 0) + 1
+
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return uses
+
+
 def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
-                            ranges: dict[str, tuple[int, int]]) -> tvm.IRModule:
+                            ranges: dict[str, tuple[int, int]], prefer_nt: set) -> tvm.IRModule:
     """``gemm(.., transpose(w), ..)`` → ``gemm_nt(.., w, ..)`` for the kernels just generated.
 
     The GEMM then reads W (N, K) K-major, the layout wgmma prefers, and the transpose kernel
     (a full pass over W) disappears when nothing else uses its result. Likewise a constant (K, N)
     B whose transpose the module already holds (:mod:`.weight_twins`: the decode GEMV's copy)
-    is replaced by that copy, so the weight is stored once.
+    is replaced by that copy, so the weight is stored once. For the kernels in ``prefer_nt``
+    (whose (N, K) B gets a better tile, :func:`select_config`) a constant (K, N) B that nothing
+    else reads is replaced by its transpose, made at compile time.
     """
     call_tir = tvm.ir.Op.get("relax.call_tir")
     made: dict = {}
     twins = TransposedTwins(mod)
+    uses = _constant_uses(mod) if prefer_nt else {}
+    transposed = weight_arrays.DerivedConstants()
 
     @mutator
     class _Rewrite(PyExprMutator):
@@ -286,6 +316,9 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
                 return call
             if isinstance(args[b_pos], tvm.ir.expr.Constant):  # the decode GEMV's (N, K) copy
                 source = twins.of(args[b_pos])
+                w = const_array(args[b_pos]) if source is None and gv in prefer_nt else None
+                if w is not None and w.ndim == 2 and uses.get(hash(args[b_pos])) == 1:
+                    source = transposed.get(hash(args[b_pos]), lambda w=w: weight_arrays.transpose(w))
             else:
                 producer = self.lookup_binding(args[b_pos]) if isinstance(args[b_pos], relax.Var) else None
                 source = producer.args[1].fields[0] if (
@@ -324,7 +357,7 @@ def Sm90Gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass name
     if not is_sm90a(target):
         return mod
     mod = mod.clone()  # assigned into below: not the caller's module
-    updates, kernels = {}, {}
+    updates, kernels, prefer_nt = {}, {}, set()
     ranges = symbol_ranges(mod)
     for gv, func in mod.functions_items():
         if not isinstance(func, tirx.PrimFunc) or func.attrs.get("tirx.is_scheduled"):
@@ -334,6 +367,9 @@ def Sm90Gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass name
         try:
             g = analyze(func, symbolic_m=True)
             kernels[gv] = g.b if g.layout == "nn" else None
+            if (g.layout == "nn" and isinstance(g.m, int) and gemm_config_of(func) is None
+                    and select_config(g.m, g.n, layout="nt") != select_config(g.m, g.n, layout="nn")):
+                prefer_nt.add(gv)
         except NotHandled:
             pass
         try:
@@ -343,7 +379,7 @@ def Sm90Gemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass name
             kernels.pop(gv, None)
     # (K, N) weights made by a transpose kernel: read the (N, K) original instead (before the
     # PrimFuncs are swapped: the rewrite analyses the s_tir bodies)
-    mod = _drop_weight_transposes(mod, kernels, ranges)
+    mod = _drop_weight_transposes(mod, kernels, ranges, prefer_nt)
     for gv, func in updates.items():
         if gv in mod.get_global_vars():
             mod[gv] = func

@@ -158,8 +158,10 @@ def check(problem: GemmProblem, cfg: GemmConfig, row_stats: RowStats | None = No
         return f"N={problem.n} is not a multiple of 8 (TMA needs 16-byte row strides of B)"
     if problem.n % 2:
         return f"N={problem.n} is odd (the epilogue stores column pairs)"
-    if cfg.bm % 64 or cfg.bm > 256 or cfg.bn % 64 or cfg.bn > 256:
-        return f"tile {cfg.bm}x{cfg.bn} unsupported"
+    # B (N, K) is one TMA box of bn rows (wgmma N: a multiple of 8; 16 kept); B (K, N) comes in
+    # 64-column chunks
+    if cfg.bm % 64 or cfg.bm > 256 or cfg.bn % (64 if problem.layout == "nn" else 16) or cfg.bn > 256:
+        return f"tile {cfg.bm}x{cfg.bn} unsupported ({problem.layout})"
     if cfg.pingpong and cfg.bm * cfg.bn > 128 * 128:
         return f"ping-pong tile {cfg.bm}x{cfg.bn}: one warpgroup holds at most 128x128 accumulators"
     if cfg.wg_rows not in (64, 128) or cfg.bm % cfg.wg_rows or (cfg.wg_rows > 64 and cfg.bn > 128):
