@@ -72,9 +72,10 @@ def select_config(m: int, n: int, sms: int | None = None, layout: str = "nt") ->
     128×176 (no cluster) when it fills the last wave much better (:func:`_wave_cost`); the
     persistent grid has one CTA per SM (``sms``, None: the current target's, :mod:`.device_props`).
 
-    128×176: the 4-layer LM's gate/up pair, 2048×11264×2048 fp16 on the H200, 0.1542 ms vs
-    0.1619 at 128×256 with a cluster of 2 (one sweep, ``sm90_gemm_probe.py --tiles``; with a
-    cluster 128×176 was 0.1676); the 7B's pair (N = 22016, same wave cost) keeps 128×256.
+    128×176, fp16 on the H200 (``sm90_gemm_probe.py``, one sweep each, vs 128×256 with a cluster
+    of 2): the 4-layer LM's gate/up pair 2048×11264×2048 0.1542 vs 0.1619 ms (with a cluster
+    128×176 was 0.1676), 2048×11008×4096 0.2663 vs 0.2843, 2048×5632×2048 0.0809 vs 0.0949; the
+    7B's pair (N = 22016, same wave cost) keeps 128×256.
 
     With at least two row tiles, CTA pairs share their B tile (cluster of 2, TMA multicast) and
     one lane per warp frees a stage: 4096³ fp16 0.1979 → 0.1958 ms, 8192×8192×4096 0.814 → 0.796
