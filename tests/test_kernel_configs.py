@@ -248,3 +248,16 @@ def test_gpu_every_attention_config_agrees_with_default():
     errs = _outputs_of_every_candidate(*_attention_model(b=2, s=300, h=4, d=128), "attention")
     bad = [(c, e) for c, e in errs if not e < 2e-3]
     assert errs and not bad, bad
+
+
+def test_gemm_candidates_offer_176_wide_tiles_for_nk_weights_only():
+    """The tuner may try 128×176 tiles where B is (N, K) (one TMA box of 176 rows); with (K, N)
+    B (64-column chunks) it is not offered. Every candidate passes the kernel's check."""
+    from tvmfuse.kernel_configs import gemm_candidates
+    from tvmfuse.kernels.gemm.sm90 import GemmConfig, GemmProblem, check
+
+    for layout in ("nt", "nn"):
+        cands = gemm_candidates(2048, 4096, layout)
+        assert any(c["bn"] == 176 for c in cands) == (layout == "nt")
+        problem = GemmProblem(2048, 4096, 2048, "float16", "float16", layout)
+        assert [check(problem, GemmConfig(**c)) for c in cands] == [None] * len(cands)

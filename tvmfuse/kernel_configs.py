@@ -68,11 +68,13 @@ def gemm_candidates(m: int, n: int, layout: str = "nt") -> list[dict[str, Any]]:
     """Tile × pipeline depth × raster group; the default (``select_config``) first.
 
     128×256 at 3/4 stages (48 KiB a stage), 128×128 at 4/6 stages, 64×256 (one consumer
-    warpgroup, for short M), each with raster groups of 4/8/16 row tiles where it differs.
+    warpgroup, for short M), 128×176 at 5 stages (B (N, K) only: it fills a last wave 128×256
+    leaves part empty), each with raster groups of 4/8/16 row tiles where it differs.
     """
     default = select_config(m, n, layout=layout)
     out = [default]
-    for bm, bn, stages in ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 4)):
+    tiles = ((128, 256, 4), (128, 256, 3), (128, 128, 6), (128, 128, 4), (64, 256, 4))
+    for bm, bn, stages in tiles + (((128, 176, 5),) if layout == "nt" else ()):
         for group_m in (8, 16, 4):
             cfg = GemmConfig(bm=bm, bn=bn, stages=stages, group_m=group_m,
                              num_sms=default.num_sms)
