@@ -72,7 +72,10 @@ def default_prefill_lengths(max_seq: int) -> list[int]:
 
 
 def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, cuda: bool,
-           tp: tuple[int, int] = (1, 0), pdl: bool = False) -> tvm.IRModule:
+           tp: tuple[int, int] = (1, 0), pdl: bool = False, windows: list | None = None
+           ) -> tvm.IRModule:
+    """One entry point's module with its cache. ``windows``: shared by the entry points (prefill
+    first): each layer's sliding window as a prefill traced it (DeriveKVCache)."""
     ids = sym.params[0]
     b, s = ids.ty.shape.values
     func = bind_shapes(sym, {str(b): batch, str(s): seq}).with_attr("global_symbol", name)
@@ -85,7 +88,7 @@ def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, c
         LastTokenLogits(),
         # before the cache: its kernels take the rank's head counts
         ShardTensorParallel(*tp),
-        DeriveKVCache(max_seq, cuda, pdl), relax.transform.DeadCodeElimination(),
+        DeriveKVCache(max_seq, cuda, pdl, windows), relax.transform.DeadCodeElimination(),
     ]
     for stage in stages:
         mod = stage(mod)
@@ -123,9 +126,10 @@ def _lower_rank(sym: relax.Function, entries: dict[str, int], max_batch: int, ma
     combined = tvm.IRModule()
     # the decode kernels launch programmatically (PDL): its attention may prefetch before waiting
     pdl = pdl_active(spec.tvm_target())
-    for name, seq in entries.items():
+    windows: list = []  # the sliding windows the longest prefill shows, for the decode step
+    for name, seq in sorted(entries.items(), key=lambda e: (e[1] == 1, -e[1])):
         for gv, func in _entry(sym, name, max_batch, seq, max_seq, spec.is_cuda, tp,
-                               pdl).functions.items():
+                               pdl, windows).functions.items():
             combined[gv] = func
     # greedy steps on the device: decode + advance on the same tensors, capturable as a CUDA graph
     decode = combined["decode"]

@@ -63,6 +63,7 @@ class CacheSpec:
     max_seq: int
     dtype: str  # q/k/v and cache dtype
     scale: float
+    window: int | None = None  # sliding window: a query sees its last `window` keys (itself included)
 
     @property
     def rows(self) -> tuple[int, int, int, int]:
@@ -206,6 +207,7 @@ def _row_macro(spec: CacheSpec, scope: str):
     k0, v0, q0, _ = spec.rows
     dt = spec.dtype
     sc = float(spec.scale * _LOG2E)
+    w = spec.window or M  # no window: p − (M − 1) ≤ 0
 
     @T.macro
     def row(state, offsets, starts, out, b, h):
@@ -216,7 +218,8 @@ def _row_macro(spec: CacheSpec, scope: str):
             st = T.sblock_alloc_buffer((4,), "float32", scope=scope)  # m, l, score, alpha
             g: T.let[T.int32] = h // G
             p: T.let[T.int32] = T.min(offsets[b], M - 1)
-            lo: T.let[T.int32] = T.min(starts[b], p)
+            # the sequence's first slot, or (sliding window w) the window's: slot = position
+            lo: T.let[T.int32] = T.max(T.min(starts[b], p), p - (w - 1))
             st[0] = T.float32(-1e30)
             st[1] = T.float32(0)
             for d in T.serial(D):

@@ -25,8 +25,11 @@ and the function gains the parameters ``offsets`` (B,) int32, ``starts`` (B,) in
 (the decode kernel's int32 counters, zero between calls; every entry point takes it). Kernels
 and their formulas: :mod:`tvmfuse.llm.kernels`. No cache is copied: the append writes the
 caller's buffers. Only causal self-attention is accepted (``causal_mask`` TopLeft, or
-BottomRight with Sq == Skv; no bias, no window: FuseAttention proved the model's mask
-causal); anything else raises a :class:`~tvmfuse.errors.CompileError` naming the binding.
+BottomRight with Sq == Skv; no bias: FuseAttention proved the model's mask causal); anything
+else raises a :class:`~tvmfuse.errors.CompileError` naming the binding. A sliding window (Mistral's
+causal band of w keys, ``window_size``) carries over: the prefill's attention keeps it and decode
+reads the slots ``max(starts[b], p − w + 1) .. p`` (slot = position); the cpu target only for
+now (CUDA refuses a window shorter than ``max_seq_len``, which never binds).
 
 Sits after FuseAttention (it needs R.nn.attention with known q, k, v) and after the positions
 were made per-sequence (:mod:`tvmfuse.llm.positions`), before mixed precision and LegalizeOps.
@@ -49,7 +52,10 @@ from .kernels import CacheSpec, cache_attention, decode_append, kv_append
 _ATTENTION_OPS = ("relax.nn.attention", "relax.nn.attention_bias", "relax.nn.attention_var_len")
 
 
-def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int) -> CacheSpec:
+def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int, cuda: bool = False,
+                    window: int | None = None) -> CacheSpec:
+    """The layer's cache spec. ``window``: the layer's sliding window as the prefill entries
+    traced it (a decode trace, one query over one key, shows no band)."""
     q, k, v = call.args[:3]
     where = f"compile_lm: attention at binding {var_name(var)!r}"
     if call.op.name == "relax.nn.attention_var_len":
@@ -57,7 +63,12 @@ def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int) -> CacheSpec
     if len(call.args) > 3:
         raise CompileError(f"{where} has a bias (padding or data-dependent mask): cannot derive a cache")
     if call.attrs.window_size is not None:
-        raise CompileError(f"{where} has a sliding window: not supported by the derived cache")
+        window = int(call.attrs.window_size)
+    window = window if window is not None and window < max_seq else None  # else it never binds
+    if window is not None and cuda:
+        raise CompileError(f"{where} has a sliding window of {window} keys, shorter than max_seq_len "
+                           f"{max_seq}: the CUDA decode kernels do not take a window yet (the cpu "
+                           "target does; or compile with max_seq_len ≤ the window)")
     qs, ks, vs = ([int(d) for d in x.ty.shape.values] for x in (q, k, v))
     causal = str(call.attrs.causal_mask) if call.attrs.causal_mask is not None else "none"
     # one query sees its single key under any mask: decode is causal when the prefills were
@@ -69,15 +80,16 @@ def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int) -> CacheSpec
     scale = call.attrs.scale
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(qs[3])
     return CacheSpec(batch=qs[0], seq=qs[1], q_heads=qs[2], kv_heads=ks[2], head_dim=qs[3],
-                     max_seq=max_seq, dtype=str(q.ty.dtype), scale=scale)
+                     max_seq=max_seq, dtype=str(q.ty.dtype), scale=scale, window=window)
 
 
 @relax.expr_functor.mutator
 class _Rewrite(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, max_seq: int, cuda: bool, prefix: str,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, windows: list | None = None) -> None:
         super().__init__(mod)
         self.max_seq, self.cuda, self.prefix, self.pdl = max_seq, cuda, prefix, pdl
+        self.windows = windows or []  # per layer, from the prefill traces (_layer_windows)
         self.caches: list[relax.Var] = []
         self.specs: list[CacheSpec] = []
         self.kernels: dict[CacheSpec, tuple[relax.GlobalVar, relax.GlobalVar]] = {}
@@ -122,10 +134,11 @@ class _Rewrite(relax.PyExprMutator):
                 and call.op.name in _ATTENTION_OPS):
             super().visit_var_binding_(binding)
             return
-        spec = _attention_spec(binding.var, call, self.max_seq)
+        layer = len(self.specs)
+        spec = _attention_spec(binding.var, call, self.max_seq, self.cuda,
+                               self.windows[layer] if layer < len(self.windows) else None)
         if self.cuda:
             self._sync_for(binding.var, spec)
-        layer = len(self.specs)
         self.specs.append(spec)
         stype = relax.TensorType(list(spec.state_shape), spec.dtype)
         state = relax.Var(f"cache_{layer}", stype)
@@ -148,7 +161,7 @@ class _Rewrite(relax.PyExprMutator):
                                  [B, Hkv, M, D]), [2], [0], [spec.seq]), [0, 2, 1, 3]))
                 for row0 in spec.rows[:2])
             out = self.builder_.emit(relax.op.nn.attention(
-                q, k_new, v_new, scale=spec.scale, causal_mask="TopLeft"),
+                q, k_new, v_new, scale=spec.scale, causal_mask="TopLeft", window_size=spec.window),
                 name_hint=var_name(binding.var))
         else:
             qkv = self.builder_.emit(relax.op.concat([q, k, v], axis=2), name_hint=f"qkv_{layer}")
@@ -160,22 +173,53 @@ class _Rewrite(relax.PyExprMutator):
         self.set_var_remap(binding.var, out)
 
 
+def _layer_windows(mod: tvm.IRModule) -> tuple[int, list]:
+    """(S, each attention layer's ``window_size`` in binding order, None: no window) of the
+    module's function with S > 1 queries; (1, []) for a decode step."""
+    for func in mod.functions.values():
+        if not isinstance(func, relax.Function) or not isinstance(func.body, relax.SeqExpr):
+            continue
+        calls = [b.value for block in func.body.blocks for b in block.bindings
+                 if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)
+                 and b.value.op.name in _ATTENTION_OPS]
+        seq = int(calls[0].args[0].ty.shape.values[1]) if calls else 1
+        if seq > 1:
+            return seq, [None if c.attrs.window_size is None else int(c.attrs.window_size)
+                         for c in calls]
+    return 1, []
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.llm.DeriveKVCache")
 class DeriveKVCache:
     """Every Relax function with attention gets the cache parameters (module doc)."""
 
-    def __init__(self, max_seq: int, cuda: bool = False, pdl: bool = False) -> None:
+    def __init__(self, max_seq: int, cuda: bool = False, pdl: bool = False,
+                 windows: list | None = None) -> None:
         """``pdl``: the decode kernels launch programmatically (sm_90+, ``programmatic_launch``
-        on): the decode attention may prefetch its cache rows before its wait."""
+        on): the decode attention may prefetch its cache rows before its wait. ``windows``: a list
+        shared by the entry points' modules, the longest prefill first and decode last: the
+        layers' sliding windows as that prefill traced them (:func:`_layer_windows`), for the
+        decode step, whose trace shows none."""
         self.max_seq, self.cuda, self.pdl = max_seq, cuda, pdl
+        self.windows = windows if windows is not None else []
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         out = mod.clone()
+        seq, traced = _layer_windows(mod)
+        if traced and not self.windows:
+            self.windows[:] = traced  # the longest prefill comes first: it shows every band
+        elif traced and any(t != w and not (t is None and w is not None and seq <= w)
+                            for t, w in zip(traced, self.windows, strict=True)):
+            # a prefill no longer than a window cannot show it; anything else is a contradiction
+            raise CompileError(f"compile_lm: the {seq}-token prefill traces other sliding windows "
+                               f"({traced}) than a longer one ({self.windows})")
+        windows = self.windows
         for gv, func in mod.functions.items():
             if not isinstance(func, relax.Function):
                 continue
             batch = int(func.params[0].ty.shape.values[0])
-            rw = _Rewrite(out, self.max_seq, self.cuda, prefix=f"{gv.name_hint}_", pdl=self.pdl)
+            rw = _Rewrite(out, self.max_seq, self.cuda, prefix=f"{gv.name_hint}_", pdl=self.pdl,
+                          windows=windows)
             rw.set_batch(batch)
             body = rw.visit_expr(func.body)
             if not rw.specs:
