@@ -80,6 +80,18 @@ def check_tokens(lm, ids: np.ndarray, mask: np.ndarray | None, ref_tokens: np.nd
             return
 
 
+def greedy_matches_torch(model: torch.nn.Module, lm, length: int, steps: int) -> None:
+    """A random prompt of ``length`` tokens (seeded by its length): ``lm.generate`` keeps the
+    prompt and its new tokens pass :func:`check_tokens` against :func:`torch_greedy`."""
+    torch.manual_seed(length)
+    ids = torch.randint(0, 128, (1, length))
+    ref_tokens, ref_logits = torch_greedy(model, ids, steps)
+    got = lm.generate(ids, max_new_tokens=steps)
+    assert isinstance(got, torch.Tensor) and got.shape == (1, length + steps)
+    assert torch.equal(got[:, :length], ids)
+    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+
+
 def tiny_lm(name: str) -> torch.nn.Module:
     """transformers ``llama`` (4 query / 2 KV heads) or ``gpt2`` at random init: 2 layers, hidden 64,
     vocab 128."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.cuda_tools import needs_nvcc
-from tests.lm_reference import check_tokens, tiny_llama, torch_greedy
+from tests.lm_reference import check_tokens, greedy_matches_torch, tiny_llama, torch_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,14 +51,7 @@ def test_weights_external_and_shared(llama):
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [3, 11, 20])  # one per prefill length
 def test_llama_greedy_tokens(llama, length):
-    model, lm = llama
-    torch.manual_seed(length)
-    ids = torch.randint(0, 128, (1, length))
-    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
-    got = lm.generate(ids, max_new_tokens=STEPS)
-    assert isinstance(got, torch.Tensor) and got.shape == (1, length + STEPS)
-    assert torch.equal(got[:, :length], ids)
-    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+    greedy_matches_torch(*llama, length, STEPS)
 
 
 def test_greedy_steps_run_on_the_device(llama):

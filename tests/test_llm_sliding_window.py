@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.lm_reference import check_tokens, torch_greedy
+from tests.lm_reference import check_tokens, greedy_matches_torch, torch_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -37,12 +37,7 @@ def mistral():
 
 @pytest.mark.parametrize("length", [3, 11])  # one prompt per prefill length
 def test_greedy_tokens_past_the_window(mistral, length):
-    model, lm = mistral
-    torch.manual_seed(length)
-    ids = torch.randint(0, 128, (1, length))
-    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS)
-    got = lm.generate(ids, max_new_tokens=STEPS)
-    check_tokens(lm, ids.numpy(), None, ref_tokens, ref_logits, got.numpy())
+    greedy_matches_torch(*mistral, length, STEPS)
 
 
 def test_left_padded_batch(mistral):
