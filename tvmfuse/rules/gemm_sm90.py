@@ -271,22 +271,6 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
             and all(a.same_as(b) for a, b in zip(v.indices, ivs[::-1])))
 
 
-def _constant_uses(mod: tvm.IRModule) -> dict[int, int]:
-    """How many ``call_tir`` arguments in ``mod`` are each constant (by its handle)."""
-    call_tir, uses = tvm.ir.Op.get("relax.call_tir"), {}
-
-    def visit(expr) -> None:
-        if isinstance(expr, relax.Call) and expr.op == call_tir:
-            for arg in expr.args[1].fields:
-                if isinstance(arg, tvm.ir.expr.Constant):
-                    uses[hash(arg)] = uses.get(hash(arg), 0) + 1
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, visit)
-    return uses
-
-
 def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
                             ranges: dict[str, tuple[int, int]], prefer_nt: set) -> tvm.IRModule:
     """``gemm(.., transpose(w), ..)`` → ``gemm_nt(.., w, ..)`` for the kernels just generated.
@@ -301,8 +285,6 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
     call_tir = tvm.ir.Op.get("relax.call_tir")
     made: dict = {}
     twins = TransposedTwins(mod)
-    uses = _constant_uses(mod) if prefer_nt else {}
-    transposed = weight_arrays.DerivedConstants()
 
     @mutator
     class _Rewrite(PyExprMutator):
@@ -317,9 +299,9 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
                 return call
             if isinstance(args[b_pos], tvm.ir.expr.Constant):  # the decode GEMV's (N, K) copy
                 source = twins.of(args[b_pos])
-                w = const_array(args[b_pos]) if source is None and gv in prefer_nt else None
-                if w is not None and w.ndim == 2 and uses.get(hash(args[b_pos])) == 1:
-                    source = transposed.get(hash(args[b_pos]), lambda w=w: weight_arrays.transpose(w))
+                if source is None and gv in prefer_nt and twins.uses.get(hash(args[b_pos])) == 1:
+                    w = const_array(args[b_pos])  # read by this call alone: its transpose replaces it
+                    source = None if w is None else weight_arrays.constant(weight_arrays.transpose(w))
             else:
                 producer = self.lookup_binding(args[b_pos]) if isinstance(args[b_pos], relax.Var) else None
                 source = producer.args[1].fields[0] if (

@@ -22,24 +22,25 @@ from ..passes._util import const_array
 
 
 class TransposedTwins:
-    """The 2-D tensor constants passed to ``call_tir`` anywhere in ``mod``, by (shape, dtype)."""
+    """The 2-D tensor constants passed to ``call_tir`` anywhere in ``mod``, by (shape, dtype), and
+    how many ``call_tir`` arguments each one is (``uses``, by the constant's handle)."""
 
     def __init__(self, mod: tvm.IRModule) -> None:
         self.by_shape: dict[tuple, list] = {}
+        self.uses: dict[int, int] = {}
         self.arrays: dict[int, np.ndarray] = {}
         self.found: dict[int, relax.Constant | None] = {}
         call_tir = tvm.ir.Op.get("relax.call_tir")
-        seen: set[int] = set()
 
         def visit(expr) -> None:
             if isinstance(expr, relax.Call) and expr.op == call_tir:
                 for arg in expr.args[1].fields:
                     ty = arg.ty if isinstance(arg, tvm.ir.expr.Constant) else None
-                    if (isinstance(ty, relax.TensorType) and ty.ndim == 2 and ty.shape is not None
-                            and hash(arg) not in seen):
-                        seen.add(hash(arg))
-                        shape = tuple(int(d) for d in ty.shape.values)
-                        self.by_shape.setdefault((shape, str(ty.dtype)), []).append(arg)
+                    if isinstance(ty, relax.TensorType) and ty.ndim == 2 and ty.shape is not None:
+                        self.uses[hash(arg)] = self.uses.get(hash(arg), 0) + 1
+                        if self.uses[hash(arg)] == 1:
+                            shape = tuple(int(d) for d in ty.shape.values)
+                            self.by_shape.setdefault((shape, str(ty.dtype)), []).append(arg)
 
         for func in mod.functions.values():
             if isinstance(func, relax.Function):
