@@ -98,6 +98,9 @@ class Options:
     # kernel (the old rows load while the append runs); 0: never. Larger caches (the 7B at batch 8:
     # 134 MB a layer) would only evict the weights from the 50 MB L2
     decode_kv_prefetch_bytes: int = 24 << 20
+    # CUDA targets: TVM's RewriteCUDAGraph captures the kernels between static allocations into a
+    # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel)
+    cuda_graph: bool = False
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV

@@ -58,6 +58,21 @@ from .tuning_db import ApplyTuningDatabase
 from .tvm_setup import S_TIR_PIPELINE, codegen_scope, register_tvm_patches
 
 
+def _with_cuda_graph(inner: tvm.transform.Pass) -> tvm.transform.Pass:
+    """``inner`` run with TVM's ``relax.backend.use_cuda_graph`` on (RewriteCUDAGraph reads it
+    from the PassContext), only there: the constant folding above builds llvm VMs that lack the
+    CUDA-graph builtins."""
+
+    @tvm.transform.module_pass(opt_level=0, name="tvmfuse.WithCUDAGraph")
+    def run(mod: tvm.IRModule, ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        config = {str(k): v for k, v in ctx.config.items()}
+        config["relax.backend.use_cuda_graph"] = True
+        with tvm.transform.PassContext(opt_level=ctx.opt_level, config=config):
+            return inner(mod)
+
+    return run
+
+
 class _Stages:
     """Runs named stages in order, dumping IR after each when ``TVMFUSE_DUMP_IR`` is set and
     printing each stage's seconds to stderr when ``TVMFUSE_TIME_STAGES`` is."""
@@ -225,8 +240,8 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             relax.transform.CallTIRRewrite(),
         ]), mod)
         finalize = [relax.transform.StaticPlanBlockMemory()]
-        if spec.is_cuda:
-            finalize.append(relax.transform.RewriteCUDAGraph())
+        if spec.is_cuda and current_options().cuda_graph:
+            finalize.append(_with_cuda_graph(relax.transform.RewriteCUDAGraph()))
         finalize += [
             relax.transform.LowerAllocTensor(),
             relax.transform.KillAfterLastUse(),

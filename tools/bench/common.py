@@ -279,16 +279,18 @@ def compile_and_load(
     target: str,
     workdir: str | Path,
     name: str = "model",
+    options: Any = None,
 ) -> tuple[Callable[..., Any], float]:
     """``tvmfuse.compile`` → ``export`` into ``workdir`` → ``tvmfuse.load``; returns
-    ``(callable, compile seconds)`` (compile + export, not load).
+    ``(callable, compile seconds)`` (compile + export, not load). ``options``: a
+    ``tvmfuse.Options`` (None: the defaults).
 
     Each call writes a new file name: a path that was loaded once stays cached by ``dlopen``.
     """
     import tvmfuse
 
     t0 = time.perf_counter()
-    lib = tvmfuse.compile(module, example_inputs, target=target)
+    lib = tvmfuse.compile(module, example_inputs, target=target, options=options)
     path = lib.export(Path(workdir) / f"{name}_{next(_counter)}.so")
     seconds = time.perf_counter() - t0
     return tvmfuse.load(path, device="cpu" if target == "cpu" else "cuda"), seconds
@@ -466,7 +468,9 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
         except Exception as err:
             notes.append(f"tvmfuse run failed: {short_error(err)}")
             log(notes[-1])
-    del ref, fn
+    del fn
+    variants = _time_variants(wl, opts, inputs, ref, log)
+    del ref
 
     base = baselines(eager, inputs, extra=wl.extra, use_compile=not opts.no_compile,
                      warmup=opts.warmup, iters=opts.iters, device=opts.device)
@@ -479,9 +483,60 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
         notes += [f"{k}: {v}" for k, v in errors.items() if not v.startswith("skipped")]
     row["notes"] = "; ".join(notes)
     _rates(row, wl)
+    for v in variants.values():  # the same baselines as the default build, same process
+        ms = v.get("ms")
+        v["speedup"] = {k.removesuffix("_ms"): (_sig(b / ms) if ms and b else None)
+                        for k, b in base.items()}
+    if variants:
+        row["variants"] = variants
     log("baselines " + ", ".join(f"{k} {_fmt_ms(v)}" for k, v in base.items()))
     first = [k for k in ROW_KEYS if k in row]
     return {k: row[k] for k in first} | {k: v for k, v in row.items() if k not in first}
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """``NAME=FIELD:VALUE[,FIELD:VALUE…]`` → (name, Options fields); values are JSON literals
+    (``true``, ``8``, ``"all"``) or else strings: ``pdl=programmatic_launch:all,cuda_graph:true``."""
+    name, sep, fields = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"--variant {text!r}: expected NAME=FIELD:VALUE[,FIELD:VALUE...]")
+    out: dict[str, Any] = {}
+    for item in filter(None, fields.split(",")):
+        key, sep, value = item.partition(":")
+        if not sep:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not FIELD:VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return name, out
+
+
+def _time_variants(wl: Workload, opts: argparse.Namespace, inputs: tuple[torch.Tensor, ...],
+                   ref: Any, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Each ``--variant``: compiled with its Options fields, checked against ``ref`` and timed in
+    this process (so its ratios to the baselines share their run)."""
+    from tvmfuse.options import Options
+
+    results: dict[str, dict[str, Any]] = {}
+    for text in getattr(opts, "variant", None) or []:
+        name, fields = parse_variant(text)
+        entry: dict[str, Any] = {"options": fields}
+        results[name] = entry
+        try:
+            model = wl.export(Path(opts.workdir)) if wl.export else wl.module
+            fn, entry["compile_s"] = compile_and_load(model, wl.inputs, opts.target, opts.workdir,
+                                                      f"{wl.name}_{name}", Options(**fields))
+            entry["rel_err"] = rel_err(fn(*inputs), ref)
+            if not entry["rel_err"] <= TOLERANCE[wl.dtype]:
+                entry["notes"] = "INCORRECT"
+            entry["ms"], entry["wall_ms"], _ = _time_tvmfuse(fn, inputs, opts, [])
+            log(f"variant {name}: {entry['ms']:.4f} ms, rel_err {entry['rel_err']:.2e}")
+            del fn
+        except Exception as err:
+            entry["notes"] = f"failed: {short_error(err)}"
+            log(f"variant {name}: {entry['notes']}")
+    return results
 
 
 def _logger(name: str) -> Callable[[str], None]:
@@ -512,6 +567,9 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--out", help="results JSON file (a bench script appends its rows to it)")
     p.add_argument("--workdir", help="where the .so files go (default: a temporary directory)")
+    p.add_argument("--variant", action="append", metavar="NAME=FIELD:VALUE[,...]",
+                   help="also build tvmfuse with these tvmfuse.Options fields and time it in the "
+                        "same process, e.g. pdl=programmatic_launch:all (repeatable)")
     return p
 
 

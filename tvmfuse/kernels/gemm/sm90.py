@@ -393,6 +393,9 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
             wg = tx // 128
             if tx == 0:
+                # the descriptors' first TMA use would fetch them from the kernel parameters
+                T.ptx.prefetch.tensormap(T.address_of(A_map))
+                T.ptx.prefetch.tensormap(T.address_of(B_map))
                 for s in T.unroll(stages):
                     T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared(
                         full.ptr_to([s])), T.uint32(1))
@@ -409,6 +412,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                 T.cuda.cluster_sync()
             else:
                 T.cuda.cta_sync()
+            # Launched programmatically (rules/programmatic_launch.py), the setup above overlaps
+            # the predecessor's tail; nothing it wrote (A, the epilogue's inputs, C's memory) is
+            # touched before this wait. The successor may launch now: its CTAs find room only as
+            # this kernel's CTAs exit (a CTA holds the SM's registers). Plain launches: no-ops.
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
             if wg == 0:
                 T.ptx["setmaxnreg.dec.sync.aligned.u32"](cfg.producer_regs)
 
