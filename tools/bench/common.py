@@ -444,6 +444,7 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
         notes.append(f"tvmfuse compile failed: {short_error(err)}")
         log(notes[-1])
 
+    built = _compile_variants(wl, opts, log)  # before the module moves to the device
     eager = (wl.eager or wl.module).to(opts.device)  # the baseline and float32 reference
     inputs = tuple(x.to(opts.device).contiguous() for x in wl.inputs)
     ref = reference_output(eager, inputs)
@@ -469,8 +470,8 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
             notes.append(f"tvmfuse run failed: {short_error(err)}")
             log(notes[-1])
     del fn
-    variants = _time_variants(wl, opts, inputs, ref, log)
-    del ref
+    variants = _time_variants(built, opts, inputs, ref, wl.dtype, log)
+    del ref, built
 
     base = baselines(eager, inputs, extra=wl.extra, use_compile=not opts.no_compile,
                      warmup=opts.warmup, iters=opts.iters, device=opts.device)
@@ -512,29 +513,45 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     return name, out
 
 
-def _time_variants(wl: Workload, opts: argparse.Namespace, inputs: tuple[torch.Tensor, ...],
-                   ref: Any, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """Each ``--variant``: compiled with its Options fields, checked against ``ref`` and timed in
-    this process (so its ratios to the baselines share their run)."""
+def _compile_variants(wl: Workload, opts: argparse.Namespace, log: Callable[[str], None],
+                      ) -> dict[str, tuple[dict[str, Any], Callable[..., Any] | None]]:
+    """Each ``--variant`` compiled with its Options fields: name → (result entry, callable)."""
     from tvmfuse.options import Options
 
-    results: dict[str, dict[str, Any]] = {}
+    built: dict[str, tuple[dict[str, Any], Callable[..., Any] | None]] = {}
     for text in getattr(opts, "variant", None) or []:
         name, fields = parse_variant(text)
         entry: dict[str, Any] = {"options": fields}
-        results[name] = entry
+        fn = None
         try:
             model = wl.export(Path(opts.workdir)) if wl.export else wl.module
             fn, entry["compile_s"] = compile_and_load(model, wl.inputs, opts.target, opts.workdir,
                                                       f"{wl.name}_{name}", Options(**fields))
+        except Exception as err:
+            entry["notes"] = f"compile failed: {short_error(err)}"
+            log(f"variant {name}: {entry['notes']}")
+        built[name] = (entry, fn)
+    return built
+
+
+def _time_variants(built: dict[str, tuple[dict[str, Any], Callable[..., Any] | None]],
+                   opts: argparse.Namespace, inputs: tuple[torch.Tensor, ...], ref: Any,
+                   dtype: str, log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Each compiled variant checked against ``ref`` and timed in this process (so its ratios to
+    the baselines share their run); name → result entry."""
+    results: dict[str, dict[str, Any]] = {}
+    for name, (entry, fn) in built.items():
+        results[name] = entry
+        if fn is None:
+            continue
+        try:
             entry["rel_err"] = rel_err(fn(*inputs), ref)
-            if not entry["rel_err"] <= TOLERANCE[wl.dtype]:
+            if not entry["rel_err"] <= TOLERANCE[dtype]:
                 entry["notes"] = "INCORRECT"
             entry["ms"], entry["wall_ms"], _ = _time_tvmfuse(fn, inputs, opts, [])
             log(f"variant {name}: {entry['ms']:.4f} ms, rel_err {entry['rel_err']:.2e}")
-            del fn
         except Exception as err:
-            entry["notes"] = f"failed: {short_error(err)}"
+            entry["notes"] = f"run failed: {short_error(err)}"
             log(f"variant {name}: {entry['notes']}")
     return results
 

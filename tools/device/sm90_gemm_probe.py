@@ -4,7 +4,8 @@ Run on the H200 from the repository root: ``python tools/device/sm90_gemm_probe.
 cluster / ping-pong A/B set: ``--cluster build DIR`` then ``--cluster run DIR 0`` (see cluster_main);
 a tile sweep of given shapes (the default config against 128×256 / 128×192 / 128×128 / 256×128
 tiles): ``--sweep 2048x3072x2048,2048x2048x2048`` (see sweep_main); ``--tiles 176:5:2,160:6:1`` adds
-128×BN tiles (BN:stages:cluster_m) to each shape's sweep.
+128×BN tiles (BN:stages:cluster_m) to each shape's sweep; ``--profile`` adds each kernel's own
+duration (torch profiler) next to the back-to-back event times.
 Prints one line per case: shape, layout, dtype, tile, rel err vs fp32 torch, ms, TFLOP/s.
 """
 
@@ -43,6 +44,20 @@ def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def device_us(fn, iters: int = 20) -> float:
+    """Mean device duration (µs) of the kernels one ``fn()`` launches (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
+               and not e.key.startswith(("cudaDeviceSynchronize", "Activity Buffer"))) / iters
 
 
 def build(m, n, k, dtype, layout, cfg, row_stats=None):
@@ -97,6 +112,9 @@ def case(m, n, k, dtype, layout, cfg, time_it=True, row_stats=None, lib=None):
         cub = events_ms(lambda: torch.mm(a, w.t()))
         fl = 2.0 * m * n * k
         line += f" {ms:.4f}ms {fl / ms / 1e9:.0f}TF | mm {cub:.4f}ms {fl / cub / 1e9:.0f}TF"
+        if "--profile" in sys.argv:  # the kernels' own durations, without the launch gaps
+            line += (f" | kernel {device_us(lambda: lib(ta, tb, tc)):.1f}us"
+                     f" mm kernel {device_us(lambda: torch.mm(a, w.t())):.1f}us")
     print(line, flush=True)
 
 
