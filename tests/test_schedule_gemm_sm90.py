@@ -233,20 +233,27 @@ def test_tuning_label_survives_the_kernel_swap():
     assert func.attrs["tvmfuse.tuning"] == "default"
 
 
+@pytest.mark.parametrize("quad", [True, False])
 @pytest.mark.parametrize("m, n, fast_only", [(4096, 4096, True), (300, 520, False), (4096, 520, False)])
-def test_full_tiles_store_without_guards(m, n, fast_only):
+def test_full_tiles_store_without_guards(m, n, fast_only, quad):
     """Tiles inside (M, N) store without per-element bounds tests; ragged shapes keep the guarded
     copy behind a per-tile test (rows for M, columns for N). ``unguarded_full_tiles=False``: one
-    guarded store for every tile."""
+    guarded store for every tile. ``quad_store``: the stores are 16-byte vectors of one row
+    (``qv``, after the quad's exchange), else column pairs."""
     p = GemmProblem(m, n, 1024, "float16", "float16", "nt")
-    text = standalone(p, GemmConfig()).script()
-    store = "C2[row0 + h * 8, col:col + 2] = pair[T.Ramp(0, 1, 2)]"
-    guard = f"if row0 + h * 8 < {m} and col < {n}:"
+    text = standalone(p, GemmConfig(quad_store=quad)).script()
+    if quad:
+        store = "C2[row, col:col + 8] = qv[T.Ramp(0, 1, 8)]"
+        guard = f"if row < {m} and col < {n}:"
+        assert "pair[T.Ramp(0, 1, 2)]" not in text  # 256 columns: 8 whole groups of four blocks
+    else:
+        store = "C2[row0 + h * 8, col:col + 2] = pair[T.Ramp(0, 1, 2)]"
+        guard = f"if row0 + h * 8 < {m} and col < {n}:"
     assert text.count(store) == (1 if fast_only else 2)
     assert (guard in text) != fast_only
     tile_test = [ln.strip() for ln in text.splitlines() if ln.strip().startswith(("if m0 + ", "if n0 + "))]
     expected = " and ".join([f"m0 + 128 <= {m}"] * (m % 128 != 0) + [f"n0 + 256 <= {n}"] * (n % 256 != 0))
     assert tile_test == ([] if fast_only else [f"if {expected}:"])
-    guarded = standalone(p, GemmConfig(unguarded_full_tiles=False)).script()
+    guarded = standalone(p, GemmConfig(unguarded_full_tiles=False, quad_store=quad)).script()
     assert guarded.count(store) == 1 and guard in guarded
     assert not any(ln.strip().startswith(("if m0 + ", "if n0 + ")) for ln in guarded.splitlines())

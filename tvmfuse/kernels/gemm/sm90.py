@@ -96,6 +96,13 @@ class GemmConfig:
     # fp16 / bf16 outputs: erf and sigmoid in cheaper fp32 forms (opmath.fast_math16, |Δerf| ≤
     # 1.5e-7); H200, 4096³ fp16, same run: GELU 0.239 → 0.235 ms, SwiGLU 0.381 → 0.373, rel err same
     fast_math16: bool = True
+    # 16-bit outputs: the four lanes of a quad swap their values (a 4 x 4 transpose by two
+    # shfl.xor steps) so that each lane stores 16 contiguous bytes of one row: a warp's store
+    # covers 8 rows x 64 B instead of 8 rows x 16 B (four times fewer L1 wavefronts per byte)
+    quad_store: bool = True
+    # cluster_m > 1: every thread meets the peer at a cluster barrier before exiting (else the
+    # producer waits for the last release of each stage, which the peer's arrivals complete)
+    exit_cluster_sync: bool = False
 
     @property
     def consumers(self) -> int:
@@ -273,11 +280,23 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     centered = has_stats and row_stats.centered
     eps = row_stats.eps if has_stats else 0.0
     is_pair = pair_value is not None
+    # quad_store: groups of 4 fragment column blocks (8 outputs each: plain j-groups of 8 GEMM
+    # columns, pair blocks of 16) stored as 16-byte vectors; the blocks past the last full group
+    # keep the narrow stores. Needs 16-bit outputs and rows of a 16-byte multiple.
+    quad = (cfg.quad_store and vector_pair and out_dtype in ("float16", "bfloat16")
+            and c_cols % 8 == 0)
+    blocks = cfg.bn // 16 if is_pair else cfg.bn // 8
+    quads = blocks // 4 if quad else 0
     tma_load = T.ptx[_TMA_2D]
     tma_multicast = T.ptx[_TMA_2D + ".multicast::cluster"]
     mma = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16.f32.{ab}.{ab}"]
     k_f = float(p.k)
     pad_f = float(kt_total * BK - p.k)  # TMA's zero columns of the last K tile
+
+    def _qi(c, e):
+        """Index in ``qv`` of output ``e`` of quad slot ``c``: after the exchange ``qv`` is the
+        8 outputs of one block in column order (plain: 2c + e; pair: c + 4e)."""
+        return c + 4 * e if is_pair else 2 * c + e
 
     def first_row(wg):
         """This consumer's first 64-row block of the A stage / tile."""
@@ -437,6 +456,19 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
                 if tx == 0:
                     tile_loop(produce, False)
+                    if cl > 1 and not cfg.exit_cluster_sync:
+                        # No CTA may exit while its peer can still arrive on its barriers: the
+                        # peer's consumers free this CTA's stages remotely. Wait for the release
+                        # of every stage's last use (both CTAs' arrivals complete the phase);
+                        # the peer's multicast loads into this CTA all land on full barriers its
+                        # own consumers waited for. A cluster barrier at the exit would instead
+                        # be a release: it waits for every epilogue store to be acknowledged.
+                        issued = T.max(0, T.min(rounds, (tiles_dev - tile_unit(bid) + grid - 1)
+                                                // grid)) * kt_total
+                        for s in T.unroll(stages):
+                            if issued > s:
+                                T.cuda.mbarrier_wait(empty.ptr_to([s]), (
+                                    (s + (issued - 1 - s) // stages * stages) // stages) % 2)
             else:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](cfg.consumer_regs)
                 acc = T.alloc_buffer((acc_n * sub,), "float32", scope="local")
@@ -449,6 +481,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                                       smem.ptr_to([b_base]), b_lbo, b_sbo, SW128)
                 if vector_pair:
                     pair = T.alloc_buffer((2,), out_dtype, scope="local", align=pair_align)
+                if quad:
+                    qv = T.alloc_buffer((8,), out_dtype, scope="local", align=16)
                 if has_stats:
                     xv = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
                     rsum = T.alloc_buffer((3,), "float32", scope="local")  # s1, s2, shift c
@@ -562,7 +596,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     @T.inline
                     def store_plain(u_acc, row0, guarded):
                         # a column pair per thread
-                        for j in T.unroll(cfg.bn // 8):
+                        for j in T.unroll(quads * 4, cfg.bn // 8):
                             col = n0 + j * 8 + (t % 4) * 2
                             for h in T.unroll(2):
                                 if guarded:
@@ -599,7 +633,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         # pair (v0, partner's v0) at 8q + r and odd lanes (partner's v1, v1) at
                         # 8q + r + 3; every lane shuffles (guarded: masked at the store only).
                         r = t % 4
-                        for q in T.unroll(cfg.bn // 16):
+                        for q in T.unroll(quads * 4, cfg.bn // 16):
                             for h in T.unroll(2):
                                 row = row0 + h * 8
                                 c0 = n0 // 2 + q * 8 + r
@@ -621,11 +655,72 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                     C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]
 
                     @T.inline
+                    def quad_exchange():
+                        # 4 x 4 transpose within the quad: slot c of lane q <- slot q of lane c.
+                        # xor 2 swaps the off-diagonal 2 x 2 blocks, xor 1 the off-diagonal
+                        # elements of each block; a lane sends the slot its partner needs.
+                        hi = (t % 4) // 2 == 1
+                        odd = t % 2 == 1
+                        for c in T.unroll(2):
+                            for e in T.unroll(2):
+                                got = T.cuda.__shfl_xor_sync(
+                                    T.uint32(_ALL_LANES),
+                                    T.Select(hi, qv[_qi(c, e)], qv[_qi(c + 2, e)]), 2, 32)
+                                qv[_qi(c, e)] = T.Select(hi, got, qv[_qi(c, e)])
+                                qv[_qi(c + 2, e)] = T.Select(hi, qv[_qi(c + 2, e)], got)
+                        for cc in T.unroll(2):
+                            for e in T.unroll(2):
+                                got = T.cuda.__shfl_xor_sync(
+                                    T.uint32(_ALL_LANES),
+                                    T.Select(odd, qv[_qi(2 * cc, e)], qv[_qi(2 * cc + 1, e)]), 1, 32)
+                                qv[_qi(2 * cc, e)] = T.Select(odd, got, qv[_qi(2 * cc, e)])
+                                qv[_qi(2 * cc + 1, e)] = T.Select(odd, qv[_qi(2 * cc + 1, e)], got)
+
+                    @T.inline
+                    def store_quads(u_acc, row0, guarded):
+                        # Slot c of lane r = t % 4 holds its two outputs of block 4g + c (plain:
+                        # columns 2r, 2r + 1 of GEMM columns 8(4g + c)..; pair: outputs r and
+                        # 4 + r of pair block 4g + c); after the exchange lane r holds all 8 of
+                        # block 4g + r in order and stores them as one 16-byte vector.
+                        r = t % 4
+                        for g in T.unroll(quads):
+                            for h in T.unroll(2):
+                                row = row0 + h * 8
+                                for c in T.unroll(4):
+                                    if is_pair:
+                                        qb = g * 4 + c
+                                        c0 = n0 // 2 + qb * 8 + r
+                                        qv[_qi(c, 0)] = pair_value(
+                                            acc[_plus(u_acc, qb * 8) + h * 2],
+                                            acc[_plus(u_acc, qb * 8) + h * 2 + 1], row, c0,
+                                            row_stat_loads(rstat, h))
+                                        qv[_qi(c, 1)] = pair_value(
+                                            acc[_plus(u_acc, qb * 8) + 4 + h * 2],
+                                            acc[_plus(u_acc, qb * 8) + 4 + h * 2 + 1], row, c0 + 4,
+                                            row_stat_loads(rstat, h))
+                                    else:
+                                        j = g * 4 + c
+                                        for e in T.unroll(2):
+                                            qv[_qi(c, e)] = value(
+                                                acc[_plus(u_acc, j * 4) + h * 2 + e], row,
+                                                n0 + j * 8 + r * 2 + e, row_stat_loads(rstat, h))
+                                quad_exchange()
+                                col = (n0 // 2 if is_pair else n0) + (g * 4 + r) * 8
+                                if guarded:
+                                    if row < m_dev and col < c_cols:
+                                        C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
+                                else:
+                                    C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
+
+                    @T.inline
                     def store(u_acc, row0, guarded):
-                        if is_pair and cfg.pair_shuffle:
-                            store_pair_shuffle(u_acc, row0, guarded)
-                        else:
-                            store_plain(u_acc, row0, guarded)
+                        if quads > 0:
+                            store_quads(u_acc, row0, guarded)
+                        if quads * 4 < blocks:
+                            if is_pair and cfg.pair_shuffle:
+                                store_pair_shuffle(u_acc, row0, guarded)
+                            else:
+                                store_plain(u_acc, row0, guarded)
 
                     @T.inline
                     def epilogue(u_acc, u_row):
@@ -651,7 +746,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         epilogue(0, 0)
 
                 tile_loop(consume, cfg.pingpong)
-            if cl > 1:  # no CTA exits while its peer may still arrive on its barriers
+            if cl > 1 and cfg.exit_cluster_sync:  # the peer may still arrive on our barriers
                 T.cuda.cluster_sync()
 
     return tirx.PrimFunc(list(params), kernel.body, attrs=kernel.attrs).without_attr(
