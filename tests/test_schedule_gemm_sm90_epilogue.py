@@ -147,8 +147,8 @@ def test_sm90_kernel_store_has_no_half_math(module):
     kernels = [f for f in funcs.values() if f.attrs.get("tvmfuse.rule") == NAME]
     assert kernels
     for f in kernels:
-        stores = [ln for ln in f.script().splitlines() if "pair[" in ln and "] = " in ln
-                  and "T.Ramp" not in ln]
+        stores = [ln for ln in f.script().splitlines() if ("pair[" in ln or "qv[" in ln)
+                  and "] = " in ln and "T.Ramp" not in ln]  # column pairs / quad slots
         assert stores
         for ln in stores:
             rhs = ln.split("] = ", 1)[1]
