@@ -224,6 +224,7 @@ def _assert_no_spills(report: str) -> None:
 FLASH_BUILDS = {
     "causal_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"), "sm80"),
     "bias_d64_bf16_sm90": (_spec(2, 100, 177, 4, 4, 64, "bfloat16", bias=(2, 1, 1, 177)), "sm90"),
+    "causal_gqa_d32_fp16_sm80": (_spec(2, 300, 300, 8, 2, 32, "float16", causal="TopLeft"), "sm80"),
     "bhsd_causal_gqa_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
                                              layouts=LAYOUTS["bhsd"]), "sm80"),
 }
@@ -303,9 +304,13 @@ GPU_CASES = {
     "decode_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16"),
     "decode_mha_d64_bf16_bias": _spec(2, 1, 777, 4, 4, 64, "bfloat16", bias=(2, 1, 1, 777)),
     "decode_mqa_d128_fp16_causal": _spec(2, 1, 300, 16, 1, 128, "float16", causal="BottomRight"),
+    # head dim 32: 64-byte rows, swizzled by row pairs
+    "bottomright_d32_fp16": _spec(1, 50, 90, 2, 2, 32, "float16", causal="BottomRight"),
+    "causal_d32_gqa_ragged_fp16": _spec(2, 300, 300, 8, 2, 32, "float16", causal="TopLeft"),
+    "padding_bias_d32_bf16": _spec(2, 130, 130, 4, 4, 32, "bfloat16", bias=(2, 1, 1, 130)),
     # specs the flash kernels do not take: the one-thread-per-row CUDA-core fallback
     "generic_fp32_d16_causal_gqa_bias": _spec(2, 70, 70, 4, 2, 16, "float32", "TopLeft", (2, 1, 1, 70)),
-    "generic_fp16_d32_bottomright": _spec(1, 50, 90, 2, 2, 32, "float16", causal="BottomRight"),
+    "generic_fp16_d48_bottomright": _spec(1, 50, 90, 2, 2, 48, "float16", causal="BottomRight"),
     # q/k/v and out in (B, H, S, D) (FoldAttentionLayout), every kernel
     "bhsd_causal_gqa_d128_fp16": _spec(2, 200, 200, 8, 2, 128, "float16", "TopLeft",
                                        layouts=LAYOUTS["bhsd"]),
@@ -315,7 +320,9 @@ GPU_CASES = {
     "bhsd_bias_d128_fp16": _spec(2, 130, 130, 4, 4, 128, "float16", bias=(2, 1, 1, 130),
                                  layouts=LAYOUTS["bhsd"]),
     "decode_bhsd_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16", layouts=LAYOUTS["bhsd"]),
-    "generic_bhsd_fp16_d32_causal_gqa": _spec(2, 70, 70, 4, 2, 32, "float16", "TopLeft",
+    "bhsd_causal_gqa_d32_fp16": _spec(2, 70, 70, 4, 2, 32, "float16", "TopLeft",
+                                      layouts=LAYOUTS["bhsd"]),
+    "generic_bhsd_fp16_d48_causal_gqa": _spec(2, 70, 70, 4, 2, 48, "float16", "TopLeft",
                                               layouts=LAYOUTS["bhsd"]),
 }
 # the kernel each case must run (``global_symbol`` of the dispatched PrimFunc) and whether its

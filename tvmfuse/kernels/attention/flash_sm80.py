@@ -13,8 +13,9 @@ One thread block per (query tile of ``BM`` rows, query head, batch); ``NW`` warp
         O  = α·O + P·V_n                 P re-packed to fp16/bf16 as the A operand in registers
     out = O / l                                              (rows that see no key: 0)
 
-S and P never leave registers. Shared tiles are XOR-swizzled in 16-byte chunks (chunk ^ row%8),
-so every ldmatrix phase hits 8 distinct bank groups. Loads past Sq/Skv are zero-filled
+S and P never leave registers. Shared tiles are XOR-swizzled in 16-byte chunks (chunk ^ row%8;
+D = 32: chunk ^ (row%8)/2, two 64-byte rows per bank line), so every ldmatrix phase hits 8
+distinct bank groups. Loads past Sq/Skv are zero-filled
 (cp.async src-size 0) and their keys masked. The kernel is written in TIR (TVMScript with the
 ``T.ptx`` instruction table) and goes through TVM's default CUDA lowering unchanged.
 """
@@ -60,8 +61,8 @@ def check(spec: AttentionSpec) -> str | None:
     """Why this kernel cannot compute ``spec`` (callers fall back to another lowering), or None."""
     if spec.dtype not in _PTX_TYPE:
         return f"dtype {spec.dtype} unsupported (float16 or bfloat16)"
-    if spec.head_dim not in (64, 128):
-        return f"head_dim {spec.head_dim} unsupported (64 or 128)"
+    if spec.head_dim not in (32, 64, 128):
+        return f"head_dim {spec.head_dim} unsupported (32, 64 or 128)"
     if not spec.scale > 0:
         return f"scale must be positive, not {spec.scale}"
     return None
@@ -90,6 +91,10 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     BM = cfg.block_m
     NT = 32 * NW
     CH = D // 8  # 16-byte chunks per row
+    # swizzle: chunk c of row r sits at c ^ ((r % 8) // SW). 128-byte rows and longer: SW 1, the
+    # 8 rows of an ldmatrix phase take 8 chunk slots; 64-byte rows (D 32): two rows share a
+    # 128-byte bank line, so row pairs take 4 chunk slots (SW 2) and the phase still spans all banks
+    SW = 8 // min(CH, 8)
     KD = D // 16  # k16 steps of Q·Kᵀ
     NN = BN // 8  # n8 tiles of S
     KN = BN // 16  # k16 steps of P·V
@@ -122,7 +127,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
             c: T.let[T.int32] = (tx + it * NT) % CH
             T.ptx["cp.async.cg.shared.global"](
                     T.cuda.cvta_generic_to_shared(
-                        T.address_of(smem[base + r * D + T.bitwise_xor(c, r % 8) * 8])),
+                        T.address_of(smem[base + r * D + T.bitwise_xor(c, (r % 8) // SW) * 8])),
                     T.address_of(src[at(QKV_L, b, T.min(row0 + r, n_rows - 1), hh, c * 8)]),
                     16,
                     T.Cast("uint32", T.if_then_else(row0 + r < n_rows, 16, 0)),
@@ -153,7 +158,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                     kb_frag[0], kb_frag[1], kb_frag[2], kb_frag[3],
                     T.cuda.cvta_generic_to_shared(T.address_of(smem[
                         kbase + (nt2 * 16 + (lane // 16) * 8 + lane % 8) * D
-                        + T.bitwise_xor(kk * 2 + (lane // 8) % 2, lane % 8) * 8])))
+                        + T.bitwise_xor(kk * 2 + (lane // 8) % 2, (lane % 8) // SW) * 8])))
                 for mt in T.unroll(MT):
                     for half in T.unroll(2):
                         T.ptx[mma_op](
@@ -223,7 +228,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                     kb_frag[0], kb_frag[1], kb_frag[2], kb_frag[3],
                     T.cuda.cvta_generic_to_shared(T.address_of(smem[
                         vbase + (kt * 16 + ((lane // 8) % 2) * 8 + lane % 8) * D
-                        + T.bitwise_xor(dn2 * 2 + lane // 16, lane % 8) * 8])))
+                        + T.bitwise_xor(dn2 * 2 + lane // 16, (lane % 8) // SW) * 8])))
                 for mt in T.unroll(MT):
                     for half in T.unroll(2):
                         T.ptx[mma_op](
@@ -299,7 +304,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                     q_frag[(mt * KD + kk) * 4 + 2], q_frag[(mt * KD + kk) * 4 + 3],
                     T.cuda.cvta_generic_to_shared(T.address_of(smem[
                         q_off + (warp * MT * 16 + mt * 16 + ((lane // 8) % 2) * 8 + lane % 8) * D
-                        + T.bitwise_xor(kk * 2 + lane // 16, lane % 8) * 8])))
+                        + T.bitwise_xor(kk * 2 + lane // 16, (lane % 8) // SW) * 8])))
         for i in T.unroll(MT * ND * 4):
             o_acc[i] = T.float32(0)
         for i in T.unroll(MT * 2):
