@@ -1,0 +1,34 @@
+"""``--variant NAME=FIELD:VALUE,…`` of the bench scripts (tools/bench/common.py): values are JSON
+literals or else strings, and each names an existing ``tvmfuse.Options`` field."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tools", "bench"))
+import common  # noqa: E402
+
+from tvmfuse.options import Options  # noqa: E402
+
+
+def test_parse_variant_values():
+    name, fields = common.parse_variant("g=cuda_graph:true,programmatic_launch:all,gemv_max_m:64")
+    assert name == "g"
+    assert fields == {"cuda_graph": True, "programmatic_launch": "all", "gemv_max_m": 64}
+    assert dataclasses.replace(Options(), **fields).gemv_max_m == 64
+
+
+@pytest.mark.parametrize("text", ["nofields", "=cuda_graph:true", "x=cuda_graph"])
+def test_parse_variant_rejects_malformed(text):
+    with pytest.raises(SystemExit, match="--variant"):
+        common.parse_variant(text)
+
+
+def test_parser_takes_repeated_variants():
+    args = common.parser(None).parse_args(["--variant", "a=cuda_graph:true", "--variant", "b=x:1"])
+    assert args.variant == ["a=cuda_graph:true", "b=x:1"]
