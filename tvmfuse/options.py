@@ -99,7 +99,9 @@ class Options:
     # 134 MB a layer) would only evict the weights from the 50 MB L2
     decode_kv_prefetch_bytes: int = 24 << 20
     # CUDA targets: TVM's RewriteCUDAGraph captures the kernels between static allocations into a
-    # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel)
+    # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel).
+    # Off: no faster on the H200 (session 19, same process each): the 4-layer LM's prefill 1.660
+    # ms with it vs 1.622, a 2-layer hidden-256 LM at 128 tokens 0.495 vs 0.502
     cuda_graph: bool = False
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"

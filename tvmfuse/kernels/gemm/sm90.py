@@ -98,7 +98,9 @@ class GemmConfig:
     fast_math16: bool = True
     # 16-bit outputs: the four lanes of a quad swap their values (a 4 x 4 transpose by two
     # shfl.xor steps) so that each lane stores 16 contiguous bytes of one row: a warp's store
-    # covers 8 rows x 64 B instead of 8 rows x 16 B (four times fewer L1 wavefronts per byte)
+    # covers 8 rows x 64 B instead of 8 rows x 16 B (four times fewer L1 wavefronts per byte).
+    # H200, kernel alone, with exit_cluster_sync off (session 19): 2048^3 30.6 -> 25.5 us (cuBLAS
+    # 24.2), 2048x2048x5632 67.4 -> 62.4 (61.0), 4096^3 194.0 -> 184.3 (177.8)
     quad_store: bool = True
     # cluster_m > 1: every thread meets the peer at a cluster barrier before exiting (else the
     # producer waits for the last release of each stage, which the peer's arrivals complete)
