@@ -50,3 +50,11 @@ def test_default_launches_every_kernel():
 def test_cpu_target_ignores_the_option():
     text, _ = _main_text("cpu", Options(cuda_graph=True))
     assert "cuda_graph" not in text
+
+
+def test_compile_lm_turns_it_off():
+    """compile_lm's runtime captures the decode step in a torch CUDA graph itself."""
+    from tvmfuse.llm.compile_lm import _launch_options
+
+    assert _launch_options(Options(cuda_graph=True), 1).cuda_graph is False
+    assert _launch_options(Options(), 1) is None

@@ -17,6 +17,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 os.environ.setdefault("TVM_CUDA_COMPILE_MODE", "nvcc")
 
 import torch  # noqa: E402
@@ -44,20 +45,6 @@ def events_ms(fn, iters: int = 30, warmup: int = 5) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
-
-
-def device_us(fn, iters: int = 20) -> float:
-    """Mean device duration (µs) of the kernels one ``fn()`` launches (torch profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0
-               and not e.key.startswith(("cudaDeviceSynchronize", "Activity Buffer"))) / iters
 
 
 def build(m, n, k, dtype, layout, cfg, row_stats=None):
@@ -113,8 +100,10 @@ def case(m, n, k, dtype, layout, cfg, time_it=True, row_stats=None, lib=None):
         fl = 2.0 * m * n * k
         line += f" {ms:.4f}ms {fl / ms / 1e9:.0f}TF | mm {cub:.4f}ms {fl / cub / 1e9:.0f}TF"
         if "--profile" in sys.argv:  # the kernels' own durations, without the launch gaps
-            line += (f" | kernel {device_us(lambda: lib(ta, tb, tc)):.1f}us"
-                     f" mm kernel {device_us(lambda: torch.mm(a, w.t())):.1f}us")
+            from common import kernel_us  # tools/bench
+
+            line += (f" | kernel {kernel_us(lambda i: lib(ta, tb, tc), 20):.1f}us"
+                     f" mm kernel {kernel_us(lambda i: torch.mm(a, w.t()), 20):.1f}us")
     print(line, flush=True)
 
 

@@ -157,10 +157,15 @@ def _same_layout(shards: list[list[tuple[str, Any]]]) -> None:
 
 def _launch_options(opts: Options, max_batch: int) -> Options | None:
     """The options to compile with: programmatic launch of the decode step off above
-    ``Options.programmatic_launch_max_batch`` sequences (measured slower there); None: as they are."""
+    ``Options.programmatic_launch_max_batch`` sequences (measured slower there); TVM's CUDA-graph
+    rewrite off (the runtime captures the decode step in a torch CUDA graph itself, and a capture
+    cannot begin inside another); None: as they are."""
+    changes: dict[str, object] = {}
     if pdl_scope(opts.programmatic_launch) == "decode" and max_batch > opts.programmatic_launch_max_batch:
-        return dataclasses.replace(opts, programmatic_launch="off")
-    return None
+        changes["programmatic_launch"] = "off"
+    if opts.cuda_graph:
+        changes["cuda_graph"] = False
+    return dataclasses.replace(opts, **changes) if changes else None
 
 
 def compile_lm(model: Any, *, target: str = "sm90", max_seq_len: int = 2048, max_batch: int = 1,
