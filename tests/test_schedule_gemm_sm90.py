@@ -131,6 +131,32 @@ def test_kernel_sass_has_hgmma_and_tma(layout, dtype, cfg, tmp_path, monkeypatch
     assert kernels and all(spill == 0 for _, spill in kernels.values()), kernels
 
 
+@needs_cuobjdump
+@pytest.mark.parametrize("m", [2048, 300])  # every tile full; ragged M (a bounds-tested tile)
+def test_quad_store_loads_bias_and_residual_as_vectors(m, tmp_path):
+    """Plain quad store: the lanes exchange fp32 accumulators and evaluate the epilogue where
+    the 8 outputs land, so the (N,) bias and (M, N) residual load as one 16-byte vector each, at
+    the store's own position and inside its bounds test (no read past row M)."""
+    inputs = _inputs(m, 512, 256, torch.float16, residual=True)
+    funcs = _lowered_funcs(LinearAct("relu", residual=True), inputs)
+    (func,) = [f for f in funcs.values() if f.attrs.get("tvmfuse.rule") == NAME]
+    lines = [ln.strip() for ln in func.script().splitlines()]
+    bias = "ov[0:8] = p2[T.Ramp(col // 8 * 8, 1, 8)]"
+    res = "ov[8:16] = p3[row, T.Ramp(col // 8 * 8, 1, 8)]"
+    assert lines.count(bias) == lines.count(res) == (1 if m % 128 == 0 else 2)
+    assert not any("p3[" in ln and "T.Ramp" not in ln for ln in lines)  # no scalar residual read
+    if m % 128:  # the guarded copy tests the row before it loads
+        guard = lines.index(f"if row < {m} and col < 512:")
+        assert lines.index(res, guard) == guard + 2
+    lib = tvmfuse.compile(LinearAct("relu", residual=True), inputs, target="sm90")
+    (_, code), = cuda_images(lib.export(tmp_path / "m.so"))
+    sass = fatbin_sass(code)["sm_90a"]
+    # all 128-bit: a residual load per store, a bias load per row pair (the two rows share it)
+    stores = sass.count("STG.E.128")
+    assert sass.count("LDG.E.128") >= stores * 3 // 2 and stores > 0
+    assert "LDG.E.U16" not in sass
+
+
 def test_pipeline_replaces_fused_gemm():
     """On sm90 the fused GEMM + bias + ReLU PrimFunc becomes the TIRx kernel; on sm80 it does not."""
     inputs = _inputs(256, 512, 384, torch.float16)

@@ -103,6 +103,8 @@ class Options:
     # Off: no faster on the H200 (session 19, same process each): the 4-layer LM's prefill 1.660
     # ms with it vs 1.622, a 2-layer hidden-256 LM at 128 tokens 0.495 vs 0.502
     cuda_graph: bool = False
+    # gemm_sm90: GemmConfig.vector_operands for every kernel (residual / bias as 16-byte loads)
+    sm90_vector_operands: bool = True
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV

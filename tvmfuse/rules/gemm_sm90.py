@@ -21,7 +21,7 @@ same host/device finalisation passes).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import tvm
 from tvm import relax, tirx
@@ -34,6 +34,7 @@ from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value, 
 from ..kernels.gemm.opmath import fast_math16, opmath
 from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
 from ..kernels.tir_util import Load, dtype_of, strip_cast
+from ..options import current_options
 from ..passes import weight_arrays
 from ..passes._util import const_array
 from ..relax_shapes import symbol_ranges, upper_bound
@@ -140,8 +141,9 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
 
     buffers: ``func``'s parameters renamed ``p<i>``, 16-byte aligned, B as (N, K) when
     ``b_transposed`` turns an "nn" read around, without the row-statistics parameters that
-    ``in_loop`` computes. ``store_value(acc, row, col, stats)`` / ``pair_value(acc, acc_odd, row,
-    col, stats)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at one output.
+    ``in_loop`` computes. ``store_value(acc, row, col, stats, loads=None)`` / ``pair_value(acc,
+    acc_odd, row, col, stats)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at
+    one output (``loads``: an :data:`~..kernels.gemm.epilogue.LoadHook`).
     """
     params = list(func.params)
     shapes = [tuple(int(d) if isinstance(d, tirx.IntImm) else d for d in b.shape) for b in params]
@@ -160,12 +162,12 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
         positions = tuple(kept.index(i) for i in positions)
     buffers = [(params[i], new[i]) for i in kept]
 
-    def build(names: list, stats) -> tvm.ir.Expr:
-        loads = (g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop is not None else None
-        return expr_value(expr, names, buffers, loads)
+    def build(names: list, stats, loads=None) -> tvm.ir.Expr:
+        row_loads = (g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop else None
+        return expr_value(expr, names, buffers, row_loads, loads)
 
-    def store_value(acc, row, col, stats):
-        return build([(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], stats)
+    def store_value(acc, row, col, stats, loads=None):
+        return build([(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], stats, loads)
 
     def pair_value(acc, acc_odd, row, col, stats):
         return build([(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row), (g.dims[1], col)],
@@ -226,6 +228,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     if g.acc_odd is not None and g.n % 4:
         raise NotHandled(f"pair epilogue with N/2={g.n // 2} odd (pairs of outputs are stored "
                          "together)")
+    if not current_options().sm90_vector_operands:
+        buckets = [(top, replace(c, vector_operands=False)) for top, c in buckets]
     cfg = buckets[-1][1]
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
     if cfg.fast_math16 and g.out_dtype in ("float16", "bfloat16"):

@@ -14,6 +14,7 @@ reason the function is not handled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import tvm
@@ -270,13 +271,20 @@ def analyze(func: tirx.PrimFunc, symbolic_m: bool = False) -> FusedGemm:
                      acc_odd)
 
 
-def expr_value(e, names: list, buffers: list, row_loads: tuple | None = None) -> tirx.PrimExpr:
+# ``loads(kernel buffer, indices)``: a replacement for that parameter load, or None to keep it
+LoadHook = Callable[[tirx.Buffer, tuple], "tirx.PrimExpr | None"]
+
+
+def expr_value(e, names: list, buffers: list, row_loads: tuple | None = None,
+               loads: LoadHook | None = None) -> tirx.PrimExpr:
     """The epilogue expression rebuilt over the kernel's values.
 
     ``names`` is ``[(var, value)]`` for acc and dims (the kernel's accumulator load, row and column
     expressions); ``buffers`` is ``[(buffer, kernel buffer)]`` of params. ``row_loads = (row dim,
     [(buffer, value)])``: loads ``buffer[row, 0]`` of these (M, 1) buffers become ``value`` (row
-    statistics the kernel computes itself); any other load of them fails. Nodes are made as
+    statistics the kernel computes itself); any other load of them fails. ``loads(kernel buffer,
+    indices)`` may return the value a parameter load is replaced with (a kernel's own copy of
+    it, e.g. one lane of a vector load), None to keep the load. Nodes are made as
     TVMScript makes them (Python operators, ``T.*`` calls), so constant folding and dtype
     promotion are those of a kernel written by hand.
     """
@@ -304,7 +312,9 @@ def expr_value(e, names: list, buffers: list, row_loads: tuple | None = None) ->
             buf = next((nb for b, nb in buffers if b.same_as(x.source)), None)
             if buf is None:
                 _fail(f"buffer {x.source.name}")
-            return buf[tuple(t(i) for i in x.indices)]
+            idx = tuple(t(i) for i in x.indices)
+            got = loads(buf, idx) if loads is not None else None
+            return got if got is not None else buf[idx]
         if type(x) in _BINARY_BUILD:
             return _BINARY_BUILD[type(x)](t(x.a), t(x.b))
         if isinstance(x, tirx.Select):

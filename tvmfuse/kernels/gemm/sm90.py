@@ -61,6 +61,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import tvm_ffi
 from tvm import tirx
 from tvm.ir import Expr as PrimExpr
 from tvm.script import tirx as T
@@ -105,6 +106,9 @@ class GemmConfig:
     # cluster_m > 1: every thread meets the peer at a cluster barrier before exiting (else the
     # producer waits for the last release of each stage, which the peer's arrivals complete)
     exit_cluster_sync: bool = False
+    # plain quad store: the epilogue's 16-bit (M, N) / (N,) operands read at the output's own
+    # position load as 16-byte vectors (False: 2-byte loads, same exchange and bounds test)
+    vector_operands: bool = True
 
     @property
     def consumers(self) -> int:
@@ -190,8 +194,9 @@ def check(problem: GemmProblem, cfg: GemmConfig, row_stats: RowStats | None = No
 
 
 RowStatLoads = tuple  # (mean, rstd) of a fragment row: the kernel's loads of its statistics
-# ``store_value(acc, row, col, stats)``: the value stored at C[row, col] from accumulator ``acc``
-StoreValue = Callable[[PrimExpr, PrimExpr, PrimExpr, "RowStatLoads | None"], PrimExpr]
+# ``store_value(acc, row, col, stats[, loads])``: the value stored at C[row, col] from accumulator
+# ``acc``; ``loads`` (keyword, when the quad store asks): an epilogue.LoadHook
+StoreValue = Callable[..., PrimExpr]
 # ``pair_value(acc_even, acc_odd, row, col, stats)``: C[row, col] of an N/2-wide pair epilogue
 PairValue = Callable[[PrimExpr, PrimExpr, PrimExpr, PrimExpr, "RowStatLoads | None"], PrimExpr]
 _TMA_2D = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -289,6 +294,14 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
             and c_cols % 8 == 0)
     blocks = cfg.bn // 16 if is_pair else cfg.bn // 8
     quads = blocks // 4 if quad else 0
+    # The plain quad store exchanges the fp32 accumulators and evaluates the epilogue where the
+    # 8 outputs land (one row, 8 consecutive columns, inside the store's bounds test): the
+    # epilogue's 16-bit operands read there, (M, N) residuals and (N,) biases, load as one 16-byte
+    # vector each (`vec_ops`, found by a dry run of ``value``) instead of eight 2-byte loads.
+    vec_ops = (_vector_operands(store_value, c_cols, has_stats)
+               if quad and not is_pair and store_value is not None and cfg.vector_operands
+               else [])
+    vec_dtype = str(vec_ops[0].dtype) if vec_ops else in_dtype
     tma_load = T.ptx[_TMA_2D]
     tma_multicast = T.ptx[_TMA_2D + ".multicast::cluster"]
     mma = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16.f32.{ab}.{ab}"]
@@ -485,6 +498,9 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     pair = T.alloc_buffer((2,), out_dtype, scope="local", align=pair_align)
                 if quad:
                     qv = T.alloc_buffer((8,), out_dtype, scope="local", align=16)
+                    qa = T.alloc_buffer((8,), "float32", scope="local")  # plain quads: exchanged
+                    ov = T.alloc_buffer((8 * max(1, len(vec_ops)),), vec_dtype, scope="local",
+                                        align=16)
                 if has_stats:
                     xv = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
                     rsum = T.alloc_buffer((3,), "float32", scope="local")  # s1, s2, shift c
@@ -657,7 +673,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                     C2[row, T.Ramp(c, 1, 2)] = pair[T.Ramp(0, 1, 2)]
 
                     @T.inline
-                    def quad_exchange():
+                    def quad_exchange(xv):
                         # 4 x 4 transpose within the quad: slot c of lane q <- slot q of lane c.
                         # xor 2 swaps the off-diagonal 2 x 2 blocks, xor 1 the off-diagonal
                         # elements of each block; a lane sends the slot its partner needs.
@@ -667,16 +683,30 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                             for e in T.unroll(2):
                                 got = T.cuda.__shfl_xor_sync(
                                     T.uint32(_ALL_LANES),
-                                    T.Select(hi, qv[_qi(c, e)], qv[_qi(c + 2, e)]), 2, 32)
-                                qv[_qi(c, e)] = T.Select(hi, got, qv[_qi(c, e)])
-                                qv[_qi(c + 2, e)] = T.Select(hi, qv[_qi(c + 2, e)], got)
+                                    T.Select(hi, xv[_qi(c, e)], xv[_qi(c + 2, e)]), 2, 32)
+                                xv[_qi(c, e)] = T.Select(hi, got, xv[_qi(c, e)])
+                                xv[_qi(c + 2, e)] = T.Select(hi, xv[_qi(c + 2, e)], got)
                         for cc in T.unroll(2):
                             for e in T.unroll(2):
                                 got = T.cuda.__shfl_xor_sync(
                                     T.uint32(_ALL_LANES),
-                                    T.Select(odd, qv[_qi(2 * cc, e)], qv[_qi(2 * cc + 1, e)]), 1, 32)
-                                qv[_qi(2 * cc, e)] = T.Select(odd, got, qv[_qi(2 * cc, e)])
-                                qv[_qi(2 * cc + 1, e)] = T.Select(odd, qv[_qi(2 * cc + 1, e)], got)
+                                    T.Select(odd, xv[_qi(2 * cc, e)], xv[_qi(2 * cc + 1, e)]), 1, 32)
+                                xv[_qi(2 * cc, e)] = T.Select(odd, got, xv[_qi(2 * cc, e)])
+                                xv[_qi(2 * cc + 1, e)] = T.Select(odd, xv[_qi(2 * cc + 1, e)], got)
+
+                    @T.inline
+                    def finish_quad(row, col, h):
+                        # lane's 8 exchanged accumulators -> 8 outputs of C[row, col:col + 8]
+                        if len(vec_ops) > 0:
+                            ov[T.Ramp(0, 1, 8)] = _vector_load(vec_ops[0], row, col)
+                        if len(vec_ops) > 1:
+                            ov[T.Ramp(8, 1, 8)] = _vector_load(vec_ops[1], row, col)
+                        if len(vec_ops) > 2:
+                            ov[T.Ramp(16, 1, 8)] = _vector_load(vec_ops[2], row, col)
+                        for e in T.unroll(8):
+                            qv[e] = _value_at(value, qa[e], row, col, e, row_stat_loads(rstat, h),
+                                              vec_ops, ov)
+                        C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
 
                     @T.inline
                     def store_quads(u_acc, row0, guarded):
@@ -701,18 +731,24 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                             acc[_plus(u_acc, qb * 8) + 4 + h * 2 + 1], row, c0 + 4,
                                             row_stat_loads(rstat, h))
                                     else:
-                                        j = g * 4 + c
                                         for e in T.unroll(2):
-                                            qv[_qi(c, e)] = value(
-                                                acc[_plus(u_acc, j * 4) + h * 2 + e], row,
-                                                n0 + j * 8 + r * 2 + e, row_stat_loads(rstat, h))
-                                quad_exchange()
+                                            qa[_qi(c, e)] = acc[_plus(u_acc, (g * 4 + c) * 4)
+                                                                + h * 2 + e]
                                 col = (n0 // 2 if is_pair else n0) + (g * 4 + r) * 8
-                                if guarded:
-                                    if row < m_dev and col < c_cols:
+                                if is_pair:
+                                    quad_exchange(qv)
+                                    if guarded:
+                                        if row < m_dev and col < c_cols:
+                                            C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
+                                    else:
                                         C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
                                 else:
-                                    C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
+                                    quad_exchange(qa)
+                                    if guarded:
+                                        if row < m_dev and col < c_cols:
+                                            finish_quad(row, col, h)
+                                    else:
+                                        finish_quad(row, col, h)
 
                     @T.inline
                     def store(u_acc, row0, guarded):
@@ -753,6 +789,60 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
     return tirx.PrimFunc(list(params), kernel.body, attrs=kernel.attrs).without_attr(
         "global_symbol")
+
+
+def _vector_operands(store_value: StoreValue, c_cols: int, has_stats: bool) -> list:
+    """The 16-bit parameters (at most 3, one dtype) that ``store_value`` reads at its output's own
+    ``[row, col]`` ((M, N) with N = ``c_cols``) or ``[col]`` ((N,)): a dry run over placeholder
+    variables records them."""
+    row, col = tirx.Var("row", "int32"), tirx.Var("col", "int32")
+    found: list = []
+
+    def record(buf, idx):
+        if _lane_index(buf, idx, row, col, c_cols) and not any(buf.same_as(b) for b in found):
+            found.append(buf)
+
+    stats = (tirx.Var("mean", "float32"), tirx.Var("rstd", "float32")) if has_stats else None
+    store_value(tirx.Var("acc", "float32"), row, col, stats, loads=record)
+    found = [b for b in found if str(b.dtype) in ("float16", "bfloat16")]
+    return [b for b in found if str(b.dtype) == str(found[0].dtype)][:3] if found else []
+
+
+def _lane_index(buf, idx, row, col, c_cols: int | None) -> bool:
+    """``buf[idx]`` is ``buf[row, col]`` of an (·, c_cols) buffer or ``buf[col]`` of a (c_cols,)
+    one (``c_cols`` None: any width): 8 outputs' reads are 16 contiguous bytes, 16-byte aligned."""
+    def same(a, b):
+        return bool(tvm_ffi.structural_equal(a, b))
+
+    def cols_ok(dim):
+        return c_cols is None or (isinstance(dim, (int, tirx.IntImm)) and int(dim) == c_cols)
+
+    if len(idx) == 2:
+        return same(idx[0], row) and same(idx[1], col) and cols_ok(buf.shape[1])
+    return len(idx) == 1 and same(idx[0], col) and cols_ok(buf.shape[0])
+
+
+def _vector_load(buf, row, col):
+    """The 8 elements of ``buf`` at ``[row, col:col + 8]`` or ``[col:col + 8]`` as one vector.
+    ``col`` is a multiple of 8 that codegen cannot see through its let binding: written
+    ``col // 8 * 8`` so that it proves the alignment and emits one 16-byte load, not a gather."""
+    lanes = T.Ramp(col // 8 * 8, 1, 8)
+    return buf[row, lanes] if len(buf.shape) == 2 else buf[lanes]
+
+
+def _value_at(value: StoreValue, acc, row, col, e, stats, vec_ops: list, ov) -> PrimExpr:
+    """``value`` at output ``C[row, col + e]``, a read of vector operand k there replaced by lane
+    e of its copy ``ov[8k:8k + 8]``."""
+    if not vec_ops:
+        return value(acc, row, col + e, stats)
+
+    def lane(buf, idx):
+        for k, b in enumerate(vec_ops):
+            if b.same_as(buf) and _lane_index(buf, idx, row, col + e, None):
+                return ov[k * 8 + e]
+        return None
+
+    return value(acc, row, col + e, stats, loads=lane)
 
 
 def standalone(problem: GemmProblem, cfg: GemmConfig | None = None,
