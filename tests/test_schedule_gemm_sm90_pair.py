@@ -6,6 +6,7 @@ epilogue) and builds with nvcc to HGMMA + UTMALDG. GPU: numerics against a float
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,27 @@ def test_lm_pair_reads_its_weight_transposed_for_the_176_tile():
     seen = stages(512)  # 2N = 1024 at M = 2000: 128×256 either way
     (name1, after), = pair_weights(seen["gemm_sm90"])
     assert after.shape == (512, 1024) and not name1.endswith("_nt")
+
+
+@pytest.mark.parametrize("quad", [True, False])
+def test_pair_value_loads_stay_inside_in_bounds_tested_tiles(quad):
+    """A pair value is computed before its bounds test (the lanes shuffle it first): in a tile
+    past row M its (row, col) are clamped into (M, N/2), so an epilogue operand read there (here
+    an (M, N/2) residual) is never read past its end; full tiles read it unclamped."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    from tvmfuse.kernels.gemm.sm90 import GemmConfig, GemmProblem, gemm_kernel
+
+    m, n, k = 300, 512, 256
+    bufs = [tirx.decl_buffer(shape, "float16", name=name, data_alignment=16) for name, shape in
+            (("A", (m, k)), ("B", (n, k)), ("C", (m, n // 2)), ("R", (m, n // 2)))]
+
+    def pair_value(acc, acc_odd, row, col, stats):
+        return T.Cast("float16", acc * acc_odd + T.Cast("float32", bufs[3][row, col]))
+
+    text = gemm_kernel(GemmProblem(m, n, k, "float16", "float16", "nt"), GemmConfig(quad_store=quad),
+                       bufs, 0, 1, 2, pair_value=pair_value).script()
+    reads = set(re.findall(r"\bR(?:_\d+)?\[([^\]]*)\]", text))
+    assert reads and any(r.startswith("T.min(row, 299)") for r in reads), reads
+    assert any(r.startswith("row,") for r in reads), reads  # full tiles: as they are

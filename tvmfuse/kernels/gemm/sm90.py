@@ -375,6 +375,14 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     def row_stat_loads(rstat, h):
         return None if rstat is None else (rstat[h * 2], rstat[h * 2 + 1])
 
+    def inside(guarded, row, col):
+        """(row, col) for a pair value computed before the bounds test (its lanes shuffle):
+        clamped into (M, N/2) in a bounds-tested tile, so the epilogue's own loads stay inside
+        their buffers; that value is never stored."""
+        if not guarded:
+            return row, col
+        return T.min(row, m_dev - 1), T.min(col, n_out - 1)
+
     def tile_inside(m0, n0):
         """The tile lies inside (M, N) (only asked when some tile does not)."""
         return _all(*([tirx.LE(m0 + cfg.bm, m_dev)] if m_ragged else []),
@@ -656,11 +664,13 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                 row = row0 + h * 8
                                 c0 = n0 // 2 + q * 8 + r
                                 v0 = pair_value(acc[_plus(u_acc, q * 8) + h * 2],
-                                                acc[_plus(u_acc, q * 8) + h * 2 + 1], row, c0,
+                                                acc[_plus(u_acc, q * 8) + h * 2 + 1],
+                                                *inside(guarded, row, c0),
                                                 row_stat_loads(rstat, h))
                                 v1 = pair_value(acc[_plus(u_acc, q * 8) + 4 + h * 2],
-                                                acc[_plus(u_acc, q * 8) + 4 + h * 2 + 1], row,
-                                                c0 + 4, row_stat_loads(rstat, h))
+                                                acc[_plus(u_acc, q * 8) + 4 + h * 2 + 1],
+                                                *inside(guarded, row, c0 + 4),
+                                                row_stat_loads(rstat, h))
                                 other = T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES),
                                                                T.Select(r % 2 == 1, v0, v1), 1, 32)
                                 pair[0] = T.Select(r % 2 == 0, v0, other)
@@ -724,11 +734,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                         c0 = n0 // 2 + qb * 8 + r
                                         qv[_qi(c, 0)] = pair_value(
                                             acc[_plus(u_acc, qb * 8) + h * 2],
-                                            acc[_plus(u_acc, qb * 8) + h * 2 + 1], row, c0,
-                                            row_stat_loads(rstat, h))
+                                            acc[_plus(u_acc, qb * 8) + h * 2 + 1],
+                                            *inside(guarded, row, c0), row_stat_loads(rstat, h))
                                         qv[_qi(c, 1)] = pair_value(
                                             acc[_plus(u_acc, qb * 8) + 4 + h * 2],
-                                            acc[_plus(u_acc, qb * 8) + 4 + h * 2 + 1], row, c0 + 4,
+                                            acc[_plus(u_acc, qb * 8) + 4 + h * 2 + 1],
+                                            *inside(guarded, row, c0 + 4),
                                             row_stat_loads(rstat, h))
                                     else:
                                         for e in T.unroll(2):
