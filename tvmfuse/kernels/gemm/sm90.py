@@ -58,6 +58,7 @@ their statements through the IR builder. Its signature is the caller's buffers.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -805,7 +806,9 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 def _vector_operands(store_value: StoreValue, c_cols: int, has_stats: bool) -> list:
     """The 16-bit parameters (at most 3, one dtype) that ``store_value`` reads at its output's own
     ``[row, col]`` ((M, N) with N = ``c_cols``) or ``[col]`` ((N,)): a dry run over placeholder
-    variables records them."""
+    variables records them (none when ``store_value`` takes no ``loads`` hook)."""
+    if "loads" not in inspect.signature(store_value).parameters:
+        return []
     row, col = tirx.Var("row", "int32"), tirx.Var("col", "int32")
     found: list = []
 
