@@ -313,6 +313,27 @@ class LinearAct(nn.Module):
         return self.down(F.silu(self.fc(x)) * self.up(x))  # swiglu
 
 
+class GateUpMLP(nn.Module):
+    """SwiGLU with one fused gate/up Linear (HF Phi-3, xformers' ``w12``): its output cut in two
+    halves by ``chunk``, ``split`` or slicing, then ``down(up * silu(gate))``."""
+
+    def __init__(self, cut: str) -> None:
+        super().__init__()
+        self.cut = cut
+        self.gate_up = nn.Linear(HIDDEN, 2 * OUT, bias=False)
+        self.down = nn.Linear(OUT, HIDDEN, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gate_up(x)
+        if self.cut == "chunk":
+            gate, up = y.chunk(2, dim=-1)
+        elif self.cut == "split":
+            gate, up = torch.split(y, OUT, dim=-1)
+        else:
+            gate, up = y[..., :OUT], y[..., OUT:]
+        return self.down(up * F.silu(gate))
+
+
 class Chain(nn.Module):
     """Elementwise chains and a scaled softmax, on x (1, 24, 64)."""
 
@@ -389,6 +410,11 @@ FORMULATIONS: list[Formulation] = [
     _f("linear_bias_silu", "gemm_epilogue", _mod(LinearAct("silu"))),
     _f("linear_residual", "gemm_epilogue", _mod(LinearAct("residual"))),
     _f("swiglu_mlp", "gemm_epilogue", _mod(LinearAct("swiglu"))),
+    _f("swiglu_fused_gate_up_chunk", "gemm_epilogue", _mod(GateUpMLP("chunk"))),
+    _f("swiglu_fused_gate_up_split", "gemm_epilogue", _mod(GateUpMLP("split"))),
+    _f("swiglu_fused_gate_up_slices", "gemm_epilogue", _mod(GateUpMLP("slices"))),
+    _f("onnx_dynamo_swiglu_fused_gate_up", "gemm_epilogue", _mod(GateUpMLP("chunk")),
+       frontend="onnx-dynamo"),
     _f("linear_bias_relu_fp32", "gemm_epilogue", _mod(LinearAct("relu"), torch.float32)),
     _f("onnx_dynamo_linear_bias_relu", "gemm_epilogue", _mod(LinearAct("relu")), frontend="onnx-dynamo"),
     _f("onnx_legacy_linear_bias_gelu", "gemm_epilogue", _mod(LinearAct("gelu")), frontend="onnx-legacy"),

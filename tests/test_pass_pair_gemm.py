@@ -119,8 +119,9 @@ def test_sm90_needs_k_multiple_of_8():
     tvm.ir.assert_structural_equal(after, before)
 
 
-def _wide(w: np.ndarray, scale_first: bool = True) -> tvm.IRModule:
-    """HorizontalGemm + NormGemmPrologue's form: x·[Wg | Wu] · rstd (per row), then the halves."""
+def _wide(w: np.ndarray, scale_first: bool = True, cut: str = "slices") -> tvm.IRModule:
+    """HorizontalGemm + NormGemmPrologue's form: x·[Wg | Wu] · rstd (per row), then the halves:
+    two slices, ``split`` in two (``chunk(2, -1)``), or slices with an open end (``y[:, N:]``)."""
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((M, K), "float16"))
     s = relax.Var("s", relax.TensorType((M, 1), "float32"))
@@ -128,19 +129,25 @@ def _wide(w: np.ndarray, scale_first: bool = True) -> tvm.IRModule:
         with bb.dataflow():
             y = bb.emit(relax.op.matmul(x, relax.const(w), out_dtype="float32"))
             z = bb.emit(relax.op.multiply(y, s))
-            gate = bb.emit(relax.op.strided_slice(z, [1], [0], [N]))
-            up = bb.emit(relax.op.strided_slice(z, [1], [N], [2 * N]))
+            if cut == "split":
+                parts = bb.emit(relax.op.split(z, 2, axis=-1))
+                gate, up = bb.emit(relax.TupleGetItem(parts, 0)), bb.emit(relax.TupleGetItem(parts, 1))
+            else:
+                gate = bb.emit(relax.op.strided_slice(z, [1], [0], [N]))
+                up = bb.emit(relax.op.strided_slice(z, [1], [N], [2**63 - 1 if cut == "open_end"
+                                                                 else 2 * N]))
             out = bb.emit_output(relax.op.multiply(relax.op.nn.silu(gate), up))
         bb.emit_func_output(out)
     return relax.transform.Normalize()(bb.get())
 
 
-def test_wide_gemm_halves_become_interleaved():
+@pytest.mark.parametrize("cut", ["slices", "split", "open_end"])
+def test_wide_gemm_halves_become_interleaved(cut):
     """One (K, 2N) GEMM sliced into halves: its columns are interleaved, the row scale stays on
     the GEMM result (a parameter of the grouped function), the halves become stride-2 slices."""
     wg, wu = _weights()
     with get_target("cpu").tvm_target():
-        after = PairGemm()(_wide(np.concatenate([wg, wu], axis=1)))
+        after = PairGemm()(_wide(np.concatenate([wg, wu], axis=1), cut=cut))
     w_il = np.empty((K, 2 * N), "float16")
     w_il[:, 0::2], w_il[:, 1::2] = wg, wu
     bb = relax.BlockBuilder()

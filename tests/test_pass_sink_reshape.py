@@ -209,3 +209,87 @@ def test_reshapes_broadcast_against_each_other_stay():
     after = apply_pass(SinkReshape(), OuterDifference)
     tvm.ir.assert_structural_equal(after, OuterDifference)
     assert_same_numerics(OuterDifference, after)
+
+
+@I.ir_module
+class GateUpChunk:
+    """HF Phi-3's MLP on (1, 8, 16): one gate/up GEMM, reshaped to 3-D, ``chunk(2, -1)``."""
+
+    @R.function
+    def main(x: R.Tensor((8, 16), "float32"), w: R.Tensor((16, 64), "float32")
+             ) -> R.Tensor((1, 8, 32), "float32"):
+        with R.dataflow():
+            mm = R.matmul(x, w)
+            mm3 = R.reshape(mm, R.shape([1, 8, 64]))
+            parts = R.split(mm3, indices_or_sections=[32], axis=-1)
+            gate = parts[0]
+            up = parts[1]
+            y = R.multiply(up, R.nn.silu(gate))
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class GateUpChunkExpected:
+    @R.function
+    def main(x: R.Tensor((8, 16), "float32"), w: R.Tensor((16, 64), "float32")
+             ) -> R.Tensor((1, 8, 32), "float32"):
+        with R.dataflow():
+            mm = R.matmul(x, w)
+            gate = R.strided_slice(mm, (1,), (0,), (32,), assume_inbound=True)
+            up = R.strided_slice(mm, (1,), (32,), (64,), assume_inbound=True)
+            act = R.nn.silu(gate)
+            y2 = R.multiply(up, act)
+            y = R.reshape(y2, R.shape([1, 8, 32]))
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class GateUpSlices:
+    """The same halves as ``y[..., :32]`` and ``y[..., 32:]`` (an open end past the axis)."""
+
+    @R.function
+    def main(x: R.Tensor((8, 16), "float32"), w: R.Tensor((16, 64), "float32")
+             ) -> R.Tensor((1, 8, 32), "float32"):
+        with R.dataflow():
+            mm = R.matmul(x, w)
+            mm3 = R.reshape(mm, R.shape([1, 8, 64]))
+            gate = R.strided_slice(mm3, (2,), (0,), (32,), (1,))
+            up = R.strided_slice(mm3, (2,), (32,), (9223372036854775807,), (1,))
+            y = R.multiply(up, R.nn.silu(gate))
+            R.output(y)
+        return y
+
+
+def test_gate_up_halves_take_the_reshape_down():
+    """A split / slice along the last axis of a GEMM's reshaped output goes before the reshape,
+    which then sinks below the SwiGLU (PairGemm sees the GEMM's 2-D halves)."""
+    after = tvm.relax.transform.CanonicalizeBindings()(apply_pass(SinkReshape(), GateUpChunk))
+    after = tvm.relax.transform.DeadCodeElimination()(after)
+    tvm.ir.assert_structural_equal(after, GateUpChunkExpected)
+    assert_same_numerics(GateUpChunk, after)
+    sliced = apply_pass(SinkReshape(), GateUpSlices)
+    text = sliced.script()
+    assert "R.reshape(mm" not in text and text.count("R.strided_slice(mm,") == 2, text
+    assert_same_numerics(GateUpSlices, sliced)
+
+
+@I.ir_module
+class SliceRegroupsLastAxis:
+    """The reshape regroups the last axis: slicing before it would cut other columns."""
+
+    @R.function
+    def main(x: R.Tensor((8, 16), "float32"), w: R.Tensor((16, 64), "float32")
+             ) -> R.Tensor((8, 2, 16), "float32"):
+        with R.dataflow():
+            mm = R.matmul(x, w)
+            mm3 = R.reshape(mm, R.shape([8, 2, 32]))
+            y = R.strided_slice(mm3, (2,), (0,), (16,), (1,))
+            R.output(y)
+        return y
+
+
+def test_slice_of_a_regrouped_last_axis_is_left_alone():
+    after = apply_pass(SinkReshape(), SliceRegroupsLastAxis)
+    tvm.ir.assert_structural_equal(after, SliceRegroupsLastAxis)

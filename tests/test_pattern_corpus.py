@@ -76,6 +76,10 @@ KERNELS: dict[str, int] = {
     "linear_bias_silu": 1,
     "linear_residual": 1,
     "swiglu_mlp": 2,
+    "swiglu_fused_gate_up_chunk": 2,  # the pair GEMM (weight halves interleaved) and down
+    "swiglu_fused_gate_up_split": 2,
+    "swiglu_fused_gate_up_slices": 2,
+    "onnx_dynamo_swiglu_fused_gate_up": 2,
     "linear_bias_relu_fp32": 1,
     "onnx_dynamo_linear_bias_relu": 1,
     "onnx_legacy_linear_bias_gelu": 1,

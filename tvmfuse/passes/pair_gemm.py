@@ -143,21 +143,40 @@ def _find(func: relax.Function) -> list[_Pair]:
             z = same[0]
         return z, chain
 
-    def half_of(var) -> tuple[relax.Var, int] | None:
-        """(sliced var, 0 | 1) when ``var`` is the first or second half of a matmul's columns."""
+    def half_of(var) -> tuple[relax.Var, int, list[relax.Var]] | None:
+        """(sliced var, 0 | 1, the split's tuple var if any) when ``var`` is the first or second
+        half of a matmul's columns: a strided_slice (its end may run past the axis: ``y[..., n:]``)
+        or a piece of a ``split`` in two (``y.chunk(2, -1)``) along the last axis."""
         call = bound.get(var)
-        if not is_op(call, "relax.strided_slice") or not isinstance(call.args[0], relax.Var):
+        if isinstance(call, relax.TupleGetItem) and is_op(bound.get(call.tuple_value), "relax.split"):
+            split = bound[call.tuple_value]
+            z, shape, tuple_var = split.args[0], known_shape(split.args[0]), [call.tuple_value]
+            if shape is None or not isinstance(shape[-1], int) or shape[-1] % 2:
+                return None
+            ios = split.attrs.indices_or_sections
+            sections = int(ios) if isinstance(ios, tirx.IntImm | int) else [int(i) for i in ios]
+            if int(split.attrs.axis) % len(shape) != len(shape) - 1 \
+                    or sections not in (2, [shape[-1] // 2]):
+                return None
+            begin = [0 if int(call.index) == 0 else shape[-1] // 2]
+            end, strides, axes = [begin[0] + shape[-1] // 2], [1], [len(shape) - 1]
+        elif is_op(call, "relax.strided_slice"):
+            z, shape, tuple_var = call.args[0], known_shape(call.args[0]), []
+            axes, begin, end = (_ints(a) for a in call.args[1:4])
+            strides = _ints(call.args[4]) if len(call.args) > 4 else [1]
+            if shape is None or not isinstance(shape[-1], int) or axes is None:
+                return None
+            axes = [a % len(shape) for a in axes]
+            end = [min(e, shape[-1]) for e in end] if end else end
+        else:
             return None
-        z, shape = call.args[0], known_shape(call.args[0])
-        axes, begin, end = (_ints(a) for a in call.args[1:4])
-        strides = _ints(call.args[4]) if len(call.args) > 4 else [1]
-        if shape is None or not isinstance(shape[-1], int) or shape[-1] % 2 \
-                or axes != [len(shape) - 1] or strides != [1]:
+        if not isinstance(z, relax.Var) or shape[-1] % 2 or axes != [len(shape) - 1] \
+                or strides != [1]:
             return None
         half = shape[-1] // 2
         if [begin, end] not in ([[0], [half]], [[half], [2 * half]]) or wide_source(z) is None:
             return None
-        return z, int(begin[0] == half)
+        return z, int(begin[0] == half), tuple_var
 
     def per_row(var) -> bool:
         """A tensor computed outside the pair with one value per row, e.g. ``rstd`` (M, 1)."""
@@ -221,7 +240,7 @@ def _find(func: relax.Function) -> list[_Pair]:
             mm = bound[wide]
             w = matmul_weight(wide)
             wa, wb = w[:, : w.shape[1] // 2], w[:, w.shape[1] // 2:]
-            outer = {a, b, wide, *pre}
+            outer = {a, b, wide, *pre, *halves[0][2], *halves[1][2]}
         else:
             continue
         if not _target_takes(mm.args[0], wa.shape[0], wa.shape[1]):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 from tvm import relax
-from tvm.relax.dpl import is_op, rewrite_call, wildcard
+from tvm.relax.dpl import is_op, is_tuple_get_item, rewrite_call, wildcard
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
 from ..relax_shapes import known_shape, same_dim, same_shape
@@ -119,6 +119,48 @@ def _sink(func: relax.Function) -> relax.Function:
         args = [other_new, inner] if expr.args[0].same_as(other) else [inner, other_new]
         return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])
 
+    # a slice along the last axis of a reshape that keeps that axis: the slice goes first (a gate/up
+    # GEMM's halves, HF Phi-3's ``gate_up.chunk(2, -1)``, then meet PairGemm in the GEMM's 2-D form)
+    sliced = is_op("relax.strided_slice")(reshaped, wildcard(), wildcard(), wildcard(), wildcard())
+    split = is_op("relax.split")(reshaped)
+    piece = is_tuple_get_item(split)
+
+    def last_axis(m, axis: int) -> int | None:
+        """The source's last axis when ``axis`` is the reshape's last and the reshape keeps it."""
+        source, r_shape = m[a], known_shape(m[reshaped])
+        a_shape = known_shape(source)
+        if a_shape is None or r_shape is None or not _same_last_axis(a_shape, r_shape):
+            return None
+        if axis % len(r_shape) != len(r_shape) - 1 or not _gemm_rooted(source, table):
+            return None
+        return len(a_shape) - 1
+
+    def rewrite_slice(expr, m):
+        axes = [int(x) for x in expr.args[1].fields]
+        last = last_axis(m, axes[0]) if len(axes) == 1 else None
+        if last is None or known_shape(expr) is None:
+            return expr
+        inner = relax.op.strided_slice(m[a], [last], *expr.args[2:],
+                                       assume_inbound=expr.attrs.assume_inbound)
+        return relax.op.reshape(inner, shape_expr(known_shape(expr)))
+
+    def rewrite_piece(expr, m):
+        call = m[split]
+        last = last_axis(m, int(call.attrs.axis))
+        dim = known_shape(m[a])[-1] if last is not None else None
+        if not isinstance(dim, int) or known_shape(expr) is None:
+            return expr
+        ios = call.attrs.indices_or_sections  # the piece as [begin, end) of the source's last axis
+        if isinstance(ios, tvm.tirx.IntImm | int):
+            if dim % int(ios):
+                return expr
+            bounds = [i * (dim // int(ios)) for i in range(int(ios) + 1)]
+        else:
+            bounds = [0, *(int(i) for i in ios), dim]
+        begin, end = bounds[expr.index], bounds[expr.index + 1]
+        inner = relax.op.strided_slice(m[a], [last], [begin], [end], assume_inbound=True)
+        return relax.op.reshape(inner, shape_expr(known_shape(expr)))
+
     inner_reshape = is_op("relax.reshape")(a, wildcard())
     outer_reshape = is_op("relax.reshape")(inner_reshape, shape) | is_op("relax.reshape")(a, shape)
 
@@ -134,6 +176,7 @@ def _sink(func: relax.Function) -> relax.Function:
         table.clear()
         table.update(_bindings(func))
         new = rewrite_call(binary, rewrite_binary, rewrite_call(unary, rewrite_unary, func))
+        new = rewrite_call(piece, rewrite_piece, rewrite_call(sliced, rewrite_slice, new))
         new = rewrite_call(outer_reshape, rewrite_collapse, new)
         if tvm_ffi.structural_equal(new, func):
             break
