@@ -15,7 +15,7 @@ from tvmfuse import tvmscript_frames
 # An exception inside a schedule rule is a bug: fail the test instead of recording a fallback.
 os.environ.setdefault("TVMFUSE_STRICT", "1")
 # as pipeline.lower does (tvm_setup.register_tvm_patches), also for tests that build kernels
-# themselves: TVMScript parses ~5x faster, the same functions (test_tvmscript_frames.py)
+# themselves: TVMScript parses faster, to the same functions (test_tvmscript_frames.py)
 tvmscript_frames.install()
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,7 +9,7 @@
   ``pipeline.build``), ``tvmfuse tune``'s builders and scripts that build kernels themselves
   call this.
 * The TVMScript parser gets a light ``inspect.stack`` (``tvmscript_frames.py``): the generated
-  kernels and TVM's tensor intrinsics parse ~5x faster, the same functions.
+  kernels (2.4x) and TVM's tensor intrinsics (13x) parse faster, to the same functions.
 * :func:`cuda_source_only` — ``TVM_COMPILE_FORCE_FALLBACK=1`` for the duration of a build, so that
   CUDA code stays source (export runs nvcc) whether or not a GPU driver is present. TVM's C++
   codegen reads the variable from the process environment, so it cannot be scoped to one thread:
@@ -51,7 +51,7 @@ def register_tvm_patches() -> None:
         if _registered:
             return
 
-        _fast_tvmscript()  # every TVMScript kernel parses ~5x faster
+        _fast_tvmscript()  # TVMScript kernels parse 2.4x faster (tvmscript_frames.py)
         patch_lower_warp_memory()
         patch_thread_sync()
         # both TIR pipelines insert griddepcontrol.wait into kernels launched programmatically
