@@ -415,6 +415,8 @@ FORMULATIONS: list[Formulation] = [
     _f("swiglu_fused_gate_up_slices", "gemm_epilogue", _mod(GateUpMLP("slices"))),
     _f("onnx_dynamo_swiglu_fused_gate_up", "gemm_epilogue", _mod(GateUpMLP("chunk")),
        frontend="onnx-dynamo"),
+    _f("onnx_legacy_swiglu_fused_gate_up", "gemm_epilogue", _mod(GateUpMLP("slices")),
+       frontend="onnx-legacy"),
     _f("linear_bias_relu_fp32", "gemm_epilogue", _mod(LinearAct("relu"), torch.float32)),
     _f("onnx_dynamo_linear_bias_relu", "gemm_epilogue", _mod(LinearAct("relu")), frontend="onnx-dynamo"),
     _f("onnx_legacy_linear_bias_gelu", "gemm_epilogue", _mod(LinearAct("gelu")), frontend="onnx-legacy"),

@@ -80,6 +80,7 @@ KERNELS: dict[str, int] = {
     "swiglu_fused_gate_up_split": 2,
     "swiglu_fused_gate_up_slices": 2,
     "onnx_dynamo_swiglu_fused_gate_up": 2,
+    "onnx_legacy_swiglu_fused_gate_up": 2,
     "linear_bias_relu_fp32": 1,
     "onnx_dynamo_linear_bias_relu": 1,
     "onnx_legacy_linear_bias_gelu": 1,
