@@ -68,7 +68,7 @@ from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .targets import TargetSpec, get_target
 from .tuning_db import TuningDatabase, task_key_of, task_module
 from .tvm_setup import register_tvm_patches
-from .tvmscript_frames import install as _fast_tvmscript
+from .tvmscript_frames import cuda_tensor_intrinsics
 from .version import __version__
 
 TUNED_PATTERNS = ("gemm_epilogue", "norm_gemm", "attention")
@@ -512,8 +512,7 @@ def _design_space(task: Task, spec: TargetSpec, target):
                if hasattr(p, "dtype"))
     kind = "cuda-tensorcore" if half and task.pattern in TUNED_PATTERNS else "cuda"
     if kind == "cuda-tensorcore":
-        _fast_tvmscript()
-        import tvm.s_tir.tensor_intrin.cuda  # noqa: F401  (registers the mma/wmma intrinsics)
+        cuda_tensor_intrinsics()  # registers the mma/wmma intrinsics
     generic = ms.space_generator.PostOrderApply(sch_rules=kind, postprocs=kind, mutator_probs=kind)
     ours = ms.space_generator.ScheduleFn(rule_space, sch_rules=[], postprocs="cuda",
                                          mutator_probs="cuda")

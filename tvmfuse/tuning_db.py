@@ -48,7 +48,7 @@ from .kernels.gemm.sm90 import GemmConfig, check
 from .rules.gemm_sm90 import gemm_problem
 from .targets import TargetSpec
 from .tvm_setup import codegen_scope
-from .tvmscript_frames import install as _fast_tvmscript
+from .tvmscript_frames import cuda_tensor_intrinsics
 
 FORMAT = "tvmfuse-tuning/1"
 TASKS_FILE = "tvmfuse_tasks.json"
@@ -234,8 +234,7 @@ class TuningDatabase:
         except Exception as err:  # tensorized traces need the CUDA intrinsics registered
             if "TensorIntrin" not in str(err):
                 raise
-            _fast_tvmscript()
-            import tvm.s_tir.tensor_intrin.cuda  # noqa: F401  (slow: only when a record needs it)
+            cuda_tensor_intrinsics()  # only when a record needs it
 
             rec = ms.database.TuningRecord.from_json(rec_json, wl)
         sch = s_tir.Schedule(wl.mod)

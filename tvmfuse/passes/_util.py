@@ -78,6 +78,21 @@ def last_axis_only(axis, ndim: int) -> bool:
     return a == -1 or a == ndim - 1
 
 
+def split_bounds(call: relax.Call) -> list[int] | None:
+    """``[0, e0, e0 + e1, …]``: where each piece of a ``split`` starts and ends along its axis
+    (piece i is ``[b[i], b[i + 1])``), from the pieces' static shapes; None when one is symbolic."""
+    pieces = call.ty.fields if isinstance(call.ty, relax.TupleType) else []
+    axis = int(call.attrs.axis)
+    bounds = [0]
+    for piece in pieces:
+        shape = piece.shape if isinstance(piece, relax.TensorType) else None
+        extent = shape.values[axis] if isinstance(shape, relax.ShapeExpr) else None
+        if not isinstance(extent, tvm.tirx.IntImm):
+            return None
+        bounds.append(bounds[-1] + int(extent))
+    return bounds if pieces else None
+
+
 def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], relax.Function]) -> tvm.IRModule:
     """A copy of ``mod`` with ``rewrite`` applied to every Relax function (not to PrimFuncs)."""
     updates = {gv: rewrite(f) for gv, f in mod.functions.items() if isinstance(f, relax.Function)}

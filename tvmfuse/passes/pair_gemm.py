@@ -35,7 +35,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 from ..options import current_options
 from ..relax_shapes import known_shape, same_dim, same_shape
 from . import weight_arrays
-from ._util import dataflow_bindings, is_op
+from ._util import dataflow_bindings, is_op, split_bounds
 
 # elementwise ops a pair epilogue may use (same shape in, same shape out; constants may broadcast)
 _ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.astype",
@@ -151,15 +151,11 @@ def _find(func: relax.Function) -> list[_Pair]:
         if isinstance(call, relax.TupleGetItem) and is_op(bound.get(call.tuple_value), "relax.split"):
             split = bound[call.tuple_value]
             z, shape, tuple_var = split.args[0], known_shape(split.args[0]), [call.tuple_value]
-            if shape is None or not isinstance(shape[-1], int) or shape[-1] % 2:
+            bounds = split_bounds(split)
+            if shape is None or not isinstance(shape[-1], int) or bounds is None or len(bounds) != 3:
                 return None
-            ios = split.attrs.indices_or_sections
-            sections = int(ios) if isinstance(ios, tirx.IntImm | int) else [int(i) for i in ios]
-            if int(split.attrs.axis) % len(shape) != len(shape) - 1 \
-                    or sections not in (2, [shape[-1] // 2]):
-                return None
-            begin = [0 if int(call.index) == 0 else shape[-1] // 2]
-            end, strides, axes = [begin[0] + shape[-1] // 2], [1], [len(shape) - 1]
+            begin, end = [bounds[call.index]], [bounds[call.index + 1]]
+            axes, strides = [int(split.attrs.axis) % len(shape)], [1]
         elif is_op(call, "relax.strided_slice"):
             z, shape, tuple_var = call.args[0], known_shape(call.args[0]), []
             axes, begin, end = (_ints(a) for a in call.args[1:4])

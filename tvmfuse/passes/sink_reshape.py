@@ -28,7 +28,7 @@ from tvm.relax.dpl import is_op, is_tuple_get_item, rewrite_call, wildcard
 from tvm.relax.transform.remove_redundant_reshape import RemoveRedundantReshape
 
 from ..relax_shapes import known_shape, same_dim, same_shape
-from ._util import rewrite_functions, shape_expr, without_large_constants
+from ._util import rewrite_functions, shape_expr, split_bounds, without_large_constants
 
 UNARY = ["relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
          "relax.tanh", "relax.exp", "relax.erf", "relax.negative", "relax.astype", "relax.sqrt",
@@ -147,16 +147,9 @@ def _sink(func: relax.Function) -> relax.Function:
     def rewrite_piece(expr, m):
         call = m[split]
         last = last_axis(m, int(call.attrs.axis))
-        dim = known_shape(m[a])[-1] if last is not None else None
-        if not isinstance(dim, int) or known_shape(expr) is None:
+        bounds = split_bounds(call)  # the piece as [begin, end) of the source's last axis
+        if last is None or bounds is None or known_shape(expr) is None:
             return expr
-        ios = call.attrs.indices_or_sections  # the piece as [begin, end) of the source's last axis
-        if isinstance(ios, tvm.tirx.IntImm | int):
-            if dim % int(ios):
-                return expr
-            bounds = [i * (dim // int(ios)) for i in range(int(ios) + 1)]
-        else:
-            bounds = [0, *(int(i) for i in ios), dim]
         begin, end = bounds[expr.index], bounds[expr.index + 1]
         inner = relax.op.strided_slice(m[a], [last], [begin], [end], assume_inbound=True)
         return relax.op.reshape(inner, shape_expr(known_shape(expr)))

@@ -80,7 +80,7 @@ from ..attrs import FALLBACK_ATTR, RULE_ATTR, TILE_ATTR
 from ..device_props import DeviceProperties, device_properties
 from ..kernels.tir_util import const_int
 from ..options import Options, current_options
-from ..tvmscript_frames import install as _fast_tvmscript
+from ..tvmscript_frames import cuda_tensor_intrinsics
 from .elementwise import VECTOR_BYTES
 from .guarded_gemv import GuardedGEMV
 
@@ -667,8 +667,7 @@ class GemmSM80(GPUScheduleRule):
         a_frag = to_fragments(0)
         b_frag = to_fragments(1)
 
-        _fast_tvmscript()  # the import parses ~250 prim_funcs: 34 s → 2.6 s with it
-        from tvm.s_tir.tensor_intrin import cuda as intrins
+        intrins = cuda_tensor_intrinsics()
 
         def ldmatrix_layout(*idx):
             *lead, row, col = idx

@@ -163,7 +163,8 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
     buffers = [(params[i], new[i]) for i in kept]
 
     def build(names: list, stats, loads=None) -> tvm.ir.Expr:
-        row_loads = (g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop else None
+        row_loads = ((g.dims[0], [(b, stats[k]) for b, k in row_values]) if in_loop is not None
+                     else None)
         return expr_value(expr, names, buffers, row_loads, loads)
 
     def store_value(acc, row, col, stats, loads=None):

@@ -58,7 +58,6 @@ their statements through the IR builder. Its signature is the caller's buffers.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -195,8 +194,8 @@ def check(problem: GemmProblem, cfg: GemmConfig, row_stats: RowStats | None = No
 
 
 RowStatLoads = tuple  # (mean, rstd) of a fragment row: the kernel's loads of its statistics
-# ``store_value(acc, row, col, stats[, loads])``: the value stored at C[row, col] from accumulator
-# ``acc``; ``loads`` (keyword, when the quad store asks): an epilogue.LoadHook
+# ``store_value(acc, row, col, stats, loads=None)``: the value stored at C[row, col] from
+# accumulator ``acc``; ``loads``: an epilogue.LoadHook for its parameter loads (the quad store's)
 StoreValue = Callable[..., PrimExpr]
 # ``pair_value(acc_even, acc_odd, row, col, stats)``: C[row, col] of an N/2-wide pair epilogue
 PairValue = Callable[[PrimExpr, PrimExpr, PrimExpr, PrimExpr, "RowStatLoads | None"], PrimExpr]
@@ -707,7 +706,15 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
                     @T.inline
                     def finish_quad(row, col, h):
-                        # lane's 8 exchanged accumulators -> 8 outputs of C[row, col:col + 8]
+                        # C[row, col:col + 8]: pair quads exchanged their outputs; plain ones their
+                        # accumulators, which become the 8 outputs here
+                        if is_pair:
+                            C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
+                        else:
+                            finish_plain(row, col, h)
+
+                    @T.inline
+                    def finish_plain(row, col, h):
                         if len(vec_ops) > 0:
                             ov[T.Ramp(0, 1, 8)] = _vector_load(vec_ops[0], row, col)
                         if len(vec_ops) > 1:
@@ -747,20 +754,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                             qa[_qi(c, e)] = acc[_plus(u_acc, (g * 4 + c) * 4)
                                                                 + h * 2 + e]
                                 col = (n0 // 2 if is_pair else n0) + (g * 4 + r) * 8
-                                if is_pair:
-                                    quad_exchange(qv)
-                                    if guarded:
-                                        if row < m_dev and col < c_cols:
-                                            C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
-                                    else:
-                                        C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
-                                else:
-                                    quad_exchange(qa)
-                                    if guarded:
-                                        if row < m_dev and col < c_cols:
-                                            finish_quad(row, col, h)
-                                    else:
+                                quad_exchange(qv if is_pair else qa)
+                                if guarded:
+                                    if row < m_dev and col < c_cols:
                                         finish_quad(row, col, h)
+                                else:
+                                    finish_quad(row, col, h)
 
                     @T.inline
                     def store(u_acc, row0, guarded):
@@ -806,9 +805,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 def _vector_operands(store_value: StoreValue, c_cols: int, has_stats: bool) -> list:
     """The 16-bit parameters (at most 3, one dtype) that ``store_value`` reads at its output's own
     ``[row, col]`` ((M, N) with N = ``c_cols``) or ``[col]`` ((N,)): a dry run over placeholder
-    variables records them (none when ``store_value`` takes no ``loads`` hook)."""
-    if "loads" not in inspect.signature(store_value).parameters:
-        return []
+    variables records them."""
     row, col = tirx.Var("row", "int32"), tirx.Var("col", "int32")
     found: list = []
 
@@ -877,7 +874,7 @@ def standalone(problem: GemmProblem, cfg: GemmConfig | None = None,
                                          ("C", (m, p.n), p.out_dtype))]
     value = None
     if row_stats is not None:
-        def value(acc, row, col, stats):
+        def value(acc, row, col, stats, loads=None):  # reads no parameter: ``loads`` unused
             mean, rstd = stats
             return T.Cast(p.out_dtype, ((acc - mean) if row_stats.centered else acc) * rstd)
 
