@@ -33,23 +33,14 @@ def test_greedy_tokens(name):
 def test_phi3_mlp_is_one_pair_gemm():
     """Phi-3's ``gate_up_proj(x).chunk(2, -1)`` SwiGLU: the pair GEMM in the prefill, no kernel
     that slices the GEMM's output."""
-    from tvmfuse.report import analyze
-
-    model = _model("phi3")
-    ids = torch.randint(0, 128, (1, 16))
-
-    class Logits(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.m = model
-
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).logits
-
+    from tests.test_llm_import_lm import Logits
     from tvmfuse.frontend import import_model
+    from tvmfuse.report import analyze
     from tvmfuse.targets import get_target
 
-    report = analyze(import_model(Logits(), (ids,)).mod, get_target("sm90"), "float16", stock=False)
+    ids = torch.randint(0, 128, (1, 16))
+    report = analyze(import_model(Logits(_model("phi3")), (ids,)).mod, get_target("sm90"), "float16",
+                     stock=False)
     names = [k["name"] for k in report["kernels"]]
     assert sum("matmul_pair" in n for n in names) == 2, names  # one per layer
     assert not any("split" in n for n in names), names
