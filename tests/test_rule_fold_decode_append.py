@@ -18,9 +18,9 @@ from tests.test_llm_kv_cache import DECODE, DECODE_ROWS, _cache_attention_ref, _
 from tvmfuse.build.inspect import fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
 from tvmfuse.kernels.attention.flash_decode import DecodeConfig, NewToken, flash_decode_cache_primfunc
+from tvmfuse.kernels.tir_util import UnknownExpr, substitute
 from tvmfuse.llm.kernels import CacheSpec
 from tvmfuse.options import current_options, use_options
-from tvmfuse.rules.fold_decode_append import _substitute, _Unknown
 from tvmfuse.targets import get_target
 from tvmfuse.tvm_setup import codegen_scope
 
@@ -69,7 +69,7 @@ def test_substitute_replaces_the_block_vars():
     expr = tirx.if_then_else(vh < 2, tirx.BufferLoad(buf, [vh, vd]) * tirx.const(2, "float16"),
                              tirx.BufferLoad(buf, [vh, tirx.floormod(vd + 4, 8)]))
     h = tirx.Var("h", "int32")
-    got = _substitute(expr, [(vh, tirx.Cast("int64", h)), (vd, tirx.IntImm("int64", 3))])
+    got = substitute(expr, [(vh, tirx.Cast("int64", h)), (vd, tirx.IntImm("int64", 3))])
     def i64(n):
         return tirx.IntImm("int64", n)
 
@@ -77,14 +77,14 @@ def test_substitute_replaces_the_block_vars():
     expected = tirx.if_then_else(h64 < 2, tirx.BufferLoad(buf, [h64, three]) * tirx.const(2, "float16"),
                                  tirx.BufferLoad(buf, [h64, tirx.FloorMod(tirx.Add(three, i64(4)), i64(8))]))
     tvm.ir.assert_structural_equal(got, expected)  # rebuilt node for node (no constant folding)
-    tvm.ir.assert_structural_equal(_substitute(expr, []), expr)  # nothing to replace
+    tvm.ir.assert_structural_equal(substitute(expr, []), expr)  # nothing to replace
 
 
 def test_substitute_declines_unknown_kinds():
     """An expression kind it does not rebuild makes the fold decline (both kernels stay)."""
     v = tirx.Var("v", "int32")
-    with pytest.raises(_Unknown):
-        _substitute(tvm.tirx.Let(v, 1, v + 1), [])
+    with pytest.raises(UnknownExpr):
+        substitute(tvm.tirx.Let(v, 1, v + 1), [])
 
 
 # the kernel alone: this step's q, k, v = 2·x (an elementwise expression standing in for RoPE)

@@ -484,3 +484,92 @@ def test_default_variant_is_named():
     with use_options(Options(elementwise_variant="v1")):
         assert Elementwise().config == ew_rule.VARIANTS["v1"]
     assert Elementwise(threads=128).config.threads == 128
+
+
+# ---------------------------------------------------------------------------------------------
+# gathers as vectors (ElementwiseConfig.vector_gathers)
+
+
+def rope_pack_graph(seq: int, heads: int, kv_heads: int, dim: int, shift: int = 0) -> tvm.IRModule:
+    """An LLM prefill's q / k / v out of one QKV GEMM output, RoPE'd by rotate-half and packed
+    into one flat buffer: ``concat(rot(q), rot(k), v)`` — the kernel before the attention.
+    ``shift`` > 0 starts every slice ``shift`` columns later (then no vector is aligned)."""
+    width = (heads + 2 * kv_heads) * dim + shift
+    bb = relax.BlockBuilder()
+    qkv = relax.Var("qkv", relax.TensorType((seq, width), "float16"))
+    cos = relax.Var("cos", relax.TensorType((seq, dim), "float16"))
+    sin = relax.Var("sin", relax.TensorType((seq, dim), "float16"))
+    op = relax.op
+
+    def piece(start: int, n: int):
+        return op.reshape(op.strided_slice(qkv, [1], [start + shift], [start + shift + n * dim]),
+                          (seq, n, dim))
+
+    def rot(x):
+        halves = bb.emit(op.split(x, 2, axis=-1))
+        lo, hi = relax.TupleGetItem(halves, 0), relax.TupleGetItem(halves, 1)
+        half = op.concat([op.negative(hi), lo], axis=-1)
+        c, s = op.reshape(cos, (seq, 1, dim)), op.reshape(sin, (seq, 1, dim))
+        return op.add(op.multiply(x, c), op.multiply(half, s))
+
+    with bb.function("main", [qkv, cos, sin]):
+        with bb.dataflow():
+            q = bb.emit(rot(bb.emit(piece(0, heads))))
+            k = bb.emit(rot(bb.emit(piece(heads * dim, kv_heads))))
+            v = bb.emit(piece((heads + kv_heads) * dim, kv_heads))
+            out = bb.emit_output(op.concat([op.reshape(t, (-1,)) for t in (q, k, v)], axis=0))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _pack_kernel(shift: int = 0, gathers: bool = True):
+    """``(unscheduled PrimFunc, scheduled PrimFunc, CUDA source)`` of the RoPE pack kernel."""
+    (func,) = prim_funcs(pipeline.lower(rope_pack_graph(64, 4, 2, 128, shift), CPU)).values()
+    target = SM90.tvm_target()
+    config = dataclasses.replace(ew_rule.VARIANTS["v2_rows"], vector_gathers=gathers)
+    with target:
+        sch = Elementwise(config=config).apply(func, target, False)
+    assert sch is not None and sch.mod["main"].attrs[RULE_ATTR] == "elementwise"
+    kernel = sch.mod["main"].with_attr("global_symbol", "main").with_attr("target", target)
+    source = tvm.tirx.build(tvm.IRModule({"main": kernel}), target=target).imports[0].inspect_source()
+    return func, sch.mod["main"], source
+
+
+@pytest.mark.parametrize("shift, gathers", [(0, True), (0, False), (3, True)])
+def test_gathers_keep_semantics(shift, gathers):
+    """The pack kernel computes, with its thread bindings as serial loops on the CPU, what the
+    unscheduled function computes, bit for bit: vectors (aligned), per-element loads (the option
+    off) and the unaligned slices that stay per element alike."""
+    func, scheduled, _ = _pack_kernel(shift, gathers)
+    assert tvm.s_tir.analysis.verify_well_formed(tvm.IRModule({"main": scheduled}))
+    rng = np.random.default_rng(3)
+    args = [rng.standard_normal([int(d) for d in p.shape]).astype("float16") for p in func.params]
+    np.testing.assert_array_equal(_run_llvm(_serial(scheduled), args), _run_llvm(func, args))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("shift, gathers, want", [
+    (0, True, {"128"}),   # q, k, their rotate-half partners, v, cos, sin: 11 16-byte loads
+    (0, False, {"U16"}),  # the option off: one 2-byte load per element (88)
+    (3, True, {"U16"}),   # slices 3 columns in: no vector is aligned, per element
+])
+def test_gathers_become_vector_loads(shift, gathers, want, tmp_path):
+    """RoPE + pack, as every LLM prefill has it (``rope_pack_graph``): the conditions of the
+    concatenations and of the rotate-half are the same for a vector's 8 lanes, so each of its
+    loads is one aligned ``LDG.E.128``; the stores stay 16-byte; no spills."""
+    _, scheduled, source = _pack_kernel(shift, gathers)
+    # the compute loop is vectorised besides the store's copy exactly where the loads are vectors
+    assert scheduled.script().count("T.vectorized") == (2 if want == {"128"} else 1)
+    sass = fatbin_sass(compile_fatbin(source, SM90, tmp_path))["sm_90a"]
+    loads = set(re.findall(r"LDG\.E(?:\.(\w+))?", sass))
+    stores = set(re.findall(r"STG\.E(?:\.(\w+))?", sass))
+    assert stores == {"128"}, stores
+    assert loads == want, loads
+    log = (tmp_path / "kernels.ptxas.log").read_text()
+    assert set(re.findall(r"(\d+) bytes spill", log)) <= {"0"}, log
+
+
+def test_gathers_option():
+    assert Elementwise().config.vector_gathers
+    with use_options(Options(elementwise_vector_gathers=False)):
+        assert not Elementwise().config.vector_gathers

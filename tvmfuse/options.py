@@ -107,6 +107,10 @@ class Options:
     sm90_vector_operands: bool = True
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
+    # elementwise: loads the vector copies cannot take (offset slices, concatenations, RoPE's
+    # rotate-half) as 16-byte vectors where the branches are the same for a vector's lanes and
+    # the math is 16-bit (ElementwiseConfig.vector_gathers); off: one 2-byte load per element
+    elementwise_vector_gathers: bool = True
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV
     # decode), numerics checked on the H200 (session 8). Off: on CUDA targets a proved band stays
     # unfused with its reason (and an R.nn.attention with window_size is decomposed); the cpu

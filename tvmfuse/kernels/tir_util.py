@@ -42,3 +42,45 @@ def const_int(e) -> int | None:
 def dtype_bytes(buffer: tirx.Buffer) -> int:
     """Bytes per element of ``buffer`` (at least 1: bool and sub-byte types count as one)."""
     return max(1, DataType(str(buffer.dtype)).bits // 8)
+
+
+class UnknownExpr(Exception):
+    """An expression kind :func:`rebuild` does not know (the caller's rewrite does not apply)."""
+
+
+def rebuild(expr: tirx.PrimExpr, post) -> tirx.PrimExpr:
+    """``expr`` rebuilt bottom-up, each node passed through ``post(node)`` after its children
+    (TVM 0.27 exposes no TIR expression mutator to Python). Vars, constants, arithmetic and
+    comparisons, ``Not``, casts, ``Select``, buffer loads and intrinsic calls are rebuilt; any
+    other node raises :class:`UnknownExpr`."""
+
+    def visit(e):
+        if isinstance(e, (tirx.Var, tirx.IntImm, tirx.FloatImm)):
+            new = e
+        elif isinstance(e, (*BINARY_OPS, tirx.Mod)):
+            new = type(e)(visit(e.a), visit(e.b))
+        elif isinstance(e, tirx.Not):
+            new = tirx.Not(visit(e.a))
+        elif isinstance(e, tirx.Cast):
+            new = tirx.Cast(dtype_of(e), visit(e.value))
+        elif isinstance(e, tirx.Select):
+            new = tirx.Select(visit(e.condition), visit(e.true_value), visit(e.false_value))
+        elif isinstance(e, Load):
+            new = tirx.BufferLoad(e.source, [visit(i) for i in e.indices])
+        elif isinstance(e, Call) and isinstance(e.op, Op):
+            new = tirx.call_intrin(dtype_of(e), e.op, *[visit(a) for a in e.args])
+        else:
+            raise UnknownExpr(type(e).__name__)
+        return post(new)
+
+    return visit(expr)
+
+
+def substitute(expr: tirx.PrimExpr, vmap: list[tuple[tirx.Var, tirx.PrimExpr]]) -> tirx.PrimExpr:
+    """``expr`` with each var of ``vmap`` replaced."""
+    def post(e):
+        if isinstance(e, tirx.Var):
+            return next((new for old, new in vmap if old.same_as(e)), e)
+        return e
+
+    return rebuild(expr, post)

@@ -33,8 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import tvm
 import tvm_ffi
-from tvm import s_tir, tirx
+from tvm import DataType, s_tir, tirx
+from tvm.ir import Range
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
@@ -42,6 +44,7 @@ from tvm.target import Target
 
 from ..attrs import RULE_ATTR
 from ..kernels.gemm.opmath import fast_math16
+from ..kernels.tir_util import BINARY_OPS, Call, Load, UnknownExpr, dtype_of, rebuild, substitute
 from ..kernels.tir_util import const_int as _int
 from ..kernels.tir_util import dtype_bytes as _bytes
 from ..options import current_options
@@ -106,6 +109,9 @@ class ElementwiseConfig:
     ``fast_erf``: in blocks with an fp16 / bf16 output, fp32 ``erf`` by Abramowitz & Stegun 7.1.26
     (|error| ≤ 1.5e-7 in exact arithmetic, 5.8e-7 measured with ``__expf`` / ``__fdividef``;
     ``hopper.opmath.fast_math16``) instead of CUDA's ``erff`` (~28 instructions an element).
+    ``vector_gathers``: the compute itself as 16-byte vectors where its remaining global loads
+    (offset slices, concatenations, RoPE's rotate-half) are contiguous and aligned per vector and
+    its branches the same for every lane (:func:`_vector_value`); else one load per element.
     """
 
     threads: int = THREADS
@@ -113,6 +119,7 @@ class ElementwiseConfig:
     row_reuse: bool = False
     min_blocks_per_sm: int | None = None
     fast_erf: bool = False
+    vector_gathers: bool = True
 
 
 # Named variants measured on the H200 (tools/bench/bench_elementwise.py --variant NAME).
@@ -173,6 +180,8 @@ class Elementwise(GPUScheduleRule):
                 raise ValueError(f"unknown elementwise variant {name!r}; one of {', '.join(VARIANTS)}")
             config = VARIANTS[name]
         self.config = config if threads is None else replace(config, threads=threads)
+        if not current_options().elementwise_vector_gathers:
+            self.config = replace(self.config, vector_gathers=False)
         self.threads = self.config.threads
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
@@ -268,15 +277,119 @@ class Elementwise(GPUScheduleRule):
         sch.bind(tx, "threadIdx.x")
         if j is not None:
             sch.unroll(j)
-        sch.unroll(v)
         for buffer in dict.fromkeys(loads):  # one copy per distinct input
             index = next(i for i, r in enumerate(sch.get(block).reads) if r.source.same_as(buffer))
             cache = sch.cache_read(block, index, "local")
             sch.compute_at(cache, tx, preserve_unit_loops=False)
             _unrolled_vector_copy(sch, cache, tx, VECTOR_BYTES // _bytes(buffer))
+        value = _vector_value(sch.get(block), vec, params) if self.config.vector_gathers else None
+        if value is not None:  # the compute as vectors: its gathers become 16-byte loads
+            _rewrite_value(sch, block, lambda _: value)
+            vector_copy(sch, v, vec)
+        else:
+            sch.unroll(v)
         write = sch.cache_write(block, 0, "local")
         sch.reverse_compute_at(write, tx, preserve_unit_loops=False)
         _unrolled_vector_copy(sch, write, tx, VECTOR_BYTES // _bytes(out.source))
+
+
+class _Scalar(Exception):
+    """The value cannot be computed as vectors (:func:`_vector_value`)."""
+
+
+def _vector_value(block: s_tir.SBlock, lanes: int, params: set) -> tirx.PrimExpr | None:
+    """``block``'s stored value ready to be computed ``lanes`` elements at a time, or None.
+
+    A vector holds ``lanes`` consecutive values of the innermost iterator ``i`` (the split put
+    ``i = w·lanes + l``). It applies when the value still loads a parameter at an index that
+    moves with ``l`` (a gather the 16-byte copies did not take: ``x[i + 64]``, a concatenation's
+    pieces, RoPE's rotate-half) and:
+
+    * every load is the same for all lanes, or contiguous (``base + l``) with ``base`` a multiple
+      of ``lanes``: one aligned 16-byte load;
+    * every branch condition (``if_then_else`` / ``Select``) is the same for all lanes (it
+      simplifies, with ``i = w·lanes + l`` and ``0 ≤ l < lanes``, to an expression without
+      ``l``); it is rewritten over the vector's first lane ``i // lanes · lanes``, which the
+      lowering simplifies to an expression without the lane, so the vectoriser keeps one branch;
+    * the math is ``lanes`` × 16 bits wide at most (TVM's CUDA codegen has no 8 × fp32 vectors)
+      and calls no intrinsic.
+    """
+    store = block.body
+    if not isinstance(store, tirx.BufferStore) or store.value is None:
+        return None
+    iters = list(block.iter_vars)
+    last = iters[-1].var
+    extent = _int(iters[-1].dom.extent)
+    if extent is None or extent % lanes:
+        return None
+    analyzer = tvm.sym.Analyzer()
+    for iv in iters[:-1]:
+        analyzer.bind(iv.var, iv.dom)
+    dt = dtype_of(last)
+    w, lane = tirx.Var("w", dt), tirx.Var("lane", dt)
+    analyzer.bind(w, Range(tirx.const(0, dt), tirx.const(extent // lanes, dt)))
+    analyzer.bind(lane, Range(tirx.const(0, dt), tirx.const(lanes, dt)))
+    split = [(last, w * lanes + lane)]
+    first = [(last, tirx.floordiv(last, lanes) * lanes)]
+    gathers = []
+
+    def in_lt_form(e):
+        # comparisons as "<" before simplifying (the simplifier reduces ``x·c + l < k`` but not
+        # ``k <= x·c + l``), so a lane-invariant condition comes out without the lane
+        if isinstance(e, tirx.LE):
+            e = tirx.Not(analyzer.simplify(tirx.LT(e.b, e.a)))
+        elif isinstance(e, tirx.GE):
+            e = tirx.Not(analyzer.simplify(tirx.LT(e.a, e.b)))
+        elif isinstance(e, tirx.GT):
+            e = tirx.LT(e.b, e.a)
+        return analyzer.simplify(e) if DataType(dtype_of(e)).is_bool else e
+
+    def lane_free(cond) -> bool:
+        return not _uses(analyzer.simplify(rebuild(substitute(cond, split), in_lt_form)), lane)
+
+    def load(e):
+        flat = tirx.const(0, dt)
+        for index, dim in zip(e.indices, e.source.shape):
+            flat = flat * tirx.Cast(dt, dim) + tirx.Cast(dt, index)
+        idx = analyzer.simplify(substitute(flat, split))
+        base = analyzer.simplify(substitute(idx, [(lane, tirx.const(0, dt))]))
+        step = analyzer.simplify(idx - base)
+        if _int(step) == 0:
+            return e
+        if not (isinstance(step, tirx.Var) and step.same_as(lane)) \
+                or _bytes(e.source) * lanes > VECTOR_BYTES \
+                or not analyzer.can_prove(tirx.floormod(base, lanes) == 0):
+            raise _Scalar
+        if e.source in params:
+            gathers.append(e)
+        return e
+
+    def visit(e):
+        if isinstance(e, Load):
+            return load(e)
+        if DataType(dtype_of(e)).bits * lanes > 8 * VECTOR_BYTES or DataType(dtype_of(e)).is_bool:
+            raise _Scalar
+        if isinstance(e, (tirx.IntImm, tirx.FloatImm)):
+            return e
+        if isinstance(e, (*BINARY_OPS, tirx.Mod)):
+            return type(e)(visit(e.a), visit(e.b))
+        if isinstance(e, tirx.Cast):
+            return tirx.Cast(dtype_of(e), visit(e.value))
+        if isinstance(e, tirx.Select) and lane_free(e.condition):
+            return tirx.Select(substitute(e.condition, first), visit(e.true_value),
+                               visit(e.false_value))
+        if isinstance(e, Call) and e.op.name == "prim.if_then_else" and lane_free(e.args[0]):
+            return tirx.call_intrin(dtype_of(e), e.op, substitute(e.args[0], first),
+                                    visit(e.args[1]), visit(e.args[2]))
+        raise _Scalar
+
+    try:
+        value = visit(store.value)
+    except _Scalar:
+        return None
+    except UnknownExpr:  # a kind the rebuild does not know, in a condition
+        return None
+    return value if gathers else None
 
 
 def _dividing_threads(total: int | None, cap: int) -> int | None:

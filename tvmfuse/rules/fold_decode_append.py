@@ -19,9 +19,9 @@ the state's query rows' writes (nothing else reads them). Bytes moved are the sa
 
 Applies where the append's output is read by the attention alone, the append PrimFunc inlines
 to its one ``append`` block of extents ``(B, 1, Hq + 2·Hkv, D)`` matching the attention's, and
-the value expression is made of the expression kinds :func:`_substitute` knows; otherwise both
-kernels stay. ``Options.decode_fold_append`` switches it. CUDA only (the llvm decode keeps its
-two kernels); after FuseTIR, before the rules schedule the append.
+the value expression is made of the expression kinds :func:`~tvmfuse.kernels.tir_util.rebuild`
+knows; otherwise both kernels stay. ``Options.decode_fold_append`` switches it. CUDA only (the
+llvm decode keeps its two kernels); after FuseTIR, before the rules schedule the append.
 """
 
 from __future__ import annotations
@@ -34,42 +34,10 @@ from tvm import relax, s_tir, tirx
 from ..attrs import CACHE_ATTENTION_ATTR
 from ..kernels.attention.flash_decode import DecodeConfig, NewToken, flash_decode_cache_primfunc
 from ..kernels.attention.spec import AttentionSpec
-from ..kernels.tir_util import Load, dtype_of
+from ..kernels.tir_util import UnknownExpr, dtype_of, substitute
 from ..options import current_options
 
 NAME = "fold_decode_append"
-
-_BINARY = (tirx.Add, tirx.Sub, tirx.Mul, tirx.Div, tirx.Mod, tirx.FloorDiv, tirx.FloorMod,
-           tirx.Min, tirx.Max, tirx.EQ, tirx.NE, tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.And,
-           tirx.Or)
-
-
-class _Unknown(Exception):
-    """An expression kind :func:`_substitute` does not rebuild: the fold does not apply."""
-
-
-def _substitute(expr: tirx.PrimExpr, vmap: list[tuple[tirx.Var, tirx.PrimExpr]]) -> tirx.PrimExpr:
-    """``expr`` with each var of ``vmap`` replaced (TVM 0.27 exposes no TIR substitution to Python)."""
-    def sub(e):
-        if isinstance(e, tirx.Var):
-            return next((new for old, new in vmap if old.same_as(e)), e)
-        if isinstance(e, (tirx.IntImm, tirx.FloatImm)):
-            return e
-        if isinstance(e, _BINARY):
-            return type(e)(sub(e.a), sub(e.b))
-        if isinstance(e, tirx.Not):
-            return tirx.Not(sub(e.a))
-        if isinstance(e, tirx.Cast):
-            return tirx.Cast(dtype_of(e), sub(e.value))
-        if isinstance(e, tirx.Select):
-            return tirx.Select(sub(e.condition), sub(e.true_value), sub(e.false_value))
-        if isinstance(e, Load):
-            return tirx.BufferLoad(e.source, [sub(i) for i in e.indices])
-        if isinstance(e, tvm.ir.Call) and isinstance(e.op, tvm.ir.Op):
-            return tirx.call_intrin(dtype_of(e), e.op, *[sub(a) for a in e.args])
-        raise _Unknown(type(e).__name__)
-
-    return sub(expr)
 
 
 def _append_store(func: tirx.PrimFunc, shape: tuple[int, ...]) -> tuple[list, tirx.BufferStore] | None:
@@ -118,11 +86,11 @@ def _fold_kernel(mod: tvm.IRModule, append: relax.Call, attention: relax.Call
 
     def value(b, h, d):
         pos = [(iv.var, tirx.Cast(dtype_of(iv.var), x)) for iv, x in zip(ivs, (b, 0, h, d))]
-        return _substitute(store.value, pos)
+        return substitute(store.value, pos)
 
     try:
         value(tirx.Var("b", "int32"), tirx.Var("h", "int32"), tirx.Var("d", "int32"))
-    except _Unknown:
+    except UnknownExpr:
         return None
     kernel = flash_decode_cache_primfunc(spec, config=config, new_token=NewToken(value))
     extra = [p for i, p in enumerate(afunc.params) if i != state_index]
