@@ -160,10 +160,17 @@ def test_mlp_block_launches_at_most_half_of_stock():
 
 
 @needs_nvcc
-@pytest.mark.parametrize("centered, dtype, m, k", [(True, "float16", 1000, 328),
-                                                   (False, "bfloat16", 16, 4096)])
-def test_kernel_compiles_without_spills(centered, dtype, m, k, tmp_path, monkeypatch):
-    """Standalone kernel with in-loop statistics (ragged M, K tail): HGMMA + TMA, 0 spills."""
+@pytest.mark.parametrize("centered, dtype, m, k, cfg", [
+    (True, "float16", 1000, 328, GemmConfig()),
+    (False, "bfloat16", 16, 4096, GemmConfig()),
+    (True, "float16", 1000, 328, GemmConfig(stats_warps=True)),
+    (False, "bfloat16", 2048, 2048, GemmConfig(stats_warps=True, cluster_m=2)),
+    (False, "float16", 4096, 2048, GemmConfig(bm=256, bn=128, wg_rows=128, stats_warps=True)),
+], ids=["layer-fp16", "rms-bf16", "layer-fp16-warps", "rms-bf16-warps-cluster",
+        "rms-fp16-warps-256rows"])
+def test_kernel_compiles_without_spills(centered, dtype, m, k, cfg, tmp_path, monkeypatch):
+    """Standalone kernel with in-loop statistics (ragged M, K tail): HGMMA + TMA, 0 spills. The
+    consumers' shuffles hand out the statistics; with ``stats_warps`` shared memory does."""
     import tvm
 
     from tvmfuse.build.inspect import fatbin_sass
@@ -171,16 +178,45 @@ def test_kernel_compiles_without_spills(centered, dtype, m, k, tmp_path, monkeyp
 
     monkeypatch.setenv("TVM_COMPILE_FORCE_FALLBACK", "1")
     prob = GemmProblem(m, 512, k, dtype, dtype, "nt")
-    func = standalone(prob, GemmConfig(), RowStats(centered, 1e-5))
+    reason = check(prob, cfg, RowStats(centered, 1e-5))
+    if cfg.bm == 256:  # two 64-row chains a consumer: no in-loop statistics at all
+        assert reason and "one 64-row chain" in reason
+        return
+    assert reason is None, reason
+    func = standalone(prob, cfg, RowStats(centered, 1e-5))
     lib = tvm.compile(tvm.IRModule({"main": func}), target=get_target("sm90").tvm_target(),
                       tir_pipeline="tirx")
     src = lib.mod.imports[0].inspect_source()
-    assert src.count("__shfl_sync") >= (4 if centered else 2)
+    body = src[src.index("__global__"):]
+    if cfg.stats_warps:  # (mean, rstd) through shared memory, two more barriers
+        assert "rowstat" in body
+        assert src.count("mbarrier_init") >= 2 * cfg.stages + 2  # + stats_ready, stats_free
+    else:
+        assert src.count("__shfl_sync") >= (4 if centered else 2)
     sass = fatbin_sass(compile_fatbin(src, get_target("sm90"), tmp_path))["sm_90a"]
     assert "HGMMA.64x256x16.F32" in sass and "UTMALDG" in sass
     assert "LDS.128" in sass  # the 16-byte shared-memory reads of the A rows
     kernels = _ptxas_kernels((tmp_path / "kernels.ptxas.log").read_text())
     assert kernels and all(spill == 0 for _, spill in kernels.values()), kernels
+
+
+def test_stats_warps_take_every_statistics_call():
+    """``Options(sm90_stats_warps=True)``: no cost estimate keeps a statistics kernel (the
+    consumers' main loop does no extra work), so the 4-layer LM's nine RMSNorm statistics
+    kernels all go into the GEMMs that read them."""
+    from models import llama_lm
+
+    module, inputs = llama_lm.build(vocab=512, hidden=1024, n_layers=2, n_heads=8, n_kv_heads=2,
+                                    ffn=2816, seq=2048)
+    mod = import_model(module, inputs).mod
+    names = {}
+    for warps in (False, True):
+        with use_options(Options(sm90_stats_warps=warps)):
+            names[warps] = [k["name"] for k in analyze(mod, get_target("sm90"), "float16",
+                                                        stock=False)["kernels"]]
+    assert sum("rms_norm_stats" in n for n in names[False]) >= 1, names[False]
+    assert not any("rms_norm_stats" in n for n in names[True]), names[True]
+    assert len(names[True]) == len(names[False]) - sum("rms_norm_stats" in n for n in names[False])
 
 
 @needs_nvcc
@@ -206,12 +242,14 @@ def _check(module, inputs, tmp_path, tol):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("warps", [False, True], ids=["consumers", "stats_warps"])
 @pytest.mark.parametrize("norm", ["layer", "rms"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)],
                          ids=["fp16", "bf16"])
 @pytest.mark.parametrize("m, k, n", GPU_CASES, ids=["8192", "2047", "16"])
-def test_gpu_norm_linear(norm, dtype, tol, m, k, n, tmp_path):
-    with use_options(Options(sm90_in_loop_stats_always=True)):  # the in-loop kernel at every size
+def test_gpu_norm_linear(norm, dtype, tol, m, k, n, warps, tmp_path):
+    # the in-loop kernel at every size, its statistics by the consumers or by two producer warps
+    with use_options(Options(sm90_in_loop_stats_always=True, sm90_stats_warps=warps)):
         _check(*_model(norm, m, k, n, dtype), tmp_path, tol)
 
 
@@ -225,10 +263,24 @@ def test_gpu_mlp_block(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_decoder_layer_fp16(tmp_path):
+@pytest.mark.parametrize("warps", [False, True], ids=["consumers", "stats_warps"])
+def test_gpu_decoder_layer_fp16(warps, tmp_path):
     """fp16 Llama-style layer: RMS statistics in the wide Q/K/V GEMM and in the SwiGLU pair GEMM."""
     from models import decoder_layer
 
     module, (x,) = decoder_layer.build(batch=2, seq=128, hidden=512, n_heads=8, n_kv_heads=2)
     module = module.half()
-    _check(module, ((x + 3).half(),), tmp_path, 5e-3)
+    with use_options(Options(sm90_stats_warps=warps)):
+        _check(module, ((x + 3).half(),), tmp_path, 5e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_lm_stats_warps(tmp_path):
+    """The issue-13 LM's shape class (several persistent tiles a CTA, every norm's statistics in
+    a GEMM) with the statistics warps, against float64 torch."""
+    from models import llama_lm
+
+    module, inputs = llama_lm.build(vocab=2048, hidden=1024, n_layers=2, n_heads=8, n_kv_heads=2,
+                                    ffn=2816, seq=2048)
+    with use_options(Options(sm90_stats_warps=True)):
+        _check(module, inputs, tmp_path, 5e-3)

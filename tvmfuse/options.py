@@ -45,6 +45,10 @@ class Options:
     sm90_in_loop_stats: bool = True
     # ... wherever the kernel takes them, not only where the cost estimate says it pays
     sm90_in_loop_stats_always: bool = False
+    # ... summed by two warps of the producer warpgroup (GemmConfig.stats_warps), not by the
+    # consumers between their wgmmas; then the consumers' main loop costs nothing extra, so every
+    # GEMM that can takes them (no cost estimate). Off until timed on the H200
+    sm90_stats_warps: bool = False
     # gemm_row_stats_simt: the statistics move into the fp32 SIMT GEMMs that read them
     simt_in_loop_stats: bool = True
     # gemm_sm80: the epilogue on the mma fragments, stored from registers (no shared staging)

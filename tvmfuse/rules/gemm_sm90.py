@@ -221,6 +221,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         if hi is None:
             raise NotHandled(f"symbolic M={g.m} without an upper bound (--dynamic S=LO..HI)")
         buckets, rows = bucket_configs(hi, g.n, layout=layout), g.m
+    if in_loop is not None and current_options().sm90_stats_warps:  # two producer warps sum rows
+        buckets = [(top, replace(c, stats_warps=True)) for top, c in buckets]
     for top, c in buckets:
         reason = check(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
                        in_loop.stats if in_loop is not None else None)
@@ -231,6 +233,7 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
                          "together)")
     if not current_options().sm90_vector_operands:
         buckets = [(top, replace(c, vector_operands=False)) for top, c in buckets]
+
     cfg = buckets[-1][1]
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
     if cfg.fast_math16 and g.out_dtype in ("float16", "bfloat16"):

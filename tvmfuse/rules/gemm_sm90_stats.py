@@ -22,7 +22,9 @@ Runs in ``pipeline.lower`` right before :func:`.gemm_sm90.Sm90Gemm` (on the fuse
 ``reshape_to_view``); the kernels it makes are tagged scheduled, so Sm90Gemm and dlight skip them.
 Only with an sm_90a target; elsewhere the module is returned unchanged, as it is with
 ``Options(sm90_in_loop_stats=False)`` (measurements: every statistics kernel kept);
-``Options(sm90_in_loop_stats_always=True)`` moves the statistics whatever the cost estimate says.
+``Options(sm90_in_loop_stats_always=True)`` moves the statistics whatever the cost estimate says,
+as does ``Options(sm90_stats_warps=True)``, with which two producer warps compute them (the
+consumers' main loop does no extra work; ``GemmConfig.stats_warps``).
 """
 
 from __future__ import annotations
@@ -198,7 +200,8 @@ def _why_not(mod: tvm.IRModule, user, x: relax.Expr, outputs: list, spec: RowSta
         if len(found) != 1:
             return "a statistic is passed to the GEMM more than once"
         pos.append(found[0])
-    if not current_options().sm90_in_loop_stats_always and (why := _costlier(g)):
+    opts = current_options()
+    if not (opts.sm90_in_loop_stats_always or opts.sm90_stats_warps) and (why := _costlier(g)):
         return why
     in_loop = InLoopStats(spec, pos[0] if spec.centered else None, pos[-1])
     twin = twins.of(args[g.b]) if g.layout == "nn" else None  # the decode GEMV's (N, K) copy

@@ -50,6 +50,15 @@ and + 8) are exactly the rows its lanes summed, so four indexed shuffles hand ea
 statistics of its two fragment rows (no shared memory, no barrier). The epilogue builder gets them
 as its ``stats`` argument, ``(mean, rstd)`` of the row it stores.
 
+With ``GemmConfig.stats_warps`` warps 2 and 3 of the producer warpgroup do this instead (the
+consumers' wgmma issue then never waits for shared-memory reads of their own): thread s of those
+64 sums rows ``s + 64·i`` (i < BM/64) of every A stage, reading physical chunk ``q ^ (s % 8)`` at
+step q so that 8 consecutive rows hit 8 different bank groups, and releases the stage like a
+consumer (``empty`` counts its 64 arrivals too). After a tile's last K tile it writes (mean, rstd)
+of its rows to ``rowstat`` (shared) and arrives on ``stats_ready``; each consumer thread waits for
+that phase, loads its two fragment rows' statistics and arrives on ``stats_free``, which the
+statistics threads wait for before they overwrite ``rowstat`` with the next tile's.
+
 The kernel is one ``@T.prim_func`` whose body is written in TVMScript with ``@T.inline`` helpers
 (closures over the config); loops unrolled at generation time (accumulator chains, B boxes) emit
 their statements through the IR builder. Its signature is the caller's buffers.
@@ -67,6 +76,7 @@ from tvm.ir import Expr as PrimExpr
 from tvm.script import tirx as T
 
 WG = 128  # threads per warpgroup
+STATS_THREADS = 64  # GemmConfig.stats_warps: warps 2 and 3 of the producer warpgroup
 BK = 64  # K per stage: one 128-byte swizzle row of fp16 / bf16
 SW128 = 3  # CUtensorMapSwizzle / descriptor code of the 128-byte swizzle
 
@@ -109,6 +119,10 @@ class GemmConfig:
     # plain quad store: the epilogue's 16-bit (M, N) / (N,) operands read at the output's own
     # position load as 16-byte vectors (False: 2-byte loads, same exchange and bounds test)
     vector_operands: bool = True
+    # with row statistics: two warps of the producer warpgroup (idle otherwise) sum each A stage's
+    # rows and hand (mean, rstd) to the epilogue through shared memory; the consumers' main loop
+    # does no extra work (False: the consumers read the A rows between their wgmmas)
+    stats_warps: bool = False
 
     @property
     def consumers(self) -> int:
@@ -190,6 +204,8 @@ def check(problem: GemmProblem, cfg: GemmConfig, row_stats: RowStats | None = No
         return "dimension beyond int32"
     if row_stats is not None and cfg.chains > 1:
         return "in-loop row statistics need one 64-row chain per consumer warpgroup"
+    if row_stats is not None and cfg.stats_warps and cfg.pingpong:
+        return "statistics warps with ping-pong consumers unsupported"
     return None
 
 
@@ -285,6 +301,11 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     m_ragged = rows is not None or p.m % cfg.bm != 0
     has_stats = row_stats is not None
     centered = has_stats and row_stats.centered
+    by_warps = has_stats and cfg.stats_warps  # the statistics by two producer warps (module doc)
+    if by_warps and cfg.pingpong:
+        raise ValueError("statistics warps with ping-pong consumers unsupported")
+    stat_rows = cfg.bm // 64  # A rows per statistics thread
+    release_count = cfg.release_count + (STATS_THREADS if by_warps else 0)
     eps = row_stats.eps if has_stats else 0.0
     is_pair = pair_value is not None
     # quad_store: groups of 4 fragment column blocks (8 outputs each: plain j-groups of 8 GEMM
@@ -420,6 +441,9 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
             empty = T.alloc_shared([stages], "uint64")
             if cfg.pingpong:  # turn[i]: warpgroup i + 1 may start its next main loop
                 turn = T.alloc_shared([2], "uint64")
+            if by_warps:
+                sbar = T.alloc_shared([2], "uint64")  # stats_ready, stats_free
+                rowstat = T.alloc_shared([2 * cfg.bm], "float32")  # the tile rows' mean, rstd
 
             @T.inline
             def tile_loop(body, alternate):
@@ -442,7 +466,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared(
                         full.ptr_to([s])), T.uint32(1))
                     T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared(
-                        empty.ptr_to([s])), T.uint32(cfg.release_count))
+                        empty.ptr_to([s])), T.uint32(release_count))
+                if by_warps:
+                    T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared(
+                        sbar.ptr_to([0])), T.uint32(STATS_THREADS))
+                    T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared(
+                        sbar.ptr_to([1])), T.uint32(cfg.consumers * WG))
                 if cfg.pingpong:
                     for i in T.unroll(2):
                         T.ptx.mbarrier.init.shared.b64(T.cuda.cvta_generic_to_shared(
@@ -477,8 +506,67 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                  T.cuda.cvta_generic_to_shared(full.ptr_to([s])))
                         load_b(smem, full, B_map, s, kt, n0, rank)
 
+                if by_warps:
+                    xs = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
+                    ssum = T.alloc_buffer((stat_rows * 3,), "float32", scope="local")  # s1, s2, c
+
+                @T.inline
+                def stats_produce(ti, m0, n0):
+                    # statistics thread st sums rows st + 64·i of every A stage of the tile
+                    st = tx - (WG - STATS_THREADS)
+                    for i in T.unroll(stat_rows * 3):
+                        ssum[i] = T.float32(0)
+                    for kt in T.serial(kt_total):
+                        g = ti * kt_total + kt
+                        s = g % stages
+                        T.cuda.mbarrier_wait(full.ptr_to([s]), (g // stages) % 2)
+                        for i in T.unroll(stat_rows):
+                            row_at = T.meta_var(s * stage_elems + (st + i * 64) * BK)
+                            if centered:  # shift: the row's first stored element (first K tile)
+                                if kt == 0:
+                                    ssum[i * 3 + 2] = T.Cast("float32", smem[row_at])
+                            for q in T.unroll(8):
+                                # physical chunk q ^ (row % 8): 8 consecutive rows, 8 bank groups
+                                xs[T.Ramp(0, 1, 8)] = smem[T.Ramp(
+                                    row_at + T.bitwise_xor(q, st % 8) * 8, 1, 8)]
+                                for v in T.unroll(8):
+                                    if centered:
+                                        ssum[i * 3] = ssum[i * 3] + (
+                                            T.Cast("float32", xs[v]) - ssum[i * 3 + 2])
+                                        ssum[i * 3 + 1] = ssum[i * 3 + 1] + (
+                                            T.Cast("float32", xs[v]) - ssum[i * 3 + 2]) * (
+                                            T.Cast("float32", xs[v]) - ssum[i * 3 + 2])
+                                    else:
+                                        ssum[i * 3 + 1] = ssum[i * 3 + 1] + T.Cast(
+                                            "float32", xs[v]) * T.Cast("float32", xs[v])
+                        T.ptx.mbarrier.arrive.shared.b64(
+                            T.cuda.cvta_generic_to_shared(empty.ptr_to([s])))
+                    for i in T.unroll(stat_rows):
+                        if centered:
+                            if pad_f != 0:  # TMA's zero columns: P terms (0 − c), (0 − c)²
+                                ssum[i * 3] = ssum[i * 3] + T.float32(pad_f) * ssum[i * 3 + 2]
+                                ssum[i * 3 + 1] = ssum[i * 3 + 1] - T.float32(pad_f) * ssum[
+                                    i * 3 + 2] * ssum[i * 3 + 2]
+                            ssum[i * 3] = ssum[i * 3] / T.float32(k_f)  # mean − c
+                            ssum[i * 3 + 1] = T.rsqrt(T.max(
+                                ssum[i * 3 + 1] / T.float32(k_f) - ssum[i * 3] * ssum[i * 3],
+                                T.float32(0)) + T.float32(eps))
+                            ssum[i * 3] = ssum[i * 3] + ssum[i * 3 + 2]
+                        else:
+                            ssum[i * 3 + 1] = T.rsqrt(ssum[i * 3 + 1] / T.float32(k_f)
+                                                      + T.float32(eps))
+                    if ti > 0:  # the consumers have read the previous tile's
+                        T.cuda.mbarrier_wait(sbar.ptr_to([1]), (ti - 1) % 2)
+                    for i in T.unroll(stat_rows):
+                        rowstat[st + i * 64] = ssum[i * 3]
+                        rowstat[cfg.bm + st + i * 64] = ssum[i * 3 + 1]
+                    T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared(sbar.ptr_to([0])))
+
                 if tx == 0:
                     tile_loop(produce, False)
+                if by_warps:
+                    if tx >= WG - STATS_THREADS:
+                        tile_loop(stats_produce, False)
                     if cl > 1 and not cfg.exit_cluster_sync:
                         # No CTA may exit while its peer can still arrive on its barriers: the
                         # peer's consumers free this CTA's stages remotely. Wait for the release
@@ -509,9 +597,10 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     qa = T.alloc_buffer((8,), "float32", scope="local")  # plain quads: exchanged
                     ov = T.alloc_buffer((8 * max(1, len(vec_ops)),), vec_dtype, scope="local",
                                         align=16)
-                if has_stats:
+                if has_stats and not by_warps:
                     xv = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
                     rsum = T.alloc_buffer((3,), "float32", scope="local")  # s1, s2, shift c
+                if has_stats:
                     rstat = T.alloc_buffer((4,), "float32", scope="local")  # mean, rstd
                 else:
                     rstat = T.meta_var(None)
@@ -583,6 +672,17 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                                               ((tx % 32) // 4) * 2 + h * 16, 32)
 
                 @T.inline
+                def stats_fetch(ti):
+                    # (mean, rstd) of this thread's fragment rows, from the statistics warps
+                    T.cuda.mbarrier_wait(sbar.ptr_to([0]), ti % 2)
+                    for h in T.unroll(2):
+                        r = first_row(wg) * 64 + ((tx % 128) // 32) * 16 + (tx % 32) // 4 + h * 8
+                        if centered:
+                            rstat[h * 2] = rowstat[r]
+                        rstat[h * 2 + 1] = rowstat[cfg.bm + r]
+                    T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared(sbar.ptr_to([1])))
+
+                @T.inline
                 def consume(ti, m0, n0):
                     if cfg.pingpong:
                         # Main loops alternate: warpgroup w starts tile ti once the other one has
@@ -593,7 +693,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                             T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), ((ti - 1) // 2) % 2)
                     for i in T.unroll(acc_n * sub):
                         acc[i] = T.float32(0)
-                    if has_stats:
+                    if has_stats and not by_warps:
                         rsum[0] = T.float32(0)
                         rsum[1] = T.float32(0)
                         rsum[2] = T.float32(0)
@@ -605,7 +705,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         for kk in T.unroll(BK // 16):
                             wgmma(acc, desc_a, desc_b, s, kk)
                         T.ptx.wgmma.commit_group.sync.aligned()
-                        if has_stats:  # while the wgmmas run: this thread's half row of the stage
+                        if has_stats and not by_warps:  # while the wgmmas run: this thread's half row
                             stats_accumulate(s, kt)
                         T.ptx.wgmma.wait_group.sync.aligned(1)
                         release((g + stages_m1) % stages, kt > 0)
@@ -775,7 +875,9 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     def epilogue(u_acc, u_row):
                         # chain u: rows 64u further down, accumulators u·acc_n further on
                         row0 = _plus(m0, u_row) + first_row(wg) * 64 + (t // 32) * 16 + (t % 32) // 4
-                        if has_stats:
+                        if by_warps:
+                            stats_fetch(ti)
+                        elif has_stats:
                             stats_finish()
                         # A tile inside (M, N) stores without per-element guards: straight-line
                         # code whose loads (bias, residual) and arithmetic the compiler can
