@@ -16,6 +16,7 @@ from .empty_pieces import EmptyPieces
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
 from .lift_folded_batch import LiftFoldedBatch
+from .negative_indices import NegativeIndices
 from .share_casts import ShareCasts
 from .tuple_output import TupleOutput
 from .upcast_matmul import UpcastMatmul
@@ -23,6 +24,7 @@ from .view_chain import CollapseViewChains
 
 # In order; a line's comment says why it sits where it does.
 PASSES = [
+    NegativeIndices,  # constant negative take / index_tensor indices count from the end
     EmptyPieces,  # zero-size split pieces / concat operands: nothing may fuse a loop of extent 0
     BoundedSlices,  # symbolic lengths: a slice the ranges prove in bounds keeps exact shapes
     CollapseViewChains,  # einsum's 5-D expand_dims/permute views around a bmm → one permute + reshape
@@ -42,5 +44,6 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 
 __all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
-           "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch", "ShareCasts",
+           "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch",
+           "NegativeIndices", "ShareCasts",
            "TupleOutput", "UpcastMatmul"]
