@@ -9,12 +9,19 @@ in fp32 and the result is cast back to the input dtype, as torch does.
 inputs in int64. A bool cumsum (transformers' packed-sequence check in ``create_causal_mask``:
 ``(position_diff != 1).cumsum(-1)``) then adds bools, which LLVM codegen refuses
 (``Check failed: (t.MatchesCode(DLDataTypeCode::kDLFloat))``); an int32 one returns int32.
+
+``view`` / ``reshape``: 0.27 skips a reshape to the input's own shape by comparing the shapes with
+``==``; with a symbolic dim on one side (``compile_lm``'s sequence length: transformers'
+GPTBigCode does ``query.view(*input_shape, -1, head_dim)``) that comparison is a symbolic
+expression and the import fails ("Cannot use and / or / not operator to Expr"). Here dims compare
+structurally.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import tvm_ffi
 from tvm import relax
 
 _ACCUMULATE = {"float16": "float32", "bfloat16": "float32", "float32": "float32"}
@@ -59,8 +66,33 @@ def _cumsum(node, importer) -> relax.Var:
     return importer.block_builder.emit(relax.op.cumsum(x, dim, dtype))
 
 
+def _same_dim(a, b) -> bool:
+    """Two shape entries (ints or PrimExprs) are the same dim, compared without ``==`` on Exprs."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a == b
+    if isinstance(a, int) or isinstance(b, int):
+        value = a if isinstance(b, int) else b
+        return getattr(value, "value", None) == (b if isinstance(b, int) else a)
+    return bool(tvm_ffi.structural_equal(a, b))
+
+
+def _reshape(node, importer) -> relax.Var:
+    """``aten.view`` / ``aten.reshape``: the input itself when the shape does not change."""
+    import torch
+
+    args = importer.retrieve_args(node)
+    x = args[0]
+    dims = args[1] if isinstance(args[1], (torch.Size, tuple, list)) else args[1:]
+    shape = importer.shape_of(x)
+    if shape is not None and len(shape) == len(dims) and all(
+            _same_dim(a, b) for a, b in zip(shape, dims)):
+        return x
+    return importer._emit_torch_reshape(x, dims)
+
+
 def custom_convert_map() -> dict[str, Callable]:
     """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
     plain = _product(with_bias=False)
     return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
-            "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum}
+            "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
+            "view.default": _reshape, "reshape.default": _reshape}
