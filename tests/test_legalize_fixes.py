@@ -124,3 +124,22 @@ def test_max_min_of_infinite_rows_are_infinite():
     assert np.asarray(hi)[1, 2, 0] == -np.inf and np.asarray(lo)[3] == np.inf
     np.testing.assert_array_equal(np.asarray(hi), x.max(axis=-1, keepdims=True))
     np.testing.assert_array_equal(np.asarray(lo), x.min(axis=(0, 2)))
+
+
+class IntClamps(torch.nn.Module):
+    """Integer clamps with an open side and with fractional bounds (OPT-style positions)."""
+
+    def forward(self, x: torch.Tensor):
+        return x.clamp(min=0), x.clamp(max=3), x.clamp(min=-1.5, max=2.5), torch.clamp_min(x, -2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_integer_clamp_with_an_open_side(dtype):
+    """``clamp(min=0)`` on an integer tensor imports as ``clip(x, 0, inf)``, whose stock rule
+    failed ("Cannot convert infinity to BigInt"); the override leaves the open side out. A float
+    bound makes torch's result float (the import casts first, as torch promotes)."""
+    x = torch.arange(-6, 6, dtype=dtype).reshape(3, 4)
+    outs = tvmfuse.compile(IntClamps(), (x,), target="cpu").load(device="cpu")(x)
+    for got, want in zip(outs, IntClamps()(x), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)

@@ -7,9 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from tvm.script import ir as I
 from tvm.script import relax as R
 
+from tvmfuse.frontend import import_model
 from tvmfuse.report import analyze, format_table, op_name, plot_roofline
 from tvmfuse.targets import get_target
 
@@ -122,3 +124,25 @@ def test_gemv_kernels_carry_their_config():
     assert kernel["rule"] == "gemv" and kernel["pattern"] == "gemv"
     assert kernel["tile"].startswith(("ring ", "mma ", "simt ")), kernel
     assert "tile" not in analyze(SeedExample, get_target("cpu"))["kernels"][0]  # none: left out
+
+
+class _MaskPositions(torch.nn.Module):
+    """OPT's positions from the attention mask (``cumsum``), then an embedding of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Embedding(64, 16)
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:
+        positions = torch.cumsum(mask, dim=1) * mask - 1
+        return self.pos(positions.clamp(min=0))
+
+
+def test_kernels_with_sizes_of_their_own_are_sized_at_the_call():
+    """TVM's generic sm90 cumsum kernel takes (m, n) buffers of its own symbols in a static
+    model: the report sizes it by the tensors the call passes (it raised "the size of the
+    symbolic dimension 'm' is unknown" for transformers' OPT and Gemma-2)."""
+    mask = torch.ones(2, 32, dtype=torch.int64)
+    report = analyze(import_model(_MaskPositions(), (mask,)).mod, get_target("sm90"), stock=False)
+    (cumsum,) = [k for k in report["kernels"] if "cumsum" in k["name"]]
+    assert cumsum["bytes"] >= 2 * 2 * 32 * 8, cumsum  # the int64 (2, 32) input and output

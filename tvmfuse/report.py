@@ -117,6 +117,16 @@ def primfunc_bytes(func: tirx.PrimFunc) -> int:
     return sum(_param_bytes(p) for p in func.params)
 
 
+def call_bytes(func: tirx.PrimFunc, call: relax.Call) -> int:
+    """:func:`primfunc_bytes` of ``func``; where its parameters have sizes of their own (TVM's
+    generic kernels, e.g. the cumsum of transformers' masks takes (m, n) buffers), the sizes of
+    the tensors ``call`` passes it."""
+    try:
+        return primfunc_bytes(func)
+    except CompileError:
+        return sum(_tensor_bytes(arg.ty) for arg in call.args if isinstance(arg, relax.Expr))
+
+
 def kernel_flops(func: tirx.PrimFunc) -> int:
     """TVM's FLOP estimate of an unscheduled kernel (0 where it cannot tell: symbolic loops too)."""
     try:
@@ -248,7 +258,7 @@ def _fused(stages: dict[str, tvm.IRModule]) -> list[KernelInfo]:
         rule = str(attrs[RULE_ATTR]) if attrs and RULE_ATTR in attrs else None
         kernels.append(KernelInfo(name, "gemv" if rule == "gemv" else classify(ops, kinds), ops,
                                   kernel_flops(unscheduled),
-                                  primfunc_bytes(final[name]),
+                                  call_bytes(final[name], call),
                                   tuning=str(attrs[TUNING_ATTR]) if attrs and
                                   TUNING_ATTR in attrs else None,
                                   fallback=str(attrs[FALLBACK_ATTR]) if attrs and

@@ -15,10 +15,15 @@ inputs in int64. A bool cumsum (transformers' packed-sequence check in ``create_
 GPTBigCode does ``query.view(*input_shape, -1, head_dim)``) that comparison is a symbolic
 expression and the import fails ("Cannot use and / or / not operator to Expr"). Here dims compare
 structurally.
+
+``clamp`` with scalar bounds: torch promotes an integer tensor clamped by a float bound to float
+(``x.clamp(min=-1.5)`` on int64 is float32, -1.5 where x < -1.5); 0.27 keeps the integer dtype
+and its clip truncates. Here x is cast to the result dtype torch.export recorded first.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import tvm_ffi
@@ -90,9 +95,22 @@ def _reshape(node, importer) -> relax.Var:
     return importer._emit_torch_reshape(x, dims)
 
 
+def _clamp(node, importer) -> relax.Var:
+    """``aten.clamp(x, min=None, max=None)`` with scalar bounds, in torch's result dtype."""
+    x = importer.env[node.args[0]]
+    lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+    hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+    val = node.meta.get("val")
+    dtype = importer._convert_data_type(val.dtype) if val is not None else str(x.ty.dtype)
+    bb = importer.block_builder
+    if dtype != str(x.ty.dtype):
+        x = bb.emit(relax.op.astype(x, dtype))
+    return bb.emit(relax.op.clip(x, -math.inf if lo is None else lo, math.inf if hi is None else hi))
+
+
 def custom_convert_map() -> dict[str, Callable]:
     """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
     plain = _product(with_bias=False)
     return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
-            "view.default": _reshape, "reshape.default": _reshape}
+            "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp}

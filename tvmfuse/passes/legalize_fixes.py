@@ -19,6 +19,11 @@ fully-masked-row guard, ``Equal(ReduceMax(bias), -inf) → Where``) is false. Ou
 as numpy, torch and onnxruntime::
 
     max(x, axes) = reduce(max, x, init=−inf);  min(x, axes) = reduce(min, x, init=+inf)
+
+``relax.clip`` on integers with an open side (``torch.clamp(positions, min=0)`` on int64: the
+importer passes ``max=inf``) failed to legalise ("Cannot convert infinity to BigInt"). Ours
+leaves an infinite side out and rounds a finite float bound into the integers (ceil for the
+lower, floor for the upper, as torch compares).
 """
 
 from __future__ import annotations
@@ -155,9 +160,38 @@ def _extremum(is_max: bool):
     return legalize
 
 
+def _clip_int(x: te.Tensor, lo: int | None, hi: int | None) -> te.Tensor:
+    """``min(max(x, lo), hi)`` with a side left out where its bound is None."""
+    def body(*i):
+        v = x(*i)
+        if lo is not None:
+            v = tirx.max(v, tirx.const(lo, x.dtype))
+        if hi is not None:
+            v = tirx.min(v, tirx.const(hi, x.dtype))
+        return v
+
+    return te.compute(x.shape, body, name="clip", tag="elemwise")
+
+
+def _clip(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """Integer clip with infinite or fractional bounds; floats and symbolic bounds: the stock rule."""
+    x = call.args[0]
+    stock = tvm.ir.Op.get("relax.clip").get_attr("FLegalize")
+    if str(x.ty.dtype).startswith(("float", "bfloat")):
+        return stock(bb, call)
+    bounds = [getattr(_try_convert_to_scalar_const(b, python_native=True), "value", b)
+              for b in call.args[1:3]]  # (0.27: the bounds are IntImm / FloatImm)
+    if not all(isinstance(b, (int, float)) for b in bounds):
+        return stock(bb, call)
+    lo, hi = bounds
+    lo = None if math.isinf(lo) else math.ceil(lo)
+    hi = None if math.isinf(hi) else math.floor(hi)
+    return bb.call_te(_clip_int, x, lo, hi, primfunc_name_hint="clip")
+
+
 def legalize_overrides() -> dict:
     """``{op name: legalize function}`` for ``relax.transform.LegalizeOps``."""
     return {"relax.full": _full(False), "relax.full_like": _full(True), "relax.nn.softmax": _softmax,
             "relax.nn.attention": legalize_attention, "relax.nn.attention_bias": legalize_attention,
             "relax.nn.layer_norm": _layer_norm, "relax.nn.relu": _relu,
-            "relax.max": _extremum(True), "relax.min": _extremum(False)}
+            "relax.max": _extremum(True), "relax.min": _extremum(False), "relax.clip": _clip}
