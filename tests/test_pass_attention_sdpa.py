@@ -290,3 +290,42 @@ def test_inexact_cast_chain_on_attention_is_kept():
     before = bb.get()
     after = apply_pass(FuseAttention(), before)
     tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"), before)
+
+
+class _BertOut(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def test_transformers_bert_padding_mask_is_fused():
+    """transformers 5 builds BERT's bidirectional padding mask as ``full(True) & (q_idx >= 0) &
+    mask[b, kv_idx]`` with ``bitwise_and`` on bools, which FuseAttention did not split (the
+    attention stayed 5 kernels, "data-dependent mask ... varies along the query axis"). Now one
+    attention per layer, and the cpu build matches torch with padded keys — and with a sequence
+    whose keys are all masked (torch's safe softmax: a zero row)."""
+    transformers = pytest.importorskip("transformers")
+    import tvmfuse
+    from tvmfuse.frontend import import_model
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128,
+                                  max_position_embeddings=256)
+    model = _BertOut(transformers.BertModel(cfg).eval()).eval()
+    ids = torch.randint(0, 128, (2, 32))
+    mask = torch.ones(2, 32, dtype=torch.int64)
+    mask[0, 28:] = 0
+    report = analyze(import_model(model, (ids, mask)).mod, get_target("cpu"), stock=False)
+    assert sum(k["name"] == "attention" for k in report["kernels"]) == 2, report["kernels"]
+    lib = tvmfuse.compile(model, (ids, mask), target="cpu").load()
+    for m in (mask, torch.cat([mask[:1], torch.zeros_like(mask[:1])])):
+        with torch.no_grad():
+            want = model(ids, m).numpy()
+        got = np.asarray(lib(ids, m))
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), m

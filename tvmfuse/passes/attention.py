@@ -531,7 +531,11 @@ class _Matcher:
         return expr if len(s) == 4 else relax.op.reshape(expr, shape_expr(s4))
 
     def _conjuncts(self, cond: relax.Expr) -> list[relax.Expr]:
+        """The terms of ``a & b & …`` (``logical_and``, or ``bitwise_and`` of bools: transformers 5
+        builds bidirectional and padding masks with it), through broadcasts."""
         call = self.fn.call(cond, "relax.logical_and")
+        if call is None and str(getattr(cond.ty, "dtype", "")) == "bool":
+            call = self.fn.call(cond, "relax.bitwise_and")
         if call is None:
             bc = self.fn.call(cond, "relax.broadcast_to")
             return self._conjuncts(bc.args[0]) if bc is not None else [cond]
