@@ -761,3 +761,4 @@ def test_decoder_layer_one_attention(frontend, tmp_path):
     else:
         imported = import_model(str(export_onnx(module, example, tmp_path / "decoder.onnx")))
     compile_and_check(imported, [example[0].numpy()], 1)
+

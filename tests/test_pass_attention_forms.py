@@ -291,3 +291,25 @@ def test_form_gpu_matches_torch(name: str, target: str, tmp_path):
     got = model(*[x.cuda() for x in inputs])
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
     _check_numerics(module, inputs, got, torch.float16)
+
+
+class _SoftCapped(torch.nn.Module):
+    """Gemma-2's attention: ``tanh(s / cap) · cap`` on the scores before the causal mask."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        s = torch.tanh(s / 50.0) * 50.0
+        mask = torch.full((q.shape[2], q.shape[2]), float("-inf")).triu(1)
+        return torch.softmax(s + mask, dim=-1) @ v
+
+
+def test_soft_capped_scores_say_why():
+    """Gemma-2's soft cap stops the match, and the decision says so (was "cannot tell the scores
+    from the mask in an add", which suggested an ambiguity that was not there)."""
+    module, words = _SoftCapped(), "soft-capping"
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    _, stages, executable = _compile(module, (q, k, v))
+    (decision,) = attention_decisions(stages["fuse_attention"])
+    assert decision["status"] == "left" and words in decision["reason"], decision
+    np.testing.assert_allclose(_run(executable, (q, k, v)), module(q, k, v).numpy(), rtol=1e-4,
+                               atol=1e-5)  # still the right numbers, unfused

@@ -438,6 +438,31 @@ class _Matcher:
             return False
         return any(self._leads_to_scores(a, depth - 1) for a in value.args)
 
+    def _blocker(self, expr: relax.Expr, depth: int = 8) -> str | None:
+        """The first op on the way from ``expr`` back to the scores that is neither a scale nor a
+        mask (what stops :meth:`_leads_to_scores`), None when none is found."""
+        value = self.fn.value(expr)
+        op = _op(value)
+        if depth == 0 or op is None or self.matmul4(expr) is not None:
+            return None
+        if op not in ("relax.add", "relax.multiply", "relax.divide", "relax.where", "relax.astype",
+                      "relax.subtract"):
+            return op
+        found = [self._blocker(a, depth - 1) for a in value.args if isinstance(a, relax.Expr)]
+        return next((f for f in found if f not in (None, "relax.full", "relax.arange")), None)
+
+    def _no_scores_reason(self, args: list) -> str:
+        """Why neither operand of an add before the softmax is the scores."""
+        blockers = [b for b in (self._blocker(a) for a in args) if b is not None]
+        if "relax.tanh" in blockers:
+            return ("the scores pass through tanh (logit soft-capping, Gemma-2 / Grok): no "
+                    "attention kernel takes a soft cap yet")
+        if blockers:
+            return (f"neither operand of the add before the softmax reaches a 4-D Q·Kᵀ through "
+                    f"scales and masks ({blockers[0].removeprefix('relax.')} is in the way; "
+                    "e.g. a heads-folded (B·H, S, S) product with a per-head bias, as ALiBi)")
+        return "neither operand of the add before the softmax reaches a 4-D Q·Kᵀ"
+
     def scores(self, expr: relax.Expr, dtype: str):
         """Walk softmax's input back to Q·Kᵀ: returns (q·kᵀ operands, scale factor, masks)."""
         fn = self.fn
@@ -464,8 +489,11 @@ class _Matcher:
                 expr = x
             elif op == "relax.add":
                 lead = [self._leads_to_scores(a) for a in args]
-                if lead.count(True) != 1:
-                    raise _Reject("cannot tell the scores from the mask in an add")
+                if lead.count(True) == 2:
+                    raise _Reject("cannot tell the scores from the mask in an add (both sides "
+                                  "come from a 4-D Q·Kᵀ)")
+                if lead.count(True) == 0:
+                    raise _Reject(self._no_scores_reason(args))
                 chain, mask = (args[0], args[1]) if lead[0] else (args[1], args[0])
                 terms.append((mask, factor, dtype))
                 expr = chain
