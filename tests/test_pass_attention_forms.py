@@ -313,3 +313,59 @@ def test_soft_capped_scores_say_why():
     assert decision["status"] == "left" and words in decision["reason"], decision
     np.testing.assert_allclose(_run(executable, (q, k, v)), module(q, k, v).numpy(), rtol=1e-4,
                                atol=1e-5)  # still the right numbers, unfused
+
+
+def _bloom():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4)
+    return transformers.BloomForCausalLM(cfg).eval()
+
+
+def test_bloom_alibi_attention_is_fused():
+    """transformers' Bloom at random init: ``baddbmm(alibi, q, kᵀ)`` on heads-folded tensors with a
+    per-head (B·H, 1, S) ALiBi bias, then the causal mask. LiftFoldedBatch reshapes the bias with
+    q and k, and FuseAttention takes the constant per-key bias as the kernel's bias beside the
+    causal mask (it is finite and masks nothing): one attention a layer (was 27 kernels, the
+    scores in memory), the cpu build equal to torch."""
+    from tests.test_llm_import_lm import Logits
+    from tvmfuse.frontend import import_model
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    model = Logits(_bloom())
+    ids = torch.randint(0, 128, (1, 32))
+    _, stages, executable = _compile(model, (ids,))
+    decisions = attention_decisions(stages["fuse_attention"])
+    assert [(d["status"], d["causal"], d["bias"]) for d in decisions] == [
+        ("fused", "TopLeft", "yes")] * 2, decisions
+    with torch.no_grad():
+        want = model(ids).numpy()
+    got = _run(executable, (ids,))
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    report = analyze(import_model(model, (ids,)).mod, get_target("sm90"), "float16", stock=False)
+    assert sum(k["name"] == "attention" for k in report["kernels"]) == 2, report["kernels"]
+
+
+def test_bloom_compile_lm_refuses_alibi_with_the_reason():
+    """The derived KV cache carries no ALiBi bias yet: compile_lm says so, naming ALiBi."""
+    import tvmfuse
+    from tvmfuse.errors import CompileError
+
+    with pytest.raises(CompileError, match="ALiBi"):
+        tvmfuse.compile_lm(_bloom(), target="cpu", max_seq_len=64, prefill_lengths=[16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+def test_bloom_alibi_gpu_matches_torch(target, tmp_path):
+    """Bloom's ALiBi bias (1, H, 1, S) through the GPU attention kernels (sm_90a: the kernel
+    without bias support falls back to one that has it), fp16, against float64 torch."""
+    transformers = pytest.importorskip("transformers")
+    from tests.cuda_tools import check_vs_float64
+    from tests.test_llm_import_lm import Logits
+
+    torch.manual_seed(0)
+    cfg = transformers.BloomConfig(vocab_size=128, hidden_size=256, n_layer=2, n_head=4)
+    model = Logits(transformers.BloomForCausalLM(cfg).eval().half())
+    check_vs_float64(model, (torch.randint(0, 128, (1, 128)),), target, tmp_path, 1e-2)

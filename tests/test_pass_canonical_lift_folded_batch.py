@@ -182,7 +182,7 @@ class ScoresReturned:
 
 @I.ir_module
 class PerBatchBias:
-    """A (B·H, S, S) bias from an input: it does not broadcast over (B, H), so the add stays 3-D."""
+    """A (B·H, S, S) bias from an input, folded the way q and k are: reshaped to (B, H, S, S)."""
 
     @R.function
     def main(q: R.Tensor((2, 3, 8, 16), "float32"), k: R.Tensor((2, 3, 8, 16), "float32"),
@@ -231,9 +231,68 @@ class BatchAxisSoftmax:
         return p4
 
 
-@pytest.mark.parametrize("mod", [ScoresReturned, PerBatchBias, FoldedLinear, BatchAxisSoftmax],
-                         ids=["scores_returned", "per_batch_bias", "folded_linear",
-                              "batch_axis_softmax"])
+@I.ir_module
+class PerBatchBiasExpected:
+    @R.function
+    def main(q: R.Tensor((2, 3, 8, 16), "float32"), k: R.Tensor((2, 3, 8, 16), "float32"),
+             b: R.Tensor((6, 8, 8), "float32")) -> R.Tensor((2, 3, 8, 8), "float32"):
+        with R.dataflow():
+            kt = R.permute_dims(k, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt, out_dtype=None)
+            unfolded = R.reshape(b, R.shape([2, 3, 8, 8]))
+            s4 = R.add(s, unfolded)
+            R.output(s4)
+        return s4
+
+
+@I.ir_module
+class AlibiBias:
+    """Bloom's scores: ``baddbmm(alibi, q3, k3ᵀ)`` with a per-head (B·H, 1, S) ALiBi bias."""
+
+    @R.function
+    def main(q: R.Tensor((2, 3, 8, 16), "float32"), k: R.Tensor((2, 3, 8, 16), "float32"),
+             alibi: R.Tensor((6, 1, 8), "float32")) -> R.Tensor((2, 3, 8, 8), "float32"):
+        with R.dataflow():
+            q3 = R.reshape(q, R.shape([6, 8, 16]))
+            k3 = R.reshape(k, R.shape([6, 8, 16]))
+            kt = R.permute_dims(k3, axes=[0, 2, 1])
+            s = R.matmul(q3, kt)
+            ss = R.multiply(s, R.const(0.25, "float32"))
+            sb = R.add(alibi, ss)
+            s4 = R.reshape(sb, R.shape([2, 3, 8, 8]))
+            R.output(s4)
+        return s4
+
+
+@I.ir_module
+class AlibiBiasExpected:
+    @R.function
+    def main(q: R.Tensor((2, 3, 8, 16), "float32"), k: R.Tensor((2, 3, 8, 16), "float32"),
+             alibi: R.Tensor((6, 1, 8), "float32")) -> R.Tensor((2, 3, 8, 8), "float32"):
+        with R.dataflow():
+            kt = R.permute_dims(k, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt, out_dtype=None)
+            ss = R.multiply(s, R.const(0.25, "float32"))
+            unfolded = R.reshape(alibi, R.shape([2, 3, 1, 8]))
+            s4 = R.add(unfolded, ss)
+            R.output(s4)
+        return s4
+
+
+@pytest.mark.parametrize("before, expected", [(PerBatchBias, PerBatchBiasExpected),
+                                              (AlibiBias, AlibiBiasExpected)],
+                         ids=["per_batch_bias", "alibi"])
+def test_per_batch_operands_are_reshaped(before, expected):
+    """An operand with a batch axis of its own, (G, a', b') with G = B·H, is the same view of
+    (B, H, a', b') as the folded q and k: reshaped, and the region lifts (was left 3-D, so
+    Bloom's attention was never seen as 4-D scores)."""
+    after = lift(before)
+    tvm.ir.assert_structural_equal(after, expected)
+    assert_same_numerics(before, after)
+
+
+@pytest.mark.parametrize("mod", [ScoresReturned, FoldedLinear, BatchAxisSoftmax],
+                         ids=["scores_returned", "folded_linear", "batch_axis_softmax"])
 def test_left_alone(mod: tvm.IRModule):
     tvm.ir.assert_structural_equal(lift(mod), mod)
 

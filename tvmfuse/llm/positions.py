@@ -128,7 +128,11 @@ class PositionTables:
             pad = rank - t.ndim
             t = t.reshape((1,) * pad + t.shape)
             if pad + axis == 0 or t.shape[0] != 1:
-                raise _refuse(var, "has no broadcast batch axis in front of its S axis")
+                why = "has no broadcast batch axis in front of its S axis"
+                if t.ndim == 3 and t.shape[0] > 1 and t.shape[1] == 1:
+                    why += (" (a per-head bias over key positions with batch and heads folded, "
+                            "as ALiBi (Bloom, MPT): the derived cache does not carry one yet)")
+                raise _refuse(var, why)
             repl[var] = _gather(t, pad + axis, positions, batch, seq)
         out["main"] = _with_param(func, positions, repl)
         return out

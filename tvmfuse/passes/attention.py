@@ -117,6 +117,9 @@ class _Masks:
     visible: np.ndarray | None = None  # bool (Sq, Skv) or None for "all visible"
     biases: list[relax.Expr] = field(default_factory=list)
     finite_biases: bool = True
+    # some bias may hold a masking value (data-dependent masks): with a constant visibility mask
+    # too, a row could be masked whole by the data, where torch and the kernel differ
+    masking_biases: bool = False
 
 
 class _Function:
@@ -541,6 +544,19 @@ class _Matcher:
             raise _Reject(f"{what} differs across batch/heads: not a causal mask")
         return flat[0]
 
+    def _constant_bias(self, arr: np.ndarray, shape: list[int], dtype: str) -> bool:
+        """A constant term that is no mask but a per-key bias, (B|1, H|1, 1, Skv) with finite
+        values other than 0 (ALiBi with the positions known at export): the kernel adds it like
+        a padding bias. Masks (0 and masking values only) and anything varying along the queries
+        are judged as masks."""
+        if arr.ndim > 4 or not np.all(np.isfinite(arr)):
+            return False
+        a4 = arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
+        if a4.shape[2] != 1 or a4.shape[3] != shape[3] or a4.shape[0] not in (1, shape[0]) \
+                or a4.shape[1] not in (1, shape[1]):
+            return False
+        return not np.all((a4 == 0) | (a4 <= _masked_floor(dtype)))
+
     def _bool_visible(self, arr: np.ndarray, shape: list[int], what: str) -> np.ndarray:
         arr = np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape).astype(bool)
         flat = arr.reshape(-1, *shape[2:])
@@ -605,10 +621,17 @@ class _Matcher:
             if str(mask.ty.dtype) != dtype:
                 raise _Reject(f"mask dtype {mask.ty.dtype} differs from the scores' {dtype}")
             arr = self.fn.constant(mask)
-            if arr is not None:
+            if arr is not None and not self._constant_bias(arr, shape, dtype):
                 see(self._visible(arr * factor, shape, dtype, "constant mask"))
                 continue
             bias = self._padding(mask, shape, "mask")
+            if arr is not None:  # a constant per-key bias (ALiBi): finite, masking only if it says so
+                if factor != 1.0:
+                    bias = relax.op.multiply(bias, relax.const(factor, dtype))
+                out.masking_biases |= bool(np.any(arr * factor <= _masked_floor(dtype)))
+                out.biases.append(bias)
+                continue
+            out.masking_biases = True
             if bias is None:
                 bias = self._split_padding_where(mask, shape, factor, dtype)
                 if bias is None:
@@ -636,9 +659,10 @@ class _Matcher:
                 raise _Reject("data-dependent masked_fill with a finite fill: fully masked rows "
                               "would differ from an additive bias")
             zero, neg = relax.const(0.0, dtype), relax.const(fill, dtype)
+            out.masking_biases = True
             out.biases.append(relax.op.where(pad, zero, neg) if when else relax.op.where(pad, neg, zero))
             out.finite_biases = out.finite_biases and fill != -math.inf
-        if out.visible is not None and out.biases:
+        if out.visible is not None and out.masking_biases:
             raise _Reject("a constant (causal) mask combined with a data-dependent one: rows whose "
                           "visible keys are all masked by the data would differ")
         return out

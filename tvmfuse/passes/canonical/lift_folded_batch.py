@@ -13,7 +13,9 @@ at least two), or an op on folded values: ``matmul`` (both operands folded), ``p
 that keeps axis 0, ``softmax`` / ``log_softmax`` over a non-batch axis, ``astype``, elementwise
 unary / binary ops and ``where``. Their other operands must broadcast the same way over (*bd, a, b)
 as over (G, a, b): scalars, rank ≤ 2, rank 3 with a leading 1, or ``full`` / ``zeros`` / ``ones`` /
-``broadcast_to`` of such a value to (G, a, b) (rebuilt with shape (*bd, a, b)). Each folded value
+``broadcast_to`` of such a value to (G, a, b) (rebuilt with shape (*bd, a, b)); or, in an
+elementwise op, a per-batch tensor (G, a', b') (Bloom's ALiBi bias (B·H, 1, S)), which is reshaped
+to (*bd, a', b'). Each folded value
 becomes the same op on the unfolded operands, and ``reshape(folded, (*bd, a, b))`` becomes the
 unfolded value. Every value lifted must have only lifted users or such reshapes (nothing is
 computed twice), and the region must hold a batched product; the rewrite moves no data, it
@@ -25,6 +27,7 @@ lone product between reshapes) and before any pattern pass.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import tvm
@@ -46,6 +49,18 @@ def _op(expr: relax.Expr) -> str | None:
     if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
         return expr.op.name
     return None
+
+
+def _emit(bb: relax.BlockBuilder, bindings: list, expr: relax.Expr) -> relax.Var:
+    """Bind ``expr`` to a new dataflow var appended to ``bindings``."""
+    new = relax.DataflowVar("unfolded", bb.normalize(expr).ty)
+    bindings.append(relax.VarBinding(new, expr))
+    return new
+
+
+def _per_batch(shape: list[int] | None) -> bool:
+    """A rank-3 tensor with a batch axis of its own (G > 1, a per-head bias such as ALiBi)."""
+    return shape is not None and len(shape) == 3 and shape[0] > 1
 
 
 def _unbatched(shape: list[int] | None) -> bool:
@@ -88,7 +103,7 @@ class _Lift:
     def _batch(self, value: relax.Call) -> tuple[str, tuple[int, ...] | None] | None:
         """``("folded", bd)`` when the folded operands share batch dims bd, ``("free", None)`` for
         an elementwise op on free and unbatched operands only, else None."""
-        op, bds, free = _op(value), set(), False
+        op, bds, free, groups = _op(value), set(), False, set()
         for arg in value.args:
             if arg in self.seeds:
                 bds.add(self.seeds[arg][1])
@@ -98,11 +113,16 @@ class _Lift:
                 return None
             elif arg in self.region:
                 free = True
+            elif _per_batch(static_shape(arg)):
+                groups.add(static_shape(arg)[0])
             elif not _unbatched(static_shape(arg)):
                 return None
         if len(bds) == 1:
-            return "folded", bds.pop()
-        return ("free", None) if not bds and free and op in _ELEMENTWISE else None
+            bd = bds.pop()
+            if groups and (op not in _ELEMENTWISE or groups != {math.prod(bd)}):
+                return None
+            return "folded", bd
+        return ("free", None) if not bds and not groups and free and op in _ELEMENTWISE else None
 
     def _classify(self, var: relax.Var, value: relax.Expr) -> None:
         op, out = _op(value), static_shape(var)
@@ -166,7 +186,8 @@ class _Lift:
 
     # --- the rewrite ----------------------------------------------------------------------------
 
-    def _new_value(self, var: relax.Var, remap: dict[relax.Var, relax.Expr]) -> relax.Expr:
+    def _new_value(self, var: relax.Var, remap: dict[relax.Var, relax.Expr],
+                   emit) -> relax.Expr:
         value = self.table[var]
         op = _op(value)
         bd = list(self.region[var])
@@ -176,6 +197,9 @@ class _Lift:
                 return relax.op.broadcast_to(value.args[0], shape)
             return relax.Call(value.op, [shape, *value.args[1:]], value.attrs)
         args = [remap.get(a, a) for a in value.args]
+        if op in _ELEMENTWISE:  # per-batch operands (G, a', b') → (*bd, a', b')
+            args = [emit(relax.op.reshape(a, shape_expr([*bd, *static_shape(a)[1:]])))
+                    if a not in remap and _per_batch(static_shape(a)) else a for a in args]
         nb = len(bd)
         if op == "relax.permute_dims":
             axes = [int(a) for a in value.attrs.axes]
@@ -196,11 +220,12 @@ class _Lift:
         remap: dict[relax.Var, relax.Expr] = {v: x for v, (x, _) in self.seeds.items()}
         blocks = []
         for block in self.func.body.blocks:
-            bindings = []
+            bindings: list[relax.Binding] = []
+            emit = functools.partial(_emit, bb, bindings)
             for binding in block.bindings:
                 var = binding.var
                 if var in self.region:
-                    value = bb.normalize(self._new_value(var, remap))
+                    value = bb.normalize(self._new_value(var, remap, emit))
                     new = relax.DataflowVar(str(var.name), value.ty)
                     remap[var] = new
                     binding = relax.VarBinding(new, value)
