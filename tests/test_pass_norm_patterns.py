@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
@@ -242,3 +243,49 @@ def test_softmax_decomposed():
 def test_not_a_norm_is_left_alone():
     for mod in (RMSWrongAxis, RMSCube):
         tvm.ir.assert_structural_equal(apply_pass(FuseDecomposedNorms(), mod), mod)
+
+
+@I.ir_module
+class LayerNormNoBiasHalf:
+    """Cohere's LayerNorm in an fp16 module: fp32 upcast, no β, ``w.float() · x̂``, cast back."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float16"), g: R.Tensor((64,), "float16")
+             ) -> R.Tensor((4, 64), "float16"):
+        with R.dataflow():
+            xf = R.astype(x, "float32")
+            mu = R.mean(xf, axis=[-1], keepdims=True)
+            d = R.subtract(xf, mu)
+            sq = R.power(d, R.const(2.0, "float32"))
+            var = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(var, R.const(0.0009765625, "float32"))
+            r = R.rsqrt(ve)
+            n = R.multiply(d, r)
+            gf = R.astype(g, "float32")
+            s = R.multiply(gf, n)
+            y = R.astype(s, "float16")
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class LayerNormNoBiasHalfExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float16"), g: R.Tensor((64,), "float16")
+             ) -> R.Tensor((4, 64), "float16"):
+        with R.dataflow():
+            xf = R.astype(x, "float32")
+            gf = R.astype(g, "float32")
+            s = R.nn.layer_norm(xf, gf, R.const(np.zeros(64, "float32")), axes=[-1], epsilon=0.0009765625)
+            y = R.astype(s, "float16")
+            R.output(y)
+        return y
+
+
+def test_layer_norm_without_bias_in_half_module():
+    """Cohere (and OLMo) write LayerNorm without β, on the fp32 upcast: one ``layer_norm`` with a
+    zero β (was ``mean, subtract`` + an ``rms_norm`` of the centred row: two kernels, and not
+    folded into the following GEMM; a transformers Cohere went 23 → 14 kernels on sm90)."""
+    after = apply_pass(FuseDecomposedNorms(), LayerNormNoBiasHalf)
+    tvm.ir.assert_structural_equal(after, LayerNormNoBiasHalfExpected)
+    assert_same_numerics(LayerNormNoBiasHalf, after)

@@ -11,6 +11,7 @@ Sits before LegalizeOps (it matches high-level Relax ops).
 
 from __future__ import annotations
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
@@ -53,6 +54,8 @@ def _rms_norm_pattern():
 
 
 def _layer_norm_pattern():
+    # Also without β (Cohere's and OLMo's LayerNorm: ``w · (x − μ) · rsqrt(var + eps)``), and in
+    # fp16/bf16 modules on the fp32 upcast of x (the cast back, if any, stays after the norm).
     x, gamma, beta, eps, two = wildcard(), wildcard(), wildcard(), is_const(), is_const()
     mu = is_op("relax.mean")(x)
     centered = is_op("relax.subtract")(x, mu)
@@ -61,7 +64,8 @@ def _layer_norm_pattern():
     var_eps = _commutative("relax.add", var, eps)
     normed = (is_op("relax.divide")(centered, is_op("relax.sqrt")(var_eps))
               | _commutative("relax.multiply", centered, is_op("relax.rsqrt")(var_eps)))
-    out = _commutative("relax.add", _commutative("relax.multiply", normed, gamma), beta)
+    scaled = _commutative("relax.multiply", normed, gamma)
+    out = _commutative("relax.add", scaled, beta) | scaled
     return out, dict(x=x, gamma=gamma, beta=beta, eps=eps, two=two, mu=mu, var=var, square=square)
 
 
@@ -137,11 +141,18 @@ def _rewrite_layer_norm(func: relax.Function) -> relax.Function:
     pattern, p = _layer_norm_pattern()
 
     def rewriter(expr, m):
-        x, gamma, beta = m[p["x"]], m[p["gamma"]], m[p["beta"]]
+        x, gamma = m[p["x"]], m[p["gamma"]]
         shape = known_shape(x)
-        if shape is None or not isinstance(shape[-1], int) or not (
-                _row_vector(gamma, shape[-1]) and _row_vector(beta, shape[-1])):
+        if shape is None or not isinstance(shape[-1], int):
             return expr
+        # no β: zeros of γ's dtype (the kernel adds it; NormGemmPrologue folds it into the bias)
+        beta = m[p["beta"]] if p["beta"] in m else relax.const(
+            np.zeros(shape[-1], str(gamma.ty.dtype)), str(gamma.ty.dtype))
+        if not (_row_vector(gamma, shape[-1]) and _row_vector(beta, shape[-1])):
+            return expr
+        dtypes = {str(v.ty.dtype) for v in (x, gamma, beta)}
+        if len(dtypes) != 1:
+            return expr  # (γ in fp32 on a half x: the upcast is x itself here, so they agree)
         if not all(_reduces_last_keepdims(m[p[k]], len(shape)) for k in ("mu", "var")):
             return expr
         if m[p["square"]].op.name == "relax.power" and scalar_value(m[p["two"]]) != 2:
