@@ -75,6 +75,10 @@ def _groups(func: relax.Function) -> list[list[_Member]]:
         # write both halves to HBM and need an extra elementwise kernel to combine them.
         members = [m for i, m in enumerate(members)
                    if not any(reach[i] & reach[j] for j in range(len(members)) if j != i)]
+        # An output with an activation of its own (GPT-J / GPT-NeoX's parallel MLP: fc_in beside
+        # Q/K/V, then bias + GELU) keeps its GEMM, whose epilogue takes the activation: a wide GEMM
+        # has one epilogue, and its slice would go through the activation in a kernel of its own.
+        members = [m for m in members if not _activated(m.out_var, bound, users)]
         if len(members) >= 2:
             groups.append(members)
     return groups
@@ -110,16 +114,34 @@ def _feeds_only_opaque(var: relax.Var, bound: dict, users: dict, depth: int = 4)
 _ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.astype",
                 "relax.nn.silu", "relax.sigmoid", "relax.nn.gelu", "relax.nn.gelu_tanh",
                 "relax.nn.relu", "relax.tanh", "relax.exp", "relax.power", "relax.maximum",
-                "relax.minimum"}
+                "relax.minimum", "relax.erf"}
 
 
-def _elementwise_reach(var: relax.Var, bound: dict, users: dict, depth: int = 6) -> set:
-    """Vars computed from ``var`` through elementwise ops only (what FuseOps puts in one epilogue)."""
+_ACTIVATIONS = {"relax.nn.silu", "relax.sigmoid", "relax.nn.gelu", "relax.nn.gelu_tanh",
+                "relax.nn.relu", "relax.tanh", "relax.exp", "relax.power", "relax.erf"}
+
+
+def _activated(var: relax.Var, bound: dict, users: dict, depth: int = 8) -> bool:
+    """An activation among the ops ``var`` reaches through elementwise ops and views (what its
+    GEMM's own epilogue would take)."""
+    frontier = [var]
+    for _ in range(depth):
+        frontier = [u for v in frontier for u in users.get(v, [])
+                    if isinstance(bound[u], relax.Call) and isinstance(bound[u].op, tvm.ir.Op)
+                    and bound[u].op.name in _ELEMENTWISE | _VIEWS]
+        if any(bound[u].op.name in _ACTIVATIONS for u in frontier):
+            return True
+    return False
+
+
+def _elementwise_reach(var: relax.Var, bound: dict, users: dict, depth: int = 8) -> set:
+    """Vars computed from ``var`` through elementwise ops and views (what FuseOps puts in one
+    epilogue; a 3-D MLP reshapes between its GEMMs and their epilogue)."""
     seen, frontier = set(), [var]
     for _ in range(depth):
         frontier = [u for v in frontier for u in users.get(v, [])
                     if isinstance(bound[u], relax.Call) and isinstance(bound[u].op, tvm.ir.Op)
-                    and bound[u].op.name in _ELEMENTWISE and u not in seen]
+                    and bound[u].op.name in _ELEMENTWISE | _VIEWS and u not in seen]
         seen.update(frontier)
     return seen
 
