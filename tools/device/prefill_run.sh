@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The patterns issue's prefill measurements (the 4-layer LM vs torch.compile, SDPA forms), in steps
+# that each fit a device call (600 s). From the root:
+#
+#   bash .tvmdev/setup.sh && export PYTHONPATH=/tmp/tvmdev/site:$PWD && bash tools/device/prefill_run.sh STEP...
+#
+# Steps (results under $OUT/<step>.json, logs $OUT/<step>.log, each under its own time limit):
+#   tests   pytest -m gpu: the sm90 GEMM epilogues (vector operands, every M bucket), the row
+#           statistics by consumers and by the producer's warps, elementwise gathers, Bloom's ALiBi (~400 s)
+#   lm      bench_llama_lm: the default build and one variant per unmeasured switch, same process
+#           (2-byte epilogue operands, statistics warps, per-element gathers)          (~300 s)
+#   split   kernel_times llama_lm --anchor compile: per-kernel split vs torch.compile    (~150 s)
+#   sdpa    bench_attention_forms --no-compile: hand-written causal and SDPA from (B, H, S, D) (~120 s)
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+
+step() {  # name, limit in seconds, command...
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: rc=$? after $((SECONDS - start)) s"
+  tail -3 "$OUT/$name.log" | cut -c1-600
+}
+
+for s in "$@"; do
+  case $s in
+    tests) step tests 480 python3 -m pytest -q -m gpu -p no:cacheprovider \
+             tests/test_schedule_gemm_sm90.py tests/test_schedule_gemm_sm90_buckets.py \
+             tests/test_schedule_gemm_sm90_stats.py tests/test_gpu_memory_bound.py \
+             tests/test_pass_attention_forms.py -k "not sliding_window" ;;
+    lm) step lm 560 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" \
+          --variant scalar=sm90_vector_operands:False --variant warps=sm90_stats_warps:True \
+          --variant nogather=elementwise_vector_gathers:False ;;
+    split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;
+    sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --out "$OUT/sdpa.json" ;;
+    *) echo "unknown step $s (tests lm split sdpa)"; exit 2 ;;
+  esac
+done
