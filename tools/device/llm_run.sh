@@ -15,18 +15,7 @@
 #   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
 #   lm4ab     lm4 decode with and without Options.gemv_prefetch_after_attention, same call   (~150 s)
 #   gemv_lm4  bench_gemv at M = 1 over the 4-layer LM's shapes, CUDA-core configs swept      (~60 s)
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-
-step() {  # name, limit in seconds, command...
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: rc=$? after $((SECONDS - start)) s"
-  tail -3 "$OUT/$name.log" | cut -c1-600
-}
+. "$(dirname "$0")/steps.sh"  # $OUT and step()
 
 for s in "$@"; do
   case $s in

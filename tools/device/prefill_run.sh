@@ -11,18 +11,7 @@
 #           (2-byte epilogue operands, statistics warps, per-element gathers)          (~300 s)
 #   split   kernel_times llama_lm --anchor compile: per-kernel split vs torch.compile    (~150 s)
 #   sdpa    bench_attention_forms --no-compile: hand-written causal and SDPA from (B, H, S, D) (~120 s)
-set -uo pipefail
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT"
-
-step() {  # name, limit in seconds, command...
-  local name=$1 limit=$2 start=$SECONDS
-  shift 2
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "== $name: rc=$? after $((SECONDS - start)) s"
-  tail -3 "$OUT/$name.log" | cut -c1-600
-}
+. "$(dirname "$0")/steps.sh"  # $OUT and step()
 
 for s in "$@"; do
   case $s in
