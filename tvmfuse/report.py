@@ -396,6 +396,28 @@ def analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
     return result | ({"sizes": sizes} if sizes else {})
 
 
+def _float_dtypes(mod: tvm.IRModule) -> set[str]:
+    """The float dtypes of ``main``'s tensor parameters."""
+    return {str(p.ty.dtype) for p in mod["main"].params
+            if isinstance(p.ty, relax.TensorType) and str(p.ty.dtype).startswith(("float", "bfloat"))}
+
+
+def _stock_count(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None) -> int | None:
+    """Stock TVM's launches for the graph as ``dtype`` asks: the graph itself when it already is
+    in that dtype (or no dtype is asked), TVM's own ``ToMixedPrecision`` first for an fp32 graph
+    compiled as fp16 (what a stock user would run); None where stock TVM has no such conversion."""
+    floats = _float_dtypes(mod)
+    if dtype is None or floats <= {dtype}:
+        return stock_kernel_count(mod, spec)
+    if dtype == "float16" and floats <= {"float32"}:
+        try:
+            mixed = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
+        except TVM_ERRORS:
+            return None
+        return stock_kernel_count(mixed, spec)
+    return None
+
+
 def _analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None, tuning_db: str | None,
              stock: bool, weights: str) -> dict[str, Any]:
     capture = _StageCapture()
@@ -405,7 +427,7 @@ def _analyze(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None, tuning_db: 
     return {
         "target": spec.name,
         "unfused_kernel_count": len(unfused),
-        "stock_tvm_kernel_count": stock_kernel_count(mod, spec) if dtype is None and stock else None,
+        "stock_tvm_kernel_count": _stock_count(mod, spec, dtype) if stock else None,
         "fused_kernel_count": len(fused),
         "hbm_bytes_unfused": sum(k.bytes for k in unfused),
         "hbm_bytes_fused": sum(k.bytes for k in fused),
