@@ -144,6 +144,39 @@ class Baddbmm(nn.Module):
         return torch.bmm(p, v3).reshape(B, H, S, D)
 
 
+class BaddbmmAlibi(nn.Module):
+    """Bloom's form: ``baddbmm(alibi, q3, k3ᵀ, alpha=scale)`` with a per-head (B·H, 1, S) ALiBi
+    bias (slope_h · key position), viewed 4-D, causal by masked_fill(finfo.min), then ``bmm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+        alibi = slopes[:, None, None] * torch.arange(S)[None, None, :]
+        self.register_buffer("alibi", alibi.repeat(B, 1, 1), persistent=False)
+        self.register_buffer("mask", _causal_bool(), persistent=False)
+
+    def forward(self, q, k, v):
+        q3, k3, v3 = (t.reshape(B * H, S, D) for t in (q, k, v))
+        s = torch.baddbmm(self.alibi.to(q.dtype), q3, k3.transpose(1, 2), alpha=D**-0.5)
+        s = s.view(B, H, S, S).masked_fill(self.mask, torch.finfo(q.dtype).min)
+        p = torch.softmax(s.float(), -1).to(q.dtype)
+        return torch.bmm(p.view(B * H, S, S), v3).reshape(B, H, S, D)
+
+
+class PaddingBitwiseAnd(nn.Module):
+    """transformers 5's bidirectional mask: ``full(True) & (q_idx >= 0) & pad[b, kv_idx]`` with
+    bool ``&``, applied by ``where(mask, 0, -inf)``."""
+
+    def forward(self, q, k, v, attention_mask):
+        q_idx = torch.arange(S)[None, None, :, None]
+        kv_idx = torch.arange(S)[None, None, None, :]
+        pad = attention_mask.bool()[torch.arange(B)[:, None, None, None], kv_idx]
+        keep = torch.ones((), dtype=torch.bool) & (q_idx >= 0) & pad
+        bias = torch.where(keep, 0.0, float("-inf")).to(q.dtype)
+        s = q @ k.transpose(-1, -2) * D**-0.5 + bias
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
 class DropoutEval(MaskedFill):
     """Item 1's form with ``F.dropout(p, 0.1, self.training)`` (eval: identity)."""
 
@@ -265,6 +298,12 @@ class NormLinear(nn.Module):
             var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
             h = x * torch.rsqrt(var + eps)
             return self.weight * h.to(self.weight.dtype)
+        if f == "cohere":  # CohereLayerNorm: LayerNorm without β on the fp32 upcast, w first
+            h = x.to(torch.float32)
+            mean = h.mean(-1, keepdim=True)
+            var = (h - mean).pow(2).mean(-1, keepdim=True)
+            h = (h - mean) * torch.rsqrt(var + eps)
+            return (self.weight.to(torch.float32) * h).to(x.dtype)
         if f == "f_rms_norm":
             return F.rms_norm(x, (HIDDEN,), self.weight, eps)
         if f == "f_layer_norm":
@@ -370,6 +409,9 @@ FORMULATIONS: list[Formulation] = [
        attention=1),
     _f("attn_einsum", "attention", _attn(Einsum()), attention=1),
     _f("attn_baddbmm", "attention", _attn(Baddbmm()), attention=1),
+    _f("attn_baddbmm_alibi", "attention", _attn(BaddbmmAlibi()), attention=1),
+    _f("attn_padding_bitwise_and", "attention",
+       lambda: (PaddingBitwiseAnd().eval(), _padding_inputs()), attention=1),
     _f("attn_dropout_eval", "attention", _attn(DropoutEval(float("-inf"))), attention=1),
     _f("attn_gqa_repeat_interleave", "attention", _attn(GQA("repeat_interleave"), hkv=HKV // 2),
        attention=1),
@@ -400,6 +442,7 @@ FORMULATIONS: list[Formulation] = [
     _f("layernorm_functional_linear", "norm", _mod(NormLinear("f_layer_norm"))),
     _f("layernorm_module_linear", "norm", _mod(NormLinear("nn_layernorm"))),
     _f("layernorm_fp32_linear", "norm", _mod(NormLinear("nn_layernorm"), torch.float32)),
+    _f("layernorm_no_bias_upcast_linear", "norm", _mod(NormLinear("cohere"))),
     _f("rmsnorm_fp32_module_as_fp16", "norm", _mod(NormLinear("llama"), torch.float32), dtype="float16"),
     _f("onnx_dynamo_rmsnorm_linear", "norm", _mod(NormLinear("llama")), frontend="onnx-dynamo"),
     _f("onnx_legacy_layernorm_linear", "norm", _mod(NormLinear("nn_layernorm")), frontend="onnx-legacy"),

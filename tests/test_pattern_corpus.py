@@ -43,6 +43,8 @@ KERNELS: dict[str, int] = {
     "attn_padding_mask_input": 2,
     "attn_einsum": 1,
     "attn_baddbmm": 1,
+    "attn_baddbmm_alibi": 1,  # Bloom: the per-head ALiBi bias rides in the kernel
+    "attn_padding_bitwise_and": 4,  # the mask's cast, gather and where, then the attention
     "attn_dropout_eval": 1,
     "attn_gqa_repeat_interleave": 1,
     "attn_gqa_expand_reshape": 1,
@@ -67,6 +69,7 @@ KERNELS: dict[str, int] = {
     "layernorm_functional_linear": 1,
     "layernorm_module_linear": 1,
     "layernorm_fp32_linear": 1,
+    "layernorm_no_bias_upcast_linear": 1,
     "rmsnorm_fp32_module_as_fp16": 3,
     "onnx_dynamo_rmsnorm_linear": 1,
     "onnx_legacy_layernorm_linear": 1,

@@ -586,8 +586,10 @@ class _Matcher:
         return self._conjuncts(call.args[0]) + self._conjuncts(call.args[1])
 
     def _split_padding_where(self, mask: relax.Expr, shape: list[int], factor: float, dtype: str):
-        """``where(and(C, P), a, b)`` with constant all-true C → bias ``where(P, a, b)``."""
-        call = self.fn.call(mask, "relax.where")
+        """``where(and(C, P), a, b)`` with constant all-true C → bias ``where(P, a, b)`` (also
+        through a cast of the where: its two constants are cast alike)."""
+        cast = self.fn.call(mask, "relax.astype")
+        call = self.fn.call(cast.args[0] if cast is not None else mask, "relax.where")
         if call is None or not all(_is_scalar_const(self.fn.const(x)) for x in call.args[1:]):
             return None
         data, visible = [], None

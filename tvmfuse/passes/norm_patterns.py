@@ -58,12 +58,13 @@ def _layer_norm_pattern():
     # fp16/bf16 modules on the fp32 upcast of x (the cast back, if any, stays after the norm).
     x, gamma, beta, eps, two = wildcard(), wildcard(), wildcard(), is_const(), is_const()
     mu = is_op("relax.mean")(x)
-    centered = is_op("relax.subtract")(x, mu)
+    # ``x − μ`` once, or twice (torch.export keeps the two ``h - mean`` of Cohere's code apart)
+    centered, again = is_op("relax.subtract")(x, mu), is_op("relax.subtract")(x, mu)
     square = is_op("relax.power")(centered, two) | is_op("relax.multiply")(centered, centered)
     var = is_op("relax.mean")(square)
     var_eps = _commutative("relax.add", var, eps)
-    normed = (is_op("relax.divide")(centered, is_op("relax.sqrt")(var_eps))
-              | _commutative("relax.multiply", centered, is_op("relax.rsqrt")(var_eps)))
+    normed = (is_op("relax.divide")(again, is_op("relax.sqrt")(var_eps))
+              | _commutative("relax.multiply", again, is_op("relax.rsqrt")(var_eps)))
     scaled = _commutative("relax.multiply", normed, gamma)
     out = _commutative("relax.add", scaled, beta) | scaled
     return out, dict(x=x, gamma=gamma, beta=beta, eps=eps, two=two, mu=mu, var=var, square=square)
