@@ -127,3 +127,45 @@ def test_a_large_gather_keeps_its_one_kernel(monkeypatch):
 
     monkeypatch.setattr(duplicate_gathers, "MAX_BYTES", 3 * 4 * 4 - 1)  # the (3, 4) fp32 output
     tvm.ir.assert_structural_equal(apply_pass(DuplicateGathers(), _module("mul,mul")), _module("mul,mul"))
+
+
+def _branching() -> tvm.IRModule:
+    """``cos = take(table, pos)`` read by a rotation and by a reshape whose result a reduction
+    reads (Falcon's ONNX export: the gathered K is rotated and also sliced for a concatenate)."""
+    bb = relax.BlockBuilder()
+    take, mul, row_sum, reshape = (bb.add_func(f, n) for f, n in (
+        (_take, "take"), (_mul, "mul"), (_row_sum3, "row_sum3"), (_reshape, "reshape")))
+    table = relax.Var("table", relax.TensorType([8, 4], "float32"))
+    pos = relax.Var("pos", relax.TensorType([3], "int64"))
+    q = relax.Var("q", T34)
+    with bb.function("main", [table, pos, q]):
+        with bb.dataflow():
+            cos = bb.emit(relax.call_tir(take, [table, pos], T34), "cos")
+            rot = bb.emit(relax.call_tir(mul, [q, cos], T34))
+            cos_r = bb.emit(relax.call_tir(reshape, [cos], relax.TensorType([3, 1, 4], "float32")))
+            red = bb.emit(relax.call_tir(row_sum, [cos_r], relax.TensorType([3, 1], "float32")))
+            out = bb.emit_output(relax.Tuple([rot, red]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@T.prim_func(private=True, s_tir=True)
+def _row_sum3(a: T.Buffer((T.int64(3), T.int64(1), T.int64(4)), "float32"),
+              out: T.Buffer((T.int64(3), T.int64(1)), "float32")):
+    T.func_attr({"op_pattern": 3, "tirx.noalias": True})
+    for i, o, j in T.grid(T.int64(3), T.int64(1), T.int64(4)):
+        with T.sblock("sum"):
+            vi, vo, vj = T.axis.remap("SSR", [i, o, j])
+            with T.init():
+                out[vi, vo] = T.float32(0)
+            out[vi, vo] = out[vi, vo] + a[vi, vo, vj]
+
+
+def test_a_member_read_by_another_chain_stays():
+    """The gather's other reader is the next link of a chain that is not copied (its end feeds
+    a reduction): the gather keeps its binding. The pass dropped it as "copied away" while the
+    reshape still read it — a module with an unbound var (Falcon's ONNX exports then failed in
+    codegen: "Var lv33 is not defined")."""
+    before = _branching()
+    after = apply_pass(DuplicateGathers(), before)
+    tvm.ir.assert_structural_equal(after, before)

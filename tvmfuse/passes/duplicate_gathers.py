@@ -87,18 +87,21 @@ def _duplicate_block(mod: tvm.IRModule, block: relax.DataflowBlock, gathers: set
         for var in relax.analysis.free_vars(b.value):
             if var in chains:
                 readers.setdefault(var, []).append(b)
-    # a chain is copied when every reader of every member is the next link or an elementwise
-    # kernel (each then fuses its copy), and some member has two readers (else nothing is shared)
-    links = {id(b) for chain in chains.values() for b in chain}
+    # a chain is copied when each member before its end is read by the next link alone, and its
+    # end only by elementwise kernels, at least two (each then fuses its copy; one reader shares
+    # nothing). Only readers of the end are given a copy below: a member read elsewhere too (a
+    # link of another chain — Falcon's ONNX export slices the gathered K, transposed, besides
+    # rotating it) keeps the chain whole, else that reader would read a var no longer bound.
     ends = {}
     for var, chain in chains.items():
-        members = [b.var for b in chain]
-        outer = [r for m in members for r in readers.get(m, []) if id(r) not in links]
+        inner = all(len(readers.get(b.var, [])) == 1 and readers[b.var][0].var.same_as(nxt.var)
+                    for b, nxt in zip(chain, chain[1:]))
+        outer = readers.get(var, [])
         elementwise = [_call_tir_args(r.value) is not None
                        and _pattern_at_most(mod, r.value, _ELEMENTWISE_MAX) for r in outer]
-        if outer and all(elementwise) and any(len(readers.get(m, [])) >= 2 for m in members):
+        if inner and len(outer) >= 2 and all(elementwise):
             ends[var] = chain
-    # a member of a copied chain whose readers are all copied away goes
+    # the members of a copied chain go: each reader of its end gets a copy of the whole chain
     copied = {b.var for var, chain in ends.items() for b in chain}
     if not ends:
         return None

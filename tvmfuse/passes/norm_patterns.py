@@ -63,11 +63,14 @@ def _layer_norm_pattern():
     square = is_op("relax.power")(centered, two) | is_op("relax.multiply")(centered, centered)
     var = is_op("relax.mean")(square)
     var_eps = _commutative("relax.add", var, eps)
-    normed = (is_op("relax.divide")(again, is_op("relax.sqrt")(var_eps))
-              | _commutative("relax.multiply", again, is_op("relax.rsqrt")(var_eps)))
+    one = is_const()
+    sqrt = is_op("relax.sqrt")(var_eps)
+    inv = is_op("relax.rsqrt")(var_eps) | is_op("relax.divide")(one, sqrt)  # ONNX: 1 / sqrt
+    normed = is_op("relax.divide")(again, sqrt) | _commutative("relax.multiply", again, inv)
     scaled = _commutative("relax.multiply", normed, gamma)
     out = _commutative("relax.add", scaled, beta) | scaled
-    return out, dict(x=x, gamma=gamma, beta=beta, eps=eps, two=two, mu=mu, var=var, square=square)
+    return out, dict(x=x, gamma=gamma, beta=beta, eps=eps, two=two, mu=mu, var=var, square=square,
+                     one=one)
 
 
 def _softmax_pattern():
@@ -157,6 +160,8 @@ def _rewrite_layer_norm(func: relax.Function) -> relax.Function:
         if not all(_reduces_last_keepdims(m[p[k]], len(shape)) for k in ("mu", "var")):
             return expr
         if m[p["square"]].op.name == "relax.power" and scalar_value(m[p["two"]]) != 2:
+            return expr
+        if p["one"] in m and scalar_value(m[p["one"]]) != 1:
             return expr
         eps = scalar_value(m[p["eps"]])
         if eps is None:
