@@ -96,3 +96,25 @@ def test_cuda_target_folds_both_norms():
     assert "R.nn.layer_norm" not in script and "R.nn.rms_norm" not in script
     assert {"layer_norm_stats", "rms_norm_stats"} <= _names(cuda)
     tvm.ir.assert_structural_equal(cuda, cpu)
+
+
+def test_norm_through_two_reshapes_folds():
+    """``layer_norm(x) → reshape (identity) → reshape (2-D) → matmul``, as the legacy ONNX exporter
+    writes GPTBigCode's last norm before the LM head: it folds like one reshape (was a kernel of
+    its own)."""
+    rng = np.random.default_rng(0)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 32), "float32"))
+    g, b = (relax.const(rng.standard_normal(32).astype("float32")) for _ in range(2))
+    w = relax.const(rng.standard_normal((32, 16)).astype("float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            normed = bb.emit(relax.op.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-5))
+            same = bb.emit(relax.op.reshape(normed, (1, 8, 32)))
+            flat = bb.emit(relax.op.reshape(same, (8, 32)))
+            out = bb.emit_output(relax.op.matmul(flat, w))
+        bb.emit_func_output(out)
+    before = bb.get()
+    after = NormGemmPrologue()(before)
+    assert "R.nn.layer_norm" not in after.script() and "layer_norm_stats" in _names(after)
+    assert_same_numerics(before, after, rtol=1e-5)

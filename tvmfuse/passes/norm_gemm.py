@@ -73,8 +73,9 @@ class _NormGemm(PyExprMutator):
         or, for a half-precision norm computed in fp32, ``[reshape](astype(norm(astype(x, f32)),
         dtype(x)))``: then x is the half tensor (the statistics upcast it themselves)."""
         bound, new_shape = self._bound(expr), None
-        if _is_op(bound, "relax.reshape"):
-            new_shape, bound = bound.args[1], self._bound(bound.args[0])
+        while _is_op(bound, "relax.reshape"):  # reshape(reshape(y, s1), s2) is reshape(y, s2)
+            new_shape = bound.args[1] if new_shape is None else new_shape
+            bound = self._bound(bound.args[0])
         down = None
         if _is_op(bound, "relax.astype"):
             down, bound = str(bound.attrs.dtype), self._bound(bound.args[0])
@@ -156,14 +157,16 @@ class _NormGemm(PyExprMutator):
 
 def _only_matmul_lhs(var, users: dict, outputs: set, steps: tuple[str, ...] = ("astype", "reshape")) -> bool:
     """Every use of ``var`` is a matmul's first operand, through at most one cast back to half
-    precision and then at most one reshape (``steps``: the views still allowed, in order)."""
+    precision and then reshapes (``steps``: the views still allowed, in order; the legacy ONNX
+    exporter writes an identity reshape before the 2-D one)."""
     if var in outputs or not users.get(var):
         return False
     for user_var, call, i in users[var]:
         if _is_op(call, "relax.matmul") and i == 0:
             continue
         passed = next((k for k, step in enumerate(steps) if _is_op(call, f"relax.{step}")), None)
-        if passed is not None and _only_matmul_lhs(user_var, users, outputs, steps[passed + 1:]):
+        rest = None if passed is None else steps[passed + (steps[passed] != "reshape"):]
+        if rest is not None and _only_matmul_lhs(user_var, users, outputs, rest):
             continue
         return False
     return True
