@@ -64,24 +64,42 @@ def test_family_report_and_cpu_logits(name):
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
-def test_falcon_onnx_dynamo_matches_onnxruntime(tmp_path):
-    """transformers' Falcon (new decoder architecture) exported by the dynamo ONNX exporter:
-    DuplicateGathers dropped a gathered tensor that a slice still read ("Var lv33 is not defined"
-    at codegen); now the cpu build matches onnxruntime."""
+
+def _onnx_model(name: str) -> torch.nn.Module:
+    T = transformers
+    torch.manual_seed(0)
+    if name == "falcon":
+        return T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=256,
+            ffn_hidden_size=128)).eval()
+    return T.GPTBigCodeForCausalLM(T.GPTBigCodeConfig(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=256,
+        multi_query=True)).eval()
+
+
+@pytest.mark.parametrize("name", ["falcon", "gpt_bigcode"])
+def test_onnx_dynamo_export(name, tmp_path):
+    """The dynamo ONNX exports of two families the ONNX survey broke on (session 21):
+    * Falcon (new decoder architecture): DuplicateGathers dropped a gathered tensor that a slice
+      still read ("Var lv33 is not defined" at codegen);
+    * GPTBigCode: Kᵀ of the repeated KV head is a 5-D swap between broadcast_to and reshape, so
+      the attention was left unfused ("keys repeated 1x but values 4x"; 26 kernels).
+    Now: the cpu build matches onnxruntime, and the sm90 report has one attention a layer."""
     ort = pytest.importorskip("onnxruntime")
     from tests.test_llm_import_lm import _export_onnx
+    from tvmfuse.frontend import import_model, input_overrides
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
 
-    torch.manual_seed(0)
-    cfg = transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_kv_heads=2,
-                                    new_decoder_architecture=True, max_position_embeddings=256,
-                                    ffn_hidden_size=128)
-    model = transformers.FalconForCausalLM(cfg).eval()
-    path = tmp_path / "falcon.onnx"
-    _export_onnx(model, "dynamo", path)
+    path = tmp_path / f"{name}.onnx"
+    _export_onnx(_onnx_model(name), "dynamo", path)
     ids = np.random.default_rng(0).integers(0, 128, (1, 32)).astype(np.int64)
     sess = ort.InferenceSession(str(path))
     want = sess.run(None, {sess.get_inputs()[0].name: ids})[0]
-    lib = tvmfuse.compile(str(path), target="cpu", inputs=["input_ids:1x32"])
-    got = np.asarray(lib.load()(ids))
+    spec = ["input_ids:1x32"]
+    got = np.asarray(tvmfuse.compile(str(path), target="cpu", inputs=spec).load()(ids))
     assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    mod = import_model(str(path), overrides=input_overrides(spec)).mod
+    names = [k["name"] for k in analyze(mod, get_target("sm90"), stock=False)["kernels"]]
+    assert sum(n == "attention" for n in names) == 2, names

@@ -389,6 +389,14 @@ class _Matcher:
                 new[1 + axes[1]], new[1 + axes[2]] = labels[2], labels[3]
                 labels, src = new, inner.args[0]
                 shape = shape[:2] + static_shape(src)[1:]
+            elif (_op(inner) == "relax.permute_dims" and s is not None and len(s) == 5
+                  and inner.attrs.axes is not None
+                  and [int(a) for a in inner.attrs.axes] == [0, 1, 2, 4, 3] and s[-2:] == shape[-2:]):
+                # Kᵀ of repeated KV heads as the dynamo ONNX exporter writes it (GPTBigCode):
+                # broadcast_to (B, Hkv, n, S, D) → a 5-D swap of the last two axes → reshape; the
+                # swap commutes with the leading axes the reshape merges
+                labels = labels[:2] + [labels[3], labels[2]]
+                src, shape = inner.args[0], shape[:2] + [shape[3], shape[2]]
             else:
                 break
         if static_shape(src) == shape:
