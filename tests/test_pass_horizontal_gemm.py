@@ -100,6 +100,13 @@ def test_outputs_meeting_in_an_epilogue_stay_separate():
     tvm.ir.assert_structural_equal(HorizontalGemm()(before), before)
 
 
+def _attention_on(bb: relax.BlockBuilder, x: relax.Var) -> relax.Expr:
+    """``attention(q, k, v)`` with Q, K, V each only a projection of x reshaped to 4-D."""
+    qkv = [bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(x, relax.const(w))), (1, 4, 2, 4)))
+           for w in (WK, WV, WK)]
+    return relax.op.nn.attention(*qkv)
+
+
 def _bert_like() -> tvm.IRModule:
     """Q, K, V each only reshaped into the attention call (their slices are packed for it later
     by PackAttentionInputs, so merging them saves two GEMM launches)."""
@@ -107,10 +114,7 @@ def _bert_like() -> tvm.IRModule:
     x = relax.Var("x", relax.TensorType((4, 16), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            qkv = [bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(x, relax.const(w))),
-                                            (1, 4, 2, 4)))
-                   for w in (WK, WV, WK)]
-            out = bb.emit_output(relax.op.nn.attention(*qkv))
+            out = bb.emit_output(_attention_on(bb, x))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -134,10 +138,7 @@ def _parallel_mlp() -> tvm.IRModule:
     x = relax.Var("x", relax.TensorType((4, 16), "float32"))
     with bb.function("main", [x]):
         with bb.dataflow():
-            qkv = [bb.emit(relax.op.reshape(bb.emit(relax.op.matmul(x, relax.const(w))),
-                                            (1, 4, 2, 4)))
-                   for w in (WK, WV, WK)]
-            attn = bb.emit(relax.op.reshape(relax.op.nn.attention(*qkv), (4, 8)))
+            attn = bb.emit(relax.op.reshape(_attention_on(bb, x), (4, 8)))
             fc = bb.emit(relax.op.add(bb.emit(relax.op.matmul(x, relax.const(WQ))), relax.const(BQ)))
             act = bb.emit(relax.op.nn.gelu(bb.emit(relax.op.reshape(fc, (1, 4, 16)))))
             out = bb.emit_output(relax.op.add(relax.op.reshape(act, (4, 16)),

@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable
 
 import tvm_ffi
-from tvm import relax
+from tvm import relax, tirx
 
 _ACCUMULATE = {"float16": "float32", "bfloat16": "float32", "float32": "float32"}
 
@@ -73,11 +73,9 @@ def _cumsum(node, importer) -> relax.Var:
 
 def _same_dim(a, b) -> bool:
     """Two shape entries (ints or PrimExprs) are the same dim, compared without ``==`` on Exprs."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
+    a, b = (int(d.value) if isinstance(d, tirx.IntImm) else d for d in (a, b))
     if isinstance(a, int) or isinstance(b, int):
-        value = a if isinstance(b, int) else b
-        return getattr(value, "value", None) == (b if isinstance(b, int) else a)
+        return isinstance(a, int) and isinstance(b, int) and a == b
     return bool(tvm_ffi.structural_equal(a, b))
 
 

@@ -242,6 +242,11 @@ def _evaluate(expr: relax.Expr, deps: list[relax.Var], table: dict) -> np.ndarra
     return vm["main"]().numpy()
 
 
+# ops between Q·Kᵀ and the softmax that the score walk passes through (scales, masks, casts)
+_SCORE_PATH = ("relax.add", "relax.multiply", "relax.divide", "relax.where", "relax.astype",
+               "relax.subtract")
+
+
 class _Matcher:
     """Matches one attention candidate anchored at the P·V product."""
 
@@ -444,8 +449,7 @@ class _Matcher:
             return True
         value = self.fn.value(expr)
         op = _op(value)
-        if depth == 0 or op not in ("relax.add", "relax.multiply", "relax.divide", "relax.where",
-                                    "relax.astype", "relax.subtract"):
+        if depth == 0 or op not in _SCORE_PATH:
             return False
         return any(self._leads_to_scores(a, depth - 1) for a in value.args)
 
@@ -456,8 +460,7 @@ class _Matcher:
         op = _op(value)
         if depth == 0 or op is None or self.matmul4(expr) is not None:
             return None
-        if op not in ("relax.add", "relax.multiply", "relax.divide", "relax.where", "relax.astype",
-                      "relax.subtract"):
+        if op not in _SCORE_PATH:
             return op
         found = [self._blocker(a, depth - 1) for a in value.args if isinstance(a, relax.Expr)]
         return next((f for f in found if f not in (None, "relax.full", "relax.arange")), None)

@@ -72,13 +72,13 @@ def _groups(func: relax.Function) -> list[list[_Member]]:
         reach = [_elementwise_reach(m.out_var, bound, users) for m in members]
         # Outputs that meet in an elementwise op (SwiGLU's silu(gate)·up) are already one kernel:
         # FuseOps makes the second GEMM's epilogue read the first's output. A wide GEMM would
-        # write both halves to HBM and need an extra elementwise kernel to combine them.
-        members = [m for i, m in enumerate(members)
-                   if not any(reach[i] & reach[j] for j in range(len(members)) if j != i)]
-        # An output with an activation of its own (GPT-J / GPT-NeoX's parallel MLP: fc_in beside
+        # write both halves to HBM and need an extra elementwise kernel to combine them. And an
+        # output with an activation of its own (GPT-J / GPT-NeoX's parallel MLP: fc_in beside
         # Q/K/V, then bias + GELU) keeps its GEMM, whose epilogue takes the activation: a wide GEMM
         # has one epilogue, and its slice would go through the activation in a kernel of its own.
-        members = [m for m in members if not _activated(m.out_var, bound, users)]
+        members = [m for i, m in enumerate(members)
+                   if not any(bound[u].op.name in _ACTIVATIONS for u in reach[i])
+                   and not any(reach[i] & reach[j] for j in range(len(members)) if j != i)]
         if len(members) >= 2:
             groups.append(members)
     return groups
@@ -111,27 +111,10 @@ def _feeds_only_opaque(var: relax.Var, bound: dict, users: dict, depth: int = 4)
     return True
 
 
-_ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.astype",
-                "relax.nn.silu", "relax.sigmoid", "relax.nn.gelu", "relax.nn.gelu_tanh",
-                "relax.nn.relu", "relax.tanh", "relax.exp", "relax.power", "relax.maximum",
-                "relax.minimum", "relax.erf"}
-
-
 _ACTIVATIONS = {"relax.nn.silu", "relax.sigmoid", "relax.nn.gelu", "relax.nn.gelu_tanh",
                 "relax.nn.relu", "relax.tanh", "relax.exp", "relax.power", "relax.erf"}
-
-
-def _activated(var: relax.Var, bound: dict, users: dict, depth: int = 8) -> bool:
-    """An activation among the ops ``var`` reaches through elementwise ops and views (what its
-    GEMM's own epilogue would take)."""
-    frontier = [var]
-    for _ in range(depth):
-        frontier = [u for v in frontier for u in users.get(v, [])
-                    if isinstance(bound[u], relax.Call) and isinstance(bound[u].op, tvm.ir.Op)
-                    and bound[u].op.name in _ELEMENTWISE | _VIEWS]
-        if any(bound[u].op.name in _ACTIVATIONS for u in frontier):
-            return True
-    return False
+_ELEMENTWISE = {"relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.astype",
+                "relax.maximum", "relax.minimum"} | _ACTIVATIONS
 
 
 def _elementwise_reach(var: relax.Var, bound: dict, users: dict, depth: int = 8) -> set:

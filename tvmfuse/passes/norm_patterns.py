@@ -33,6 +33,15 @@ def _commutative(op: str, a, b):
     return is_op(op)(a, b) | is_op(op)(b, a)
 
 
+def _over_sqrt(x, var_eps):
+    """``x / sqrt(v)``, ``x · rsqrt(v)`` or ``x · (1 / sqrt(v))`` (ONNX's Reciprocal of Sqrt):
+    (the pattern, the constant that must be 1)."""
+    one = is_const()
+    sqrt = is_op("relax.sqrt")(var_eps)
+    inv = is_op("relax.rsqrt")(var_eps) | is_op("relax.divide")(one, sqrt)
+    return _commutative("relax.multiply", x, inv) | is_op("relax.divide")(x, sqrt), one
+
+
 def _rms_norm_pattern():
     # In fp16/bf16, HF upcasts first (torch.export may spell ``x.float()`` twice: one cast for the
     # square, one for the product) and multiplies by the weight after the cast back (Llama, T5) or
@@ -42,11 +51,7 @@ def _rms_norm_pattern():
     xs, xm = up_sq | x0, up_mul | x0
     square = is_op("relax.power")(xs, two) | is_op("relax.multiply")(xs, xs)
     mean = is_op("relax.mean")(square)
-    var_eps = _commutative("relax.add", mean, eps)
-    sqrt = is_op("relax.sqrt")(var_eps)
-    one = is_const()
-    inv = is_op("relax.rsqrt")(var_eps) | is_op("relax.divide")(one, sqrt)
-    normed = _commutative("relax.multiply", xm, inv) | is_op("relax.divide")(xm, sqrt)
+    normed, one = _over_sqrt(xm, _commutative("relax.add", mean, eps))
     down = is_op("relax.astype")(normed)
     out = _commutative("relax.multiply", down | normed, w)
     return out, dict(x=x0, up_sq=up_sq, up_mul=up_mul, down=down, w=w, eps=eps, two=two, mean=mean,
@@ -62,11 +67,7 @@ def _layer_norm_pattern():
     centered, again = is_op("relax.subtract")(x, mu), is_op("relax.subtract")(x, mu)
     square = is_op("relax.power")(centered, two) | is_op("relax.multiply")(centered, centered)
     var = is_op("relax.mean")(square)
-    var_eps = _commutative("relax.add", var, eps)
-    one = is_const()
-    sqrt = is_op("relax.sqrt")(var_eps)
-    inv = is_op("relax.rsqrt")(var_eps) | is_op("relax.divide")(one, sqrt)  # ONNX: 1 / sqrt
-    normed = is_op("relax.divide")(again, sqrt) | _commutative("relax.multiply", again, inv)
+    normed, one = _over_sqrt(again, _commutative("relax.add", var, eps))
     scaled = _commutative("relax.multiply", normed, gamma)
     out = _commutative("relax.add", scaled, beta) | scaled
     return out, dict(x=x, gamma=gamma, beta=beta, eps=eps, two=two, mu=mu, var=var, square=square,

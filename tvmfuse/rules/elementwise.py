@@ -385,9 +385,7 @@ def _vector_value(block: s_tir.SBlock, lanes: int, params: set) -> tirx.PrimExpr
 
     try:
         value = visit(store.value)
-    except _Scalar:
-        return None
-    except UnknownExpr:  # a kind the rebuild does not know, in a condition
+    except (_Scalar, UnknownExpr):  # (UnknownExpr: a kind rebuild does not know, in a condition)
         return None
     return value if gathers else None
 

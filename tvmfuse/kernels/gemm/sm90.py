@@ -458,6 +458,33 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         body(ti, m0, n0)
 
             wg = tx // 128
+
+            @T.inline
+            def row_add(acc, o, x8):
+                # the 8 halves of x8 into a row's sums at acc[o:]: LayerNorm s1 += Σ(x − c),
+                # s2 += Σ(x − c)² with the shift c = acc[o + 2]; RMSNorm s2 += Σx² (module doc)
+                for v in T.unroll(8):
+                    if centered:
+                        acc[o] = acc[o] + (T.Cast("float32", x8[v]) - acc[o + 2])
+                        acc[o + 1] = acc[o + 1] + (T.Cast("float32", x8[v]) - acc[o + 2]) * (
+                            T.Cast("float32", x8[v]) - acc[o + 2])
+                    else:
+                        acc[o + 1] = acc[o + 1] + T.Cast("float32", x8[v]) * T.Cast(
+                            "float32", x8[v])
+
+            @T.inline
+            def row_finish(acc, o):
+                # a row's sums at acc[o:] → acc[o] = mean, acc[o + 1] = rstd (module doc)
+                if centered:
+                    if pad_f != 0:  # TMA's zero columns: P terms (0 − c) and (0 − c)² came in
+                        acc[o] = acc[o] + T.float32(pad_f) * acc[o + 2]
+                        acc[o + 1] = acc[o + 1] - T.float32(pad_f) * acc[o + 2] * acc[o + 2]
+                    acc[o] = acc[o] / T.float32(k_f)  # mean − c
+                    acc[o + 1] = T.rsqrt(T.max(acc[o + 1] / T.float32(k_f) - acc[o] * acc[o],
+                                               T.float32(0)) + T.float32(eps))
+                    acc[o] = acc[o] + acc[o + 2]
+                else:
+                    acc[o + 1] = T.rsqrt(acc[o + 1] / T.float32(k_f) + T.float32(eps))
             if tx == 0:
                 # the descriptors' first TMA use would fetch them from the kernel parameters
                 T.ptx.prefetch.tensormap(T.address_of(A_map))
@@ -529,32 +556,11 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                 # physical chunk q ^ (row % 8): 8 consecutive rows, 8 bank groups
                                 xs[T.Ramp(0, 1, 8)] = smem[T.Ramp(
                                     row_at + T.bitwise_xor(q, st % 8) * 8, 1, 8)]
-                                for v in T.unroll(8):
-                                    if centered:
-                                        ssum[i * 3] = ssum[i * 3] + (
-                                            T.Cast("float32", xs[v]) - ssum[i * 3 + 2])
-                                        ssum[i * 3 + 1] = ssum[i * 3 + 1] + (
-                                            T.Cast("float32", xs[v]) - ssum[i * 3 + 2]) * (
-                                            T.Cast("float32", xs[v]) - ssum[i * 3 + 2])
-                                    else:
-                                        ssum[i * 3 + 1] = ssum[i * 3 + 1] + T.Cast(
-                                            "float32", xs[v]) * T.Cast("float32", xs[v])
+                                row_add(ssum, i * 3, xs)
                         T.ptx.mbarrier.arrive.shared.b64(
                             T.cuda.cvta_generic_to_shared(empty.ptr_to([s])))
                     for i in T.unroll(stat_rows):
-                        if centered:
-                            if pad_f != 0:  # TMA's zero columns: P terms (0 − c), (0 − c)²
-                                ssum[i * 3] = ssum[i * 3] + T.float32(pad_f) * ssum[i * 3 + 2]
-                                ssum[i * 3 + 1] = ssum[i * 3 + 1] - T.float32(pad_f) * ssum[
-                                    i * 3 + 2] * ssum[i * 3 + 2]
-                            ssum[i * 3] = ssum[i * 3] / T.float32(k_f)  # mean − c
-                            ssum[i * 3 + 1] = T.rsqrt(T.max(
-                                ssum[i * 3 + 1] / T.float32(k_f) - ssum[i * 3] * ssum[i * 3],
-                                T.float32(0)) + T.float32(eps))
-                            ssum[i * 3] = ssum[i * 3] + ssum[i * 3 + 2]
-                        else:
-                            ssum[i * 3 + 1] = T.rsqrt(ssum[i * 3 + 1] / T.float32(k_f)
-                                                      + T.float32(eps))
+                        row_finish(ssum, i * 3)
                     if ti > 0:  # the consumers have read the previous tile's
                         T.cuda.mbarrier_wait(sbar.ptr_to([1]), (ti - 1) % 2)
                     for i in T.unroll(stat_rows):
@@ -637,14 +643,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     for q in T.unroll(4):
                         xv[T.Ramp(0, 1, 8)] = smem[T.Ramp(stage_row(s, wg, tx) + T.bitwise_xor(
                             (tx % 2) * 4 + q, ((tx % 128) // 2) % 8) * 8, 1, 8)]
-                        for v in T.unroll(8):
-                            if centered:
-                                rsum[0] = rsum[0] + (T.Cast("float32", xv[v]) - rsum[2])
-                                rsum[1] = rsum[1] + (T.Cast("float32", xv[v]) - rsum[2]) * (
-                                    T.Cast("float32", xv[v]) - rsum[2])
-                            else:
-                                rsum[1] = rsum[1] + T.Cast("float32", xv[v]) * T.Cast(
-                                    "float32", xv[v])
+                        row_add(rsum, 0, xv)
 
                 @T.inline
                 def stats_finish():
@@ -654,16 +653,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     if centered:
                         rsum[0] = rsum[0] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), rsum[0], 1, 32)
                     rsum[1] = rsum[1] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), rsum[1], 1, 32)
-                    if centered:
-                        if pad_f != 0:  # TMA's zero columns: P terms (0 − c) and (0 − c)² came in
-                            rsum[0] = rsum[0] + T.float32(pad_f) * rsum[2]
-                            rsum[1] = rsum[1] - T.float32(pad_f) * rsum[2] * rsum[2]
-                        rsum[0] = rsum[0] / T.float32(k_f)  # mean − c
-                        rsum[1] = T.rsqrt(T.max(rsum[1] / T.float32(k_f) - rsum[0] * rsum[0],
-                                                T.float32(0)) + T.float32(eps))
-                        rsum[0] = rsum[0] + rsum[2]
-                    else:
-                        rsum[1] = T.rsqrt(rsum[1] / T.float32(k_f) + T.float32(eps))
+                    row_finish(rsum, 0)
                     for h in T.unroll(2):
                         if centered:
                             rstat[h * 2] = T.cuda.__shfl_sync(T.uint32(_ALL_LANES), rsum[0],
