@@ -169,3 +169,53 @@ def test_elementwise_variants(variant, shape, tmp_path):
     with torch.no_grad():
         ref = BenchChain()(*[e.double() for e in inputs])
     assert rel_err(model(*inputs), ref) <= TOL["float16"]
+
+
+class RopePack(nn.Module):
+    """An LLM prefill's q / k / v out of one QKV projection, RoPE'd by rotate-half and packed flat:
+    ``concat(rot(q), rot(k), v)`` (the kernel before the attention). ``shift`` > 0 starts every
+    slice that many columns later, so no 16-byte vector of a slice is aligned."""
+
+    def __init__(self, heads: int = 4, kv_heads: int = 2, dim: int = 128, shift: int = 0):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim, self.shift = heads, kv_heads, dim, shift
+
+    def forward(self, qkv, cos, sin):
+        s, d = qkv.shape[0], self.dim
+
+        def piece(start: int, n: int):
+            return qkv[:, self.shift + start:self.shift + start + n * d].reshape(s, n, d)
+
+        def rot(x):
+            lo, hi = x.chunk(2, dim=-1)
+            return x * cos[:, None] + torch.cat([-hi, lo], dim=-1) * sin[:, None]
+
+        q = rot(piece(0, self.heads))
+        k = rot(piece(self.heads * d, self.kv_heads))
+        v = piece((self.heads + self.kv_heads) * d, self.kv_heads)
+        return torch.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1)])
+
+
+def rope_pack_case(shift: int) -> tuple[RopePack, tuple[torch.Tensor, ...]]:
+    gen = torch.Generator().manual_seed(5)
+    module = RopePack(shift=shift)
+    width = (module.heads + 2 * module.kv_heads) * module.dim + shift
+    return module, tuple(torch.randn(*s, generator=gen).half()
+                         for s in [(64, width), (64, module.dim), (64, module.dim)])
+
+
+@pytest.mark.parametrize("shift", [0, 3])
+@pytest.mark.parametrize("gathers", [True, False])
+def test_rope_pack_gathers(shift, gathers, tmp_path):
+    """RoPE + pack written as a torch module: the elementwise kernel's gathers (slices,
+    concatenations, rotate-half) as 16-byte vectors where aligned and per element where not or
+    with ``elementwise_vector_gathers`` off (which loads are vectors:
+    ``test_schedules_memory_bound.test_torch_rope_pack_gathers``); equal to torch in float64."""
+    module, example = rope_pack_case(shift)
+    lib = tvmfuse.compile(module, example, target="sm90",
+                          options=Options(elementwise_vector_gathers=gathers))
+    model = tvmfuse.load(lib.export(tmp_path / "rope.so"), device="cuda")
+    inputs = [x.cuda() for x in example]
+    with torch.no_grad():
+        ref = module(*[x.double() for x in inputs])
+    assert rel_err(model(*inputs), ref) <= TOL["float16"]

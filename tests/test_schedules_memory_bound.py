@@ -573,3 +573,21 @@ def test_gathers_option():
     assert Elementwise().config.vector_gathers
     with use_options(Options(elementwise_vector_gathers=False)):
         assert not Elementwise().config.vector_gathers
+
+
+@pytest.mark.parametrize("shift, gathers", [(0, True), (0, False), (3, True)])
+def test_torch_rope_pack_gathers(shift, gathers):
+    """The pack written as a torch module (``test_gpu_memory_bound.RopePack``) is one elementwise
+    kernel whose qkv, cos and sin loads are 16-byte vectors when its slices are aligned and the
+    option is on, and per element otherwise (its GPU numerics: ``test_rope_pack_gathers``)."""
+    pytest.importorskip("torch")
+    import tvmfuse
+    from tests.test_gpu_memory_bound import rope_pack_case
+
+    module, example = rope_pack_case(shift)
+    lib = tvmfuse.compile(module, example, target="sm90",
+                          options=Options(elementwise_vector_gathers=gathers))
+    source = cuda_source(lib.executable)
+    assert len(set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))) == 1
+    vectors = set(re.findall(r"\*\(uint4\*\)\((\w+) \+", source))
+    assert ({"qkv_ptr", "cos_ptr", "sin_ptr"} <= vectors) == (gathers and shift == 0), vectors

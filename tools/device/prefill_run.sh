@@ -7,6 +7,8 @@
 # Steps (results under $OUT/<step>.json, logs $OUT/<step>.log, each under its own time limit):
 #   tests   pytest -m gpu: the sm90 GEMM epilogues (vector operands, every M bucket), the row
 #           statistics by consumers and by the producer's warps, elementwise gathers, Bloom's ALiBi (~400 s)
+#   ptests  the same GPU tests and the compile_lm / greedy ones in 6 concurrent pytest processes
+#           (16 CPU cores compile while the GPU checks; for correctness only, nothing timed) (~250 s)
 #   lm      bench_llama_lm: the default build and one variant per unmeasured switch, same process
 #           (2-byte epilogue operands, statistics warps, per-element gathers)          (~300 s)
 #   split   kernel_times llama_lm --anchor compile: per-kernel split vs torch.compile    (~150 s)
@@ -19,11 +21,19 @@ for s in "$@"; do
              tests/test_schedule_gemm_sm90.py tests/test_schedule_gemm_sm90_buckets.py \
              tests/test_schedule_gemm_sm90_stats.py tests/test_gpu_memory_bound.py \
              tests/test_pass_attention_forms.py -k "not sliding_window" ;;
+    ptests) gpu_test() { local name=$1; shift; step "$name" 330 python3 -m pytest -q -m gpu -p no:cacheprovider "$@" & }
+            gpu_test t_stats_warps tests/test_schedule_gemm_sm90_stats.py -k stats_warps
+            gpu_test t_stats tests/test_schedule_gemm_sm90_stats.py -k "not stats_warps"
+            gpu_test t_gemm tests/test_schedule_gemm_sm90.py tests/test_schedule_gemm_sm90_buckets.py
+            gpu_test t_attention tests/test_pass_attention_forms.py -k "not sliding_window"
+            gpu_test t_memory tests/test_gpu_memory_bound.py -k "rope_pack or matches_torch"
+            gpu_test t_llm tests/test_llm_compile_lm.py tests/test_llm_greedy.py
+            wait ;;
     lm) step lm 560 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" \
           --variant scalar=sm90_vector_operands:False --variant warps=sm90_stats_warps:True \
           --variant nogather=elementwise_vector_gathers:False ;;
     split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --out "$OUT/sdpa.json" ;;
-    *) echo "unknown step $s (tests lm split sdpa)"; exit 2 ;;
+    *) echo "unknown step $s (tests ptests lm split sdpa)"; exit 2 ;;
   esac
 done
