@@ -591,3 +591,32 @@ def test_torch_rope_pack_gathers(shift, gathers):
     assert len(set(re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source))) == 1
     vectors = set(re.findall(r"\*\(uint4\*\)\((\w+) \+", source))
     assert ({"qkv_ptr", "cos_ptr", "sin_ptr"} <= vectors) == (gathers and shift == 0), vectors
+
+
+# ---------------------------------------------------------------------------------------------
+# a norm reading a slice of a wider tensor (passes/norm_input_copies.py, row_norm inline_copies)
+
+
+@pytest.mark.parametrize("start, vectors", [(16, True), (3, False)])
+def test_norm_of_a_slice(start, vectors, tmp_path):
+    """Qwen3's per-head norm of the QKV output's q columns, fused with its slice and reshape:
+    the rule inlines the copies and reads ``x[s, start + h·D + d]`` itself — as 16-byte vectors
+    into a register tile where each row's start is a multiple of 8 halves, else per element —
+    and computes what the unscheduled function does, bit for bit (thread bindings as loops)."""
+    from tests.test_pass_norm_input_copies import qk_norm_module
+    from tvmfuse.passes.norm_input_copies import NormInputCopies
+
+    mod = relax.transform.FuseTIR()(relax.transform.FuseOps()(NormInputCopies()(
+        qk_norm_module(start=start, width=4 * 16 + 8))))
+    func = mod["fused_strided_slice_reshape_rms_norm"]
+    sch = _schedule(func)
+    scheduled = sch.mod["main"]
+    assert scheduled.attrs[RULE_ATTR] == "row_norm"
+    rng = np.random.default_rng(4)
+    args = [rng.standard_normal([int(d) for d in p.shape]).astype("float16") for p in func.params]
+    np.testing.assert_array_equal(_run_llvm(_serial(scheduled), args), _run_llvm(func, args))
+    target = SM90.tvm_target()
+    kernel = scheduled.with_attr("global_symbol", "main").with_attr("target", target)
+    source = tvm.tirx.build(tvm.IRModule({"main": kernel}), target=target).imports[0].inspect_source()
+    loaded = set(re.findall(r"\*\(uint4\*\)\((\w+) \+", source))
+    assert ("x_ptr" in loaded) == vectors, loaded

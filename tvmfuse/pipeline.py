@@ -40,6 +40,7 @@ from .passes.duplicate_gathers import DuplicateGathers
 from .passes.fold_weight_transposes import FoldWeightTransposes
 from .passes.legalize_fixes import legalize_overrides
 from .passes.lift_weights import LiftWeights, lift_threshold
+from .passes.norm_input_copies import NormInputCopies
 from .passes.order_symbolic_defs import OrderSymbolicDefs
 from .passes.pair_gemm import PairGemm
 from .passes.unit_k_matmul import UnitKMatmul
@@ -192,6 +193,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # A gather read by several elementwise kernels (RoPE's cos/sin, every layer) is copied per
         # reader, so FuseOps fuses each copy instead of launching the gather alone.
         mod = run("duplicate_gathers", DuplicateGathers(), mod)
+        # A norm of a slice (Qwen3's q / k norms of the QKV GEMM's output) takes the slice into
+        # its kernel: FuseOps would leave the slice a copy kernel of its own.
+        mod = run("norm_input_copies", NormInputCopies(), mod)
         mod = run("fold_constants", relax.transform.FoldConstant(), mod)
         mod = run("fuse_ops", relax.transform.FuseOps(), mod)
         # FuseOps may call a group before the match_cast defining a data-dependent dim it uses.

@@ -218,3 +218,18 @@ def bound_value(mutator, expr: relax.Expr) -> relax.Expr:
         value = mutator.lookup_binding(expr)
         return expr if value is None else value
     return expr
+
+
+def call_tir_args(value: relax.Expr) -> list | None:
+    """The argument list of a ``call_tir`` (None for anything else)."""
+    if (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
+            and value.op.name == "relax.call_tir" and isinstance(value.args[1], relax.Tuple)):
+        return list(value.args[1].fields)
+    return None
+
+
+def with_call_tir_args(call: relax.Call, args: list, callee: tvm.ir.GlobalVar | None = None
+                       ) -> relax.Call:
+    """``call`` (a call_tir) with its argument tuple replaced, and its callee when given."""
+    return relax.Call(call.op, [callee or call.args[0], relax.Tuple(args), *call.args[2:]],
+                      call.attrs, call.ty_args, ret_ty=call.ty)

@@ -28,6 +28,7 @@ import math
 import tvm
 from tvm import relax, tirx
 
+from ._util import call_tir_args, with_call_tir_args
 from .gather_pattern import INJECTIVE, is_gather
 
 _ELEMENTWISE_MAX = 1  # kElemWise 0, kBroadcast 1
@@ -41,14 +42,6 @@ def _small(var: relax.Var) -> bool:
     if dims is None or not all(isinstance(d, tirx.IntImm) for d in dims):
         return False
     return math.prod(int(d) for d in dims) * tvm.DataType(str(var.ty.dtype)).bits // 8 <= MAX_BYTES
-
-
-def _call_tir_args(value: relax.Expr) -> list | None:
-    """The argument list of a ``call_tir`` (None for anything else)."""
-    if (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)
-            and value.op.name == "relax.call_tir" and isinstance(value.args[1], relax.Tuple)):
-        return list(value.args[1].fields)
-    return None
 
 
 def _pattern_at_most(mod: tvm.IRModule, call: relax.Expr, most: int) -> bool:
@@ -65,7 +58,7 @@ def _chains(mod: tvm.IRModule, bindings: list, gathers: set, outside: set) -> di
     each reading only the previous one (other arguments are not variables)."""
     chains: dict = {}
     for b in bindings:
-        args = _call_tir_args(b.value)
+        args = call_tir_args(b.value)
         if args is None or b.var in outside:
             continue
         if b.value.args[0] in gathers and _small(b.var):
@@ -97,7 +90,7 @@ def _duplicate_block(mod: tvm.IRModule, block: relax.DataflowBlock, gathers: set
         inner = all(len(readers.get(b.var, [])) == 1 and readers[b.var][0].var.same_as(nxt.var)
                     for b, nxt in zip(chain, chain[1:]))
         outer = readers.get(var, [])
-        elementwise = [_call_tir_args(r.value) is not None
+        elementwise = [call_tir_args(r.value) is not None
                        and _pattern_at_most(mod, r.value, _ELEMENTWISE_MAX) for r in outer]
         if inner and len(outer) >= 2 and all(elementwise):
             ends[var] = chain
@@ -109,7 +102,7 @@ def _duplicate_block(mod: tvm.IRModule, block: relax.DataflowBlock, gathers: set
     for b in bindings:
         if b.var in copied:
             continue  # each reader gets its copy below
-        args = _call_tir_args(b.value)
+        args = call_tir_args(b.value)
         if args is None or not any(a in ends for a in args):
             out.append(b)
             continue
@@ -120,19 +113,13 @@ def _duplicate_block(mod: tvm.IRModule, block: relax.DataflowBlock, gathers: set
                 for link in ends[a]:
                     value = link.value
                     if prev:  # the link reads the previous link's copy
-                        value = _with_args(value, [prev.get(x, x) for x in _call_tir_args(value)])
+                        value = with_call_tir_args(value, [prev.get(x, x) for x in call_tir_args(value)])
                     new = relax.DataflowVar(f"{link.var.name}_dup", link.var.ty)
                     out.append(relax.VarBinding(new, value))
                     prev = {link.var: new}
                 copies[a] = prev[a]
-        out.append(relax.VarBinding(b.var, _with_args(b.value, [copies.get(a, a) for a in args])))
+        out.append(relax.VarBinding(b.var, with_call_tir_args(b.value, [copies.get(a, a) for a in args])))
     return relax.DataflowBlock(out)
-
-
-def _with_args(call: relax.Call, args: list) -> relax.Call:
-    """``call`` (a call_tir) with its argument tuple replaced."""
-    return relax.Call(call.op, [call.args[0], relax.Tuple(args), *call.args[2:]], call.attrs,
-                      call.ty_args, ret_ty=call.ty)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.DuplicateGathers")

@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from ..attrs import RULE_ATTR
-from ..kernels.tir_util import const_int, dtype_bytes
+from ..kernels.tir_util import UnknownExpr, const_int, dtype_bytes, dtype_of, is_copy, substitute
 from .elementwise import VECTOR_BYTES, vector_copy
 
 NAME = "row_norm"
@@ -173,16 +174,17 @@ def _block_kind(sch: s_tir.Schedule, block, shape: _Shape) -> str | None:
     return shape.kind(_ints([iv.dom.extent for iv in stmt.iter_vars]), kinds)
 
 
-def _inline(sch: s_tir.Schedule, shape: _Shape, params: set) -> bool:
-    """Inline every rows × cols and cols-only spatial block except the last and the ones worth
-    keeping in registers; False when one cannot be inlined (then this is not our shape)."""
+def _inline(sch: s_tir.Schedule, shape: _Shape, params: set, keep: set[str]) -> bool:
+    """Inline every rows × cols and cols-only spatial block except the last, the ones worth
+    keeping in registers and the ``keep`` ones (register tiles of :func:`_reindex_tiles`); False
+    when one cannot be inlined (then this is not our shape)."""
     root = sch.get_sblock("root")
     changed = True
     while changed:
         changed = False
         for block in sch.get_child_blocks(root)[:-1]:
             kind = _block_kind(sch, block, shape)
-            if kind not in ("row", "col"):
+            if kind not in ("row", "col") or sch.get(block).name_hint in keep:
                 continue
             if any(w.source in params for w in sch.get(block).writes):
                 return False  # a second output
@@ -195,6 +197,96 @@ def _inline(sch: s_tir.Schedule, shape: _Shape, params: set) -> bool:
             changed = True
             break
     return True
+
+
+def inline_copies(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its data-movement blocks inlined into their readers: a norm fused with the
+    slice and reshape that made its input (Qwen3's per-head q / k norms of the QKV GEMM's output,
+    ``passes/norm_input_copies.py``) reads that output directly, ``x[t, a + h·D + d]``. The same
+    ``func`` when it has no such block."""
+    sch = s_tir.Schedule(func)
+    params = set(func.params)
+    changed = True
+    inlined = False
+    while changed:
+        changed = False
+        for block in sch.get_child_blocks(sch.get_sblock("root"))[:-1]:
+            stmt = sch.get(block)
+            if not is_copy(stmt) or any(w.source in params for w in stmt.writes):
+                continue
+            try:
+                sch.compute_inline(block)
+            except s_tir.ScheduleError:
+                continue
+            changed = inlined = True
+            break
+    return sch.mod["main"] if inlined else func
+
+
+def _flat_index(region, buffer) -> tirx.PrimExpr | None:
+    """Row-major element offset of a point access (None for a region wider than one point)."""
+    if any(const_int(r.extent) != 1 for r in region):
+        return None
+    offset = tirx.const(0, "int64")
+    for rng, dim in zip(region, buffer.shape):
+        offset = offset * tirx.Cast("int64", dim) + tirx.Cast("int64", rng.min)
+    return offset
+
+
+def _reindex_tiles(sch: s_tir.Schedule, shape: _Shape, params: set) -> set[str]:
+    """Register tiles for inputs read at a merged index (``x[t, a + h·D + d]`` after
+    :func:`inline_copies`), which ``cache_read`` cannot lay out per row: their one reader's read
+    becomes a copy block into a (rows × cols) buffer (``reindex``) that is scheduled like the
+    ``cache_read`` tiles, 16-byte vectors in. Taken when the offset is ``base + d`` with ``d``
+    the one column iterator and ``base`` a multiple of 16 bytes for every row (so each vector is
+    one aligned load); returns the copy blocks' names."""
+    if len(shape.cols) != 1:
+        return set()
+    names = set()
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        stmt = sch.get(block)
+        if _block_kind(sch, block, shape) != "row":
+            continue
+        for index, region in enumerate(stmt.reads):
+            buffer = region.source
+            if buffer not in params or _region_roles(stmt, region.region, buffer, shape) is not None:
+                continue
+            if _reindex_offset_aligned(stmt, region, shape) and _read_once(sch, buffer):
+                copy = sch.reindex(block, ("read", index))
+                sch.set_scope(copy, 0, "local")
+                names.add(sch.get(copy).name_hint)
+                break
+    return names
+
+
+def _read_once(sch: s_tir.Schedule, buffer) -> bool:
+    """True when one block of the function reads ``buffer`` (``reindex`` copies one reader's)."""
+    readers = [b for b in sch.get_child_blocks(sch.get_sblock("root"))
+               if any(r.source.same_as(buffer) for r in sch.get(b).reads)]
+    return len(readers) == 1
+
+
+def _reindex_offset_aligned(stmt, region, shape: _Shape) -> bool:
+    """The access's flat offset is ``base + d`` (``d`` the column iterator, ``base`` free of it)
+    with ``base`` a multiple of one 16-byte vector."""
+    offset = _flat_index(region.region, region.source)
+    roles = shape.iter_roles(stmt)
+    cols = [iv for iv, r in zip(stmt.iter_vars, roles) if r[0] == "col"]
+    if offset is None or len(cols) != 1:
+        return False
+    analyzer = tvm.sym.Analyzer()
+    for iv in stmt.iter_vars:
+        analyzer.bind(iv.var, iv.dom)
+    col = cols[0].var
+    zero = tirx.const(0, dtype_of(col))
+    try:
+        base = substitute(offset, [(col, zero)])
+    except UnknownExpr:
+        return False
+    if not analyzer.can_prove_equal(offset - base, tirx.Cast("int64", col)):
+        return False
+    lanes = VECTOR_BYTES // dtype_bytes(region.source)
+    return analyzer.can_prove_equal(tirx.floormod(base, lanes), tirx.const(0, "int64"))
 
 
 def _keep_in_registers(sch: s_tir.Schedule, block, shape: _Shape) -> bool:
@@ -342,6 +434,7 @@ class RowNorm(GPUScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
         try:
+            func = inline_copies(func)
             shape = _analyse(s_tir.Schedule(func))
             return None if shape is None else self._schedule(func, shape)
         except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
@@ -351,7 +444,8 @@ class RowNorm(GPUScheduleRule):
     def _schedule(self, func: tirx.PrimFunc, shape: _Shape) -> s_tir.Schedule | None:
         params = set(func.params)
         sch = s_tir.Schedule(func)
-        if not _inline(sch, shape, params):
+        copies = _reindex_tiles(sch, shape, params)
+        if not _inline(sch, shape, params, copies):
             return None
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         kinds = [_block_kind(sch, b, shape) for b in blocks]
@@ -417,7 +511,8 @@ class RowNorm(GPUScheduleRule):
                 written = stmt.writes[0].source
                 sch.transform_layout(block, ("write", 0), _index_map(
                     write_roles[i], shape, t_row, vec, _dtype(written.shape)))
-            role[stmt.name_hint] = "compute" if kind == "row" else kind
+            role[stmt.name_hint] = ("copy" if stmt.name_hint in copies else
+                                    "compute" if kind == "row" else kind)
         # Simplify the (j·TV + t·V + v) // TV … indices so buffer compaction sees the tiles.
         sch = s_tir.Schedule(s_tir.transform.StmtSimplify()(sch.mod))
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
