@@ -110,3 +110,22 @@ def test_onnx_dynamo_export(name, tmp_path):
     mod = import_model(str(path), overrides=input_overrides(spec)).mod
     names = [k["name"] for k in analyze(mod, get_target("sm90"), stock=False)["kernels"]]
     assert sum(n == "attention" for n in names) == 2, names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_gpu_qk_norm_families(name, tmp_path):
+    """On the H200: Qwen3 / OLMo2 in fp16 (head dim 64, the q / k norms fused with their slices
+    of the QKV GEMM's output) against the float64 model."""
+    from tests.cuda_tools import check_vs_float64
+
+    config = dict(COMMON, hidden_size=256, intermediate_size=512)
+    T = transformers
+    torch.manual_seed(0)
+    if name == "qwen3":
+        model = T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=64, **config))
+    else:
+        model = T.Olmo2ForCausalLM(T.Olmo2Config(**config, pad_token_id=0, eos_token_id=1,
+                                                 bos_token_id=1))
+    ids = torch.randint(0, 128, (1, 256))
+    check_vs_float64(Logits(model.eval().half()), (ids,), "sm90", tmp_path, 1e-2)

@@ -283,3 +283,23 @@ def test_full_tiles_store_without_guards(m, n, fast_only, quad):
     guarded = standalone(p, GemmConfig(unguarded_full_tiles=False, quad_store=quad)).script()
     assert guarded.count(store) == 1 and guard in guarded
     assert not any(ln.strip().startswith(("if m0 + ", "if n0 + ")) for ln in guarded.splitlines())
+
+
+@pytest.mark.parametrize("stats", [None, "consumers", "warps"])
+def test_cluster_ctas_drain_their_stages_before_exit(stats, monkeypatch):
+    """A CTA of a cluster pair exits only after the release of every stage it loaded (its peer's
+    consumers arrive on its ``empty`` barriers remotely): after the TMA thread's loop, one wait
+    per stage — whoever computes the row statistics. Without it the H200 reported "unspecified
+    launch failure" (session 22: the wait had moved under the statistics warps' branch)."""
+    import tvm
+
+    from tvmfuse.kernels.gemm.sm90 import RowStats
+
+    monkeypatch.setenv("TVM_COMPILE_FORCE_FALLBACK", "1")
+    cfg = GemmConfig(cluster_m=2, stats_warps=stats == "warps")
+    func = standalone(GemmProblem(2048, 512, 2048, "bfloat16", "bfloat16", "nt"), cfg,
+                      None if stats is None else RowStats(False, 1e-5))
+    src = tvm.compile(tvm.IRModule({"main": func}), target=get_target("sm90").tvm_target(),
+                      tir_pipeline="tirx").mod.imports[0].inspect_source()
+    loop_waits = 1  # the producer's wait for a free stage inside its loop
+    assert src.count("mbarrier_wait((&(empty_ptr[") == loop_waits + cfg.stages, stats

@@ -174,7 +174,8 @@ def _block_kind(sch: s_tir.Schedule, block, shape: _Shape) -> str | None:
     return shape.kind(_ints([iv.dom.extent for iv in stmt.iter_vars]), kinds)
 
 
-def _inline(sch: s_tir.Schedule, shape: _Shape, params: set, keep: set[str]) -> bool:
+def _inline(sch: s_tir.Schedule, shape: _Shape, params: set,
+            keep: frozenset[str] | set[str] = frozenset()) -> bool:
     """Inline every rows × cols and cols-only spatial block except the last, the ones worth
     keeping in registers and the ``keep`` ones (register tiles of :func:`_reindex_tiles`); False
     when one cannot be inlined (then this is not our shape)."""

@@ -570,9 +570,6 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
                 if tx == 0:
                     tile_loop(produce, False)
-                if by_warps:
-                    if tx >= WG - STATS_THREADS:
-                        tile_loop(stats_produce, False)
                     if cl > 1 and not cfg.exit_cluster_sync:
                         # No CTA may exit while its peer can still arrive on its barriers: the
                         # peer's consumers free this CTA's stages remotely. Wait for the release
@@ -586,6 +583,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                             if issued > s:
                                 T.cuda.mbarrier_wait(empty.ptr_to([s]), (
                                     (s + (issued - 1 - s) // stages * stages) // stages) % 2)
+                if by_warps and tx >= WG - STATS_THREADS:
+                    tile_loop(stats_produce, False)
             else:
                 T.ptx["setmaxnreg.inc.sync.aligned.u32"](cfg.consumer_regs)
                 acc = T.alloc_buffer((acc_n * sub,), "float32", scope="local")
