@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -309,11 +310,13 @@ def baselines(
     warmup: int = 10,
     iters: int = 50,
     device: str | None = None,
+    callables: dict[str, Callable[..., Any]] | None = None,
 ) -> dict[str, Any]:
     """Median ms of ``fn_eager(*inputs)`` (``torch_eager_ms``), of ``torch.compile(fn_eager)``
     (``torch_compile_ms``, default mode, warmed up) and of each ``extra`` callable (its key, e.g.
     ``cublas_ms``). A failing baseline is ``None`` and its error goes under ``"errors"``;
-    ``"torch_compile_s"`` is the first compiled call's wall time.
+    ``"torch_compile_s"`` is the first compiled call's wall time. ``callables`` (when given)
+    receives each timed baseline's function under its key, for :func:`interleaved`.
     """
     device = device or default_device()
     result: dict[str, Any] = {"torch_eager_ms": None, "torch_compile_ms": None}
@@ -322,6 +325,8 @@ def baselines(
     def measure(key: str, fn: Callable[..., Any]) -> None:
         try:
             result[key] = time_ms(lambda: fn(*inputs), warmup, iters, device)
+            if callables is not None:
+                callables[key] = fn
         except Exception as err:  # a baseline failing must not stop the run
             errors[key.removesuffix("_ms")] = short_error(err)
 
@@ -469,11 +474,15 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
         except Exception as err:
             notes.append(f"tvmfuse run failed: {short_error(err)}")
             log(notes[-1])
+    # --rounds keeps the builds for the interleaved timing; else they go before the baselines
+    kept = ({"tvmfuse": fn} if fn is not None else {}) | {
+        n: f for n, (_, f) in built.items() if f is not None} if getattr(opts, "rounds", 0) else {}
     del fn
     variants = _time_variants(built, opts, inputs, ref, wl.dtype, log)
     del ref, built
 
-    base = baselines(eager, inputs, extra=wl.extra, use_compile=not opts.no_compile,
+    timed: dict[str, Callable[..., Any]] = {}
+    base = baselines(eager, inputs, extra=wl.extra, use_compile=not opts.no_compile, callables=timed,
                      warmup=opts.warmup, iters=opts.iters, device=opts.device)
     if "torch_compile_s" in base:
         row["torch_compile_s"] = base.pop("torch_compile_s")
@@ -490,6 +499,15 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
                         for k, b in base.items()}
     if variants:
         row["variants"] = variants
+    if kept:
+        fns = kept | {k.removesuffix("_ms"): f for k, f in timed.items()}
+        runs = interleaved({n: (lambda f=f: f(*inputs)) for n, f in fns.items()}, opts.rounds,
+                           opts.warmup, opts.iters, opts.device)
+        medians = {n: float(np.median(v)) for n, v in runs.items()}
+        row["interleaved"] = {"rounds": runs, "median_ms": medians, "speedup": {
+            n: {b: _sig(medians[b] / medians[n]) for b in medians if b.startswith("torch_")}
+            for n in medians if not n.startswith("torch_")}}
+        log("interleaved medians " + ", ".join(f"{n} {m:.4f}" for n, m in medians.items()))
     log("baselines " + ", ".join(f"{k} {_fmt_ms(v)}" for k, v in base.items()))
     first = [k for k in ROW_KEYS if k in row]
     return {k: row[k] for k in first} | {k: v for k, v in row.items() if k not in first}
@@ -506,6 +524,9 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
         key, sep, value = item.partition(":")
         if not sep:
             raise SystemExit(f"--variant {text!r}: {item!r} is not FIELD:VALUE")
+        if value in ("True", "False", "None"):  # Python spellings: "False" would be a truthy str
+            out[key] = {"True": True, "False": False, "None": None}[value]
+            continue
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -532,6 +553,19 @@ def _compile_variants(wl: Workload, opts: argparse.Namespace, log: Callable[[str
             log(f"variant {name}: {entry['notes']}")
         built[name] = (entry, fn)
     return built
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int, warmup: int, iters: int,
+                device: str) -> dict[str, list[float]]:
+    """Median ms of each ``fns`` entry in each of ``rounds`` rounds, every entry timed once a
+    round in turn (A B C A B C …): a drift of the GPU over the run (clocks, temperature) then
+    reaches every entry alike instead of the ones timed last."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                out[name].append(time_ms(fn, warmup, iters, device))
+    return out
 
 
 def _time_variants(built: dict[str, tuple[dict[str, Any], Callable[..., Any] | None]],
@@ -582,6 +616,9 @@ def parser(description: str | None) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=10, help="untimed iterations (default 10)")
     p.add_argument("--dry-run", action="store_true", help="same as --device cpu")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="then time the build, its variants and the baselines again in this many "
+                        "interleaved rounds (A B C A B C …; medians under 'interleaved')")
     p.add_argument("--out", help="results JSON file (a bench script appends its rows to it)")
     p.add_argument("--workdir", help="where the .so files go (default: a temporary directory)")
     p.add_argument("--variant", action="append", metavar="NAME=FIELD:VALUE[,...]",

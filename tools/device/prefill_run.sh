@@ -30,8 +30,8 @@ for s in "$@"; do
             gpu_test t_llm tests/test_llm_compile_lm.py tests/test_llm_greedy.py
             wait ;;
     lm) step lm 560 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" \
-          --variant scalar=sm90_vector_operands:False --variant warps=sm90_stats_warps:True \
-          --variant nogather=elementwise_vector_gathers:False ;;
+          --rounds 5 --variant scalar=sm90_vector_operands:false --variant warps=sm90_stats_warps:true \
+          --variant nogather=elementwise_vector_gathers:false ;;
     split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --out "$OUT/sdpa.json" ;;
     *) echo "unknown step $s (tests ptests lm split sdpa)"; exit 2 ;;
