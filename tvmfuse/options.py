@@ -47,7 +47,8 @@ class Options:
     sm90_in_loop_stats_always: bool = False
     # ... summed by two warps of the producer warpgroup (GemmConfig.stats_warps), not by the
     # consumers between their wgmmas; then the consumers' main loop costs nothing extra, so every
-    # GEMM that can takes them (no cost estimate). Off until timed on the H200
+    # GEMM that can takes them (no cost estimate). Off: slower on the H200 (session 22, the
+    # 4-layer LM's prefill, 5 interleaved rounds: 1.703 ms with it vs 1.538; numerics pass)
     sm90_stats_warps: bool = False
     # gemm_row_stats_simt: the statistics move into the fp32 SIMT GEMMs that read them
     simt_in_loop_stats: bool = True
@@ -107,13 +108,15 @@ class Options:
     # Off: no faster on the H200 (session 19, same process each): the 4-layer LM's prefill 1.660
     # ms with it vs 1.622, a 2-layer hidden-256 LM at 128 tokens 0.495 vs 0.502
     cuda_graph: bool = False
-    # gemm_sm90: GemmConfig.vector_operands for every kernel (residual / bias as 16-byte loads)
+    # gemm_sm90: GemmConfig.vector_operands for every kernel (residual / bias as 16-byte loads);
+    # the 4-layer LM's prefill 1.538 ms with them vs 1.592 (session 22, interleaved rounds)
     sm90_vector_operands: bool = True
     # elementwise: the named ElementwiseConfig (schedules/elementwise.py VARIANTS)
     elementwise_variant: str = "v2_rows_erf"
     # elementwise: loads the vector copies cannot take (offset slices, concatenations, RoPE's
     # rotate-half) as 16-byte vectors where the branches are the same for a vector's lanes and
-    # the math is 16-bit (ElementwiseConfig.vector_gathers); off: one 2-byte load per element
+    # the math is 16-bit (ElementwiseConfig.vector_gathers); off: one 2-byte load per element.
+    # The 4-layer LM's prefill 1.538 ms with them vs 1.585 (session 22, interleaved rounds)
     elementwise_vector_gathers: bool = True
     # sliding-window attention on CUDA targets: the window kernels (flash sm90a / sm80, split-KV
     # decode), numerics checked on the H200 (session 8). Off: on CUDA targets a proved band stays
