@@ -9,10 +9,11 @@
 #           statistics by consumers and by the producer's warps, elementwise gathers, Bloom's ALiBi (~400 s)
 #   ptests  the same GPU tests and the compile_lm / greedy ones in 6 concurrent pytest processes
 #           (16 CPU cores compile while the GPU checks; for correctness only, nothing timed) (~250 s)
-#   lm      bench_llama_lm: the default build and one variant per unmeasured switch, same process
-#           (2-byte epilogue operands, statistics warps, per-element gathers)          (~300 s)
+#   lm      bench_llama_lm: the default build, eager and torch.compile in 7 interleaved rounds
+#           (add --variant NAME=FIELD:VALUE for an A/B in the same rounds)             (~120 s)
 #   split   kernel_times llama_lm --anchor compile: per-kernel split vs torch.compile    (~150 s)
-#   sdpa    bench_attention_forms --no-compile: hand-written causal and SDPA from (B, H, S, D) (~120 s)
+#   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
+#           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
 
 for s in "$@"; do
@@ -29,11 +30,9 @@ for s in "$@"; do
             gpu_test t_memory tests/test_gpu_memory_bound.py -k "rope_pack or matches_torch"
             gpu_test t_llm tests/test_llm_compile_lm.py tests/test_llm_greedy.py
             wait ;;
-    lm) step lm 560 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" \
-          --rounds 5 --variant scalar=sm90_vector_operands:false --variant warps=sm90_stats_warps:true \
-          --variant nogather=elementwise_vector_gathers:false ;;
+    lm) step lm 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" --rounds 7 ;;
     split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;
-    sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --out "$OUT/sdpa.json" ;;
+    sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
     *) echo "unknown step $s (tests ptests lm split sdpa)"; exit 2 ;;
   esac
 done
