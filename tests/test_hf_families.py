@@ -37,6 +37,8 @@ def _model(name: str) -> torch.nn.Module:
     if name == "olmo2":  # q / k RMSNorms over all heads, norms after attention and MLP
         return T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON, pad_token_id=0, eos_token_id=1,
                                                 bos_token_id=1))
+    if name == "gemma3":  # q / k norms after the head transpose, (1 + w) norms, sliding layers
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(head_dim=16, sliding_window=16, **COMMON))
     if name == "gptj":
         return T.GPTJForCausalLM(T.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
                                               n_inner=128, n_positions=256, rotary_dim=8))
@@ -47,9 +49,10 @@ def _model(name: str) -> torch.nn.Module:
 
 
 # kernels on sm90 (fp16) today; stock TVM's counts for the same graphs were 57, 50, 46, 44.
-# Qwen3 / OLMo2: each q / k norm fused with the slice it reads (passes/norm_input_copies.py;
-# 22 and 26 before)
-KERNELS = {"cohere": 14, "starcoder2": 14, "gptj": 16, "opt": 15, "qwen3": 18, "olmo2": 22}
+# Qwen3 / OLMo2 / Gemma-3: each q / k norm fused with the slice it reads
+# (passes/norm_input_copies.py; 22, 26 and 26 before)
+KERNELS = {"cohere": 14, "starcoder2": 14, "gptj": 16, "opt": 15, "qwen3": 18, "olmo2": 22,
+           "gemma3": 22}
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))

@@ -28,6 +28,9 @@ def qk_norm_module(reader: str = "transpose", start: int = D, dtype: str = "floa
             n = bb.emit(op.nn.rms_norm(bb.emit(op.reshape(q, (1, S, H, D))), w, axes=[-1]))
             if reader == "add":
                 out = bb.emit(op.add(n, n))
+            elif reader == "rope":  # Gemma-3: x·cos beside a rotate-half slice of the norm
+                half = bb.emit(op.strided_slice(n, [3], [D // 2], [D]))
+                out = bb.emit(op.add(op.multiply(n, n), op.concat([half, half], axis=3)))
             else:
                 out = bb.emit(op.permute_dims(n, [0, 2, 1, 3]))
             if reader == "shared":
@@ -69,6 +72,18 @@ def test_left_alone_with_an_elementwise_reader():
     """An elementwise reader already fuses into the norm: a reduction would lose it."""
     before = qk_norm_module("add")
     tvm.ir.assert_structural_equal(apply_pass(NormInputCopies(), before), before)
+
+
+def test_elementwise_beside_an_injective_reader():
+    """RoPE after the norm (x·cos and a rotate-half slice): the multiply does not fuse into the
+    norm either way, so the slice chain goes in."""
+    before = qk_norm_module("rope")
+    after = apply_pass(NormInputCopies(), before)
+    patterns = _patterns(after)
+    assert patterns["rms_norm"] == 3 and patterns["strided_slice"] == 1, patterns
+    names = [b.value.args[0].name_hint for b in _fused(after)["main"].body.blocks[0].bindings]
+    assert names[0] == "fused_strided_slice_reshape_rms_norm", names
+    assert_same_numerics(before, _fused(after), rtol=1e-3)
 
 
 def test_a_slice_read_elsewhere_stays_a_copy():

@@ -14,8 +14,9 @@ rule then inlines the copies (``rules/row_norm.py`` ``inline_copies``) and reads
 ``qkv[t, a + h·D + d]`` with 16-byte vectors.
 
 Taken when every link of the chain is data movement only (each block a plain copy) and read by
-the next link alone, and no reader of the norm is an elementwise or broadcast kernel (that one
-would fuse into the norm as kOutEWiseFusable, not into a reduction). Other callers of the same
+the next link alone, and not every reader of the norm is an elementwise or broadcast kernel
+(those would fuse into the norm as kOutEWiseFusable, not into a reduction; beside an injective
+reader, such as RoPE's slices after Gemma-3's norms, they do not fuse either way). Other callers of the same
 PrimFuncs keep their marks. Runs after ``AnnotateTIROpPattern``, before ``FuseOps``.
 """
 
@@ -72,8 +73,9 @@ class _Marks:
             if args is None or not _NORM.fullmatch(value.args[0].name_hint) \
                     or _pattern(self.mod[value.args[0]]) != OUT_ELEMWISE:
                 continue
-            if any(self._elementwise(bound.get(u)) for u in users.get(var, [])):
-                continue  # an elementwise reader fuses into the norm as it is
+            readers = users.get(var, [])
+            if readers and all(self._elementwise(bound.get(u)) for u in readers):
+                continue  # elementwise readers alone fuse into the norm as it is
             chain, x = [], args[0]
             while (x in bound and call_tir_args(bound[x]) is not None and users.get(x) == [
                     chain[-1] if chain else var] and _pattern(self.mod[bound[x].args[0]]) == INJECTIVE
