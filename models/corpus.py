@@ -26,6 +26,7 @@ from torch import nn
 
 B, H, HKV, S, D = 1, 2, 2, 24, 16
 HIDDEN, OUT = 64, 96
+HEAD_DIM = 16  # QKNorm's heads
 HALF = torch.float16
 
 
@@ -315,6 +316,30 @@ class NormLinear(nn.Module):
         return y + x.repeat(1, 1, 2)[..., :OUT] if self.residual else y
 
 
+class QKNorm(nn.Module):
+    """Qwen3's attention inputs: one QKV Linear, then RMSNorm over each head of q and of k (the
+    LlamaRMSNorm spelling, over the head dim), heads transposed; q, k, v flattened together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
+        self.wq = nn.Parameter(torch.randn(HEAD_DIM) * 0.1 + 1.0)
+        self.wk = nn.Parameter(torch.randn(HEAD_DIM) * 0.1 + 1.0)
+
+    @staticmethod
+    def _norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return w * h.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(HIDDEN, dim=-1)
+        heads = (*x.shape[:-1], HIDDEN // HEAD_DIM, HEAD_DIM)
+        q = self._norm(q.view(heads), self.wq).transpose(1, 2)
+        k = self._norm(k.view(heads), self.wk).transpose(1, 2)
+        return torch.cat([q.flatten(), k.flatten(), v.view(heads).transpose(1, 2).flatten()])
+
+
 def _x(dtype: torch.dtype = HALF) -> tuple[torch.Tensor]:
     return (_rand(1, S, HIDDEN, dtype=dtype),)
 
@@ -443,6 +468,7 @@ FORMULATIONS: list[Formulation] = [
     _f("layernorm_module_linear", "norm", _mod(NormLinear("nn_layernorm"))),
     _f("layernorm_fp32_linear", "norm", _mod(NormLinear("nn_layernorm"), torch.float32)),
     _f("layernorm_no_bias_upcast_linear", "norm", _mod(NormLinear("cohere"))),
+    _f("rmsnorm_per_head_qk", "norm", _mod(QKNorm())),
     _f("rmsnorm_fp32_module_as_fp16", "norm", _mod(NormLinear("llama"), torch.float32), dtype="float16"),
     _f("onnx_dynamo_rmsnorm_linear", "norm", _mod(NormLinear("llama")), frontend="onnx-dynamo"),
     _f("onnx_legacy_layernorm_linear", "norm", _mod(NormLinear("nn_layernorm")), frontend="onnx-legacy"),
