@@ -1,5 +1,6 @@
 """``--variant NAME=FIELD:VALUE,…`` of the bench scripts (tools/bench/common.py): values are JSON
-literals or else strings, and each names an existing ``tvmfuse.Options`` field."""
+literals (or Python's True / False / None) or else strings, and each names an existing
+``tvmfuse.Options`` field of the type it declares."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def test_parse_variant_rejects_malformed(text):
 def test_parser_takes_repeated_variants():
     args = common.parser(None).parse_args(["--variant", "a=cuda_graph:true", "--variant", "b=x:1"])
     assert args.variant == ["a=cuda_graph:true", "b=x:1"]
+
+
+def test_python_booleans_are_booleans():
+    """``FIELD:False`` is the boolean (the string "False" is truthy: session 22's first A/B timed
+    three identical builds)."""
+    _, fields = common.parse_variant("s=sm90_vector_operands:False,cuda_graph:True")
+    assert fields == {"sm90_vector_operands": False, "cuda_graph": True}
+

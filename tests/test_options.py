@@ -4,11 +4,15 @@ environment switch safe across threads."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import threading
 
+import pytest
+
+from tvmfuse.errors import InputSpecError
 from tvmfuse.options import Options, current_options, use_options
 from tvmfuse.tvm_setup import cuda_source_only
 
@@ -84,3 +88,11 @@ assert (tirx.transform.LowerWarpMemory, s_tir.transform.ThreadSync) == patched
     env = dict(os.environ, PYTHONPATH=ROOT)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_options_reject_a_wrongly_typed_switch():
+    with pytest.raises(InputSpecError, match="sm90_vector_operands must be bool"):
+        Options(sm90_vector_operands="False")
+    with pytest.raises(InputSpecError, match="gemv_max_m must be int"):
+        dataclasses.replace(Options(), gemv_max_m="64")
+    assert Options(programmatic_launch="all", device="h200").device == "h200"

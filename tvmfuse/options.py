@@ -29,7 +29,7 @@ import contextvars
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -128,6 +128,25 @@ class Options:
     device: Any = None
     # exceptions in rules / generators propagate (True) or become recorded fallbacks (False)
     strict: bool = field(default_factory=_strict_from_env)
+
+    def __post_init__(self) -> None:
+        """Each switch must have its declared type: ``Options(cuda_graph="False")`` would
+        otherwise be a truthy string, silently on (a bench variant did this in session 22)."""
+        for f in fields(self):
+            allowed = [_TYPES.get(name.strip()) for name in f.type.split("|")]
+            if None in allowed:  # Any: not checked
+                continue
+            value = getattr(self, f.name)
+            ok = any(type(value) is t for t in allowed) or (
+                float in allowed and type(value) is int)
+            if not ok:
+                from .errors import InputSpecError
+
+                raise InputSpecError(f"Options.{f.name} must be {f.type}, not {value!r} "
+                                     f"({type(value).__name__})")
+
+
+_TYPES = {"bool": bool, "int": int, "str": str, "float": float, "None": type(None)}
 
 
 _CURRENT: contextvars.ContextVar[Options | None] = contextvars.ContextVar(
