@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .errors import InputSpecError
+
 
 def _strict_from_env() -> bool:
     return os.environ.get("TVMFUSE_STRICT", "") not in ("", "0")
@@ -140,8 +142,6 @@ class Options:
             ok = any(type(value) is t for t in allowed) or (
                 float in allowed and type(value) is int)
             if not ok:
-                from .errors import InputSpecError
-
                 raise InputSpecError(f"Options.{f.name} must be {f.type}, not {value!r} "
                                      f"({type(value).__name__})")
 
