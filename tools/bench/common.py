@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -475,8 +474,10 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
             notes.append(f"tvmfuse run failed: {short_error(err)}")
             log(notes[-1])
     # --rounds keeps the builds for the interleaved timing; else they go before the baselines
-    kept = ({"tvmfuse": fn} if fn is not None else {}) | {
-        n: f for n, (_, f) in built.items() if f is not None} if getattr(opts, "rounds", 0) else {}
+    kept: dict[str, Callable[..., Any]] = {}
+    if getattr(opts, "rounds", 0):
+        kept = ({"tvmfuse": fn} if fn is not None else {}) | {
+            n: f for n, (_, f) in built.items() if f is not None}
     del fn
     variants = _time_variants(built, opts, inputs, ref, wl.dtype, log)
     del ref, built
@@ -503,7 +504,7 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
         fns = kept | {k.removesuffix("_ms"): f for k, f in timed.items()}
         runs = interleaved({n: (lambda f=f: f(*inputs)) for n, f in fns.items()}, opts.rounds,
                            opts.warmup, opts.iters, opts.device)
-        medians = {n: float(np.median(v)) for n, v in runs.items()}
+        medians = {n: statistics.median(v) for n, v in runs.items()}
         row["interleaved"] = {"rounds": runs, "median_ms": medians, "speedup": {
             n: {b: _sig(medians[b] / medians[n]) for b in medians if b.startswith("torch_")}
             for n in medians if not n.startswith("torch_")}}

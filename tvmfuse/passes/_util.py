@@ -220,6 +220,13 @@ def bound_value(mutator, expr: relax.Expr) -> relax.Expr:
     return expr
 
 
+def op_pattern(func) -> int | None:
+    """A PrimFunc's ``op_pattern`` annotation (AnnotateTIROpPattern); None where there is none."""
+    if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and "op_pattern" in func.attrs:
+        return int(func.attrs["op_pattern"])
+    return None
+
+
 def call_tir_args(value: relax.Expr) -> list | None:
     """The argument list of a ``call_tir`` (None for anything else)."""
     if (isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op)

@@ -28,7 +28,7 @@ import math
 import tvm
 from tvm import relax, tirx
 
-from ._util import call_tir_args, with_call_tir_args
+from ._util import call_tir_args, op_pattern, with_call_tir_args
 from .gather_pattern import INJECTIVE, is_gather
 
 _ELEMENTWISE_MAX = 1  # kElemWise 0, kBroadcast 1
@@ -48,9 +48,8 @@ def _pattern_at_most(mod: tvm.IRModule, call: relax.Expr, most: int) -> bool:
     callee = call.args[0]
     if not isinstance(callee, tvm.ir.GlobalVar):
         return False
-    func = mod[callee]
-    return (isinstance(func, tirx.PrimFunc) and func.attrs is not None and "op_pattern" in func.attrs
-            and int(func.attrs["op_pattern"]) <= most)
+    pattern = op_pattern(mod[callee])
+    return pattern is not None and pattern <= most
 
 
 def _chains(mod: tvm.IRModule, bindings: list, gathers: set, outside: set) -> dict:
@@ -128,8 +127,7 @@ class DuplicateGathers:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         gathers = {gv for gv, f in mod.functions.items()
-                   if isinstance(f, tirx.PrimFunc) and f.attrs is not None and "op_pattern" in f.attrs
-                   and int(f.attrs["op_pattern"]) == INJECTIVE and is_gather(f)}
+                   if op_pattern(f) == INJECTIVE and is_gather(f)}
         if not gathers:
             return mod
         updates = {}

@@ -16,8 +16,8 @@ rule then inlines the copies (``rules/row_norm.py`` ``inline_copies``) and reads
 Taken when every link of the chain is data movement only (each block a plain copy) and read by
 the next link alone, and not every reader of the norm is an elementwise or broadcast kernel
 (those would fuse into the norm as kOutEWiseFusable, not into a reduction; beside an injective
-reader, such as RoPE's slices after Gemma-3's norms, they do not fuse either way). Other callers of the same
-PrimFuncs keep their marks. Runs after ``AnnotateTIROpPattern``, before ``FuseOps``.
+reader, such as RoPE's slices after Gemma-3's norms, they do not fuse either way). Other
+callers of the same PrimFuncs keep their marks. Runs after ``AnnotateTIROpPattern``, before ``FuseOps``.
 """
 
 from __future__ import annotations
@@ -29,16 +29,11 @@ from tvm import relax, s_tir, tirx
 
 from ..errors import TVM_ERRORS
 from ..kernels.tir_util import is_copy
-from ._util import binding_users, call_tir_args, rewrite_functions, with_call_tir_args
+from ._util import binding_users, call_tir_args, op_pattern, rewrite_functions, with_call_tir_args
+from .gather_pattern import INJECTIVE
 
-BROADCAST, INJECTIVE, REDUCTION, OUT_ELEMWISE = 1, 2, 3, 4
+BROADCAST, REDUCTION, OUT_ELEMWISE = 1, 3, 4  # AnnotateTIROpPattern's kinds
 _NORM = re.compile(r"(rms_norm|layer_norm)\d*")  # the PrimFuncs LegalizeOps makes of R.nn norms
-
-
-def _pattern(func) -> int | None:
-    if isinstance(func, tirx.PrimFunc) and func.attrs is not None and "op_pattern" in func.attrs:
-        return int(func.attrs["op_pattern"])
-    return None
 
 
 def _only_copies(func: tirx.PrimFunc) -> bool:
@@ -71,14 +66,14 @@ class _Marks:
         for var, value in bound.items():
             args = call_tir_args(value)
             if args is None or not _NORM.fullmatch(value.args[0].name_hint) \
-                    or _pattern(self.mod[value.args[0]]) != OUT_ELEMWISE:
+                    or op_pattern(self.mod[value.args[0]]) != OUT_ELEMWISE:
                 continue
             readers = users.get(var, [])
             if readers and all(self._elementwise(bound.get(u)) for u in readers):
                 continue  # elementwise readers alone fuse into the norm as it is
             chain, x = [], args[0]
             while (x in bound and call_tir_args(bound[x]) is not None and users.get(x) == [
-                    chain[-1] if chain else var] and _pattern(self.mod[bound[x].args[0]]) == INJECTIVE
+                    chain[-1] if chain else var] and op_pattern(self.mod[bound[x].args[0]]) == INJECTIVE
                    and _only_copies(self.mod[bound[x].args[0]])):
                 chain.append(x)
                 x = call_tir_args(bound[x])[0]
@@ -90,7 +85,7 @@ class _Marks:
         """A call_tir of an elementwise or broadcast PrimFunc."""
         if value is None or call_tir_args(value) is None:
             return False
-        pattern = _pattern(self.mod[value.args[0]])
+        pattern = op_pattern(self.mod[value.args[0]])
         return pattern is not None and pattern <= BROADCAST
 
     def add_callees(self) -> tvm.IRModule:

@@ -200,17 +200,14 @@ def _inline(sch: s_tir.Schedule, shape: _Shape, params: set,
     return True
 
 
-def inline_copies(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """``func`` with its data-movement blocks inlined into their readers: a norm fused with the
-    slice and reshape that made its input (Qwen3's per-head q / k norms of the QKV GEMM's output,
-    ``passes/norm_input_copies.py``) reads that output directly, ``x[t, a + h·D + d]``. The same
-    ``func`` when it has no such block."""
-    sch = s_tir.Schedule(func)
-    params = set(func.params)
-    changed = True
+def inline_copies(sch: s_tir.Schedule) -> bool:
+    """Inline the data-movement blocks of ``sch`` into their readers: a norm fused with the slice
+    and reshape that made its input (Qwen3's per-head q / k norms of the QKV GEMM's output,
+    ``passes/norm_input_copies.py``) then reads that output directly, ``x[t, a + h·D + d]``.
+    True when a block was inlined."""
+    params = set(sch.mod["main"].params)
     inlined = False
-    while changed:
-        changed = False
+    while True:  # again after each inline: the block list has changed
         for block in sch.get_child_blocks(sch.get_sblock("root"))[:-1]:
             stmt = sch.get(block)
             if not is_copy(stmt) or any(w.source in params for w in stmt.writes):
@@ -219,9 +216,10 @@ def inline_copies(func: tirx.PrimFunc) -> tirx.PrimFunc:
                 sch.compute_inline(block)
             except s_tir.ScheduleError:
                 continue
-            changed = inlined = True
+            inlined = True
             break
-    return sch.mod["main"] if inlined else func
+        else:
+            return inlined
 
 
 def _flat_index(region, buffer) -> tirx.PrimExpr | None:
@@ -435,8 +433,10 @@ class RowNorm(GPUScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
         try:
-            func = inline_copies(func)
-            shape = _analyse(s_tir.Schedule(func))
+            sch = s_tir.Schedule(func)
+            if inline_copies(sch):
+                func = sch.mod["main"]
+            shape = _analyse(sch)
             return None if shape is None else self._schedule(func, shape)
         except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
             # exception is a bug and goes to the fallback point (schedules/fallback.py)
