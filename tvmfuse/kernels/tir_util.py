@@ -85,10 +85,3 @@ def substitute(expr: tirx.PrimExpr, vmap: list[tuple[tirx.Var, tirx.PrimExpr]]) 
 
     return rebuild(expr, post)
 
-
-def is_copy(block) -> bool:
-    """A spatial ``s_tir.SBlock`` storing one load unchanged (a slice, reshape or transpose)."""
-    return (all(iv.iter_type == tirx.IterVar.DataPar for iv in block.iter_vars)
-            and isinstance(block.body, tirx.BufferStore)
-            and isinstance(block.body.value, Load)
-            and block.body.value.source.dtype == block.body.buffer.dtype)

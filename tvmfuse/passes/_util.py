@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..relax_shapes import known_shape, shape_expr, static_shape  # noqa: F401  (re-exported)
@@ -240,3 +240,11 @@ def with_call_tir_args(call: relax.Call, args: list, callee: tvm.ir.GlobalVar | 
     """``call`` (a call_tir) with its argument tuple replaced, and its callee when given."""
     return relax.Call(call.op, [callee or call.args[0], relax.Tuple(args), *call.args[2:]],
                       call.attrs, call.ty_args, ret_ty=call.ty)
+
+
+def is_copy(block) -> bool:
+    """A spatial ``s_tir.SBlock`` storing one load unchanged (a slice, reshape or transpose)."""
+    return (all(iv.iter_type == tirx.IterVar.DataPar for iv in block.iter_vars)
+            and isinstance(block.body, tirx.BufferStore)
+            and isinstance(block.body.value, tvm.ir.TensorLoad)
+            and block.body.value.source.dtype == block.body.buffer.dtype)

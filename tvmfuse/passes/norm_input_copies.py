@@ -28,8 +28,7 @@ import tvm
 from tvm import relax, s_tir, tirx
 
 from ..errors import TVM_ERRORS
-from ..kernels.tir_util import is_copy
-from ._util import binding_users, call_tir_args, op_pattern, rewrite_functions, with_call_tir_args
+from ._util import binding_users, call_tir_args, is_copy, op_pattern, rewrite_functions, with_call_tir_args
 from .gather_pattern import INJECTIVE
 
 BROADCAST, REDUCTION, OUT_ELEMWISE = 1, 3, 4  # AnnotateTIROpPattern's kinds

@@ -51,7 +51,8 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 from ..attrs import RULE_ATTR
-from ..kernels.tir_util import UnknownExpr, const_int, dtype_bytes, dtype_of, is_copy, substitute
+from ..kernels.tir_util import UnknownExpr, const_int, dtype_bytes, dtype_of, substitute
+from ..passes._util import is_copy
 from .elementwise import VECTOR_BYTES, vector_copy
 
 NAME = "row_norm"
