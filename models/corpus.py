@@ -27,6 +27,7 @@ from torch import nn
 B, H, HKV, S, D = 1, 2, 2, 24, 16
 HIDDEN, OUT = 64, 96
 HEAD_DIM = 16  # QKNorm's heads
+VOCAB = 128  # EmbedResidual's table
 HALF = torch.float16
 
 
@@ -340,6 +341,26 @@ class QKNorm(nn.Module):
         return torch.cat([q.flatten(), k.flatten(), v.view(heads).transpose(1, 2).flatten()])
 
 
+class EmbedResidual(nn.Module):
+    """A decoder's residual stream from its embedding: ``x = E[ids]``, ``h = x + W1·rms(x)``,
+    ``W2·rms(h)`` (the LlamaRMSNorm spelling). In an fp32 module compiled with ``--dtype float16``
+    the stream is half only if the gather is (passes/mixed_precision.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norms = nn.ModuleList([NormLinear("llama") for _ in range(2)])
+        self.norms[0].proj = nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        return self.norms[1](x + self.norms[0](x))
+
+
+def _ids(dtype: torch.dtype = HALF) -> tuple[torch.Tensor]:
+    return (torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(0)),)
+
+
 def _x(dtype: torch.dtype = HALF) -> tuple[torch.Tensor]:
     return (_rand(1, S, HIDDEN, dtype=dtype),)
 
@@ -471,6 +492,11 @@ FORMULATIONS: list[Formulation] = [
     _f("rmsnorm_per_head_qk", "norm", _mod(QKNorm())),
     _f("rmsnorm_fp32_module_as_fp16", "norm", _mod(NormLinear("llama"), torch.float32), dtype="float16"),
     _f("onnx_dynamo_rmsnorm_linear", "norm", _mod(NormLinear("llama")), frontend="onnx-dynamo"),
+    _f("rmsnorm_embedding_residual", "norm", _mod(EmbedResidual(), inputs=_ids)),
+    _f("rmsnorm_embedding_residual_fp32_as_fp16", "norm", _mod(EmbedResidual(), torch.float32, _ids),
+       dtype="float16"),
+    _f("onnx_dynamo_embedding_residual_as_fp16", "norm", _mod(EmbedResidual(), torch.float32, _ids),
+       frontend="onnx-dynamo", dtype="float16"),
     _f("onnx_legacy_layernorm_linear", "norm", _mod(NormLinear("nn_layernorm")), frontend="onnx-legacy"),
     # GEMM epilogues
     _f("linear_bias_relu", "gemm_epilogue", _mod(LinearAct("relu"))),

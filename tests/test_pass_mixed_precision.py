@@ -327,3 +327,71 @@ def test_norm_of_half_residual_float16_cpu(norm):
         ref = model(x).numpy().astype(np.float64)
     out = tvmfuse.compile(model, (x,), target="cpu", dtype="float16").load()(x).numpy()
     assert 1e-5 < _rel(out, ref) < 5e-3  # fp16 operands, fp32 accumulation
+
+
+def _gather_module(table: np.ndarray | None) -> tvm.IRModule:
+    """``e = E[ids]; r = e + e·W`` with E a constant (``table``) or a parameter (None)."""
+    bb = relax.BlockBuilder()
+    ids = relax.Var("ids", relax.TensorType((8,), "int64"))
+    params = [ids] if table is not None else [ids, relax.Var("E", relax.TensorType((32, 64), "float32"))]
+    w = np.random.default_rng(1).standard_normal((64, 64)).astype("float32")
+    with bb.function("main", params):
+        with bb.dataflow():
+            e = bb.emit(relax.op.take(relax.const(table) if table is not None else params[1], ids, axis=0))
+            r = bb.emit(relax.op.add(e, bb.emit(relax.op.matmul(e, relax.const(w)))))
+            out = bb.emit_output(relax.op.multiply(r, r))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _dtypes(mod: tvm.IRModule, op: str) -> list[str]:
+    return [str(b.value.ty.dtype) for blk in mod["main"].body.blocks for b in blk.bindings
+            if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == op]
+
+
+@pytest.mark.parametrize("table, half", [("normal", True), ("huge", False), ("param", False)])
+def test_gather_from_a_constant_table_is_half(table, half):
+    """A decoder's residual stream starts at its embedding gather. ToMixedPrecision never narrows
+    ``take``, so ``e + e·W`` stayed fp32 (a cast kernel before each GEMM, fp32 norms and RoPE in every
+    fp32 model under --dtype float16). A constant table within fp16's range is gathered in fp16 and
+    the add follows; a table with values past 65504, or one passed in at run time, stays fp32."""
+    rng = np.random.default_rng(0)
+    values = {"normal": rng.standard_normal((32, 64)).astype("float32"),
+              "huge": np.full((32, 64), 1e5, "float32"), "param": None}[table]
+    with tvm.transform.PassContext(config={"testing.immutable_module": True}):
+        after = MixedPrecision("float16")(_gather_module(values))
+    assert _dtypes(after, "relax.take") == ["float16" if half else "float32"]
+    assert _dtypes(after, "relax.add") == ["float16" if half else "float32"]
+    assert after["main"].ret_ty.dtype == "float32"  # the signature keeps fp32
+
+
+def _stats_module(dtype: str) -> tvm.IRModule:
+    """``s = rms_norm_stats(r)``: Before (fp32 model, ``r = h + h`` of a matmul ``h``) or Expected
+    after MixedPrecision(``dtype``): the statistics are made for the half ``r`` itself."""
+    from tvmfuse.passes.norm_gemm import row_stats_te
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((16, 64), "float32"))
+    w = relax.const(np.random.default_rng(2).standard_normal((64, 64)).astype("float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if dtype:
+                x16 = bb.emit(relax.op.astype(x, dtype))
+                acc = bb.emit(relax.op.matmul(x16, bb.emit(relax.op.astype(w, dtype)), out_dtype="float32"))
+                h = bb.emit(relax.op.astype(acc, dtype))
+            else:
+                h = bb.emit(relax.op.matmul(x, w))
+            r = bb.emit(relax.op.add(h, h))
+            out = bb.emit_output(bb.call_te(row_stats_te, r, 1e-5, False,
+                                            primfunc_name_hint="rms_norm_stats"))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_statistics_read_the_half_tensor():
+    """NormGemmPrologue's statistics call (made before MixedPrecision, pinned to fp32) read
+    ``astype(r, f32)`` of the half residual: an fp32 copy, and a tensor the GEMM that reads ``r``
+    cannot compute the statistics of. They are made again for ``r`` (they upcast each element)."""
+    with tvm.transform.PassContext(config={"testing.immutable_module": True}):
+        after = MixedPrecision("float16")(_stats_module(""))
+    tvm.ir.assert_structural_equal(after, _stats_module("float16"))

@@ -126,7 +126,7 @@ def test_two_chain_tiles_refuse_in_loop_statistics():
 def test_recognises_only_the_statistics_functions():
     from tvm import relax
 
-    from tvmfuse.rules.gemm_sm90_stats import _stats_function
+    from tvmfuse.passes.norm_gemm import stats_function as _stats_function
 
     ty = relax.TensorType((64, 256), "float16")
     assert row_stats_of(_stats_function(ty, 1e-5, True)) == RowStats(True, 1e-5)

@@ -155,8 +155,6 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("horizontal_gemm", HorizontalGemm(), mod)
         # A norm feeding Linear(s) becomes row stats + GEMM epilogue: the normed tensor stays on chip.
         mod = run("norm_gemm_prologue", NormGemmPrologue(), mod)
-        # Stats of gathered embedding rows = gathered stats of the table (needs the stats calls above).
-        mod = run("gather_row_stats", GatherRowStats(), mod)
         # Reshapes between a GEMM and its epilogue move below it, so FuseOps fuses the epilogue.
         mod = run("sink_reshape", SinkReshape(), mod)
         # reshape(reshape(x)) and no-op reshapes that sinking leaves behind collapse to one view.
@@ -164,6 +162,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Precision changes op dtypes, so it runs before anything matches on dtype-specific ops.
         if dtype in ("float16", "bfloat16"):
             mod = run("mixed_precision", MixedPrecision(dtype), mod)
+        # Stats of gathered embedding rows = gathered stats of the table (needs NormGemmPrologue's
+        # stats calls; after mixed precision, which may have made the table half: then it stays).
+        mod = run("gather_row_stats", GatherRowStats(), mod)
         # Gate/up Linears meeting elementwise (SwiGLU) → one interleaved GEMM + pair epilogue, grouped
         # for FuseTIR; after mixed precision (its dtypes are final), before LegalizeOps.
         mod = run("pair_gemm", PairGemm(), mod)

@@ -16,10 +16,11 @@ indices; one kernel writes them into one buffer, read back through views::
     rstd   = ensure_zero_offset(view(packed, (B, S, 1), offset |x| bytes))
 
 The statistics kernel disappears; the gather kernel also writes B·S floats more. Applies to
-single-output statistics PrimFuncs (``rms_norm_stats``) of a gather of a constant 2-D table on
+single-output statistics PrimFuncs (RMSNorm's ``rstd``) of a gather of a constant 2-D table on
 axis 0, or of reshapes of it that keep the rows (torch's embedding gathers on flat ids), when
 ``|x|`` is a multiple of 64 bytes (the views are then copy-free). Sits after NormGemmPrologue,
-which makes the statistics calls.
+which makes the statistics calls, and after MixedPrecision: a table it made half is left alone (the
+packed buffer has one dtype; the GEMM that reads the half rows computes their statistics).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ._util import const_array, is_op, shape_expr, static_shape
+from .norm_gemm import row_stats_params
 
-_STATS = ("rms_norm_stats",)  # NormGemmPrologue's single-output row statistics PrimFuncs
 _ALIGN = 64  # bytes: allocation alignment; ensure_zero_offset is copy-free at such offsets
 
 
@@ -60,8 +61,9 @@ def _matches(mod: tvm.IRModule, value: relax.Expr, bound: dict):
     x = take(E, idx, axis=0) or reshapes of it that keep the rows."""
     if not is_op(value, "relax.call_tir") or not isinstance(value.args[0], tvm.ir.GlobalVar):
         return None
-    if value.args[0].name_hint not in _STATS or len(value.args[1].fields) != 1:
-        return None
+    found = row_stats_params(mod[value.args[0]])
+    if len(value.args[1].fields) != 1 or found is None or found[1]:
+        return None  # NormGemmPrologue's single-output statistics (RMSNorm's rstd) only
     x = value.args[1].fields[0]
     gathered = x
     for _ in range(4):  # torch's embedding: take on flat ids, then reshapes to (B, S, H)

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import relax, te, tirx
+import tvm_ffi
+from tvm import relax, s_tir, te, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
+from tvm.tirx.buffer import BufferType
 
+from ..errors import TVM_ERRORS
 from . import weight_arrays
 from ._util import bound_value, constant_weight, folded_constant, known_shape
 from ._util import is_op as _is_op
@@ -52,6 +55,39 @@ def row_stats_te(x: te.Tensor, eps: float, centered: bool):
     rstd = te.compute((*lead, 1), lambda *i: tirx.rsqrt(s2[i] / tirx.const(int(k), f32)
                                                         + tirx.const(eps, f32)), name="rstd")
     return (mean, rstd) if centered else rstd
+
+
+
+def stats_function(x_ty: relax.TensorType, eps: float, centered: bool) -> tirx.PrimFunc:
+    """The statistics PrimFunc this pass emits for an input of type ``x_ty``."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", x_ty)
+    with bb.function("main", [x]):
+        bb.emit_func_output(bb.emit_te(row_stats_te, x, eps, centered, primfunc_name_hint="stats"))
+    return bb.get()["stats"]
+
+
+def row_stats_params(func: tirx.PrimFunc) -> tuple[float, bool] | None:
+    """``(eps, centered)`` when ``func`` is exactly this pass's statistics PrimFunc of its first
+    parameter (:func:`row_stats_te`: mean and rstd, or rstd), else None."""
+    params = list(func.params)
+    if len(params) not in (2, 3) or not all(isinstance(p.ty, BufferType) for p in params):
+        return None
+    try:  # the value of the block ``rstd``: ``rsqrt(… + eps)``
+        sch = s_tir.Schedule(func)
+        value = sch.get(sch.get_sblock("rstd")).body.value
+    except (*TVM_ERRORS, AttributeError):  # no block ``rstd``, or not a store
+        return None
+    if not (isinstance(value, tvm.ir.Call) and value.op.name == "tirx.rsqrt"
+            and isinstance(value.args[0], tirx.Add) and isinstance(value.args[0].b, tirx.FloatImm)):
+        return None
+    eps = float(value.args[0].b.value)
+    centered = len(params) == 3
+    x_ty = relax.TensorType(list(params[0].shape), str(params[0].dtype))
+    ref = stats_function(x_ty, eps, centered)
+    same = tvm_ffi.structural_equal(tirx.PrimFunc(func.params, func.body),
+                                   tirx.PrimFunc(ref.params, ref.body))
+    return (eps, centered) if same else None
 
 
 @mutator

@@ -32,18 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import tvm
-import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
-from tvm.s_tir import ScheduleError
 from tvm.tirx.buffer import BufferType
 
 from ..attrs import IN_LOOP_ATTR, KEPT_ATTR
 from ..device_props import device_properties
-from ..kernels.gemm.epilogue import NotHandled, analyze, top_blocks
+from ..kernels.gemm.epilogue import NotHandled, analyze
 from ..kernels.gemm.sm90 import RowStats
 from ..options import current_options
-from ..passes.norm_gemm import row_stats_te
+from ..passes.norm_gemm import row_stats_params
 from .gemm_sm90 import InLoopStats, build_kernel, is_sm90a
 from .weight_twins import TransposedTwins
 
@@ -63,28 +61,6 @@ STATS_MIN_S = 1.14e-6
 _CALL_TIR = "relax.call_tir"
 
 
-def _stats_function(x_ty, eps: float, centered: bool) -> tirx.PrimFunc:
-    """The statistics PrimFunc NormGemmPrologue emits for an input of type ``x_ty``."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", x_ty)
-    with bb.function("main", [x]):
-        bb.emit_func_output(bb.emit_te(row_stats_te, x, eps, centered, primfunc_name_hint="stats"))
-    return bb.get()["stats"]
-
-
-def _eps_of(func: tirx.PrimFunc) -> float | None:
-    """The constant ``eps`` of the last block's value ``rsqrt(… + eps)``."""
-    try:
-        _, blocks = top_blocks(func)
-    except ScheduleError:  # no root block (not block-structured): not a statistics function
-        return None
-    value = getattr(blocks[-1][0].body, "value", None) if blocks else None
-    if isinstance(value, tvm.ir.Call) and value.op.name == "tirx.rsqrt" \
-            and isinstance(value.args[0], tirx.Add) and isinstance(value.args[0].b, tirx.FloatImm):
-        return float(value.args[0].b.value)
-    return None
-
-
 def row_stats_of(func: tirx.PrimFunc) -> RowStats | None:
     """What ``func`` computes when it is exactly NormGemmPrologue's statistics function of its
     first parameter (mean and rstd, or rstd), else None."""
@@ -94,15 +70,8 @@ def row_stats_of(func: tirx.PrimFunc) -> RowStats | None:
         return None  # (a scalar parameter: a symbol passed by value, as --dynamic's arange takes)
     if not all(isinstance(d, tirx.IntImm) for d in params[0].shape):
         return None  # symbolic rows: the wgmma GEMM's in-loop statistics need a static M
-    eps = _eps_of(func)
-    if eps is None:
-        return None
-    centered = len(params) == 3
-    x_ty = relax.TensorType([int(d) for d in params[0].shape], str(params[0].dtype))
-    ref = _stats_function(x_ty, eps, centered)
-    same = tvm_ffi.structural_equal(tirx.PrimFunc(func.params, func.body),
-                                    tirx.PrimFunc(ref.params, ref.body))
-    return RowStats(centered, eps) if same else None
+    found = row_stats_params(func)
+    return None if found is None else RowStats(found[1], found[0])
 
 
 @dataclass
