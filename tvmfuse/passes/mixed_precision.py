@@ -47,6 +47,7 @@ from .simplify import drop_noop_casts
 
 _TIR_CALLS = ("relax.call_tir", "relax.call_tir_inplace", "relax.call_dps_packed")
 _FP16_MAX = 65504.0
+_SCALINGS = ("multiply", "divide", "add", "subtract")
 
 
 @mutator
@@ -93,12 +94,17 @@ def _norm_epilogue_ends(mod: tvm.IRModule, func: relax.Function) -> set[relax.Va
             call = bound.get(call.args[0])
         return is_op(call, "relax.matmul") and str(call.attrs.out_dtype) == "float32"
 
-    def only_output(v) -> bool:  # read only by views of the function's result: fp32 stays
+    def toward_output(value) -> bool:  # views, and scalings by constants (Cohere's logit scale)
+        if isinstance(value, relax.Tuple) or is_op(value, "relax.reshape") \
+                or is_op(value, "relax.permute_dims"):
+            return True
+        return any(is_op(value, f"relax.{op}") for op in _SCALINGS) \
+            and any(isinstance(a, tvm.ir.expr.Constant) for a in value.args)
+
+    def only_output(v) -> bool:  # read only on the way to the function's result: fp32 stays
         if not isinstance(v, relax.DataflowVar):
             return True
-        return all((isinstance(bound[u], relax.Tuple) or is_op(bound[u], "relax.reshape")
-                    or is_op(bound[u], "relax.permute_dims")) and only_output(u)
-                   for u in users.get(v, []))
+        return all(toward_output(bound[u]) and only_output(u) for u in users.get(v, []))
 
     ends = set()
     for var, value in bound.items():
