@@ -200,6 +200,33 @@ def test_export_holds_sm90_kernel(module, residual, tmp_path):
     assert "HGMMA.64x256x16.F32.BF16" in sass and "UTMALDG" in sass
 
 
+class ScaledLinear(nn.Module):
+    """``Linear(x) · k`` with ``k`` a 0-d tensor passed in (or fp16 GELU constants after mixed
+    precision): a 0-d epilogue parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(256, 512)
+
+    def forward(self, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * k
+
+
+@needs_cuobjdump
+def test_scalar_tensor_operand_in_the_epilogue(tmp_path):
+    """A 0-d parameter read by the epilogue: TVM 0.27's LowerTIRx flattened ``k[()]`` into a buffer
+    nothing declared, and the build failed ("Buffer p3 is used before its definition"; the fp16
+    ViT ONNX export under --dtype float16 hit it with GELU's constants). The kernel reads it
+    through a one-element view it declares."""
+    module = ScaledLinear().half().eval()
+    inputs = (torch.randn(256, 256, dtype=torch.float16), torch.tensor(0.5, dtype=torch.float16))
+    funcs = _lowered_funcs(module, inputs)
+    (func,) = [f for f in funcs.values() if f.attrs.get("tvmfuse.rule") == NAME]
+    assert "p3_scalar" in func.script()  # the one-element view (printed without its [0])
+    (_, code), = cuda_images(tvmfuse.compile(module, inputs, target="sm90").export(tmp_path / "m.so"))
+    assert "HGMMA" in fatbin_sass(code)["sm_90a"]
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: numerics against an fp32 torch reference
 
@@ -303,3 +330,12 @@ def test_cluster_ctas_drain_their_stages_before_exit(stats, monkeypatch):
                       tir_pipeline="tirx").mod.imports[0].inspect_source()
     loop_waits = 1  # the producer's wait for a free stage inside its loop
     assert src.count("mbarrier_wait((&(empty_ptr[") == loop_waits + cfg.stages, stats
+
+
+@pytest.mark.gpu
+def test_gpu_scalar_tensor_operand(tmp_path):
+    from tests.cuda_tools import check_vs_float64
+
+    module = ScaledLinear().half().eval()
+    inputs = (torch.randn(256, 256, dtype=torch.float16), torch.tensor(0.5, dtype=torch.float16))
+    check_vs_float64(module, inputs, "sm90", tmp_path, 5e-3)

@@ -222,6 +222,20 @@ def _stats_of_half(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 @mutator
+class _FoldScalarCasts(PyExprMutator):
+    """``astype(c, float16)`` of a one-element constant → the fp16 constant: LegalizeOps writes a
+    scalar constant into its kernel as an immediate, a cast of one is a tensor parameter."""
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        call = super().visit_call_(call)
+        const = call.args[0] if is_op(call, "relax.astype") else None
+        if isinstance(const, tvm.ir.expr.Constant) and str(call.attrs.dtype) == "float16" \
+                and str(const.ty.dtype) == "float32" and const.value.numpy().size == 1:
+            return relax.const(const.value.numpy().astype("float16"), "float16")
+        return call
+
+
+@mutator
 class _Fp16ToBf16(PyExprMutator):
     """``astype(x, float16)`` → ``astype(x, bfloat16)``; fp16 constants → bf16 constants."""
 
@@ -256,6 +270,7 @@ class MixedPrecision:
                             if isinstance(f, relax.Function) else f for gv, f in mod.functions.items()},
                            attrs=mod.attrs, global_infos=mod.global_infos)
         mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
+        mod = _map_functions(mod, _FoldScalarCasts().visit_expr)
         # wrap_param leaves ``v = v16`` aliases behind: the cast rewrites below match through them.
         mod = relax.transform.CanonicalizeBindings()(mod)
         mod = _map_functions(mod, drop_noop_casts)

@@ -142,7 +142,7 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
     buffers: ``func``'s parameters renamed ``p<i>``, 16-byte aligned, B as (N, K) when
     ``b_transposed`` turns an "nn" read around, without the row-statistics parameters that
     ``in_loop`` computes. ``store_value(acc, row, col, stats, loads=None)`` / ``pair_value(acc,
-    acc_odd, row, col, stats)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at
+    acc_odd, row, col, stats, loads=None)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at
     one output (``loads``: an :data:`~..kernels.gemm.epilogue.LoadHook`).
     """
     params = list(func.params)
@@ -170,9 +170,9 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
     def store_value(acc, row, col, stats, loads=None):
         return build([(g.acc, acc), (g.dims[0], row), (g.dims[1], col)], stats, loads)
 
-    def pair_value(acc, acc_odd, row, col, stats):
+    def pair_value(acc, acc_odd, row, col, stats, loads=None):
         return build([(g.acc, acc), (g.acc_odd, acc_odd), (g.dims[0], row), (g.dims[1], col)],
-                     stats)
+                     stats, loads)
 
     return [new[i] for i in kept], positions, store_value, (
         pair_value if g.acc_odd is not None else None)

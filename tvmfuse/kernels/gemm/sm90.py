@@ -213,8 +213,9 @@ RowStatLoads = tuple  # (mean, rstd) of a fragment row: the kernel's loads of it
 # ``store_value(acc, row, col, stats, loads=None)``: the value stored at C[row, col] from
 # accumulator ``acc``; ``loads``: an epilogue.LoadHook for its parameter loads (the quad store's)
 StoreValue = Callable[..., PrimExpr]
-# ``pair_value(acc_even, acc_odd, row, col, stats)``: C[row, col] of an N/2-wide pair epilogue
-PairValue = Callable[[PrimExpr, PrimExpr, PrimExpr, PrimExpr, "RowStatLoads | None"], PrimExpr]
+# ``pair_value(acc_even, acc_odd, row, col, stats, loads=None)``: C[row, col] of an N/2-wide pair
+# epilogue
+PairValue = Callable[..., PrimExpr]
 _TMA_2D = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _ALL_LANES = 4294967295
 
@@ -254,6 +255,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     phases).
     """
     p = problem
+    # 0-d parameters (a scalar tensor in the epilogue) are read through one-element views that the
+    # body declares: LowerTIRx flattens a 0-d load into a buffer nothing declares (TVM 0.27)
+    scalars = [(b, tirx.decl_buffer((1,), str(b.dtype), name=f"{b.name}_scalar", data=b.data))
+               for b in params if len(b.shape) == 0]
+    store_value = _reading_scalars(store_value, scalars) if store_value and scalars else store_value
+    pair_value = _reading_scalars(pair_value, scalars) if pair_value and scalars else pair_value
     ab = {"float16": "f16", "bfloat16": "bf16"}[p.in_dtype]
     in_dtype, out_dtype = p.in_dtype, p.out_dtype
     trans_b = 1 if p.layout == "nn" else 0
@@ -889,8 +896,24 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
             if cl > 1 and cfg.exit_cluster_sync:  # the peer may still arrive on our barriers
                 T.cuda.cluster_sync()
 
-    return tirx.PrimFunc(list(params), kernel.body, attrs=kernel.attrs).without_attr(
-        "global_symbol")
+    body = tirx.SeqStmt([*(tirx.DeclBuffer(view, data=b.data) for b, view in scalars), kernel.body]) \
+        if scalars else kernel.body
+    return tirx.PrimFunc(list(params), body, attrs=kernel.attrs).without_attr("global_symbol")
+
+
+def _reading_scalars(value: Callable, scalars: list) -> Callable:
+    """``value`` (a store or pair value) with its loads of 0-d parameters ``b[()]`` made loads
+    ``view[0]`` of their one-element views (``scalars``: ``[(b, view)]``), after any ``loads``
+    hook of the caller."""
+    def hooked(*args, loads=None):
+        def hook(buf, idx):
+            got = loads(buf, idx) if loads is not None else None
+            view = next((v for b, v in scalars if b.same_as(buf)), None)
+            return got if got is not None or view is None else view[0]
+
+        return value(*args, loads=hook)
+
+    return hooked
 
 
 def _vector_operands(store_value: StoreValue, c_cols: int, has_stats: bool) -> list:
