@@ -47,7 +47,6 @@ from .simplify import drop_noop_casts
 
 _TIR_CALLS = ("relax.call_tir", "relax.call_tir_inplace", "relax.call_dps_packed")
 _FP16_MAX = 65504.0
-_SCALINGS = ("multiply", "divide", "add", "subtract")
 
 
 @mutator
@@ -94,12 +93,10 @@ def _norm_epilogue_ends(mod: tvm.IRModule, func: relax.Function) -> set[relax.Va
             call = bound.get(call.args[0])
         return is_op(call, "relax.matmul") and str(call.attrs.out_dtype) == "float32"
 
-    def toward_output(value) -> bool:  # views, and scalings by constants (Cohere's logit scale)
-        if isinstance(value, relax.Tuple) or is_op(value, "relax.reshape") \
-                or is_op(value, "relax.permute_dims"):
-            return True
-        return any(is_op(value, f"relax.{op}") for op in _SCALINGS) \
-            and any(isinstance(a, tvm.ir.expr.Constant) for a in value.args)
+    def toward_output(value) -> bool:  # tuples, and ops of one tensor: views, scalings by
+        # constants, Cohere's logit scale, Gemma-2's tanh soft cap
+        return isinstance(value, relax.Tuple) or isinstance(value, relax.Call) and sum(
+            isinstance(a, relax.Var) for a in value.args) == 1
 
     def only_output(v) -> bool:  # read only on the way to the function's result: fp32 stays
         if not isinstance(v, relax.DataflowVar):
