@@ -134,14 +134,17 @@ def test_gpu_qk_norm_families(name, tmp_path):
     check_vs_float64(Logits(model.eval().half()), (ids,), "sm90", tmp_path, 1e-2)
 
 
-@pytest.mark.parametrize("name, frontend", [("qwen3", "torch"), ("qwen3", "onnx-dynamo"),
-                                            ("cohere", "torch")])
-def test_fp32_model_under_float16_as_half(name, frontend, tmp_path):
+@pytest.mark.parametrize("name, frontend, dtype", [("qwen3", "torch", "float16"),
+                                                   ("qwen3", "onnx-dynamo", "float16"),
+                                                   ("cohere", "torch", "float16"),
+                                                   ("qwen3", "torch", "bfloat16")])
+def test_fp32_model_under_float16_as_half(name, frontend, dtype, tmp_path):
     """An fp32 model compiled with ``--dtype float16`` (every fp32 ONNX export takes this path) gets
     the kernels of the same model after ``.half()``: Qwen3, 18 on sm90 (27 before session 23, when
     the residual stream stayed fp32 from the embedding gather on); Cohere, 14 (its logit scale
     after the last folded norm keeps that GEMM's fp32 output: no cast kernel). The cpu build at
-    float16 stays within fp16 rounding of the fp32 reference (measured 7e-4 against onnxruntime)."""
+    float16 stays within fp16 rounding of the fp32 reference (measured 7e-4 against onnxruntime).
+    Under bfloat16 the same (the report's baseline failed on bf16 ``x ** 2``; 5e-3 from torch)."""
     from tvmfuse.frontend import import_model, input_overrides
     from tvmfuse.report import analyze
     from tvmfuse.targets import get_target
@@ -158,11 +161,11 @@ def test_fp32_model_under_float16_as_half(name, frontend, tmp_path):
         source, spec = str(tmp_path / f"{name}.onnx"), ["input_ids:1x32"]
         _export_onnx(model, "dynamo", source)
         mod = import_model(source, overrides=input_overrides(spec)).mod
-    names = [k["name"] for k in analyze(mod, get_target("sm90"), "float16", stock=False)["kernels"]]
+    names = [k["name"] for k in analyze(mod, get_target("sm90"), dtype, stock=False)["kernels"]]
     assert len(names) <= KERNELS[name], names
     assert not any(n.startswith("cast") or n.endswith("norm_stats") for n in names), names
     lib = tvmfuse.compile(source, (ids,) if spec is None else None, target="cpu", inputs=spec,
-                          dtype="float16").load()
+                          dtype=dtype).load()
     got = np.asarray(lib(ids.numpy() if spec else ids), dtype=np.float64)
     err = np.linalg.norm(got - want) / np.linalg.norm(want)
-    assert 1e-5 < err < 3e-3, err
+    assert 1e-5 < err < (3e-3 if dtype == "float16" else 1e-2), err

@@ -395,3 +395,22 @@ def test_statistics_read_the_half_tensor():
     with tvm.transform.PassContext(config={"testing.immutable_module": True}):
         after = MixedPrecision("float16")(_stats_module(""))
     tvm.ir.assert_structural_equal(after, _stats_module("float16"))
+
+
+def test_bf16_retypes_half_constants():
+    """MixedPrecision("bfloat16") runs ToMixedPrecision in fp16, then retypes its casts and fp16
+    constants. The constant hook had 0.26's name (``visit_constant_``) and never ran in 0.27, so a
+    ``power(h, fp16 constant)`` failed to normalise once ``h`` became bf16."""
+    from tvmfuse.passes.mixed_precision import _Fp16ToBf16
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4,), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            h = bb.emit(relax.op.astype(x, "float16"))
+            out = bb.emit_output(relax.op.power(h, relax.const(np.array(2.0, "float16"))))
+        bb.emit_func_output(out)
+    after = _Fp16ToBf16().visit_expr(bb.get()["main"])
+    (power,) = [b.value for blk in after.body.blocks for b in blk.bindings
+                if getattr(b.value, "op", None) == tvm.ir.Op.get("relax.power")]
+    assert [str(a.ty.dtype) for a in power.args] == ["bfloat16", "bfloat16"]

@@ -24,6 +24,10 @@ as numpy, torch and onnxruntime::
 importer passes ``max=inf``) failed to legalise ("Cannot convert infinity to BigInt"). Ours
 leaves an infinite side out and rounds a finite float bound into the integers (ceil for the
 lower, floor for the upper, as torch compares).
+
+``relax.power`` on bf16: topi's refuses it ("power only applies to float": a bf16 exponent is not a
+float type to it), so an RMSNorm's ``x ** 2`` in a model converted to bf16 failed to legalise when
+left unfused (the report's op-by-op baseline). Ours raises in fp32 and rounds the result once.
 """
 
 from __future__ import annotations
@@ -113,6 +117,19 @@ def _relu(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(_relu_nan_propagating, call.args[0], primfunc_name_hint="relu")
 
 
+def _power_bf16(x: te.Tensor, y: te.Tensor) -> te.Tensor:
+    """``x ** y`` of bf16 tensors: computed in fp32, rounded to bf16."""
+    f32 = "float32"
+    return topi.cast(topi.power(topi.cast(x, f32), topi.cast(y, f32)), "bfloat16")
+
+
+def _power(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """bf16 ``power`` through fp32; every other dtype: the stock rule."""
+    if str(call.ty.dtype) != "bfloat16":
+        return tvm.ir.Op.get("relax.power").get_attr("FLegalize")(bb, call)
+    return bb.call_te(_power_bf16, *call.args, primfunc_name_hint="power")
+
+
 def _infinite_reducer(is_max: bool):
     def identity(dtype: str) -> tirx.PrimExpr:
         return tirx.const(-math.inf if is_max else math.inf, dtype)
@@ -194,4 +211,5 @@ def legalize_overrides() -> dict:
     return {"relax.full": _full(False), "relax.full_like": _full(True), "relax.nn.softmax": _softmax,
             "relax.nn.attention": legalize_attention, "relax.nn.attention_bias": legalize_attention,
             "relax.nn.layer_norm": _layer_norm, "relax.nn.relu": _relu,
-            "relax.max": _extremum(True), "relax.min": _extremum(False), "relax.clip": _clip}
+            "relax.max": _extremum(True), "relax.min": _extremum(False), "relax.clip": _clip,
+            "relax.power": _power}

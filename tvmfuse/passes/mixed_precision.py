@@ -242,7 +242,7 @@ class _Fp16ToBf16(PyExprMutator):
             return relax.op.astype(call.args[0], "bfloat16")
         return call
 
-    def visit_constant_(self, const: tvm.ir.expr.Constant) -> relax.Expr:
+    def visit_generic_const_(self, const: tvm.ir.expr.Constant) -> relax.Expr:  # 0.27 name
         if isinstance(const.value, tvm.runtime.Tensor) and const.value.dtype == "float16":
             import ml_dtypes
 
@@ -267,7 +267,8 @@ class MixedPrecision:
                             if isinstance(f, relax.Function) else f for gv, f in mod.functions.items()},
                            attrs=mod.attrs, global_infos=mod.global_infos)
         mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
-        mod = _map_functions(mod, _FoldScalarCasts().visit_expr)
+        if self.dtype == "float16":  # (bf16 scalars stay tensors: TVM's power refuses a bf16 immediate)
+            mod = _map_functions(mod, _FoldScalarCasts().visit_expr)
         # wrap_param leaves ``v = v16`` aliases behind: the cast rewrites below match through them.
         mod = relax.transform.CanonicalizeBindings()(mod)
         mod = _map_functions(mod, drop_noop_casts)
