@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import tvm
 
 import tvmfuse
 from tvmfuse.passes.legalize_fixes import legalize_overrides
@@ -159,3 +160,32 @@ def test_bf16_power_legalises_through_fp32():
     ref = Power()(x.double())
     assert out.dtype == torch.bfloat16
     assert float((out.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+class LinearCube(torch.nn.Module):
+    """GPT-2's NewGELU core after a Linear: ``h + 0.044715 · h³``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 128)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + 0.044715 * torch.pow(h, 3.0)
+
+
+def test_bf16_power_by_a_scalar_stays_a_gemm_epilogue():
+    """A scalar exponent legalises to one elementwise block, so the sm90 GEMM keeps it in its
+    epilogue (a topi broadcast of a cast 0-d exponent was a second block: "block compute_1 writes
+    other than X[v0, v1, ...]", and the GEMM fell back)."""
+    from tvmfuse.frontend import import_model
+    from tvmfuse.pipeline import lower
+    from tvmfuse.rules.gemm_sm90 import FALLBACK_ATTR, NAME
+    from tvmfuse.targets import get_target
+
+    module = LinearCube().to(torch.bfloat16).eval()
+    mod = lower(import_model(module, (torch.randn(128, 64, dtype=torch.bfloat16),)).mod,
+                get_target("sm90"))
+    funcs = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    assert [f.attrs.get("tvmfuse.rule") for f in funcs].count(NAME) == 1
+    assert not any(FALLBACK_ATTR in f.attrs for f in funcs if f.attrs is not None)

@@ -117,9 +117,13 @@ def _relu(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     return bb.call_te(_relu_nan_propagating, call.args[0], primfunc_name_hint="relu")
 
 
-def _power_bf16(x: te.Tensor, y: te.Tensor) -> te.Tensor:
-    """``x ** y`` of bf16 tensors: computed in fp32, rounded to bf16."""
+def _power_bf16(x: te.Tensor, y) -> te.Tensor:
+    """``x ** y`` for bf16 ``x`` and a bf16 tensor or float ``y``: computed in fp32, rounded to
+    bf16; one elementwise block for a scalar ``y`` (a GEMM epilogue can take it)."""
     f32 = "float32"
+    if isinstance(y, float):
+        return te.compute(x.shape, lambda *i: tirx.pow(x(*i).astype(f32), tirx.const(y, f32))
+                          .astype("bfloat16"), name="power", tag="elemwise")
     return topi.cast(topi.power(topi.cast(x, f32), topi.cast(y, f32)), "bfloat16")
 
 
@@ -127,7 +131,11 @@ def _power(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
     """bf16 ``power`` through fp32; every other dtype: the stock rule."""
     if str(call.ty.dtype) != "bfloat16":
         return tvm.ir.Op.get("relax.power").get_attr("FLegalize")(bb, call)
-    return bb.call_te(_power_bf16, *call.args, primfunc_name_hint="power")
+    x, y = call.args
+    scalar = _try_convert_to_scalar_const(y, python_native=True)
+    if isinstance(scalar, (int, float)) and not isinstance(x, tvm.ir.expr.Constant):
+        return bb.call_te(_power_bf16, x, float(scalar), primfunc_name_hint="power")
+    return bb.call_te(_power_bf16, x, y, primfunc_name_hint="power")
 
 
 def _infinite_reducer(is_max: bool):

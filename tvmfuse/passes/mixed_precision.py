@@ -267,8 +267,7 @@ class MixedPrecision:
                             if isinstance(f, relax.Function) else f for gv, f in mod.functions.items()},
                            attrs=mod.attrs, global_infos=mod.global_infos)
         mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
-        if self.dtype == "float16":  # (bf16 scalars stay tensors: TVM's power refuses a bf16 immediate)
-            mod = _map_functions(mod, _FoldScalarCasts().visit_expr)
+        mod = _map_functions(mod, _FoldScalarCasts().visit_expr)
         # wrap_param leaves ``v = v16`` aliases behind: the cast rewrites below match through them.
         mod = relax.transform.CanonicalizeBindings()(mod)
         mod = _map_functions(mod, drop_noop_casts)
