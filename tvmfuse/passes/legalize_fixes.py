@@ -133,7 +133,7 @@ def _power(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         return tvm.ir.Op.get("relax.power").get_attr("FLegalize")(bb, call)
     x, y = call.args
     scalar = _try_convert_to_scalar_const(y, python_native=True)
-    if isinstance(scalar, (int, float)) and not isinstance(x, tvm.ir.expr.Constant):
+    if isinstance(scalar, (int, float)):
         return bb.call_te(_power_bf16, x, float(scalar), primfunc_name_hint="power")
     return bb.call_te(_power_bf16, x, y, primfunc_name_hint="power")
 

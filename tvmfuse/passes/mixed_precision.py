@@ -40,7 +40,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import weight_arrays
-from ._util import is_op
+from ._util import binding_users, is_op
 from .norm_epilogue_fp32 import NormEpilogueFp32
 from .norm_gemm import row_stats_params, stats_function
 from .simplify import drop_noop_casts
@@ -69,23 +69,25 @@ def _fits_fp16(arr: np.ndarray) -> bool:
     return arr.size == 0 or bool(arr.max() <= _FP16_MAX and arr.min() >= -_FP16_MAX)
 
 
-def _norm_epilogue_ends(mod: tvm.IRModule, func: relax.Function) -> set[relax.Var]:
+def _stats_params(mod: tvm.IRModule) -> dict:
+    """Statistics PrimFunc (GlobalVar) → ``(eps, centered)``, for NormGemmPrologue's ones only."""
+    found = {gv: row_stats_params(f) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    return {gv: params for gv, params in found.items() if params is not None}
+
+
+def _norm_epilogue_ends(stats: dict, func: relax.Function) -> set[relax.Var]:
     """The results of NormGemmPrologue's epilogues in ``func``: ``multiply(acc, rstd)`` (RMSNorm),
     ``add(multiply(subtract(acc, …), rstd), shift)`` (LayerNorm), ``acc`` an fp32 matmul and
     ``rstd`` a statistics call's output. They stand for the matmul the norm was folded into; those
     read only by (views of) the function's result are left out (fp32 out, no extra cast)."""
     bound = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-    users: dict = {}
-    for var, value in bound.items():
-        for v in relax.analysis.free_vars(value):
-            users.setdefault(v, []).append(var)
+    users = binding_users(func)
 
     def is_stats(v) -> bool:
         call = bound.get(v)
         if isinstance(call, relax.TupleGetItem):
             call = bound.get(call.tuple_value)
-        return (is_op(call, "relax.call_tir") and isinstance(call.args[0], tvm.ir.GlobalVar)
-                and row_stats_params(mod[call.args[0]]) is not None)
+        return is_op(call, "relax.call_tir") and call.args[0] in stats
 
     def is_acc(v) -> bool:
         call = bound.get(v)
@@ -109,7 +111,7 @@ def _norm_epilogue_ends(mod: tvm.IRModule, func: relax.Function) -> set[relax.Va
                 is_stats(b) and is_acc(a) for a, b in (value.args, value.args[::-1]))):
             continue
         after = users.get(var, [])
-        if len(after) == 1 and is_op(bound[after[0]], "relax.add") \
+        if len(after) == 1 and is_op(bound.get(after[0]), "relax.add") \
                 and isinstance(bound[after[0]].args[1], tvm.ir.expr.Constant):
             var = after[0]  # LayerNorm's β·W shift
         if not only_output(var):
@@ -153,12 +155,10 @@ class _HalfSources(PyExprMutator):
             binding.var, self.builder_.normalize(relax.op.wrap_param(half, "float32"))))
 
 
-def _stats_inputs(mod: tvm.IRModule) -> dict:
-    """Statistics PrimFunc → ``[(call, half input or None)]`` over its calls: the half tensor ``h``
-    of an argument ``astype(h, float32)``, else None."""
+def _stats_inputs(mod: tvm.IRModule, stats: dict) -> dict:
+    """Statistics PrimFunc (of ``stats``) → ``[(call, half input or None)]`` over its calls: the
+    half tensor ``h`` of an argument ``astype(h, float32)``, else None."""
     sites: dict = {}
-    is_stats = {gv: row_stats_params(f) is not None for gv, f in mod.functions.items()
-                if isinstance(f, tirx.PrimFunc)}
     for func in mod.functions.values():
         if not isinstance(func, relax.Function):
             continue
@@ -167,7 +167,7 @@ def _stats_inputs(mod: tvm.IRModule) -> dict:
             if not (is_op(call, "relax.call_tir") and isinstance(call.args[0], tvm.ir.GlobalVar)
                     and isinstance(call.args[1], relax.Tuple) and len(call.args[1].fields) == 1):
                 continue
-            if not is_stats.get(call.args[0]):
+            if call.args[0] not in stats:
                 continue
             cast = bound.get(call.args[1].fields[0])
             half = cast.args[0] if is_op(cast, "relax.astype") and str(cast.attrs.dtype) == "float32" \
@@ -198,13 +198,13 @@ def _stats_of_half(mod: tvm.IRModule) -> tvm.IRModule:
     dtype is made again for that dtype, under its name (it upcasts each element itself: the same
     numbers), and the calls read ``h``. The GEMM that reads ``h`` can then compute them
     (Sm90GemmRowStats)."""
-    made, halves = {}, {}
-    for gvar, uses in _stats_inputs(mod).items():
+    made, halves, stats = {}, {}, _stats_params(mod)
+    for gvar, uses in _stats_inputs(mod, stats).items():
         dtypes = {None if h is None else str(h.ty.dtype) for _, h in uses}
         if len(dtypes) != 1 or None in dtypes:
             continue
         old = mod[gvar]
-        eps, centered = row_stats_params(old)
+        eps, centered = stats[gvar]
         x_ty = relax.TensorType(list(old.params[0].shape), dtypes.pop())
         made[gvar] = stats_function(x_ty, eps, centered).with_attrs(old.attrs)
         halves.update(dict(uses))
@@ -263,9 +263,8 @@ class MixedPrecision:
     def transform_module(self, mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
         mod = relax.transform.ConvertToDataflow()(mod)
         mod = _map_functions(mod, _PinTirArgs().visit_expr)
-        mod = tvm.IRModule({gv: _HalfSources(_norm_epilogue_ends(mod, f)).visit_expr(f)
-                            if isinstance(f, relax.Function) else f for gv, f in mod.functions.items()},
-                           attrs=mod.attrs, global_infos=mod.global_infos)
+        stats = _stats_params(mod)
+        mod = _map_functions(mod, lambda f: _HalfSources(_norm_epilogue_ends(stats, f)).visit_expr(f))
         mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
         mod = _map_functions(mod, _FoldScalarCasts().visit_expr)
         # wrap_param leaves ``v = v16`` aliases behind: the cast rewrites below match through them.
@@ -283,4 +282,3 @@ def _map_functions(mod: tvm.IRModule, fn) -> tvm.IRModule:
     """A new module with ``fn`` applied to every Relax function of ``mod``."""
     funcs = {gv: fn(f) if isinstance(f, relax.Function) else f for gv, f in mod.functions.items()}
     return tvm.IRModule(funcs, attrs=mod.attrs, global_infos=mod.global_infos)
-

@@ -57,7 +57,6 @@ def row_stats_te(x: te.Tensor, eps: float, centered: bool):
     return (mean, rstd) if centered else rstd
 
 
-
 def stats_function(x_ty: relax.TensorType, eps: float, centered: bool) -> tirx.PrimFunc:
     """The statistics PrimFunc this pass emits for an input of type ``x_ty``."""
     bb = relax.BlockBuilder()
