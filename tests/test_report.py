@@ -80,6 +80,11 @@ def test_decoder_layer_boundaries_have_reasons(tmp_path):
     assert sum(k["pattern"] == "norm_gemm" and k["ops"][0] == "rms_norm_stats"
                for k in report["kernels"]) == 3
     assert report["not_fused"] and all(nf["reason"] for nf in report["not_fused"])
+    # the O projection (+ residual) writes the rows whose statistics the gate/up GEMM computes
+    # in-loop: the reason says so, not only "GEMM feeding a GEMM"
+    into_stats = [nf for nf in report["not_fused"] if nf["ops"][1] == "rms_norm_stats"
+                  and nf["ops"][0] != "rms_norm_stats"]
+    assert into_stats and all("in-loop" in nf["reason"] for nf in into_stats), report["not_fused"]
     stock = report["stock_tvm_kernel_count"]
     assert stock is not None and report["fused_kernel_count"] < stock
     plot_roofline(report, str(tmp_path / "roof.png"))

@@ -273,6 +273,10 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
     if p in ("gemm_epilogue", "norm_gemm", "attention") and c == "norm":
         return ("consumer reduces over whole rows of a GEMM output: a row spans several GEMM tiles, "
                 "so it needs a cross-block reduction first")
+    if p in ("gemm_epilogue", "norm_gemm", "attention") and cons.ops[0].endswith("_stats"):
+        return ("the producer writes the A operand of a GEMM that computes its row statistics "
+                "in-loop (norm → Linear folded in): GEMM feeding a GEMM, fusing would recompute the "
+                "first product for every tile of the second")
     if p in ("gemm_epilogue", "norm_gemm", "attention") and c in ("gemm_epilogue", "norm_gemm"):
         return ("GEMM feeding a GEMM: fusing would recompute the first product for every tile of "
                 "the second")

@@ -27,6 +27,7 @@ from .dft import DFT
 from .elementwise import BitShift, Dropout, IsInf, Mod
 from .expand import Expand
 from .eye_like import EyeLike
+from .gather_nd import GatherND
 from .layer_norm import LayerNormalization
 from .linear_attention import LinearAttention
 from .losses import NegativeLogLikelihoodLoss, SoftmaxCrossEntropyLoss
@@ -69,7 +70,8 @@ OVERRIDES: dict[str, type] = {
     "ConstantOfShape": ConstantOfShape, "ConvInteger": ConvInteger, "ConvTranspose": ConvTranspose,
     "CumProd": CumProd, "DeformConv": DeformConv,
     "DequantizeLinear": DequantizeLinear, "Det": Det, "DFT": DFT, "Dropout": Dropout,
-    "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GRU": GRU, "HammingWindow": HammingWindow,
+    "Elu": Elu, "Expand": Expand, "EyeLike": EyeLike, "GatherND": GatherND, "GRU": GRU,
+    "HammingWindow": HammingWindow,
     "HannWindow": HannWindow, "IsInf": IsInf, "LayerNormalization": LayerNormalization,
     "LinearAttention": LinearAttention, "LSTM": LSTM, "MaxPool": MaxPool, "MelWeightMatrix": MelWeightMatrix,
     "Mod": Mod,

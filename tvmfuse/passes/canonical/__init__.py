@@ -12,6 +12,7 @@ import tvm
 
 from .batched_matmul import CanonicalizeBatchedMatmul
 from .bounded_slices import BoundedSlices
+from .constant_gather_nd import ConstantGatherND
 from .empty_pieces import EmptyPieces
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
@@ -25,6 +26,7 @@ from .view_chain import CollapseViewChains
 # In order; a line's comment says why it sits where it does.
 PASSES = [
     NegativeIndices,  # constant negative take / index_tensor indices count from the end
+    ConstantGatherND,  # constant-index gather_nd (ONNX GatherND of index grids) → a view or a take
     EmptyPieces,  # zero-size split pieces / concat operands: nothing may fuse a loop of extent 0
     BoundedSlices,  # symbolic lengths: a slice the ranges prove in bounds keeps exact shapes
     CollapseViewChains,  # einsum's 5-D expand_dims/permute views around a bmm → one permute + reshape
@@ -44,6 +46,6 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 
 __all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
-           "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate", "LiftFoldedBatch",
-           "NegativeIndices", "ShareCasts",
+           "ConstantGatherND", "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate",
+           "LiftFoldedBatch", "NegativeIndices", "ShareCasts",
            "TupleOutput", "UpcastMatmul"]
