@@ -188,3 +188,29 @@ def test_cumsum_result_dtype(dtype):
     else:
         assert torch.equal(out, ref)
         assert int(ref.max()) > 1  # bools are counted, not OR-ed
+
+
+CONVS = {"conv1d": (lambda: nn.Conv1d(3, 8, 3, padding=1), (2, 3, 16)),
+         "conv2d": (lambda: nn.Conv2d(3, 8, 3, 2), (2, 3, 16, 16)),
+         "conv2d_grouped_no_bias": (lambda: nn.Conv2d(4, 8, 3, bias=False, groups=2), (2, 4, 16, 16)),
+         "conv3d": (lambda: nn.Conv3d(3, 4, 3), (1, 3, 6, 6, 6)),
+         "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, output_padding=1), (2, 3, 8)),
+         "conv_transpose2d": (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2), (2, 3, 8, 8))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("name", sorted(CONVS))
+def test_convolution_in_the_module_dtype(name, dtype):
+    """An fp16 / bf16 convolution with a bias imports and returns the module's dtype. TVM 0.27
+    convolved into fp32 and then added the half bias: every fp16 ``Conv2d`` (a ViT's patch
+    embedding) failed with "Binary operators must have the same datatype"."""
+    factory, shape = CONVS[name]
+    torch.manual_seed(0)
+    module = factory().to(dtype).eval()
+    x = torch.randn(*shape).to(dtype)
+    out = tvmfuse.compile(module, (x,), target="cpu").load()(x)
+    with torch.no_grad():
+        ref = module.double()(x.double())
+    assert out.dtype == dtype
+    tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: RTOL}[dtype]
+    assert rel_err(out.double(), ref) <= tol

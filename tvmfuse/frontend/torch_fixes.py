@@ -5,6 +5,11 @@ whatever the inputs are: an fp16 model then returns fp32 where torch returns fp1
 with an fp16 bias fails ("Binary operators must have the same datatype"). Here products accumulate
 in fp32 and the result is cast back to the input dtype, as torch does.
 
+Convolutions (``conv1d/2d/3d``, ``conv_transpose1d/2d``, ``convolution``): 0.27 convolves with
+``out_dtype="float32"`` and adds the bias in its own dtype, so every fp16 ``Conv2d`` with a bias
+fails to import ("Binary operators must have the same datatype": a ViT's patch embedding, any fp16
+CNN) and one without returns fp32. Here the bias is added in fp32 and the result cast back.
+
 ``cumsum``: 0.27 keeps the input dtype when no ``dtype`` is given; torch sums bool and integer
 inputs in int64. A bool cumsum (transformers' packed-sequence check in ``create_causal_mask``:
 ``(position_diff != 1).cumsum(-1)``) then adds bools, which LLVM codegen refuses
@@ -53,6 +58,48 @@ def _product(with_bias: bool) -> Callable:
         if acc != dtype:
             res = bb.emit(relax.op.astype(res, dtype))
         return res
+
+    return convert
+
+
+# (transposed, input rank) → the 0.27 importer's convolution builder
+_CONV_IMPL = {(False, 3): "_conv1d_impl", (False, 4): "_conv2d_impl", (False, 5): "_conv3d_impl",
+              (True, 3): "_conv_transpose1d_impl", (True, 4): "_conv_transpose2d_impl"}
+
+
+def _conv(signature: str) -> Callable:
+    """A convolution converter for one aten signature: "conv" (``convNd``), "transpose"
+    (``conv_transposeNd``) or "convolution" (``convolution``, transposed or not)."""
+
+    def convert(node, importer) -> relax.Var:
+        args = importer.retrieve_args(node)
+
+        def arg(i: int, default):
+            return args[i] if len(args) > i else default
+
+        x, weight, bias, stride, padding = args[0], args[1], arg(2, None), arg(3, 1), arg(4, 0)
+        if signature == "convolution":
+            dilation, transposed, output_padding, groups = arg(5, 1), arg(6, False), arg(7, 0), arg(8, 1)
+        elif signature == "transpose":
+            output_padding, groups, dilation, transposed = arg(5, 0), arg(6, 1), arg(7, 1), True
+        else:
+            dilation, groups, transposed, output_padding = arg(5, 1), arg(6, 1), False, 0
+        ndim = len(importer.shape_of(x))
+        impl = _CONV_IMPL.get((bool(transposed), ndim))
+        if impl is None:
+            raise ValueError(f"{node.target}: unsupported convolution of a rank-{ndim} input "
+                             f"(transposed={bool(transposed)})")
+        extra = {"output_padding": output_padding} if transposed else {}
+        bb = importer.block_builder
+        out = getattr(importer, impl)(x, weight, bias=None, strides=stride, padding=padding,
+                                      dilation=dilation, groups=groups, **extra)
+        acc, dtype = str(out.ty.dtype), str(x.ty.dtype)
+        if not importer._is_no_bias(bias):
+            if str(bias.ty.dtype) != acc:
+                bias = bb.emit(relax.op.astype(bias, acc))
+            bias = relax.op.reshape(bias, (1, -1) + (1,) * (ndim - 2))
+            out = bb.emit(relax.op.add(out, bias))
+        return out if acc == dtype else bb.emit(relax.op.astype(out, dtype))
 
     return convert
 
@@ -111,4 +158,7 @@ def custom_convert_map() -> dict[str, Callable]:
     plain = _product(with_bias=False)
     return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
-            "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp}
+            "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp,
+            "conv1d.default": _conv("conv"), "conv2d.default": _conv("conv"),
+            "conv3d.default": _conv("conv"), "conv_transpose1d.default": _conv("transpose"),
+            "conv_transpose2d.input": _conv("transpose"), "convolution.default": _conv("convolution")}
