@@ -214,3 +214,20 @@ def test_convolution_in_the_module_dtype(name, dtype):
     assert out.dtype == dtype
     tol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: RTOL}[dtype]
     assert rel_err(out.double(), ref) <= tol
+
+
+ANY_ALL = {"any": lambda m, x: x.any(), "any_dim": lambda m, x: x.any(-1),
+           "any_dims_keepdim": lambda m, x: torch.any(x, dim=(0, 1), keepdim=True),
+           "all": lambda m, x: x.all(), "all_dim": lambda m, x: x.all(dim=0),
+           "isinf_any_where": lambda m, x: torch.where(torch.isinf(x).any(), x * 2, x)}
+
+
+@pytest.mark.parametrize("name", sorted(ANY_ALL))
+def test_any_all(name):
+    """``any`` without a dim (T5's fp16 clamp: ``torch.isinf(h).any()``) was unsupported, and
+    ``any.dim`` of a float input returned its max, not whether a value is nonzero (row 0 below has
+    max 2 but also a negative nonzero; row 1 is all zeros)."""
+    x = torch.tensor([[-1.0, 0.0, 2.0], [0.0, 0.0, 0.0], [-3.0, -0.5, 0.0]])
+    module = Fn(ANY_ALL[name]).eval()
+    out, ref = tvmfuse.compile(module, (x,), target="cpu").load()(x), module(x)
+    assert out.dtype == ref.dtype and torch.equal(out, ref), (out, ref)

@@ -10,6 +10,11 @@ Convolutions (``conv1d/2d/3d``, ``conv_transpose1d/2d``, ``convolution``): 0.27 
 fails to import ("Binary operators must have the same datatype": a ViT's patch embedding, any fp16
 CNN) and one without returns fp32. Here the bias is added in fp32 and the result cast back.
 
+``any`` / ``all``: 0.27 has no ``any.default`` (no dim: transformers' T5 clamps fp16 activations
+with ``torch.isinf(h).any()``) and no ``all``, and its ``any.dim`` takes ``max`` of a non-bool
+input, which is a number, not whether one is nonzero. Here both reduce ``x != 0`` in int8 and
+return bool, over the given dims or all of them.
+
 ``cumsum``: 0.27 keeps the input dtype when no ``dtype`` is given; torch sums bool and integer
 inputs in int64. A bool cumsum (transformers' packed-sequence check in ``create_causal_mask``:
 ``(position_diff != 1).cumsum(-1)``) then adds bools, which LLVM codegen refuses
@@ -104,6 +109,23 @@ def _conv(signature: str) -> Callable:
     return convert
 
 
+def _any_all(reduce: Callable) -> Callable:
+    """``aten.any`` / ``aten.all`` (``reduce``: ``relax.op.max`` / ``min``) over ``dim`` or all."""
+
+    def convert(node, importer) -> relax.Var:
+        x = importer.env[node.args[0]]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        bb = importer.block_builder
+        if str(x.ty.dtype) != "bool":
+            x = bb.emit(relax.op.not_equal(x, relax.const(0, str(x.ty.dtype))))
+        flags = bb.emit(relax.op.astype(x, "int8"))
+        axis = [dim] if isinstance(dim, int) else (list(dim) if dim is not None else None)
+        return bb.emit(relax.op.astype(reduce(flags, axis, keepdims=bool(keepdim)), "bool"))
+
+    return convert
+
+
 def _cumsum(node, importer) -> relax.Var:
     """``aten.cumsum(x, dim, dtype=None)`` with torch's result dtype (int64 for bool/int inputs)."""
     x = importer.env[node.args[0]]
@@ -161,4 +183,7 @@ def custom_convert_map() -> dict[str, Callable]:
             "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp,
             "conv1d.default": _conv("conv"), "conv2d.default": _conv("conv"),
             "conv3d.default": _conv("conv"), "conv_transpose1d.default": _conv("transpose"),
-            "conv_transpose2d.input": _conv("transpose"), "convolution.default": _conv("convolution")}
+            "conv_transpose2d.input": _conv("transpose"), "convolution.default": _conv("convolution"),
+            "any.default": _any_all(relax.op.max), "any.dim": _any_all(relax.op.max),
+            "any.dims": _any_all(relax.op.max), "all.default": _any_all(relax.op.min),
+            "all.dim": _any_all(relax.op.min), "all.dims": _any_all(relax.op.min)}

@@ -37,7 +37,7 @@ def scan_unsupported(ep) -> list[tuple[str, str]]:
     """Every call_function node whose ATen op has no Relax converter, as (node, op)."""
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    supported = ExportedProgramImporter().convert_map
+    supported = {**ExportedProgramImporter().convert_map, **custom_convert_map()}
     found = []
     for node in ep.graph.nodes:
         if node.op == "call_function":
