@@ -231,3 +231,17 @@ def test_any_all(name):
     module = Fn(ANY_ALL[name]).eval()
     out, ref = tvmfuse.compile(module, (x,), target="cpu").load()(x), module(x)
     assert out.dtype == ref.dtype and torch.equal(out, ref), (out, ref)
+
+
+def test_clamp_by_tensor_bounds_of_another_dtype():
+    """T5's fp16 clamp: the bounds are 0-d fp32 tensors from ``torch.where``; torch clamps in fp16
+    (TVM 0.27 failed: "Binary operators must have the same datatype")."""
+    def t5_clamp(m, x):
+        bound = torch.where(torch.isinf(x).any(), 50.0, 60.0)
+        return torch.clamp(x, min=-bound, max=bound), torch.clamp(x, min=torch.tensor(-3.0))
+
+    module = Fn(t5_clamp).eval()
+    x = (torch.randn(2, 8, generator=torch.Generator().manual_seed(0)) * 100).half()
+    outs, refs = tvmfuse.compile(module, (x,), target="cpu").load()(x), module(x)
+    for out, ref in zip(outs, refs):
+        assert out.dtype == ref.dtype == torch.float16 and torch.equal(out, ref)

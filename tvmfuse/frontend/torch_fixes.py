@@ -28,7 +28,10 @@ structurally.
 
 ``clamp`` with scalar bounds: torch promotes an integer tensor clamped by a float bound to float
 (``x.clamp(min=-1.5)`` on int64 is float32, -1.5 where x < -1.5); 0.27 keeps the integer dtype
-and its clip truncates. Here x is cast to the result dtype torch.export recorded first.
+and its clip truncates. Here x is cast to the result dtype torch.export recorded first. With tensor
+bounds (``clamp.Tensor``), 0.27 compares x with the bounds in their own dtypes: T5's fp16 clamp by
+a 0-d fp32 ``torch.where`` failed ("Binary operators must have the same datatype"). Here bounds
+are cast to torch's result dtype too.
 """
 
 from __future__ import annotations
@@ -175,12 +178,36 @@ def _clamp(node, importer) -> relax.Var:
     return bb.emit(relax.op.clip(x, -math.inf if lo is None else lo, math.inf if hi is None else hi))
 
 
+def _clamp_tensor(node, importer) -> relax.Var:
+    """``aten.clamp.Tensor(x, min=None, max=None)``: x and tensor bounds in torch's result dtype."""
+    args = importer.retrieve_args(node)
+    x = args[0]
+    lo = args[1] if len(args) > 1 else node.kwargs.get("min")
+    hi = args[2] if len(args) > 2 else node.kwargs.get("max")
+    val = node.meta.get("val")
+    dtype = importer._convert_data_type(val.dtype) if val is not None else str(x.ty.dtype)
+    bb = importer.block_builder
+
+    def as_dtype(v):
+        if isinstance(v, relax.Expr):
+            return v if str(v.ty.dtype) == dtype else bb.emit(relax.op.astype(v, dtype))
+        return relax.const(v, dtype)
+
+    x = as_dtype(x)
+    if lo is not None:
+        x = bb.emit(relax.op.maximum(x, as_dtype(lo)))
+    if hi is not None:
+        x = bb.emit(relax.op.minimum(x, as_dtype(hi)))
+    return x
+
+
 def custom_convert_map() -> dict[str, Callable]:
     """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
     plain = _product(with_bias=False)
     return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
             "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp,
+            "clamp.Tensor": _clamp_tensor,
             "conv1d.default": _conv("conv"), "conv2d.default": _conv("conv"),
             "conv3d.default": _conv("conv"), "conv_transpose1d.default": _conv("transpose"),
             "conv_transpose2d.input": _conv("transpose"), "convolution.default": _conv("convolution"),
