@@ -562,8 +562,22 @@ def test_sliding_window_band_additive():
     assert_same_numerics(WindowBand, after)
 
 
-def test_left_alone_constant_bias_values():
+def test_constant_bias_varying_along_queries_is_the_kernels_bias():
+    """A finite constant (Sq, Skv) bias with values other than 0 (T5's relative position bias,
+    ALiBi as a full matrix) is no mask but an additive bias: the kernel adds it (left alone before
+    session 24, the S×S scores in memory)."""
     alibi = -np.abs(np.arange(8)[None, :] - np.arange(8)[:, None]).astype(np.float32)
+    before = _scores_module(_add_const(alibi))
+    after = fuse(before)
+    (d,) = decisions(after)
+    assert (d["status"], d["causal"], d["bias"]) == ("fused", "none", "yes"), d
+    assert_same_numerics(before, after)
+
+
+def test_left_alone_constant_bias_with_masked_entries():
+    """ALiBi and a causal -inf in one constant: neither a mask nor a finite bias, left alone."""
+    i = np.arange(8)
+    alibi = np.where(i[None, :] <= i[:, None], -np.abs(i[None, :] - i[:, None]), -np.inf)
     assert_left(_scores_module(_add_const(alibi)), "neither 0 nor a masking value")
 
 

@@ -120,12 +120,13 @@ def test_form_fp32_module_as_float16(name: str):
     _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
 
 
-def test_fp32_minus_1e4_left_with_reason():
-    """-1e4 masks an fp32 score only if no visible score is below ~-9900: not proved, left alone."""
+def test_fp32_minus_1e4_is_an_additive_bias():
+    """-1e4 masks an fp32 score only if no visible score is below ~-9900: not proved a causal
+    mask, so the kernel adds the constant as it is, a bias (left unfused before session 24)."""
     module, inputs = forms.build("additive_minus_1e4", torch.float32)
     lowered, stages, exe = _compile(module, inputs)
-    (decision,) = attention_decisions(stages["fuse_attention"])
-    assert decision["status"] == "left" and "neither 0 nor a masking value" in decision["reason"]
+    decision = _check_fused(stages, lowered)
+    assert (decision["causal"], decision["bias"]) == ("none", "yes"), decision
     _check_numerics(module, inputs, _run(exe, inputs), torch.float32)
 
 

@@ -556,15 +556,15 @@ class _Matcher:
         return flat[0]
 
     def _constant_bias(self, arr: np.ndarray, shape: list[int], dtype: str) -> bool:
-        """A constant term that is no mask but a per-key bias, (B|1, H|1, 1, Skv) with finite
-        values other than 0 (ALiBi with the positions known at export): the kernel adds it like
-        a padding bias. Masks (0 and masking values only) and anything varying along the queries
-        are judged as masks."""
+        """A constant term that is no mask but a bias, (B|1, H|1, Sq|1, Skv) with finite values
+        other than 0: ALiBi with the positions known at export (per key), T5's relative position
+        bias (per query and key). The kernel adds it as it adds a padding bias. Masks (0 and
+        masking values only) are judged as masks."""
         if arr.ndim > 4 or not np.all(np.isfinite(arr)):
             return False
         a4 = arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
-        if a4.shape[2] != 1 or a4.shape[3] != shape[3] or a4.shape[0] not in (1, shape[0]) \
-                or a4.shape[1] not in (1, shape[1]):
+        if a4.shape[2] not in (1, shape[2]) or a4.shape[3] != shape[3] \
+                or a4.shape[0] not in (1, shape[0]) or a4.shape[1] not in (1, shape[1]):
             return False
         return not np.all((a4 == 0) | (a4 <= _masked_floor(dtype)))
 
@@ -575,13 +575,16 @@ class _Matcher:
             raise _Reject(f"{what} differs across batch/heads: not a causal mask")
         return flat[0]
 
-    def _padding(self, expr: relax.Expr, shape: list[int], what: str) -> relax.Expr | None:
-        """``expr`` as a 4-D (B|1, H|1, 1, Skv) tensor, or None if it varies along queries."""
+    def _padding(self, expr: relax.Expr, shape: list[int], what: str,
+                 rows: bool = False) -> relax.Expr | None:
+        """``expr`` as a 4-D (B|1, H|1, 1, Skv) tensor, or None if it varies along queries;
+        ``rows``: (B|1, H|1, Sq|1, Skv), a constant bias that may."""
         s = static_shape(expr)
         if s is None or len(s) > 4:
             return None
         s4 = [1] * (4 - len(s)) + s
-        if s4[2] != 1 or s4[3] != shape[3] or s4[0] not in (1, shape[0]) or s4[1] not in (1, shape[1]):
+        if s4[2] not in ((1, shape[2]) if rows else (1,)) or s4[3] != shape[3] \
+                or s4[0] not in (1, shape[0]) or s4[1] not in (1, shape[1]):
             return None
         return expr if len(s) == 4 else relax.op.reshape(expr, shape_expr(s4))
 
@@ -637,8 +640,8 @@ class _Matcher:
             if arr is not None and not self._constant_bias(arr, shape, dtype):
                 see(self._visible(arr * factor, shape, dtype, "constant mask"))
                 continue
-            bias = self._padding(mask, shape, "mask")
-            if arr is not None:  # a constant per-key bias (ALiBi): finite, masking only if it says so
+            bias = self._padding(mask, shape, "mask", rows=arr is not None)
+            if arr is not None:  # a constant bias (ALiBi, T5): finite, masking only if it says so
                 if factor != 1.0:
                     bias = relax.op.multiply(bias, relax.const(factor, dtype))
                 out.masking_biases |= bool(np.any(arr * factor <= _masked_floor(dtype)))
