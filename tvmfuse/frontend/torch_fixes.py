@@ -15,6 +15,11 @@ with ``torch.isinf(h).any()``) and no ``all``, and its ``any.dim`` takes ``max``
 input, which is a number, not whether one is nonzero. Here both reduce ``x != 0`` in int8 and
 return bool, over the given dims or all of them.
 
+``cat``: torch skips 1-D empty operands (shape ``(0,)``) whatever the others' rank; transformers'
+``DynamicCache`` starts every layer's K and V as such a tensor and concatenates the first step's
+onto it (a T5 / encoder-decoder forward with ``use_cache`` on). 0.27 refuses the ranks ("Concat
+expects all input tensors to have same ndim"). Here they are dropped first.
+
 ``cumsum``: 0.27 keeps the input dtype when no ``dtype`` is given; torch sums bool and integer
 inputs in int64. A bool cumsum (transformers' packed-sequence check in ``create_causal_mask``:
 ``(position_diff != 1).cumsum(-1)``) then adds bools, which LLVM codegen refuses
@@ -129,6 +134,25 @@ def _any_all(reduce: Callable) -> Callable:
     return convert
 
 
+def _cat(node, importer) -> relax.Var:
+    """``aten.cat(tensors, dim=0)`` without torch's skipped legacy empty operands of shape (0,)."""
+    args = importer.retrieve_args(node)
+    dim = args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    tensors = list(args[0])
+
+    def legacy_empty(t) -> bool:
+        shape = importer.shape_of(t)
+        return shape is not None and len(shape) == 1 and isinstance(shape[0], tirx.IntImm) \
+            and int(shape[0]) == 0
+
+    kept = [t for t in tensors if not legacy_empty(t)]
+    if kept and len(kept) < len(tensors) and any(len(importer.shape_of(t)) > 1 for t in kept):
+        tensors = kept
+    if len(tensors) == 1:
+        return tensors[0]
+    return importer.block_builder.emit(relax.op.concat(tensors, axis=dim))
+
+
 def _cumsum(node, importer) -> relax.Var:
     """``aten.cumsum(x, dim, dtype=None)`` with torch's result dtype (int64 for bool/int inputs)."""
     x = importer.env[node.args[0]]
@@ -207,7 +231,7 @@ def custom_convert_map() -> dict[str, Callable]:
     return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
             "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp,
-            "clamp.Tensor": _clamp_tensor,
+            "clamp.Tensor": _clamp_tensor, "cat.default": _cat, "concat.default": _cat,
             "conv1d.default": _conv("conv"), "conv2d.default": _conv("conv"),
             "conv3d.default": _conv("conv"), "conv_transpose1d.default": _conv("transpose"),
             "conv_transpose2d.input": _conv("transpose"), "convolution.default": _conv("convolution"),
