@@ -245,3 +245,13 @@ def test_clamp_by_tensor_bounds_of_another_dtype():
     outs, refs = tvmfuse.compile(module, (x,), target="cpu").load()(x), module(x)
     for out, ref in zip(outs, refs):
         assert out.dtype == ref.dtype == torch.float16 and torch.equal(out, ref)
+
+
+def test_cat_skips_legacy_empty_operands():
+    """torch.cat skips 1-D empty tensors beside N-D ones (transformers' DynamicCache concatenates
+    each layer's first K / V onto one); TVM 0.27 refused the ranks, so a T5 forward with
+    ``use_cache`` failed to import."""
+    module = Fn(lambda m, x: torch.cat([torch.tensor([]), x * 2, torch.tensor([])], dim=-2)).eval()
+    x = torch.randn(1, 2, 3, 4)
+    out, ref = tvmfuse.compile(module, (x,), target="cpu").load()(x), module(x)
+    torch.testing.assert_close(out, ref)

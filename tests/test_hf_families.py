@@ -218,3 +218,39 @@ def test_gpu_t5_encoder(tmp_path):
 
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
     check_vs_float64(_Hidden(_t5_encoder(256, 4).half()), (ids,), "sm90", tmp_path, 1e-2)
+
+
+def test_t5_seq2seq_logits():
+    """The whole T5 (encoder + decoder, ``use_cache`` on as transformers defaults): the decoder's
+    DynamicCache concatenates each layer's K / V onto a legacy empty (0,) tensor, which failed to
+    import. Now the cpu logits equal torch's, and on sm90 fp16 all six attentions (encoder self,
+    decoder causal self with the relative bias, cross) are one kernel each."""
+    from tvmfuse.frontend import import_model
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    class Seq2Seq(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, dec: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, decoder_input_ids=dec).logits
+
+    def t5() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+            decoder_start_token_id=0)).eval()
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = (torch.randint(0, 128, (1, 32), generator=gen), torch.randint(0, 128, (1, 16), generator=gen))
+    model = Seq2Seq(t5())
+    got = np.asarray(tvmfuse.compile(model, inputs, target="cpu").load()(*inputs))
+    with torch.no_grad():
+        want = model(*inputs).numpy()
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    report = analyze(import_model(Seq2Seq(t5().half()), inputs).mod, get_target("sm90"), "float16",
+                     stock=False)
+    names = [k["name"] for k in report["kernels"]]
+    assert sum(n.startswith("attention") for n in names) == 6, names
