@@ -165,6 +165,23 @@ class BaddbmmAlibi(nn.Module):
         return torch.bmm(p.view(B * H, S, S), v3).reshape(B, H, S, D)
 
 
+class RelativeBias(nn.Module):
+    """T5's form: unscaled ``q·kᵀ + bias`` with a learned per-head bias of the relative position
+    (``table[h, j - i + S - 1]``, a (1, H, S, S) term varying along queries and keys), fp32
+    softmax cast back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(H, 2 * S - 1) * 0.5)
+        pos = torch.arange(S)
+        self.register_buffer("rel", pos[None, :] - pos[:, None] + S - 1, persistent=False)
+
+    def forward(self, q, k, v):
+        bias = self.table[:, self.rel].unsqueeze(0).to(q.dtype)
+        s = q @ k.transpose(-1, -2) + bias
+        return torch.softmax(s.float(), -1).to(q.dtype) @ v
+
+
 class PaddingBitwiseAnd(nn.Module):
     """transformers 5's bidirectional mask: ``full(True) & (q_idx >= 0) & pad[b, kv_idx]`` with
     bool ``&``, applied by ``where(mask, 0, -inf)``."""
@@ -456,6 +473,7 @@ FORMULATIONS: list[Formulation] = [
     _f("attn_einsum", "attention", _attn(Einsum()), attention=1),
     _f("attn_baddbmm", "attention", _attn(Baddbmm()), attention=1),
     _f("attn_baddbmm_alibi", "attention", _attn(BaddbmmAlibi()), attention=1),
+    _f("attn_relative_position_bias", "attention", _attn(RelativeBias()), attention=1),
     _f("attn_padding_bitwise_and", "attention",
        lambda: (PaddingBitwiseAnd().eval(), _padding_inputs()), attention=1),
     _f("attn_dropout_eval", "attention", _attn(DropoutEval(float("-inf"))), attention=1),
