@@ -45,7 +45,7 @@ KERNELS: dict[str, int] = {
     "attn_baddbmm": 1,
     "attn_baddbmm_alibi": 1,  # Bloom: the per-head ALiBi bias rides in the kernel
     "attn_relative_position_bias": 1,  # T5: the constant (1, H, S, S) bias rides in the kernel
-    "attn_padding_bitwise_and": 4,  # the mask's cast, gather and where, then the attention
+    "attn_padding_bitwise_and": 2,  # the mask (a view since ConstantIndexTensor; was 4), the attention
     "attn_dropout_eval": 1,
     "attn_gqa_repeat_interleave": 1,
     "attn_gqa_expand_reshape": 1,

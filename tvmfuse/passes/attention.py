@@ -63,7 +63,7 @@ from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ._util import last_axis_only, scalar_value, shape_expr, static_shape, without_large_constants
 from .attention_lower import gpu_window_gate
-from .legalize_fixes import legalize_overrides
+from .constant_values import ConstantValues, function_bindings
 
 DECISIONS_ATTR = "tvmfuse.attention_decisions"
 _BSHD = "BSHD"  # attention operand layout; labels: B batch, H heads, Q/K query/key positions, D dim
@@ -126,22 +126,15 @@ class _Function:
     """Binding table, use counts and constant evaluation for one Relax function."""
 
     def __init__(self, func: relax.Function) -> None:
-        self.table: dict[relax.Var, relax.Expr] = {}
-        self.order: dict[relax.Var, int] = {}
-        self.var_of: dict[relax.Expr, relax.Var] = {}
+        self.table, self.order = function_bindings(func)
+        self.var_of: dict[relax.Expr, relax.Var] = {v: k for k, v in self.table.items()}
         self.uses: dict[relax.Var, int] = {}
-        for block in func.body.blocks:
-            for binding in block.bindings:
-                if isinstance(binding, relax.VarBinding):
-                    self.order[binding.var] = len(self.order)
-                    self.table[binding.var] = binding.value
-                    self.var_of[binding.value] = binding.var
         self.params = set(func.params)
         # uses: how many bindings (and the function result) read each var
         for value in [*self.table.values(), func.body.body]:
             for var in relax.analysis.free_vars(value):
                 self.uses[var] = self.uses.get(var, 0) + 1
-        self._const_cache: dict[relax.Expr, np.ndarray | None] = {}
+        self._constants = ConstantValues(self.table, self.order)
         # fp16/bf16 products spelled matmul(a, b, out_dtype=float32) → astype(·, half): the matmuls
         self.accumulated = {self.table[x] for x in (self._accumulated(v) for v in self.table.values())
                             if x is not None}
@@ -191,55 +184,9 @@ class _Function:
     def single_use(self, expr: relax.Expr) -> bool:
         return not isinstance(expr, relax.Var) or self.uses.get(expr, 0) <= 1
 
-    # --- constant evaluation --------------------------------------------------------------------
-
-    def _const_deps(self, expr: relax.Expr, deps: set) -> bool:
-        if isinstance(expr, relax.Var):
-            if expr in deps:
-                return True
-            if expr not in self.table:
-                return False  # a function parameter: depends on model inputs
-            deps.add(expr)
-            return self._const_deps(self.table[expr], deps)
-        if isinstance(expr, relax.Call):
-            return all(self._const_deps(a, deps) for a in expr.args)
-        if isinstance(expr, relax.Tuple):
-            return all(self._const_deps(f, deps) for f in expr.fields)
-        if isinstance(expr, relax.TupleGetItem):
-            return self._const_deps(expr.tuple_value, deps)
-        if isinstance(expr, relax.ShapeExpr):
-            return all(isinstance(v, tvm.tirx.IntImm) for v in expr.values)
-        if isinstance(expr, tvm.ir.prim.expr.BinaryOpExpr):  # T.Add(1, 8) left by BindSymbolicVars
-            return not tvm.tirx.analysis.undefined_vars(expr)
-        return isinstance(expr, (tvm.ir.expr.Constant, tvm.ir.expr.StringImm, tvm.tirx.IntImm,
-                                 tvm.tirx.FloatImm))
-
     def constant(self, expr: relax.Expr) -> np.ndarray | None:
         """The value of ``expr`` when it depends on constants only (built and run on llvm)."""
-        if isinstance(expr, tvm.ir.expr.Constant):
-            return expr.value.numpy()
-        key = expr
-        if key in self._const_cache:
-            return self._const_cache[key]
-        deps: set = set()
-        result = None
-        if isinstance(expr.ty, relax.TensorType) and self._const_deps(expr, deps):
-            result = _evaluate(expr, sorted(deps, key=self.order.__getitem__), self.table)
-        self._const_cache[key] = result
-        return result
-
-
-def _evaluate(expr: relax.Expr, deps: list[relax.Var], table: dict) -> np.ndarray:
-    """Run the constant subgraph ``deps → expr`` once on the CPU."""
-    out = relax.Var("mask_value", expr.ty)
-    bindings = [relax.VarBinding(v, table[v]) for v in deps] + [relax.VarBinding(out, expr)]
-    func = relax.Function([], relax.SeqExpr([relax.DataflowBlock(bindings)], out), expr.ty)
-    mod = tvm.IRModule({"main": func})
-    with tvm.target.Target("llvm"):
-        mod = relax.transform.LegalizeOps(legalize_overrides())(mod)
-        exe = tvm.compile(mod, target="llvm")
-    vm = relax.VirtualMachine(exe, tvm.cpu())
-    return vm["main"]().numpy()
+        return self._constants.value(expr)
 
 
 # ops between Q·Kᵀ and the softmax that the score walk passes through (scales, masks, casts)

@@ -13,6 +13,7 @@ import tvm
 from .batched_matmul import CanonicalizeBatchedMatmul
 from .bounded_slices import BoundedSlices
 from .constant_gather_nd import ConstantGatherND
+from .constant_index_tensor import ConstantIndexTensor
 from .empty_pieces import EmptyPieces
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
@@ -27,6 +28,7 @@ from .view_chain import CollapseViewChains
 PASSES = [
     NegativeIndices,  # constant negative take / index_tensor indices count from the end
     ConstantGatherND,  # constant-index gather_nd (ONNX GatherND of index grids) → a view or a take
+    ConstantIndexTensor,  # index_tensor on arange grids (torch's mask[batch_idx, kv_idx]) likewise
     EmptyPieces,  # zero-size split pieces / concat operands: nothing may fuse a loop of extent 0
     BoundedSlices,  # symbolic lengths: a slice the ranges prove in bounds keeps exact shapes
     CollapseViewChains,  # einsum's 5-D expand_dims/permute views around a bmm → one permute + reshape
@@ -46,6 +48,6 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 
 __all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
-           "ConstantGatherND", "EmptyPieces", "FoldMatmulLeadingDims", "HalfMatmulAccumulate",
-           "LiftFoldedBatch", "NegativeIndices", "ShareCasts",
+           "ConstantGatherND", "ConstantIndexTensor", "EmptyPieces", "FoldMatmulLeadingDims",
+           "HalfMatmulAccumulate", "LiftFoldedBatch", "NegativeIndices", "ShareCasts",
            "TupleOutput", "UpcastMatmul"]

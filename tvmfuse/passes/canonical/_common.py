@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import tvm
 from tvm import relax
 
@@ -41,3 +42,27 @@ def rewrite_relax_functions(mod: tvm.IRModule, rewrite: Rewrite) -> tvm.IRModule
     """A copy of ``mod`` with ``rewrite(mod, f)`` applied to each Relax function (unused bindings
     dropped); ``mod`` is untouched (:func:`~tvmfuse.passes._util.rewrite_functions` copies)."""
     return rewrite_functions(mod, lambda func: relax.analysis.remove_all_unused(rewrite(mod, func)))
+
+
+def gather_rows(x: relax.Expr, flat: np.ndarray, m: int) -> relax.Expr:
+    """``x`` read at row-major offsets ``flat`` (any shape G) into its first ``m`` static axes:
+    a (G + x.shape[m:]) tensor, as the cheapest op that computes it.
+
+    * a view, ``reshape(x, G + rest)``, when ``flat`` is 0, 1, …, P - 1 in order (P the rows);
+    * a broadcast of that view when ``flat`` only repeats such a grid along some axes of G (an
+      index grid broadcast over heads or queries);
+    * else ``take`` of the rows of ``reshape(x, (P,) + rest)`` at the constant ``flat``.
+    """
+    shape = [int(d) for d in x.ty.shape.values]
+    rows, rest = int(np.prod(shape[:m])), tuple(shape[m:])
+    core = flat
+    for axis in range(flat.ndim):  # drop the axes along which the offsets repeat
+        if core.shape[axis] > 1 and (core == core.take([0], axis=axis)).all():
+            core = core.take([0], axis=axis)
+    if core.size == rows and (core.reshape(-1) == np.arange(rows)).all():
+        view = relax.op.reshape(x, core.shape + rest)
+        if core.shape == flat.shape:
+            return view
+        return relax.op.broadcast_to(view, flat.shape + rest)
+    table = relax.op.reshape(x, (rows, *rest)) if m != 1 else x
+    return relax.op.take(table, relax.const(flat.astype("int64"), "int64"), axis=0)

@@ -24,7 +24,7 @@ from tvm.ir.expr import Constant
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .._util import is_op
-from ._common import rewrite_relax_functions
+from ._common import gather_rows, rewrite_relax_functions
 
 
 def _static_shape(x: relax.Expr) -> tuple[int, ...] | None:
@@ -64,14 +64,7 @@ class _Rewrite(PyExprMutator):
         if values.dtype.kind != "i" or not 1 <= m <= len(shape):
             return call
         flat = flat_indices(values, shape[:m])
-        if flat is None:
-            return call
-        rows, rest = int(np.prod(shape[:m])), shape[m:]
-        out_shape = flat.shape + rest
-        if flat.size == rows and (flat.reshape(-1) == np.arange(rows)).all():
-            return relax.op.reshape(x, out_shape)  # every element once, in order: a view
-        table = relax.op.reshape(x, (rows, *rest)) if m > 1 else x
-        return relax.op.take(table, relax.const(flat, "int64"), axis=0)
+        return call if flat is None else gather_rows(x, flat, m)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.ConstantGatherND")
