@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
+from tvm import relax
 
 from tests.relax_util import random_inputs, run_llvm
 
@@ -24,3 +25,10 @@ def errors_vs_float64(before: tvm.IRModule, after: tvm.IRModule, reference) -> t
         out = run_llvm(mod, *arrays).astype(np.float64)
         errs.append(float(np.linalg.norm(out - ref) / np.linalg.norm(ref)))
     return errs[0], errs[1]
+
+
+def run_outputs(mod: tvm.IRModule, *arrays: np.ndarray) -> list[np.ndarray]:
+    """Every output of ``main`` (a tuple) built for llvm with TVM's legalisation, on ``arrays``."""
+    exe = tvm.compile(relax.transform.LegalizeOps()(mod), target="llvm")
+    vm = relax.VirtualMachine(exe, tvm.cpu())
+    return [out.numpy() for out in vm["main"](*[tvm.runtime.tensor(a) for a in arrays])]

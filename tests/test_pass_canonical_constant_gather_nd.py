@@ -14,13 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 from models import hf_models
-from tests.canonical_util import apply
+from tests.canonical_util import apply, run_outputs
 from tvmfuse.frontend import import_model
 from tvmfuse.passes.canonical import ConstantGatherND
 from tvmfuse.report import analyze
@@ -86,11 +85,6 @@ def _gather_nd(data: np.ndarray, index: np.ndarray) -> np.ndarray:
     return data[tuple(np.moveaxis(index, -1, 0))]
 
 
-def _run(mod: tvm.IRModule, *arrays: np.ndarray) -> list[np.ndarray]:
-    vm = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(mod), target="llvm"), tvm.cpu())
-    return [out.numpy() for out in vm["main"](*[tvm.runtime.tensor(a) for a in arrays])]
-
-
 def test_numerics_match_numpy_gather_nd():
     """The rewrite equals numpy's gather everywhere; TVM's own ``gather_nd`` agrees where the
     indices are non-negative (it reads before the buffer for PICK's -1, which the rewrite wraps)."""
@@ -98,7 +92,7 @@ def test_numerics_match_numpy_gather_nd():
     arrays = (rng.random((2, 16)) < 0.5, rng.standard_normal((3, 4, 5)).astype("float32"),
               rng.standard_normal((5, 3)).astype("float32"))
     refs = [_gather_nd(a, i) for a, i in zip(arrays, (GRID, PICK, np.array([[4], [0]])))]
-    after, before = _run(apply(ConstantGatherND(), Before), *arrays), _run(Before, *arrays)
+    after, before = run_outputs(apply(ConstantGatherND(), Before), *arrays), run_outputs(Before, *arrays)
     for out, ref in zip(after, refs):
         np.testing.assert_array_equal(out, ref)
     for k in (0, 2):

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
-from tests.canonical_util import apply
+from tests.canonical_util import apply, run_outputs
 from tvmfuse.passes.canonical import ConstantIndexTensor
 
 
@@ -75,13 +74,9 @@ def test_runtime_and_out_of_range_indices_stay():
     tvm.ir.assert_structural_equal(apply(ConstantIndexTensor(), LeftAlone), LeftAlone)
 
 
-def _run(mod: tvm.IRModule, *arrays: np.ndarray) -> list[np.ndarray]:
-    vm = relax.VirtualMachine(tvm.compile(relax.transform.LegalizeOps()(mod), target="llvm"), tvm.cpu())
-    return [out.numpy() for out in vm["main"](*[tvm.runtime.tensor(a) for a in arrays])]
-
-
 def test_numerics_equal_the_gather():
     rng = np.random.default_rng(0)
     arrays = (rng.random((2, 24)) < 0.5, rng.standard_normal((2, 24)).astype("float32"))
-    for got, want in zip(_run(apply(ConstantIndexTensor(), Before), *arrays), _run(Before, *arrays)):
+    after = run_outputs(apply(ConstantIndexTensor(), Before), *arrays)
+    for got, want in zip(after, run_outputs(Before, *arrays)):
         np.testing.assert_array_equal(got, want)
