@@ -158,3 +158,35 @@ def test_a_projection_with_its_own_activation_keeps_its_gemm():
     assert _matmuls(before) == 4 and _matmuls(after) == 2
     assert after.script().count("R.strided_slice(") == 3
     assert_same_numerics(before, after)
+
+
+def _half_biased_projections() -> tvm.IRModule:
+    """torch's fp16 Linear as tvmfuse imports it: ``astype(matmul(x, W, fp32) + astype(b, fp32),
+    fp16)``, three of them on one x, each only reshaped into the attention call (BERT's Q/K/V)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4, 16), "float16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            qkv = []
+            for w, b in ((WQ[:, :8], BV), (WK, BV[::-1].copy()), (WV, BQ[:8])):
+                y = bb.emit(relax.op.matmul(x, relax.const(w.astype("float16")), out_dtype="float32"))
+                bias = bb.emit(relax.op.astype(relax.const(b.astype("float16")), "float32"))
+                y16 = bb.emit(relax.op.astype(bb.emit(relax.op.add(y, bias)), "float16"))
+                qkv.append(bb.emit(relax.op.reshape(y16, (1, 4, 2, 4))))
+            out = bb.emit_output(relax.op.nn.attention(*qkv))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_biases_cast_to_the_accumulator_merge_into_the_wide_gemm():
+    """The biases (fp16 constants cast to fp32) concatenate into one add after the wide GEMM, so
+    its epilogue takes bias + cast and the GEMM writes fp16. Left per slice (before session 24),
+    the wide GEMM had no epilogue and the sm90 rule refused it (``no epilogue block``: BERT's QKV
+    GEMM from torch ran on the sm80 path and wrote fp32)."""
+    before = _half_biased_projections()
+    after = HorizontalGemm()(before)
+    assert _matmuls(before) == 3 and _matmuls(after) == 1
+    bindings = [b.value for b in after["main"].body.blocks[0].bindings]
+    adds = [v for v in bindings if getattr(v, "op", None) == tvm.ir.Op.get("relax.add")]
+    assert len(adds) == 1 and adds[0].args[1].ty.shape[0] == 24, after.script()
+    assert_same_numerics(before, after, rtol=1e-3)

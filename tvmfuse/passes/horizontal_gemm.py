@@ -22,8 +22,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from . import weight_arrays
-from ._util import const_array as _const
-from ._util import constant_weight, dataflow_bindings, static_shape
+from ._util import constant_weight, dataflow_bindings, folded_constant, static_shape
 from ._util import is_op as _is_op
 
 
@@ -59,7 +58,8 @@ def _groups(func: relax.Function) -> list[list[_Member]]:
         if len(uses) == 1 and _is_op(bound[uses[0]], "relax.add"):
             add = bound[uses[0]]
             other = add.args[1] if add.args[0].same_as(var) else add.args[0]
-            bias = _const(other)
+            # a constant, or one cast to the add's dtype (torch's fp16 Linear adds its bias in fp32)
+            bias = folded_constant(other, lambda e: bound.get(e, e))
             if bias is not None and bias.ndim == 1 and bias.shape[0] == weight.shape[1]:
                 member.bias, member.add_var, member.out_var = bias, uses[0], uses[0]
         key = (call.args[0], str(call.attrs.out_dtype), str(weight.dtype))
