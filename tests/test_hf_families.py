@@ -254,3 +254,28 @@ def test_t5_seq2seq_logits():
                      stock=False)
     names = [k["name"] for k in report["kernels"]]
     assert sum(n.startswith("attention") for n in names) == 6, names
+
+
+@pytest.mark.gpu
+def test_gpu_bert_fp16_from_torch(tmp_path):
+    """On the H200: transformers BERT in fp16 from torch with a padding mask. Its Q/K/V biases
+    (fp16 constants added in fp32) ride in the wide QKV GEMM's sm90 epilogue since session 24
+    (before: the sm80 path, fp32 out), and the mask gather is a view; against the float64 model."""
+    from tests.cuda_tools import check_vs_float64
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
+
+    torch.manual_seed(0)
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=128, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=512)).eval().half()
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 64, dtype=torch.int64)
+    mask[1, 40:] = 0
+    check_vs_float64(Hidden(bert), (ids, mask), "sm90", tmp_path, 1e-2)
