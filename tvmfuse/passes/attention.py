@@ -126,7 +126,7 @@ class _Function:
     """Binding table, use counts and constant evaluation for one Relax function."""
 
     def __init__(self, func: relax.Function) -> None:
-        self.table, self.order = function_bindings(func)
+        self.table = function_bindings(func)
         self.var_of: dict[relax.Expr, relax.Var] = {v: k for k, v in self.table.items()}
         self.uses: dict[relax.Var, int] = {}
         self.params = set(func.params)
@@ -134,7 +134,7 @@ class _Function:
         for value in [*self.table.values(), func.body.body]:
             for var in relax.analysis.free_vars(value):
                 self.uses[var] = self.uses.get(var, 0) + 1
-        self._constants = ConstantValues(self.table, self.order)
+        self._constants = ConstantValues(self.table)
         # fp16/bf16 products spelled matmul(a, b, out_dtype=float32) → astype(·, half): the matmuls
         self.accumulated = {self.table[x] for x in (self._accumulated(v) for v in self.table.values())
                             if x is not None}

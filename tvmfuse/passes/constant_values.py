@@ -16,23 +16,18 @@ from tvm import relax
 from .legalize_fixes import legalize_overrides
 
 
-def function_bindings(func: relax.Function) -> tuple[dict[relax.Var, relax.Expr], dict[relax.Var, int]]:
-    """``(var → bound value, var → binding position)`` over every block of ``func``."""
-    table: dict[relax.Var, relax.Expr] = {}
-    order: dict[relax.Var, int] = {}
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            if isinstance(binding, relax.VarBinding):
-                order[binding.var] = len(order)
-                table[binding.var] = binding.value
-    return table, order
+def function_bindings(func: relax.Function) -> dict[relax.Var, relax.Expr]:
+    """var → bound value over every block of ``func``, in binding order."""
+    return {b.var: b.value for block in func.body.blocks for b in block.bindings
+            if isinstance(b, relax.VarBinding)}
 
 
 class ConstantValues:
     """Evaluates expressions of one function that depend on constants only."""
 
-    def __init__(self, table: dict[relax.Var, relax.Expr], order: dict[relax.Var, int]) -> None:
-        self.table, self.order = table, order
+    def __init__(self, table: dict[relax.Var, relax.Expr]) -> None:
+        self.table = table  # in binding order (function_bindings)
+        self.order = {var: i for i, var in enumerate(table)}
         self._cache: dict[relax.Expr, np.ndarray | None] = {}
 
     def value(self, expr: relax.Expr) -> np.ndarray | None:

@@ -8,6 +8,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from ...relax_shapes import static_shape
 from .._util import rewrite_functions
 
 HALF = ("float16", "bfloat16")
@@ -45,7 +46,7 @@ def rewrite_relax_functions(mod: tvm.IRModule, rewrite: Rewrite) -> tvm.IRModule
 
 
 def gather_rows(x: relax.Expr, flat: np.ndarray, m: int) -> relax.Expr:
-    """``x`` read at row-major offsets ``flat`` (any shape G) into its first ``m`` static axes:
+    """``x`` (static shape) read at row-major offsets ``flat`` (any shape G) into its first ``m`` axes:
     a (G + x.shape[m:]) tensor, as the cheapest op that computes it.
 
     * a view, ``reshape(x, G + rest)``, when ``flat`` is 0, 1, …, P - 1 in order (P the rows);
@@ -53,7 +54,7 @@ def gather_rows(x: relax.Expr, flat: np.ndarray, m: int) -> relax.Expr:
       index grid broadcast over heads or queries);
     * else ``take`` of the rows of ``reshape(x, (P,) + rest)`` at the constant ``flat``.
     """
-    shape = [int(d) for d in x.ty.shape.values]
+    shape = static_shape(x)
     rows, rest = int(np.prod(shape[:m])), tuple(shape[m:])
     core = flat
     for axis in range(flat.ndim):  # drop the axes along which the offsets repeat

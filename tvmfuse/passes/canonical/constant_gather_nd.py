@@ -23,16 +23,9 @@ from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ...relax_shapes import static_shape
 from .._util import is_op
 from ._common import gather_rows, rewrite_relax_functions
-
-
-def _static_shape(x: relax.Expr) -> tuple[int, ...] | None:
-    """``x``'s shape when every dimension is a constant, else None."""
-    values = getattr(getattr(x.ty, "shape", None), "values", None)
-    if values is None or not all(isinstance(d, tvm.tirx.IntImm) for d in values):
-        return None
-    return tuple(int(d.value) for d in values)
 
 
 def flat_indices(indices: np.ndarray, lead: tuple[int, ...]) -> np.ndarray | None:
@@ -55,7 +48,7 @@ class _Rewrite(PyExprMutator):
         if not is_op(call, "relax.gather_nd") or int(call.attrs.batch_dims) != 0:
             return call
         x, index = call.args
-        shape = _static_shape(x)
+        shape = static_shape(x)
         if shape is None or not (isinstance(index, Constant)
                                  and isinstance(index.value, tvm.runtime.Tensor)):
             return call
@@ -63,7 +56,7 @@ class _Rewrite(PyExprMutator):
         m = values.shape[-1] if values.ndim else 0
         if values.dtype.kind != "i" or not 1 <= m <= len(shape):
             return call
-        flat = flat_indices(values, shape[:m])
+        flat = flat_indices(values, tuple(shape[:m]))
         return call if flat is None else gather_rows(x, flat, m)
 
 

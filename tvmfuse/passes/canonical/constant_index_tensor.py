@@ -22,6 +22,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ...relax_shapes import static_shape
 from .._util import is_op
 from ..constant_values import ConstantValues, function_bindings
 from ._common import gather_rows, rewrite_relax_functions
@@ -39,10 +40,8 @@ class _Rewrite(PyExprMutator):
         if not is_op(call, "relax.index_tensor") or not isinstance(call.args[1], relax.Tuple):
             return call
         x, indices = call.args[0], list(call.args[1].fields)
-        values = getattr(getattr(x.ty, "shape", None), "values", None)
-        k = len(indices)
-        if values is None or not 1 <= k <= len(values) or not all(
-                isinstance(d, tvm.tirx.IntImm) for d in values[:k]):
+        shape, k = static_shape(x), len(indices)
+        if shape is None or not 1 <= k <= len(shape):
             return call
         grids = [self.constants.value(i) for i in indices]
         if any(g is None or g.dtype.kind not in "iu" for g in grids):
@@ -51,7 +50,7 @@ class _Rewrite(PyExprMutator):
             grid = np.stack(np.broadcast_arrays(*grids), axis=-1).astype(np.int64)
         except ValueError:  # the indices do not broadcast: TVM reports that, not this pass
             return call
-        flat = flat_indices(grid, tuple(int(d) for d in values[:k]))
+        flat = flat_indices(grid, tuple(shape[:k]))
         return call if flat is None else gather_rows(x, flat, k)
 
 
@@ -61,6 +60,6 @@ class ConstantIndexTensor:
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         def rewrite(m: tvm.IRModule, func: relax.Function) -> relax.Function:
-            return _Rewrite(m, ConstantValues(*function_bindings(func))).visit_expr(func)
+            return _Rewrite(m, ConstantValues(function_bindings(func))).visit_expr(func)
 
         return rewrite_relax_functions(mod, rewrite)
