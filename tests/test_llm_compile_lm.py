@@ -146,13 +146,19 @@ def test_sm90_lowers_and_builds_with_nvcc(tmp_path):
     assert params <= size <= params + 2 * MAX_SEQ * 16 * 2 + 16384, (size, params)
 
 
+_PDL_AT_2 = {"programmatic_launch_max_batch": 2}  # max_batch 2 would otherwise launch plainly
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"gemv_prefetch_after_attention": True},
-                                     {"decode_fold_append": True, "gemv_prefetch_after_attention": True}],
-                         ids=["default", "prefetch_after_attention", "fold_and_prefetch"])
+@pytest.mark.parametrize("options", [{}, {"gemv_prefetch_after_attention": True, **_PDL_AT_2},
+                                     {"decode_fold_append": True,
+                                      "gemv_prefetch_after_attention": True, **_PDL_AT_2},
+                                     {"gemv_preload_weights": True, **_PDL_AT_2}],
+                         ids=["default", "prefetch_after_attention", "fold_and_prefetch", "preload"])
 def test_sm90_generate_on_the_gpu(tmp_path, options):
     """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU), with the
-    decode options that change kernels off their defaults too."""
+    decode options that change kernels off their defaults too (those that act only on kernels
+    launched programmatically with PDL kept on at max_batch 2)."""
     model, path = _sm90_fp16_llama(tmp_path / "lm.so", **options)
     lm = tvmfuse.load(path, device="cuda")
     torch.manual_seed(3)

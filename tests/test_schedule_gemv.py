@@ -9,6 +9,7 @@ engine (a cp.async ring of W in shared memory) against float64 numpy.
 
 from __future__ import annotations
 
+import math
 import re
 
 import numpy as np
@@ -154,6 +155,80 @@ def test_prefetch_after_attention_takes_the_o_projection_only(on, fold):
     # the prefill's (flash attention before it, no PDL) does not prefetch
     assert prefetching == ({n for n in bodies if "add" in n and "matmul1" in n} if on else set()), (
         sorted(bodies), prefetching)
+
+
+PRELOAD_CASES = [  # (m, n, k, pair, stats): the 4-layer LM's decode shapes, K past a chunk, mma
+    (1, 3072, 2048, False, True), (1, 11264, 2048, True, True), (1, 2048, 5632, False, False),
+    (3, 1000, 1000, False, False), (8, 4096, 4096, False, False), (8, 12288, 4096, False, True)]
+PRELOAD_IDS = [f"{m}x{n}x{k}{'-pair' if pr else ''}{'-stats' if st else ''}"
+               for m, n, k, pr, st in PRELOAD_CASES]
+
+
+def _preload_source(m: int, n: int, k: int, pair: bool, stats: bool, preload: bool) -> str:
+    p = GemvProblem(m, n, k, "float16", "float16", pair)
+    func = standalone(p, pick_config(p, 132, row_stats=stats), rms_eps=1e-5 if stats else None,
+                      preload=preload)
+    with codegen_scope():
+        return cuda_source(tvm.compile(tvm.IRModule({"main": func}), target=SM90.tvm_target()))
+
+
+@pytest.mark.parametrize("m, n, k, pair, stats", PRELOAD_CASES, ids=PRELOAD_IDS)
+def test_preload_reads_only_weights_before_the_wait(m, n, k, pair, stats):
+    """``preload``: the kernel's first statements load W (16-byte vectors into the loop's
+    registers) and then wait for the predecessor; x, the statistics and y are touched only after
+    the wait. Without it the kernel has no wait of its own (the PDL device pass adds one first)."""
+    body = kernel_bodies(_preload_source(m, n, k, pair, stats, True))["main_kernel"][1]
+    before, sep, after = body.partition("griddepcontrol_wait()")
+    assert sep, "no griddepcontrol.wait"
+    assert "launch_dependents" in after.split(";", 2)[1], "launch_dependents not right after it"
+    assert re.search(r"\*\(uint4\*\)\(bv_ptr \+ \d+\) = \*\(uint4\*\)\(w_ptr", before)
+    code = "\n".join(line for line in before.splitlines()
+                     if not line.strip().startswith(("alignas", "__shared__")))  # declarations
+    for name in ("x_ptr", "y_ptr", "st_ptr", "red_ptr", "acc_ptr"):
+        assert name not in code, f"{name} touched before the wait"
+    p = GemvProblem(m, n, k, "float16", "float16", pair)
+    cfg = pick_config(p, 132, row_stats=stats)
+    iters = math.ceil(math.ceil(k / cfg.chunk) / (cfg.warps * cfg.unroll))
+    # later iterations still load their W in the loop (one iteration: all W came before the wait)
+    assert ("w_ptr" in after) == (iters > 1), iters
+    plain = kernel_bodies(_preload_source(m, n, k, pair, stats, False))["main_kernel"][1]
+    assert "griddepcontrol" not in plain
+
+
+def test_preload_follows_the_option_where_kernels_launch_programmatically():
+    """The rule builds the preloading kernel with ``Options.gemv_preload_weights`` on sm_90 with
+    programmatic launch; not by default, not with PDL off, not on sm_80."""
+    import tvmfuse
+
+    module = torch.nn.Linear(512, 256).half()
+
+    def has_wait(target, **fields) -> bool:
+        lib = tvmfuse.compile(module, (torch.randn(1, 512).half(),), target=target.name,
+                              options=Options(gemv_max_m=64, **fields))
+        bodies = [b for n, (_, b) in kernel_bodies(cuda_source(lib.executable)).items()
+                  if n.endswith("gemv_kernel")]
+        assert len(bodies) == 1, bodies
+        return "griddepcontrol_wait()" in bodies[0]
+
+    assert has_wait(SM90, gemv_preload_weights=True)
+    assert not has_wait(SM90)
+    assert not has_wait(SM90, gemv_preload_weights=True, programmatic_launch="off")
+    assert not has_wait(SM80, gemv_preload_weights=True)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("m, n, k, pair, stats", PRELOAD_CASES[:2] + PRELOAD_CASES[4:],
+                         ids=PRELOAD_IDS[:2] + PRELOAD_IDS[4:])
+def test_preload_sass_keeps_the_registers(m, n, k, pair, stats, tmp_path):
+    """The preloaded vectors live across the wait in registers: no local memory, no spills."""
+    p = GemvProblem(m, n, k, "float16", "float16", pair)
+    func = standalone(p, pick_config(p, 132, row_stats=stats), rms_eps=1e-5 if stats else None,
+                      preload=True)
+    sass, log = _sass(func, SM90, tmp_path)
+    for arch, text in sass.items():
+        if arch.startswith("sm_"):
+            assert "LDG.E.128" in text and "STL" not in text and "LDL" not in text, arch
+    assert all(s == "0" for s in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
 def _sass(func: tirx.PrimFunc, spec, tmp_path) -> tuple[str, str]:
@@ -334,6 +409,25 @@ def test_ring_numerics_on_the_gpu(m, n, k, pair, stats, cfg):
     lib = tvm.compile(tvm.IRModule({"main": standalone(p, cfg, rms_eps=eps)}),
                       target=SM90.tvm_target())
     rng = np.random.default_rng(m * 7 + k)
+    x = rng.standard_normal((m, k)).astype("float16")
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float16")
+    y = tvm.runtime.empty((m, n // 2 if pair else n), "float16", dev)
+    lib(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev), y)
+    ref = _gemv_reference(x, w, pair, eps)
+    err = np.linalg.norm(y.numpy().astype("float64") - ref) / np.linalg.norm(ref)
+    assert err < 2e-3, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, pair, stats", PRELOAD_CASES, ids=PRELOAD_IDS)
+def test_preload_numerics_on_the_gpu(m, n, k, pair, stats):
+    """H200: the preloading kernel (launched plainly: its wait returns at once) against float64."""
+    dev = tvm.cuda()
+    eps = 1e-5 if stats else None
+    p = GemvProblem(m, n, k, "float16", "float16", pair)
+    func = standalone(p, pick_config(p, 132, row_stats=stats), rms_eps=eps, preload=True)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=SM90.tvm_target())
+    rng = np.random.default_rng(m * 5 + n)
     x = rng.standard_normal((m, k)).astype("float16")
     w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float16")
     y = tvm.runtime.empty((m, n // 2 if pair else n), "float16", dev)

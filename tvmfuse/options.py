@@ -91,6 +91,10 @@ class Options:
     # GEMVs' weights from the attention's partial kernel instead (8–36 MiB) was slower at every
     # size (0.1680–0.1747 vs 0.1625): it slows the attention more than it speeds the GEMVs
     gemv_prefetch_after_attention: bool = False
+    # gemv with programmatic_launch: the register engines load their first iteration's weight
+    # vectors before the wait (kernels/gemm/gemv.py ``preload``), so a block resident during its
+    # predecessor's tail has its first DRAM round trip done when the wait returns. Off until timed
+    gemv_preload_weights: bool = False
     # compile_lm decode attention (CUDA): the split-KV combine in the partial kernel (the last block
     # of a head row combines; one launch) instead of a second kernel. Off: the 4-layer LM decoded
     # at 0.1767 ms/token with it, 0.1672 without (H200, session 14, one call)

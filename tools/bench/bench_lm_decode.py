@@ -24,11 +24,14 @@ top. Weight-read floor = weight bytes / 4.21 TB/s.
 
     python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 --out results.json
     python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 32 --batch 8 --no-compile
+    python3 tools/bench/bench_lm_decode.py --size lm4 --no-compile --ab gemv_preload_weights
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -210,6 +213,24 @@ def prefill_kernels_us(lm, ids: torch.Tensor) -> tuple[float, dict[str, float]]:
     return sum(t for t, _ in times), {k[:80]: round(t, 1) for t, k in times[:12]}
 
 
+def ab_rounds(base, other, ids: torch.Tensor, new: int, rounds: int,
+              base_tokens: torch.Tensor) -> dict[str, Any]:
+    """Decode ms/token of two loaded libraries timed in turn (base, other, base, other, …) for
+    ``rounds`` rounds: a drift of the GPU over the run reaches both alike. ``other``'s tokens
+    must equal ``base``'s (the same model; only kernels differ)."""
+    other.generate(ids, max_new_tokens=4)  # warm-up
+    times: dict[str, list[float]] = {"base": [], "other": []}
+    tokens_equal = True
+    for _ in range(rounds):
+        for name, lm in (("base", base), ("other", other)):
+            out = lm.generate(ids, max_new_tokens=new)
+            times[name].append(lm.timings["decode_ms_per_token"])
+            tokens_equal &= bool(torch.equal(out, base_tokens))
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    return {"rounds_ms_per_token": times, "median_ms_per_token": medians,
+            "other_over_base": medians["other"] / medians["base"], "tokens_equal": tokens_equal}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=list(SIZES), default="lm4")
@@ -243,6 +264,10 @@ def main() -> None:
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
                    help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
                         "no cache rows before its PDL wait; default: the option's default)")
+    p.add_argument("--ab", metavar="FIELD", default=None,
+                   help="also compile with Options.FIELD=True and time both libraries' decode in "
+                        "interleaved rounds in this process (medians under 'ab')")
+    p.add_argument("--ab-rounds", type=int, default=7)
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -269,24 +294,34 @@ def main() -> None:
         extra["programmatic_launch_max_batch"] = args.programmatic_launch_max_batch
     row["decode_kv_prefetch_bytes"] = Options(**extra).decode_kv_prefetch_bytes
     row["programmatic_launch_max_batch"] = Options(**extra).programmatic_launch_max_batch
-    with use_options(Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
-                             programmatic_launch=args.programmatic_launch,
-                             gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,
-                             decode_fused_combine=args.decode_fused_combine,
-                             decode_fold_append=args.fold_append,
-                             gemv_prefetch_after_attention=args.gemv_prefetch_after_attention,
-                             **extra)):
-        lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq, max_batch=args.batch,
-                                 prefill_lengths=sorted({args.ctx, prefill_len}))
+    opts = Options(small_m_gemv=not args.no_gemv, gemv_simt_max_m=args.gemv_simt_max_m,
+                   programmatic_launch=args.programmatic_launch,
+                   gemv_l2_prefetch_bytes=args.gemv_l2_prefetch,
+                   decode_fused_combine=args.decode_fused_combine,
+                   decode_fold_append=args.fold_append,
+                   gemv_prefetch_after_attention=args.gemv_prefetch_after_attention, **extra)
+
+    def compiled(options: Options):
+        with use_options(options):
+            lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq,
+                                     max_batch=args.batch, prefill_lengths=sorted({args.ctx, prefill_len}))
+        return tvmfuse.load(lib.export(Path(tempfile.mkdtemp(prefix="lm-decode-")) / "lm.so"),
+                            device="cuda")
+
+    lm = compiled(opts)
     row["compile_s"] = round(time.perf_counter() - t0, 1)
     print("compile_s", row["compile_s"], flush=True)
-    lm = tvmfuse.load(lib.export(Path(tempfile.mkdtemp(prefix="lm-decode-")) / "lm.so"), device="cuda")
     torch.manual_seed(1)
     ids = torch.randint(1, SIZES[args.size]["vocab_size"], (args.batch, args.ctx))
     lm.generate(ids, max_new_tokens=4)  # warm-up
     got = lm.generate(ids, max_new_tokens=args.new)
     row["tvmfuse"] = dict(lm.timings)
     print("tvmfuse", lm.timings, flush=True)
+    if args.ab:
+        row["ab"] = ab_rounds(lm, compiled(dataclasses.replace(opts, **{args.ab: True})), ids,
+                              args.new, args.ab_rounds, got)
+        row["ab"]["field"] = args.ab
+        print("ab", row["ab"], flush=True)
     if prefill_len != args.ctx:
         long_ids = torch.randint(1, SIZES[args.size]["vocab_size"], (args.batch, prefill_len))
         times = []

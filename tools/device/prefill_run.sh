@@ -8,7 +8,7 @@
 #   tests   pytest -m gpu: the sm90 GEMM epilogues (vector operands, every M bucket), the row
 #           statistics by consumers and by the producer's warps, elementwise gathers, Bloom's ALiBi (~400 s)
 #   ptests  the same GPU tests, the compile_lm / greedy ones and the ViT / transformers-family ones
-#           in 7 concurrent pytest processes
+#           in 8 concurrent pytest processes
 #           (16 CPU cores compile while the GPU checks; for correctness only, nothing timed) (~250 s)
 #   lm      bench_llama_lm: the default build, eager and torch.compile in 7 interleaved rounds
 #           (add --variant NAME=FIELD:VALUE for an A/B in the same rounds)             (~120 s)
@@ -31,6 +31,7 @@ for s in "$@"; do
             gpu_test t_memory tests/test_gpu_memory_bound.py -k "rope_pack or matches_torch"
             gpu_test t_llm tests/test_llm_compile_lm.py tests/test_llm_greedy.py
             gpu_test t_models tests/test_vit_onnx.py tests/test_hf_families.py
+            gpu_test t_gemv tests/test_schedule_gemv.py -k "preload or ring"
             wait ;;
     lm) step lm 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" --rounds 7 ;;
     split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;

@@ -90,6 +90,11 @@ def l2_prefetch_bytes(target: Target | None, after_attention: bool = False) -> i
     return current_options().gemv_l2_prefetch_bytes
 
 
+def preload_weights(target: Target | None) -> bool:
+    """Whether the GEMV loads its first W vectors before the programmatic-launch wait
+    (``Options.gemv_preload_weights``, where kernels launch programmatically)."""
+    return pdl_active(target) and current_options().gemv_preload_weights
+
 
 def max_m() -> int:
     """Rows up to which GEMMs take this kernel: ``Options.gemv_max_m``, at most the kernel's 64."""
@@ -124,7 +129,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
     kernel = gemv_kernel(problem, cfg, buffers, *positions, store_value, pair_value,
                          row_stats=in_loop.stats if in_loop is not None else None,
                          l2_prefetch=l2_prefetch_bytes(Target.current(allow_none=True),
-                                                       after_attention))
+                                                       after_attention),
+                         preload=preload_weights(Target.current(allow_none=True)))
     return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
 
 

@@ -43,6 +43,12 @@ of W are one contiguous range; thread 0 first asks the TMA unit to bring the ran
 programmatically (``rules/programmatic_launch.py``), the weight stream of this GEMV starts during
 the previous kernel's tail; launched plainly, the wait returns at once.
 
+*W in registers before the wait* (``preload``, the register engines): the first iteration's W
+vectors are loaded before ``griddepcontrol.wait`` (W is a weight: no kernel writes it), into the
+registers the loop would load them into; the loop's first iteration then loads x alone. A block
+made resident during its predecessor's tail so has its first DRAM round trip behind it when the
+wait returns. Nothing past the loads moves: x, the statistics and the stores stay after the wait.
+
 *Row statistics* (``row_stats``): the LayerNorm / RMSNorm statistics of x's rows, which the
 epilogue reads, are summed from the same x vectors in the main loop (the block's warps cover all
 of K) and reduced with the partial products. LayerNorm uses the shifted sums of
@@ -221,12 +227,15 @@ PairValue = Callable[[PrimExpr, PrimExpr, PrimExpr, PrimExpr, "RowStatValues | N
 def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buffer],
                 a_param: int, b_param: int, c_param: int, store_value: StoreValue | None = None,
                 pair_value: PairValue | None = None,
-                row_stats: RowStats | None = None, l2_prefetch: int = 0) -> tirx.PrimFunc:
+                row_stats: RowStats | None = None, l2_prefetch: int = 0,
+                preload: bool = False) -> tirx.PrimFunc:
     """The kernel as a scheduled s_tir PrimFunc over ``params`` (the fused function's signature);
     x, W, y are the parameters at the given positions (x (M, K), W (N, K), y (M, N) or (M, N/2)
     with ``pair_value``). ``store_value`` / ``pair_value`` as in :func:`.sm90.gemm_kernel`;
     ``stats`` is ``(mean, rstd)`` of the row with ``row_stats``, else None. ``l2_prefetch`` > 0
-    (sm_90 only): that many bytes of the block's W rows go to L2 before ``griddepcontrol.wait``."""
+    (sm_90 only): that many bytes of the block's W rows go to L2 before ``griddepcontrol.wait``.
+    ``preload`` (sm_90 only; the register engines, not the ring): the first iteration's W vectors
+    are loaded before the wait (module doc)."""
     p = problem
     reason = check(p, cfg, row_stats)
     if reason:
@@ -268,6 +277,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
     smem_elems = smem_bytes(p, cfg, row_stats) // elem_bytes
     mma_ty = _MMA_TYPE[in_dtype]
     pf_bytes = l2_prefetch // 16 * 16  # cp.async.bulk sizes are multiples of 16 bytes
+    preload = preload and not ring_on
 
     def chunk_k(it, wid, u, lane_off):
         """First K index of this lane's vector in chunk ``u`` of iteration ``it``."""
@@ -322,15 +332,6 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
         wid = tx // WARP
         lane = tx % WARP
         n0 = bx * rows
-        if l2_prefetch > 0:
-            # this block's rows of W (one contiguous range) into L2 by the TMA unit, then wait for
-            # the predecessor kernel
-            if tx == 0:
-                T.ptx.cp.async_.bulk.prefetch.L2.global_(T.address_of(w[n0, 0]), T.Cast(
-                    "uint32", T.min(pf_bytes, (T.min(p.n, n0 + rows) - n0) * (p.k * elem_bytes))))
-            T.ptx.griddepcontrol.wait()
-            T.ptx.griddepcontrol.launch_dependents()
-
         @T.inline
         def shfl_sum(buf, i, lanes):
             # buf[i] summed over groups of ``lanes`` consecutive lanes (butterfly of shfl.xor)
@@ -390,6 +391,42 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                     T.Cast("uint32", T.if_then_else(n0 + r < p.n and kk < p.k, 16, 0)),
                 )
 
+        @T.inline
+        def w_chunk(it, u):
+            # W vectors of chunk u of iteration ``it`` into bv (the register engines)
+            if cfg.mma:
+                kq = T.meta_var(chunk_k(it, wid, u, (lane % 4) * VEC))
+                for j in T.unroll(nt):
+                    if kq < p.k and n0 + j * 8 + lane // 4 < p.n:
+                        bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = w[
+                            n0 + j * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
+                    else:
+                        bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = zeros()
+            else:
+                kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
+                for r in T.unroll(rows):
+                    if n0 + r < p.n:
+                        bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = w[n0 + r, T.Ramp(kv, 1, VEC)]
+                    else:
+                        bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = zeros()
+
+        if l2_prefetch > 0:
+            # this block's rows of W (one contiguous range) into L2 by the TMA unit
+            if tx == 0:
+                T.ptx.cp.async_.bulk.prefetch.L2.global_(T.address_of(w[n0, 0]), T.Cast(
+                    "uint32", T.min(pf_bytes, (T.min(p.n, n0 + rows) - n0) * (p.k * elem_bytes))))
+        if preload:
+            # the first iteration's W (a weight: no kernel writes it) before the wait
+            for u in T.unroll(unroll):
+                if cfg.mma:
+                    w_chunk(0, u)
+                else:
+                    if chunk_k(0, wid, u, lane * VEC) < p.k:
+                        w_chunk(0, u)
+        if l2_prefetch > 0 or preload:
+            # then wait for the predecessor kernel
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
         for i in T.unroll(a_tiles * b_tiles * 4 if tensor_cores else p.m * rows):
             acc[i] = T.float32(0)
         if has_stats:
@@ -439,12 +476,11 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 # loads of `unroll` chunks first (all in flight), then the mmas
                 for u in T.unroll(unroll):
                     kq = T.meta_var(chunk_k(it, wid, u, (lane % 4) * VEC))
-                    for j in T.unroll(nt):
-                        if kq < p.k and n0 + j * 8 + lane // 4 < p.n:
-                            bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = w[
-                                n0 + j * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
-                        else:
-                            bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = zeros()
+                    if preload:
+                        if it > 0:
+                            w_chunk(it, u)
+                    else:
+                        w_chunk(it, u)
                     for i in T.unroll(mt):
                         for h in T.unroll(2):
                             if kq < p.k and i * 16 + h * 8 + lane // 4 < p.m:
@@ -468,12 +504,11 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 for u in T.unroll(unroll):
                     kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
                     if kv < p.k:
-                        for r in T.unroll(rows):
-                            if n0 + r < p.n:
-                                bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = w[
-                                    n0 + r, T.Ramp(kv, 1, VEC)]
-                            else:
-                                bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = zeros()
+                        if preload:
+                            if it > 0:
+                                w_chunk(it, u)
+                        else:
+                            w_chunk(it, u)
                         for m in T.unroll(p.m):
                             av[T.Ramp((u * p.m + m) * VEC, 1, VEC)] = x[m, T.Ramp(kv, 1, VEC)]
                 for u in T.unroll(unroll):
@@ -562,7 +597,8 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
 
 
 def standalone(problem: GemvProblem, cfg: GemvConfig | None = None,
-               l2_prefetch: int = 0, rms_eps: float | None = None) -> tirx.PrimFunc:
+               l2_prefetch: int = 0, rms_eps: float | None = None,
+               preload: bool = False) -> tirx.PrimFunc:
     """``main(x, W, y)`` with ``y = cast(x · Wᵀ)`` (pair: ``y[m, c] = cast(silu(y₂c) · y₂c₊₁)``),
     for tests, benchmarks and device probes; the rule builds its kernels from fused PrimFuncs.
     ``rms_eps``: x is RMS-normalised first, its statistics computed in the loop (the decode's QKV
@@ -587,5 +623,5 @@ def standalone(problem: GemvProblem, cfg: GemvConfig | None = None,
 
     func = gemv_kernel(p, cfg, params, 0, 1, 2, store_value=None if p.pair else store,
                        pair_value=silu_mul if p.pair else None, row_stats=stats,
-                       l2_prefetch=l2_prefetch)
+                       l2_prefetch=l2_prefetch, preload=preload)
     return func.with_attr("global_symbol", "main")
