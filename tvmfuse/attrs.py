@@ -20,6 +20,8 @@ TUNING_ATTR = "tvmfuse.tuning"
 CONFIG_ATTR = "tvmfuse.kernel_config"
 # JSON of the AttentionSpec a flash-attention kernel computes
 SPEC_ATTR = "tvmfuse.attention_spec"
+# the FLOPs of a generated kernel whose loops TVM's estimate cannot count (attention kernels)
+FLOPS_ATTR = "tvmfuse.flops"
 # JSON {"spec": AttentionSpec, "config": DecodeConfig} of compile_lm's split-KV decode attention
 # over a cache (rules/fold_decode_append.py rebuilds it with the append inside)
 CACHE_ATTENTION_ATTR = "tvmfuse.cache_attention"

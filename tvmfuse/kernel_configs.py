@@ -24,7 +24,6 @@ its config at compile time is :mod:`.tuning_db` (a pipeline stage), which kernel
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,14 +103,7 @@ def gemm_space(func: tirx.PrimFunc, key: str) -> ConfigSpace | None:
 
 def attention_flops(spec_text: str) -> int:
     """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V, causal pairs only."""
-    f = json.loads(spec_text)
-    sq, skv = f["q_len"], f["kv_len"]
-    if f["causal"] == "none":
-        pairs = sq * skv
-    else:
-        shift = skv - sq if f["causal"] == "BottomRight" else 0  # key j visible iff j ≤ i + shift
-        pairs = sum(min(skv, max(0, i + shift + 1)) for i in range(sq))
-    return 4 * f["batch"] * f["q_heads"] * f["head_dim"] * pairs
+    return spec_from_json(spec_text).flops
 
 
 def attention_candidates() -> list[dict[str, Any]]:

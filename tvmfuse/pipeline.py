@@ -43,6 +43,7 @@ from .passes.lift_weights import LiftWeights, lift_threshold
 from .passes.norm_input_copies import NormInputCopies
 from .passes.order_symbolic_defs import OrderSymbolicDefs
 from .passes.pair_gemm import PairGemm
+from .passes.permute_rows import PermuteRowsThroughGemm
 from .passes.unit_k_matmul import UnitKMatmul
 from .passes.unwrap_output import UnwrapSingleOutput
 from .rules import gpu_rules
@@ -151,6 +152,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         mod = run("fuse_decomposed_norms", FuseDecomposedNorms(), mod)
         # Attention is matched on R.nn.softmax (made just above), before anything moves Q/K/V's views.
         mod = run("fuse_attention", FuseAttention(), mod)
+        # Batch/sequence swaps around Linears (nn.MultiheadAttention) move through them into the
+        # attention's operand views or cancel with its result's; before the norm folds below.
+        mod = run("permute_rows", PermuteRowsThroughGemm(), mod)
         # Linears on one input (Q/K/V) become one wide GEMM before the norm folds into it.
         mod = run("horizontal_gemm", HorizontalGemm(), mod)
         # A norm feeding Linear(s) becomes row stats + GEMM epilogue: the normed tensor stays on chip.

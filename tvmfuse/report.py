@@ -20,6 +20,7 @@ from tvm.s_tir.analysis import estimate_tir_flops
 
 from .attrs import (
     FALLBACK_ATTR,
+    FLOPS_ATTR,
     IN_LOOP_ATTR,
     KEPT_ATTR,
     KERNEL_TILE_ATTR,
@@ -128,7 +129,10 @@ def call_bytes(func: tirx.PrimFunc, call: relax.Call) -> int:
 
 
 def kernel_flops(func: tirx.PrimFunc) -> int:
-    """TVM's FLOP estimate of an unscheduled kernel (0 where it cannot tell: symbolic loops too)."""
+    """TVM's FLOP estimate of an unscheduled kernel (0 where it cannot tell: symbolic loops too);
+    a generated kernel's own count where it carries one (attention)."""
+    if func.attrs is not None and FLOPS_ATTR in func.attrs:
+        return int(func.attrs[FLOPS_ATTR])
     try:
         return int(estimate_tir_flops(tvm.IRModule({"main": func})))
     except TVM_ERRORS:  # TVM cannot count scheduled / opaque functions: FLOPs unknown, bytes exact

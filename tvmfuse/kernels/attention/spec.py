@@ -88,6 +88,22 @@ class AttentionSpec:
             raise ValueError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
 
     @property
+    def flops(self) -> int:
+        """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V over the pairs the causal kind
+        and window leave (query i sees keys j ≤ i + shift, and j > i + shift − window)."""
+        sq, skv = self.q_len, self.kv_len
+        if self.causal == "none":
+            pairs = sq * skv
+        else:
+            shift = skv - sq if self.causal == "BottomRight" else 0
+            pairs = 0
+            for i in range(sq):
+                hi = min(skv, max(0, i + shift + 1))
+                lo = max(0, i + shift + 1 - self.window) if self.window else 0
+                pairs += max(0, hi - lo)
+        return 4 * self.batch * self.q_heads * self.head_dim * pairs
+
+    @property
     def group(self) -> int:
         """Query heads per KV head (1 = MHA, Hq = MQA)."""
         return self.q_heads // self.kv_heads
