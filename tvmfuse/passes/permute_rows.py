@@ -72,6 +72,8 @@ def _gemm_chain(end: relax.Expr, bound: dict, users: dict) -> _Gemm | None:
     for _ in range(8):
         if not isinstance(expr, relax.Var) or expr not in bound:
             return None
+        if not _single_reader(expr, users):
+            return None
         value = bound[expr]
         name = _ops(value)
         if name == "relax.matmul":
@@ -82,8 +84,6 @@ def _gemm_chain(end: relax.Expr, bound: dict, users: dict) -> _Gemm | None:
                     or a_shape is None or len(a_shape) != 2 or not _single_reader(a, users)):
                 return None
             return _Gemm(a_value.args[0], value, chain[::-1])
-        if not _single_reader(expr, users):
-            return None
         if name in UNARY:
             chain.append((value, 0))
             expr = value.args[0]
