@@ -282,6 +282,23 @@ def _float_mask_inputs() -> tuple[torch.Tensor, ...]:
     return (*_qkv(), bias)
 
 
+class TorchMHA(nn.Module):
+    """``nn.MultiheadAttention`` (batch first, no weights returned) + residual, or a whole
+    ``nn.TransformerEncoderLayer`` (pre-LN, GELU): torch's own modules, sequence-first inside."""
+
+    def __init__(self, layer: bool = False) -> None:
+        super().__init__()
+        heads = HIDDEN // D
+        self.body = (nn.TransformerEncoderLayer(HIDDEN, heads, 2 * HIDDEN, batch_first=True,
+                                                norm_first=True, activation="gelu") if layer
+                     else nn.MultiheadAttention(HIDDEN, heads, batch_first=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.body, nn.MultiheadAttention):
+            return self.body(x, x, x, need_weights=False)[0] + x
+        return self.body(x)
+
+
 # --- norms (+ the Linear that reads them) ---------------------------------------------------------
 
 
@@ -484,6 +501,8 @@ FORMULATIONS: list[Formulation] = [
     _f("attn_sliding_window_band", "attention", _attn(SlidingWindow()), attention=1),
     _f("attn_fp32_module_as_fp16", "attention", _attn(MaskedFill(float("-inf")), torch.float32),
        attention=1, dtype="float16"),
+    _f("attn_nn_multihead_attention", "attention", _mod(TorchMHA()), attention=1),
+    _f("attn_nn_transformer_encoder_layer", "attention", _mod(TorchMHA(layer=True)), attention=1),
     _f("sdpa_causal_bhsd", "attention", _attn(SDPA()), attention=1),
     _f("sdpa_causal_bshd", "attention", _attn(SDPA(bshd=True), bshd=True), attention=1),
     _f("sdpa_bool_mask", "attention", _attn(SDPA("bool")), attention=1),

@@ -52,6 +52,11 @@ KERNELS: dict[str, int] = {
     "attn_bshd_inputs": 1,
     "attn_sliding_window_band": 1,  # the window kernel (unfused, 4, with the option off: below)
     "attn_fp32_module_as_fp16": 3,
+    # QKV GEMM, q/k/v pack, attention, out-proj + residual (the batch/sequence swaps of torch's
+    # sequence-first MHA are views or gone: PermuteRowsThroughGemm); the layer: + its norms folded
+    # into the GEMMs and the FFN's two GEMMs
+    "attn_nn_multihead_attention": 4,
+    "attn_nn_transformer_encoder_layer": 6,
     "sdpa_causal_bhsd": 1,
     "sdpa_causal_bshd": 1,
     "sdpa_bool_mask": 1,

@@ -22,7 +22,8 @@ where every value between the two ends has one reader:
 * output side: ``permute_dims(reshape(f(matmul(reshape(z, (R, K)), W)), L + T), p)``
   → ``reshape(f(matmul(reshape(w, (R, K)), W)), L_p + T)`` where ``z = permute_dims(w, s)`` and
   ``s`` followed by ``p`` is the identity: the Linear reads the attention's result in its own
-  layout, and its epilogue meets the residual add.
+  layout, and its epilogue meets the residual add; where that permutation moves only size-1 axes
+  (batch 1, where the other swaps were already views) it becomes a reshape.
 
 Static shapes only. Sits after FuseAttention (which matches the attention through the swaps) and
 before HorizontalGemm / NormGemmPrologue (a pre-LN block's norm then meets its Linear directly).
@@ -135,6 +136,13 @@ def _leading(shape: list[int], k: int) -> list[int] | None:
     return None
 
 
+def _order_kept(axes: list[int], shape: list[int]) -> bool:
+    """``permute_dims(., axes)`` of a ``shape`` tensor keeps the order of its non-unit axes
+    (only size-1 axes move): the same elements in the same order, a reshape."""
+    moved = [a for a in axes if shape[a] != 1]
+    return moved == sorted(moved)
+
+
 def _feeds_only_attention(var, bound: dict, users: dict) -> bool:
     """Every path from ``var`` goes through views into an attention's q, k or v."""
     seen, todo = set(), [var]
@@ -158,7 +166,7 @@ def _feeds_only_attention(var, bound: dict, users: dict) -> bool:
 
 @dataclasses.dataclass
 class _Rewrite:
-    gemm: _Gemm
+    gemm: _Gemm | None  # None: the value is ``reshape(src, out_shape)`` (no Linear rebuilt)
     src: relax.Expr  # the new row reshape's input
     out_shape: list[int]  # the reshape after the chain
     permute: list[int] | None  # applied to that reshape's result (input side)
@@ -198,6 +206,12 @@ def _plan(func: relax.Function) -> dict:
             gemm = _gemm_chain(r_value.args[0], bound, users)
             if gemm is None:
                 continue
+            p, r_shape = [int(a) for a in value.attrs.axes], static_shape(r)
+            if r_shape is not None and _order_kept(p, r_shape):
+                # only size-1 axes move (batch 1): a view, which SinkReshape then moves below
+                # the epilogue (the residual add)
+                plans[var] = _Rewrite(None, r, static_shape(value), None)
+                continue
             z = _through_broadcasts(gemm.src, bound)
             perm = _permute_of(z, bound)
             p = [int(a) for a in value.attrs.axes]
@@ -232,6 +246,10 @@ class _Move(PyExprMutator):
             super().visit_var_binding_(binding)
             return
         g = plan.gemm
+        if g is None:
+            value = relax.op.reshape(self.visit_expr(plan.src), shape_expr(plan.out_shape))
+            self.builder_.emit_normalized(relax.VarBinding(binding.var, self.builder_.normalize(value)))
+            return
         emit = self.builder_.emit
         rows = emit(relax.op.reshape(self.visit_expr(plan.src), g.matmul.args[0].ty.shape))
         y = emit(relax.Call(g.matmul.op, [rows, self.visit_expr(g.matmul.args[1])], g.matmul.attrs))
