@@ -225,3 +225,16 @@ def test_torch_modules_as_users_write_them(name):
         ref = module.double()(x.double())
     err = float((out.double() - ref).norm() / ref.norm())
     assert np.isfinite(err) and err < 5e-3, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MODULES))
+def test_gpu_torch_modules_vs_float64(name, tmp_path):
+    """H200: the same fp16 modules compiled for sm90 (head dim 64 in the encoders: the wgmma
+    flash kernel; 32 in the MHA: the sm80 one) against float64 torch."""
+    from tests.cuda_tools import check_vs_float64
+
+    make, _before, _kernels = MODULES[name]
+    torch.manual_seed(0)
+    module = make().half().eval()
+    check_vs_float64(module, (torch.randn(2, 64, 256).half(),), "sm90", tmp_path, 1e-2)

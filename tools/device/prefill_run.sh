@@ -30,7 +30,7 @@ for s in "$@"; do
             gpu_test t_attention tests/test_pass_attention_forms.py -k "not sliding_window"
             gpu_test t_memory tests/test_gpu_memory_bound.py -k "rope_pack or matches_torch"
             gpu_test t_llm tests/test_llm_compile_lm.py tests/test_llm_greedy.py
-            gpu_test t_models tests/test_vit_onnx.py tests/test_hf_families.py
+            gpu_test t_models tests/test_vit_onnx.py tests/test_hf_families.py tests/test_pass_permute_rows.py
             gpu_test t_gemv tests/test_schedule_gemv.py -k "preload or ring"
             wait ;;
     lm) step lm 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" --rounds 7 ;;
