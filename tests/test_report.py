@@ -161,3 +161,28 @@ def test_stock_count_with_a_dtype(dtype):
     as a stock user would run it); it was dropped whenever a dtype was asked."""
     report = analyze(SeedExample, get_target("sm90"), dtype)
     assert isinstance(report["stock_tvm_kernel_count"], int) and report["stock_tvm_kernel_count"] >= 1
+
+
+def test_renamed_gemm_kernels_keep_their_ops_and_flops():
+    """sm90 GEMMs rebuilt to read a weight's (N, K) copy (``…_nt``: a cross-attention's q and kv
+    projections) are reported with their fused ops and FLOPs, not as "other" with 0 FLOPs; the
+    attention kernel's FLOPs are its own count (4·B·H·Sq·Skv·D), not TVM's loop estimate."""
+    from torch import nn
+
+    class Cross(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(256, 4, batch_first=True)
+
+        def forward(self, x, mem):
+            return self.mha(x, mem, mem, need_weights=False)[0] + x
+
+    inputs = (torch.randn(2, 32, 256).half(), torch.randn(2, 64, 256).half())
+    report = analyze(import_model(Cross().half().eval(), inputs).mod, get_target("sm90"), stock=False)
+    kernels = report["kernels"]
+    assert all(k["pattern"] != "other" for k in kernels), [(k["pattern"], k["ops"]) for k in kernels]
+    gemms = [k for k in kernels if k["pattern"] == "gemm_epilogue"]
+    # q-proj (64 rows × 256 × 256), kv-proj (128 × 512 × 256), out-proj (64 × 256 × 256)
+    assert len(gemms) == 3 and all(k["flops"] >= 2 * 64 * 256 * 256 for k in gemms), gemms
+    (attention,) = [k for k in kernels if k["pattern"] == "attention"]
+    assert attention["flops"] == 4 * 2 * 4 * 32 * 64 * 64

@@ -28,7 +28,15 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.s_tir import ScheduleError
 
-from ..attrs import CONFIG_ATTR, FALLBACK_ATTR, KERNEL_TILE_ATTR, RULE_ATTR, TIRX_ATTR, TUNING_ATTR
+from ..attrs import (
+    CONFIG_ATTR,
+    FALLBACK_ATTR,
+    KERNEL_TILE_ATTR,
+    REPLACES_ATTR,
+    RULE_ATTR,
+    TIRX_ATTR,
+    TUNING_ATTR,
+)
 from ..device_props import device_properties
 from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value, top_blocks
 from ..kernels.gemm.opmath import fast_math16, opmath
@@ -325,7 +333,12 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
                 except NotHandled:
                     made[gv] = None
                     return call
-                made[gv] = self.builder_.add_func(kernel, f"{gv.name_hint}_nt")
+                # the report finds the fused function's ops through the name it replaces
+                old_attrs = self.builder_.get()[gv].attrs
+                replaces = (str(old_attrs[REPLACES_ATTR]) if old_attrs and REPLACES_ATTR in old_attrs
+                            else gv.name_hint)
+                made[gv] = self.builder_.add_func(kernel.with_attr(REPLACES_ATTR, replaces),
+                                                  f"{gv.name_hint}_nt")
             if made[gv] is None:
                 return call
             args[b_pos] = source
