@@ -155,6 +155,13 @@ def test_prefetch_after_attention_takes_the_o_projection_only(on, fold):
     # the prefill's (flash attention before it, no PDL) does not prefetch
     assert prefetching == ({n for n in bodies if "add" in n and "matmul1" in n} if on else set()), (
         sorted(bodies), prefetching)
+    # Options.gemv_preload_weights (default): the decode step's GEMVs load W before their wait,
+    # the prefill's (not launched programmatically) have no wait at all
+    preloading = {n for n, body in bodies.items() if "griddepcontrol_wait()" in body
+                  and not body.lstrip().startswith("tvm_builtin_ptx_griddepcontrol_wait();")}
+    waiting = {n for n, body in bodies.items() if "griddepcontrol_wait()" in body}
+    assert len(preloading) >= 4 and preloading == waiting, (sorted(bodies), preloading, waiting)
+    assert len(bodies) > len(preloading), sorted(bodies)  # the prefill's
 
 
 PRELOAD_CASES = [  # (m, n, k, pair, stats): the 4-layer LM's decode shapes, K past a chunk, mma
@@ -196,24 +203,32 @@ def test_preload_reads_only_weights_before_the_wait(m, n, k, pair, stats):
 
 
 def test_preload_follows_the_option_where_kernels_launch_programmatically():
-    """The rule builds the preloading kernel with ``Options.gemv_preload_weights`` on sm_90 with
-    programmatic launch; not by default, not with PDL off, not on sm_80."""
+    """The gemv stage builds the preloading kernel with ``Options.gemv_preload_weights`` (the
+    default) for GEMVs whose kernels launch programmatically: every kernel with the scope "all";
+    not in a plain model under the default scope "decode" (compile_lm's decode step only), not
+    with the option off, and not on sm_80."""
     import tvmfuse
 
     module = torch.nn.Linear(512, 256).half()
 
-    def has_wait(target, **fields) -> bool:
+    def preloads(target, **fields) -> bool:
+        """W loads come before the kernel's wait (with PDL on every kernel waits; without the
+        preload the wait is its first statement)."""
         lib = tvmfuse.compile(module, (torch.randn(1, 512).half(),), target=target.name,
                               options=Options(gemv_max_m=64, **fields))
         bodies = [b for n, (_, b) in kernel_bodies(cuda_source(lib.executable)).items()
                   if n.endswith("gemv_kernel")]
         assert len(bodies) == 1, bodies
-        return "griddepcontrol_wait()" in bodies[0]
+        body = bodies[0]
+        return "griddepcontrol_wait()" in body and not body.lstrip().startswith(
+            "tvm_builtin_ptx_griddepcontrol_wait();")
 
-    assert has_wait(SM90, gemv_preload_weights=True)
-    assert not has_wait(SM90)
-    assert not has_wait(SM90, gemv_preload_weights=True, programmatic_launch="off")
-    assert not has_wait(SM80, gemv_preload_weights=True)
+    pdl = {"programmatic_launch": "all"}
+    assert preloads(SM90, **pdl)
+    assert not preloads(SM90)  # scope "decode": this model has no decode step
+    assert not preloads(SM90, gemv_preload_weights=False, **pdl)
+    assert not preloads(SM90, programmatic_launch="off")
+    assert not preloads(SM80, **pdl)
 
 
 @needs_nvcc

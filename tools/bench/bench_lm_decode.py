@@ -24,7 +24,7 @@ top. Weight-read floor = weight bytes / 4.21 TB/s.
 
     python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 --out results.json
     python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 32 --batch 8 --no-compile
-    python3 tools/bench/bench_lm_decode.py --size lm4 --no-compile --ab gemv_preload_weights
+    python3 tools/bench/bench_lm_decode.py --size lm4 --no-compile --ab gemv_preload_weights=False
 """
 
 from __future__ import annotations
@@ -264,9 +264,10 @@ def main() -> None:
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
                    help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
                         "no cache rows before its PDL wait; default: the option's default)")
-    p.add_argument("--ab", metavar="FIELD", default=None,
-                   help="also compile with Options.FIELD=True and time both libraries' decode in "
-                        "interleaved rounds in this process (medians under 'ab')")
+    p.add_argument("--ab", metavar="FIELD[=VALUE]", default=None,
+                   help="also compile with Options.FIELD=VALUE (default True; True / False / an "
+                        "int) and time both libraries' decode in interleaved rounds in this "
+                        "process (medians under 'ab')")
     p.add_argument("--ab-rounds", type=int, default=7)
     p.add_argument("--out")
     args = p.parse_args()
@@ -318,9 +319,12 @@ def main() -> None:
     row["tvmfuse"] = dict(lm.timings)
     print("tvmfuse", lm.timings, flush=True)
     if args.ab:
-        row["ab"] = ab_rounds(lm, compiled(dataclasses.replace(opts, **{args.ab: True})), ids,
+        field, _, text = args.ab.partition("=")
+        bools = {"": True, "True": True, "False": False}
+        value = bools[text] if text in bools else int(text)
+        row["ab"] = ab_rounds(lm, compiled(dataclasses.replace(opts, **{field: value})), ids,
                               args.new, args.ab_rounds, got)
-        row["ab"]["field"] = args.ab
+        row["ab"]["field"], row["ab"]["value"] = field, value
         print("ab", row["ab"], flush=True)
     if prefill_len != args.ctx:
         long_ids = torch.randint(1, SIZES[args.size]["vocab_size"], (args.batch, prefill_len))

@@ -14,7 +14,7 @@
 #   split     PDL-off kernel splits of the 7B shapes with 4 layers at batch 1 and 8          (~125 s)
 #   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
 #   lm4ab     lm4 decode with and without Options.gemv_prefetch_after_attention, same call   (~150 s)
-#   preload   lm4 decode with and without Options.gemv_preload_weights, interleaved in one process (~200 s)
+#   preload   lm4 decode with Options.gemv_preload_weights (default) and without, interleaved in one process (~200 s)
 #   gemv_lm4  bench_gemv at M = 1 over the 4-layer LM's shapes, CUDA-core configs swept      (~60 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
 
@@ -48,7 +48,7 @@ for s in "$@"; do
                --new 32 --no-compile "${flag[@]}" --out "$OUT/lm4_prefetch_$pf.json"
            done ;;
     preload) step lm4_preload 400 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
-               --no-compile --ab gemv_preload_weights --out "$OUT/lm4_preload.json" ;;
+               --no-compile --ab gemv_preload_weights=False --out "$OUT/lm4_preload.json" ;;
     gemv_lm4) step gemv_lm4 200 python3 tools/bench/bench_gemv.py --shapes lm4 --ms 1 \
                 --configs auto,simt:4:8:4,simt:8:4:4,simt:2:8:8,simt:8:8:8 --out "$OUT/gemv_lm4.json" ;;
     *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4)"; exit 2 ;;

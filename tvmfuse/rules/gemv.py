@@ -51,6 +51,7 @@ from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
 from .programmatic_launch import active as pdl_active
+from .programmatic_launch import launches_programmatically
 
 NAME = "gemv"
 _CALL_TIR = "relax.call_tir"
@@ -90,10 +91,12 @@ def l2_prefetch_bytes(target: Target | None, after_attention: bool = False) -> i
     return current_options().gemv_l2_prefetch_bytes
 
 
-def preload_weights(target: Target | None) -> bool:
-    """Whether the GEMV loads its first W vectors before the programmatic-launch wait
-    (``Options.gemv_preload_weights``, where kernels launch programmatically)."""
-    return pdl_active(target) and current_options().gemv_preload_weights
+def preload_weights(target: Target | None, function: str | None) -> bool:
+    """Whether the GEMV called by the Relax function ``function`` loads its first W vectors
+    before the programmatic-launch wait (``Options.gemv_preload_weights``, where that function's
+    kernels launch programmatically: the decode step under the default scope)."""
+    return (pdl_active(target) and current_options().gemv_preload_weights and function is not None
+            and launches_programmatically(function))
 
 
 def max_m() -> int:
@@ -102,7 +105,8 @@ def max_m() -> int:
 
 
 def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transposed: bool = False,
-                 in_loop: InLoopStats | None = None, after_attention: bool = False) -> tirx.PrimFunc:
+                 in_loop: InLoopStats | None = None, after_attention: bool = False,
+                 caller: str | None = None) -> tirx.PrimFunc:
     """The GEMV kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads W as (K, N), the kernel takes its transpose (N, K) (the
@@ -130,7 +134,7 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
                          row_stats=in_loop.stats if in_loop is not None else None,
                          l2_prefetch=l2_prefetch_bytes(Target.current(allow_none=True),
                                                        after_attention),
-                         preload=preload_weights(Target.current(allow_none=True)))
+                         preload=preload_weights(Target.current(allow_none=True), caller))
     return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
 
 
@@ -163,21 +167,26 @@ class _Plan:
         self.stats_names: dict = {}  # key → the statistics PrimFunc's name (for the report)
         self.transposed = weight_arrays.DerivedConstants()  # (N, K) copies, one per (K, N) weight
 
-    def kernel(self, mod, gvar, b_transposed, in_loop, after_attention=False) -> tirx.PrimFunc | str:
-        key = _key(gvar, b_transposed, in_loop, after_attention)
+    def kernel(self, mod, gvar, b_transposed, in_loop, after_attention=False,
+               caller=None) -> tirx.PrimFunc | str:
+        key = _key(gvar, b_transposed, in_loop, after_attention, caller)
         if key not in self.kernels:
             try:
                 self.kernels[key] = build_kernel(mod[gvar], b_transposed=b_transposed,
-                                                 in_loop=in_loop, after_attention=after_attention)
+                                                 in_loop=in_loop, after_attention=after_attention,
+                                                 caller=caller)
             except NotHandled as why:
                 self.kernels[key] = str(why)
         return self.kernels[key]
 
 
-def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None, after_attention: bool = False) -> tuple:
-    """A dict key for one kernel variant (InLoopStats is not hashable)."""
+def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None, after_attention: bool = False,
+         caller: str | None = None) -> tuple:
+    """A dict key for one kernel variant (InLoopStats is not hashable); ``caller`` matters only
+    where it decides the weight preload."""
     stats = None if in_loop is None else (in_loop.stats, in_loop.mean, in_loop.rstd)
-    return gvar, b_transposed, stats, after_attention
+    preload = preload_weights(Target.current(allow_none=True), caller)
+    return gvar, b_transposed, stats, after_attention, preload
 
 
 def _attention_outputs(mod: tvm.IRModule, func: relax.Function) -> set:
@@ -209,7 +218,8 @@ def _weight_arg(g: FusedGemm, args: list, plan: _Plan) -> tuple[bool, relax.Expr
     return True, plan.transposed.get(hash(args[g.b]), lambda: weight_arrays.transpose(w))
 
 
-def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: dict) -> None:
+def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: dict,
+                caller: str) -> None:
     call_tir = tvm.ir.Op.get(_CALL_TIR)
     gemms = {}  # gvar → FusedGemm
     for gv, f in mod.functions_items():
@@ -252,14 +262,14 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
         in_loop, stats_name = next(((il, n) for c, il, n in stats_for if c.same_as(call)),
                                    (None, None))
         after_attention = args[g.a] in attention_out
-        kernel = plan.kernel(mod, gv, weight[0], in_loop, after_attention)
+        kernel = plan.kernel(mod, gv, weight[0], in_loop, after_attention, caller)
         if isinstance(kernel, str):
             refused[gv] = kernel
             continue
         args[g.b] = weight[1]
         if in_loop is not None:
             args = [a for i, a in enumerate(args) if i not in in_loop.dropped]
-        key = _key(gv, weight[0], in_loop, after_attention)
+        key = _key(gv, weight[0], in_loop, after_attention, caller)
         plan.calls.append((call, key, args))
         plan.stats_names[key] = stats_name
 
@@ -270,9 +280,9 @@ def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass na
     if not takes_target(tvm.target.Target.current(allow_none=True)):
         return mod
     plan, refused = _Plan(), {}
-    for _, func in mod.functions_items():
+    for gv, func in mod.functions_items():
         if isinstance(func, relax.Function):
-            _plan_calls(mod, func, plan, refused)
+            _plan_calls(mod, func, plan, refused, gv.name_hint)
     mod = mod.clone()  # assigned into below: not the caller's module
     for gv, why in refused.items():
         mod[gv] = mod[gv].with_attr(FALLBACK_ATTR, f"{NAME}: {why}")
@@ -289,7 +299,7 @@ def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass na
                 return super().visit_call_(call)
             key, args = found
             if key not in added:
-                gv, _, in_loop, _ = key
+                gv, _, in_loop, _, _ = key
                 kernel = plan.kernels[key].with_attr(REPLACES_ATTR, gv.name_hint)
                 if in_loop is not None:  # the report counts the statistics in this kernel
                     kernel = kernel.with_attr(IN_LOOP_ATTR,

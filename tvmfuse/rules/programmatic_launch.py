@@ -92,6 +92,13 @@ def active(target: tvm.target.Target | None) -> bool:
     return scope(current_options().programmatic_launch) != "off" and supported(target)
 
 
+def launches_programmatically(function: str) -> bool:
+    """The kernels the Relax function named ``function`` calls launch programmatically under the
+    options in effect (the scope of ``Options.programmatic_launch``; the target aside)."""
+    where = scope(current_options().programmatic_launch)
+    return where == "all" or (where == "decode" and function in DECODE_FUNCTIONS)
+
+
 def _called(mod: tvm.IRModule, names: tuple[str, ...]) -> set:
     """GlobalVars of the PrimFuncs that the Relax functions ``names`` of ``mod`` call."""
     found: set = set()
