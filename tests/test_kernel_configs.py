@@ -102,6 +102,8 @@ def test_attention_flops_bottom_right():
     assert attention_flops(json.dumps(spec)) == 4 * (4 + 5)  # query 0 sees keys 0..3, query 1 all
     assert attention_flops(json.dumps({**spec, "causal": "TopLeft"})) == 4 * (1 + 2)
     assert attention_flops(json.dumps({**spec, "causal": "none"})) == 4 * 10
+    # a window of 2 keys: query 0 sees keys 2..3, query 1 keys 3..4 (BottomRight)
+    assert attention_flops(json.dumps({**spec, "window": 2})) == 4 * (2 + 2)
 
 
 class _FakeBuilder:

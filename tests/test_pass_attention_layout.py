@@ -24,10 +24,10 @@ from tvm.script import tirx as T
 
 from tests import attention_forms as forms
 from tests.test_pass_attention_forms import _check_numerics, _compile, _run
-from tvmfuse.kernels.attention.cpu import attention_cpu_primfunc
 from tvmfuse.kernels.attention.spec import AttentionSpec
 from tvmfuse.passes import PackAttentionInputs
 from tvmfuse.passes.attention_layout import FoldAttentionLayout
+from tvmfuse.rules.attention import attention_primfunc
 
 SCALE = 0.25  # 1 / sqrt(16)
 
@@ -71,7 +71,9 @@ SPEC = AttentionSpec(batch=1, q_len=8, kv_len=8, q_heads=4, kv_heads=2, head_dim
 
 def _with_kernel(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     mod = mod.clone()
-    mod.update_func(mod.get_global_var("attention"), attention_cpu_primfunc(spec))
+    # the kernel as the rules return it (attention_primfunc adds the report's FLOPs attribute)
+    mod.update_func(mod.get_global_var("attention"),
+                    attention_primfunc(spec, tvm.target.Target("llvm")))
     return mod
 
 

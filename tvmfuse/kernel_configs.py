@@ -24,6 +24,7 @@ its config at compile time is :mod:`.tuning_db` (a pipeline stage), which kernel
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from .kernels.attention.flash_sm90 import (
 from .kernels.attention.flash_sm90 import (
     check as attention_check,
 )
-from .kernels.attention.spec import spec_from_json
+from .kernels.attention.spec import spec_from_json, visible_pairs
 from .kernels.gemm.epilogue import NotHandled
 from .kernels.gemm.sm90 import GemmConfig, check
 from .rules.gemm_sm90 import build_kernel, gemm_problem, select_config
@@ -102,8 +103,11 @@ def gemm_space(func: tirx.PrimFunc, key: str) -> ConfigSpace | None:
 # ---- attention ----------------------------------------------------------------------------------
 
 def attention_flops(spec_text: str) -> int:
-    """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V, causal pairs only."""
-    return spec_from_json(spec_text).flops
+    """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V, causal pairs only (of a spec's
+    JSON, or of just the fields this reads)."""
+    f = json.loads(spec_text)
+    pairs = visible_pairs(f["q_len"], f["kv_len"], f["causal"], f.get("window"))
+    return 4 * f["batch"] * f["q_heads"] * f["head_dim"] * pairs
 
 
 def attention_candidates() -> list[dict[str, Any]]:

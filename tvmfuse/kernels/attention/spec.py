@@ -89,18 +89,8 @@ class AttentionSpec:
 
     @property
     def flops(self) -> int:
-        """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V over the pairs the causal kind
-        and window leave (query i sees keys j ≤ i + shift, and j > i + shift − window)."""
-        sq, skv = self.q_len, self.kv_len
-        if self.causal == "none":
-            pairs = sq * skv
-        else:
-            shift = skv - sq if self.causal == "BottomRight" else 0
-            pairs = 0
-            for i in range(sq):
-                hi = min(skv, max(0, i + shift + 1))
-                lo = max(0, i + shift + 1 - self.window) if self.window else 0
-                pairs += max(0, hi - lo)
+        """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V (:func:`visible_pairs`)."""
+        pairs = visible_pairs(self.q_len, self.kv_len, self.causal, self.window)
         return 4 * self.batch * self.q_heads * self.head_dim * pairs
 
     @property
@@ -126,6 +116,20 @@ class AttentionSpec:
     def out_shape(self) -> tuple[int, int, int, int]:
         """Shape of the out buffer (in ``out_layout``)."""
         return at(self.out_layout, self.batch, self.q_len, self.q_heads, self.head_dim)
+
+
+def visible_pairs(q_len: int, kv_len: int, causal: str = "none", window: int | None = None) -> int:
+    """(query, key) pairs the causal kind and window leave: query i sees keys j ≤ i + shift
+    (shift = Skv − Sq for BottomRight, 0 for TopLeft) and j > i + shift − window."""
+    if causal == "none":
+        return q_len * kv_len
+    shift = kv_len - q_len if causal == "BottomRight" else 0
+    pairs = 0
+    for i in range(q_len):
+        hi = min(kv_len, max(0, i + shift + 1))
+        lo = max(0, i + shift + 1 - window) if window else 0
+        pairs += max(0, hi - lo)
+    return pairs
 
 
 def spec_json(spec: AttentionSpec) -> str:
