@@ -413,40 +413,37 @@ def _gemv_reference(x, w, pair: bool, eps: float | None):
     return y
 
 
+def _check_standalone_on_the_gpu(p: GemvProblem, cfg: GemvConfig, stats: bool, seed: int,
+                                 preload: bool = False) -> None:
+    """``standalone(p, cfg)`` built for sm90 and run on random inputs against float64 numpy."""
+    dev = tvm.cuda()
+    eps = 1e-5 if stats else None
+    func = standalone(p, cfg, rms_eps=eps, preload=preload)
+    lib = tvm.compile(tvm.IRModule({"main": func}), target=SM90.tvm_target())
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((p.m, p.k)).astype("float16")
+    w = (rng.standard_normal((p.n, p.k)) / np.sqrt(p.k)).astype("float16")
+    y = tvm.runtime.empty((p.m, p.n // 2 if p.pair else p.n), "float16", dev)
+    lib(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev), y)
+    ref = _gemv_reference(x, w, p.pair, eps)
+    err = np.linalg.norm(y.numpy().astype("float64") - ref) / np.linalg.norm(ref)
+    assert err < 2e-3, err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, pair, stats, cfg", RING_CASES, ids=RING_IDS)
 def test_ring_numerics_on_the_gpu(m, n, k, pair, stats, cfg):
     """H200: the ring engine against float64 numpy on random inputs (rows of W and chunks of K
     past the ends zero-filled, M below the 8-column tile, the statistics and the pair epilogue)."""
-    dev = tvm.cuda()
-    eps = 1e-5 if stats else None
-    p = GemvProblem(m, n, k, "float16", "float16", pair)
-    lib = tvm.compile(tvm.IRModule({"main": standalone(p, cfg, rms_eps=eps)}),
-                      target=SM90.tvm_target())
-    rng = np.random.default_rng(m * 7 + k)
-    x = rng.standard_normal((m, k)).astype("float16")
-    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float16")
-    y = tvm.runtime.empty((m, n // 2 if pair else n), "float16", dev)
-    lib(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev), y)
-    ref = _gemv_reference(x, w, pair, eps)
-    err = np.linalg.norm(y.numpy().astype("float64") - ref) / np.linalg.norm(ref)
-    assert err < 2e-3, err
+    _check_standalone_on_the_gpu(GemvProblem(m, n, k, "float16", "float16", pair), cfg, stats,
+                                 m * 7 + k)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k, pair, stats", PRELOAD_CASES, ids=PRELOAD_IDS)
 def test_preload_numerics_on_the_gpu(m, n, k, pair, stats):
-    """H200: the preloading kernel (launched plainly: its wait returns at once) against float64."""
-    dev = tvm.cuda()
-    eps = 1e-5 if stats else None
+    """H200 (run on an H100 in session 25): the preloading kernel (launched plainly: its wait
+    returns at once) against float64."""
     p = GemvProblem(m, n, k, "float16", "float16", pair)
-    func = standalone(p, pick_config(p, 132, row_stats=stats), rms_eps=eps, preload=True)
-    lib = tvm.compile(tvm.IRModule({"main": func}), target=SM90.tvm_target())
-    rng = np.random.default_rng(m * 5 + n)
-    x = rng.standard_normal((m, k)).astype("float16")
-    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float16")
-    y = tvm.runtime.empty((m, n // 2 if pair else n), "float16", dev)
-    lib(tvm.runtime.tensor(x, dev), tvm.runtime.tensor(w, dev), y)
-    ref = _gemv_reference(x, w, pair, eps)
-    err = np.linalg.norm(y.numpy().astype("float64") - ref) / np.linalg.norm(ref)
-    assert err < 2e-3, err
+    _check_standalone_on_the_gpu(p, pick_config(p, 132, row_stats=stats), stats, m * 5 + n,
+                                 preload=True)

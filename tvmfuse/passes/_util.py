@@ -102,6 +102,25 @@ def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], rel
     return mod
 
 
+def rewrite_with_plans(mod: tvm.IRModule, plan: Callable[[relax.Function], dict],
+                       rewriter: Callable[[tvm.IRModule, dict], PyExprMutator]) -> tvm.IRModule:
+    """A copy of ``mod`` where each Relax function with a non-empty ``plan(func)`` is rewritten
+    by ``rewriter(mod, plans)`` (a PyExprMutator whose builder may add PrimFuncs), its unused
+    bindings dropped."""
+    mod = mod.clone()  # the rewriter's builder adds to its module in place: not the caller's
+    for gvar, func in list(mod.functions.items()):
+        if not isinstance(func, relax.Function):
+            continue
+        plans = plan(func)
+        if not plans:
+            continue
+        mutator_ = rewriter(mod, plans)
+        new = mutator_.visit_expr(func)
+        mod = mutator_.builder_.get()
+        mod[gvar] = relax.analysis.remove_all_unused(new)
+    return mod
+
+
 LARGE_CONSTANT_BYTES = 1 << 20  # weight matrices; norm scales, biases and scalars stay constants
 
 

@@ -32,7 +32,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._util import binding_users
+from ._util import binding_users, rewrite_with_plans
 from .attention_lower import attention_kernel, attention_spec
 from .pack_attention_inputs import OperandGraph, pack_plan
 
@@ -119,15 +119,4 @@ class FoldAttentionLayout:
     """(B, H, S, D) attention operands / result read and written in place (module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = mod.clone()  # the rewriter's builder adds to its module in place: not the caller's
-        for gvar, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function):
-                continue
-            plans = _plan(func)
-            if not plans:
-                continue
-            rewriter = _Fold(mod, plans)
-            new = rewriter.visit_expr(func)
-            mod = rewriter.builder_.get()
-            mod[gvar] = relax.analysis.remove_all_unused(new)
-        return mod
+        return rewrite_with_plans(mod, _plan, _Fold)

@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._util import shape_expr, static_shape
+from ._util import rewrite_with_plans, shape_expr, static_shape
 
 _ATTENTION = ("relax.nn.attention", "relax.nn.attention_bias")
 _ELEMENTWISE = {
@@ -178,15 +178,4 @@ class PackAttentionInputs:
     """Computed attention operands → one concat kernel + views (see the module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = mod.clone()  # the rewriter's builder adds to its module in place: not the caller's
-        for gvar, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function):
-                continue
-            plans = pack_plan(func)
-            if not plans:
-                continue
-            rewriter = _Pack(mod, plans)
-            new = rewriter.visit_expr(func)
-            mod = rewriter.builder_.get()
-            mod[gvar] = relax.analysis.remove_all_unused(new)
-        return mod
+        return rewrite_with_plans(mod, pack_plan, _Pack)

@@ -38,7 +38,7 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..relax_shapes import shape_expr, static_shape
-from ._util import binding_users, dataflow_bindings, is_op
+from ._util import binding_users, dataflow_bindings, is_op, rewrite_with_plans
 from .sink_reshape import BINARY, UNARY
 
 NAME = "permute_rows"
@@ -270,15 +270,4 @@ class PermuteRowsThroughGemm:
     """Leading-axis permutations move through Linears (module docstring)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        mod = mod.clone()  # the rewriter's builder adds to its module in place: not the caller's
-        for gvar, func in list(mod.functions.items()):
-            if not isinstance(func, relax.Function):
-                continue
-            plans = _plan(func)
-            if not plans:
-                continue
-            rewriter = _Move(mod, plans)
-            new = rewriter.visit_expr(func)
-            mod = rewriter.builder_.get()
-            mod[gvar] = relax.analysis.remove_all_unused(new)
-        return mod
+        return rewrite_with_plans(mod, _plan, _Move)
