@@ -231,6 +231,33 @@ def test_preload_follows_the_option_where_kernels_launch_programmatically():
     assert not preloads(SM80, **pdl)
 
 
+@pytest.mark.parametrize("constant", [True, False], ids=["constant_weight", "weight_parameter"])
+def test_preload_only_of_constant_weights(constant):
+    """In a decode step, a GEMV preloads its (N, K) operand only when it is a constant: any other
+    tensor may be written by an earlier kernel of the step, and read before the wait it could be
+    stale. (The gemv stage on a hand-built ``decode`` function calling a TE Linear.)"""
+    import numpy as np
+    from tvm import relax
+
+    from tvmfuse.rules.gemv import SmallMGemm
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 512), "float16"))
+    w_param = relax.Var("w", relax.TensorType((256, 512), "float16"))
+    w = relax.const(np.random.default_rng(0).standard_normal((256, 512)).astype("float16")) \
+        if constant else w_param
+    b = relax.const(np.ones(256, "float16"))
+    params = [x] if constant else [x, w_param]
+    with bb.function("decode", params):
+        gv = bb.add_func(te_linear(1, 256, 512), "linear")
+        out = bb.emit(relax.call_tir(gv, [x, w, b], relax.TensorType((1, 256), "float16")))
+        bb.emit_func_output(out)
+    with SM90.tvm_target(), use_options(Options(gemv_max_m=64)):
+        mod = SmallMGemm(bb.get())
+    (kernel,) = [f for g, f in mod.functions_items() if g.name_hint.endswith("_gemv")]
+    assert ("griddepcontrol" in kernel.script()) == constant
+
+
 @needs_nvcc
 @pytest.mark.parametrize("m, n, k, pair, stats", PRELOAD_CASES[:2] + PRELOAD_CASES[4:],
                          ids=PRELOAD_IDS[:2] + PRELOAD_IDS[4:])

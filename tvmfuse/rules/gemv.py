@@ -262,14 +262,16 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
         in_loop, stats_name = next(((il, n) for c, il, n in stats_for if c.same_as(call)),
                                    (None, None))
         after_attention = args[g.a] in attention_out
-        kernel = plan.kernel(mod, gv, weight[0], in_loop, after_attention, caller)
+        # the preload reads W before the PDL wait: only a constant (a weight no kernel writes)
+        loader = caller if isinstance(weight[1], tvm.ir.expr.Constant) else None
+        kernel = plan.kernel(mod, gv, weight[0], in_loop, after_attention, loader)
         if isinstance(kernel, str):
             refused[gv] = kernel
             continue
         args[g.b] = weight[1]
         if in_loop is not None:
             args = [a for i, a in enumerate(args) if i not in in_loop.dropped]
-        key = _key(gv, weight[0], in_loop, after_attention, caller)
+        key = _key(gv, weight[0], in_loop, after_attention, loader)
         plan.calls.append((call, key, args))
         plan.stats_names[key] = stats_name
 
