@@ -27,6 +27,11 @@ def is_op(expr: relax.Expr, name: str) -> bool:
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
 
 
+def op_name(expr: relax.Expr) -> str:
+    """The Relax operator ``expr`` calls (``"relax.add"``), else ``""``."""
+    return expr.op.name if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) else ""
+
+
 def const_array(expr: relax.Expr) -> np.ndarray | None:
     """The value of a constant as a numpy array, else None."""
     if isinstance(expr, tvm.ir.expr.Constant) and isinstance(expr.value, tvm.runtime.Tensor):

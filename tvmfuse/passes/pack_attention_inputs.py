@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from ._util import rewrite_with_plans, shape_expr, static_shape
+from ._util import op_name, rewrite_with_plans, shape_expr, static_shape
 
 _ATTENTION = ("relax.nn.attention", "relax.nn.attention_bias")
 _ELEMENTWISE = {
@@ -50,12 +50,6 @@ _INJECTIVE = _ELEMENTWISE | {
     "relax.expand_dims", "relax.squeeze", "relax.broadcast_to",
 }
 _ALIGN = 64  # bytes: the runtime's allocation alignment; ensure_zero_offset copies otherwise
-
-
-def _op_name(expr: relax.Expr) -> str:
-    if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op):
-        return expr.op.name
-    return ""
 
 
 class OperandGraph:
@@ -74,7 +68,7 @@ class OperandGraph:
                     for leaf in arg.fields if isinstance(arg, relax.Tuple) else [arg]:
                         if isinstance(leaf, relax.Var):
                             self.users.setdefault(leaf, []).append(binding.var)
-                if isinstance(value, relax.Call) and _op_name(value) and all(
+                if isinstance(value, relax.Call) and op_name(value) and all(
                         self._constant(a) for a in args):
                     self.const.add(binding.var)  # FoldConstant makes it a constant
 
@@ -96,7 +90,7 @@ class OperandGraph:
 
     def from_gemm(self, var: relax.Var, depth: int = 8) -> bool:
         """``var`` is a GEMM output, possibly through reshapes and a one-user elementwise epilogue."""
-        name = _op_name(self.bound.get(var))
+        name = op_name(self.bound.get(var))
         if name == "relax.matmul":
             return True
         if depth == 0 or not (name in _ELEMENTWISE or name == "relax.reshape"):
@@ -107,7 +101,7 @@ class OperandGraph:
     def computed(self, var: relax.Var) -> bool:
         """``var`` comes out of an injective op that is not a GEMM epilogue: it is a kernel's
         output that FuseOps would fuse into a concat consuming it."""
-        return _op_name(self.bound.get(var)) in _INJECTIVE and not self.from_gemm(var)
+        return op_name(self.bound.get(var)) in _INJECTIVE and not self.from_gemm(var)
 
 
 def pack_plan(func: relax.Function) -> dict:
@@ -115,7 +109,7 @@ def pack_plan(func: relax.Function) -> dict:
     graph = OperandGraph(func)
     plans, packed = {}, set()
     for var, value in graph.bound.items():
-        if _op_name(value) not in _ATTENTION:
+        if op_name(value) not in _ATTENTION:
             continue
         chosen = []
         for arg in value.args:
@@ -123,7 +117,7 @@ def pack_plan(func: relax.Function) -> dict:
                 continue
             if static_shape(arg) is None or not graph.computed(arg):
                 continue
-            if not all(_op_name(graph.bound.get(u)) in _ATTENTION for u in graph.users.get(arg, [])):
+            if not all(op_name(graph.bound.get(u)) in _ATTENTION for u in graph.users.get(arg, [])):
                 continue
             chosen.append(arg)
         by_dtype: dict = {}

@@ -38,8 +38,8 @@ from tvm import relax
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..relax_shapes import shape_expr, static_shape
-from ._util import binding_users, dataflow_bindings, is_op, rewrite_with_plans
-from .sink_reshape import BINARY, UNARY
+from ._util import binding_users, dataflow_bindings, is_op, op_name, rewrite_with_plans
+from .sink_reshape import BINARY, UNARY, last_axis_broadcast
 
 NAME = "permute_rows"
 _ATTENTION = ("relax.nn.attention", "relax.nn.attention_bias")
@@ -57,10 +57,6 @@ class _Gemm:
     chain: list  # (op call, position of the chain operand) after the matmul, in order
 
 
-def _ops(value) -> str | None:
-    return value.op.name if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) else None
-
-
 def _single_reader(var, users: dict) -> bool:
     readers = users.get(var, [])
     return len(readers) == 1 and readers[0] is not None
@@ -76,7 +72,7 @@ def _gemm_chain(end: relax.Expr, bound: dict, users: dict) -> _Gemm | None:
         if not _single_reader(expr, users):
             return None
         value = bound[expr]
-        name = _ops(value)
+        name = op_name(value)
         if name == "relax.matmul":
             a, w = value.args
             a_value = bound.get(a) if isinstance(a, relax.Var) else None
@@ -89,15 +85,12 @@ def _gemm_chain(end: relax.Expr, bound: dict, users: dict) -> _Gemm | None:
             chain.append((value, 0))
             expr = value.args[0]
             continue
-        if name in BINARY:
-            shape = static_shape(value)
-            for pos in (0, 1):
-                other = value.args[1 - pos]
-                o_shape = static_shape(other)
-                if shape is None or o_shape is None or len(shape) != 2:
-                    continue
-                if static_shape(value.args[pos]) == shape and len(o_shape) <= 2 and all(
-                        d == 1 for d in o_shape[:-1]) and (not o_shape or o_shape[-1] in (1, shape[-1])):
+        shape = static_shape(value)
+        if name in BINARY and shape is not None and len(shape) == 2:
+            for pos in (0, 1):  # the chain operand (rows); the other broadcasts along the last axis
+                o_shape = static_shape(value.args[1 - pos])
+                if (static_shape(value.args[pos]) == shape and o_shape is not None
+                        and len(o_shape) <= 2 and last_axis_broadcast(o_shape, shape[-1])):
                     chain.append((value, pos))
                     expr = value.args[pos]
                     break
@@ -151,7 +144,7 @@ def _feeds_only_attention(var, bound: dict, users: dict) -> bool:
         for reader in users.get(v, []):
             if reader is None:
                 return False
-            name = _ops(bound.get(reader))
+            name = op_name(bound.get(reader))
             if name in _ATTENTION:
                 if any(a.same_as(v) for a in bound[reader].args[3:]):
                     return False  # a bias or mask, not q / k / v

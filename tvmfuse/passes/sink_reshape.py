@@ -41,7 +41,7 @@ def _same_last_axis(a_shape: list, s: list) -> bool:
     return bool(a_shape) and bool(s) and same_dim(a_shape[-1], s[-1])
 
 
-def _last_axis_broadcast(b_shape: list, n) -> bool:
+def last_axis_broadcast(b_shape: list, n) -> bool:
     return b_shape == [] or ((same_dim(b_shape[-1], 1) or same_dim(b_shape[-1], n))
                              and all(same_dim(d, 1) for d in b_shape[:-1]))
 
@@ -111,7 +111,7 @@ def _sink(func: relax.Function) -> relax.Function:
             if not _gemm_rooted(inner, table) or _gemm_rooted(other, table):
                 return expr
             other_new = relax.op.reshape(other, shape_expr(a_shape))
-        elif _same_last_axis(a_shape, s) and len(o_shape) <= len(a_shape) and _last_axis_broadcast(
+        elif _same_last_axis(a_shape, s) and len(o_shape) <= len(a_shape) and last_axis_broadcast(
                 o_shape, s[-1]):
             other_new = other if len(o_shape) <= 1 else relax.op.reshape(other, shape_expr([o_shape[-1]]))
         else:

@@ -91,11 +91,11 @@ def l2_prefetch_bytes(target: Target | None, after_attention: bool = False) -> i
     return current_options().gemv_l2_prefetch_bytes
 
 
-def preload_weights(target: Target | None, function: str | None) -> bool:
-    """Whether the GEMV called by the Relax function ``function`` loads its first W vectors
-    before the programmatic-launch wait (``Options.gemv_preload_weights``, where that function's
-    kernels launch programmatically: the decode step under the default scope)."""
-    return (pdl_active(target) and current_options().gemv_preload_weights and function is not None
+def preload_weights(target: Target | None, function: str) -> bool:
+    """Whether a GEMV called by the Relax function ``function`` loads its first W vectors before
+    the programmatic-launch wait (``Options.gemv_preload_weights``, where that function's kernels
+    launch programmatically: the decode step under the default scope)."""
+    return (pdl_active(target) and current_options().gemv_preload_weights
             and launches_programmatically(function))
 
 
@@ -106,7 +106,7 @@ def max_m() -> int:
 
 def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transposed: bool = False,
                  in_loop: InLoopStats | None = None, after_attention: bool = False,
-                 caller: str | None = None) -> tirx.PrimFunc:
+                 preload: bool = False) -> tirx.PrimFunc:
     """The GEMV kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads W as (K, N), the kernel takes its transpose (N, K) (the
@@ -134,7 +134,7 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
                          row_stats=in_loop.stats if in_loop is not None else None,
                          l2_prefetch=l2_prefetch_bytes(Target.current(allow_none=True),
                                                        after_attention),
-                         preload=preload_weights(Target.current(allow_none=True), caller))
+                         preload=preload)
     return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
 
 
@@ -168,24 +168,22 @@ class _Plan:
         self.transposed = weight_arrays.DerivedConstants()  # (N, K) copies, one per (K, N) weight
 
     def kernel(self, mod, gvar, b_transposed, in_loop, after_attention=False,
-               caller=None) -> tirx.PrimFunc | str:
-        key = _key(gvar, b_transposed, in_loop, after_attention, caller)
+               preload=False) -> tirx.PrimFunc | str:
+        key = _key(gvar, b_transposed, in_loop, after_attention, preload)
         if key not in self.kernels:
             try:
                 self.kernels[key] = build_kernel(mod[gvar], b_transposed=b_transposed,
                                                  in_loop=in_loop, after_attention=after_attention,
-                                                 caller=caller)
+                                                 preload=preload)
             except NotHandled as why:
                 self.kernels[key] = str(why)
         return self.kernels[key]
 
 
 def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None, after_attention: bool = False,
-         caller: str | None = None) -> tuple:
-    """A dict key for one kernel variant (InLoopStats is not hashable); ``caller`` matters only
-    where it decides the weight preload."""
+         preload: bool = False) -> tuple:
+    """A dict key for one kernel variant (InLoopStats is not hashable)."""
     stats = None if in_loop is None else (in_loop.stats, in_loop.mean, in_loop.rstd)
-    preload = preload_weights(Target.current(allow_none=True), caller)
     return gvar, b_transposed, stats, after_attention, preload
 
 
@@ -221,6 +219,7 @@ def _weight_arg(g: FusedGemm, args: list, plan: _Plan) -> tuple[bool, relax.Expr
 def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: dict,
                 caller: str) -> None:
     call_tir = tvm.ir.Op.get(_CALL_TIR)
+    target = Target.current(allow_none=True)
     gemms = {}  # gvar → FusedGemm
     for gv, f in mod.functions_items():
         if isinstance(f, tirx.PrimFunc) and (g := small_m_gemm(f)) is not None:
@@ -263,15 +262,15 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
                                    (None, None))
         after_attention = args[g.a] in attention_out
         # the preload reads W before the PDL wait: only a constant (a weight no kernel writes)
-        loader = caller if isinstance(weight[1], tvm.ir.expr.Constant) else None
-        kernel = plan.kernel(mod, gv, weight[0], in_loop, after_attention, loader)
+        preload = isinstance(weight[1], tvm.ir.expr.Constant) and preload_weights(target, caller)
+        kernel = plan.kernel(mod, gv, weight[0], in_loop, after_attention, preload)
         if isinstance(kernel, str):
             refused[gv] = kernel
             continue
         args[g.b] = weight[1]
         if in_loop is not None:
             args = [a for i, a in enumerate(args) if i not in in_loop.dropped]
-        key = _key(gv, weight[0], in_loop, after_attention, loader)
+        key = _key(gv, weight[0], in_loop, after_attention, preload)
         plan.calls.append((call, key, args))
         plan.stats_names[key] = stats_name
 

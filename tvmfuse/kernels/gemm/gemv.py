@@ -410,6 +410,15 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                     else:
                         bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = zeros()
 
+        @T.inline
+        def loop_w_chunk(it, u):
+            # the main loop's W loads: with the preload, iteration 0's came before the wait
+            if preload:
+                if it > 0:
+                    w_chunk(it, u)
+            else:
+                w_chunk(it, u)
+
         if l2_prefetch > 0:
             # this block's rows of W (one contiguous range) into L2 by the TMA unit
             if tx == 0:
@@ -476,11 +485,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 # loads of `unroll` chunks first (all in flight), then the mmas
                 for u in T.unroll(unroll):
                     kq = T.meta_var(chunk_k(it, wid, u, (lane % 4) * VEC))
-                    if preload:
-                        if it > 0:
-                            w_chunk(it, u)
-                    else:
-                        w_chunk(it, u)
+                    loop_w_chunk(it, u)
                     for i in T.unroll(mt):
                         for h in T.unroll(2):
                             if kq < p.k and i * 16 + h * 8 + lane // 4 < p.m:
@@ -504,11 +509,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 for u in T.unroll(unroll):
                     kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
                     if kv < p.k:
-                        if preload:
-                            if it > 0:
-                                w_chunk(it, u)
-                        else:
-                            w_chunk(it, u)
+                        loop_w_chunk(it, u)
                         for m in T.unroll(p.m):
                             av[T.Ramp((u * p.m + m) * VEC, 1, VEC)] = x[m, T.Ramp(kv, 1, VEC)]
                 for u in T.unroll(unroll):
