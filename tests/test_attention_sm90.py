@@ -57,6 +57,12 @@ BUILDS = {
                                    layouts=LAYOUTS["bhsd"]), None, (128, 128)),
     "bhsd_in_direct_store_d64": (_spec(1, 200, 333, 4, 2, 64, "bfloat16", layouts=LAYOUTS["bhsd_in"]),
                                  Sm90FlashConfig(tma_store=False), (128, 64)),
+    "persistent_bhsd_causal_d128": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
+                                          layouts=LAYOUTS["bhsd"]), Sm90FlashConfig(persistent_ctas=5),
+                                    (128, 128)),
+    "persistent_serial_direct_store": (_spec(1, 200, 200, 2, 2, 128, "bfloat16"),
+                                       Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False,
+                                                       persistent_ctas=3), (128, 128)),
 }
 
 
@@ -151,6 +157,25 @@ GPU_CASES = {
     "bhsd_direct_store_causal_d128_bf16": (
         _spec(1, 333, 333, 4, 2, 128, "bfloat16", "TopLeft", layouts=LAYOUTS["bhsd"]),
         Sm90FlashConfig(tma_store=False)),
+    # persistent CTAs: fewer CTAs than query tiles (several rounds each, both directions), the
+    # barrier phases, Q and the O staging tile carried from tile to tile
+    "persistent_causal_ragged_gqa_d128_fp16": (
+        _spec(2, 300, 300, 8, 2, 128, "float16", "TopLeft"), Sm90FlashConfig(persistent_ctas=7)),
+    "persistent_bhsd_causal_d128_fp16": (
+        _spec(4, 1024, 1024, 4, 4, 128, "float16", "TopLeft", layouts=LAYOUTS["bhsd"]),
+        Sm90FlashConfig(persistent_ctas=13)),
+    "persistent_full_ragged_gqa_d64_bf16": (
+        _spec(2, 77, 333, 8, 2, 64, "bfloat16"), Sm90FlashConfig(persistent_ctas=5)),
+    "persistent_sq_gt_skv_bottomright_d64_fp16": (
+        _spec(1, 150, 70, 2, 2, 64, "float16", "BottomRight"), Sm90FlashConfig(persistent_ctas=3)),
+    "persistent_more_ctas_than_tiles_mqa_bf16": (
+        _spec(1, 100, 260, 8, 1, 128, "bfloat16", "BottomRight"), Sm90FlashConfig(persistent_ctas=132)),
+    "persistent_serial_direct_store_fp16": (
+        _spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft"),
+        Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False, persistent_ctas=6)),
+    "persistent_bn64_3stage_bf16": (
+        _spec(1, 333, 333, 2, 2, 128, "bfloat16", causal="TopLeft"),
+        Sm90FlashConfig(block_n=64, stages=3, persistent_ctas=2)),
 }
 
 
@@ -181,3 +206,31 @@ def test_gpu_numerics(name):
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
     tol = {"float16": 2e-3, "bfloat16": 1e-2}[spec.dtype]
     assert err < tol, f"{name}: rel err {err:.2e} ≥ {tol}"
+
+
+def test_persistent_option_gives_one_cta_per_sm():
+    """``Options.sm90_attention_persistent``: the rule asks for one CTA per SM of the device, which
+    loops over the 128 query tiles (the Q-release barrier and the round loop are in the kernel);
+    without the option, one CTA per tile and neither."""
+    from tvmfuse.options import Options, use_options
+
+    spec = _spec(4, 1024, 1024, 4, 4, 128, "float16", causal="TopLeft")  # 8 tiles × 16 = 128
+    with use_options(Options(sm90_attention_persistent=True, device="h100-pcie")):
+        text = attention_primfunc(spec, SM90A).script()
+    assert "T.cta_id([114])" in text and "q_empty" in text  # H100 PCIe: 114 SMs
+    with use_options(Options(device="h100-pcie")):
+        plain = attention_primfunc(spec, SM90A).script()
+    assert "T.cta_id([128])" in plain and "q_empty" not in plain
+
+
+def test_persistent_grid_is_capped_and_rounds_cover_every_tile():
+    """Fewer CTAs than tiles: ceil(tiles / CTAs) rounds, tile k·grid + (bid or grid − 1 − bid);
+    more CTAs than tiles: one per tile."""
+    spec = _spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft")  # 3 tiles × 16 = 48
+    text = flash_attention_sm90_primfunc(spec, config=Sm90FlashConfig(persistent_ctas=7)).script()
+    assert "T.cta_id([7])" in text and text.count("for kq in range(7):") == 2  # ceil(48 / 7)
+    text = flash_attention_sm90_primfunc(spec, config=Sm90FlashConfig(persistent_ctas=132)).script()
+    assert "T.cta_id([48])" in text
+    assert "persistent_ctas" in check(spec, Sm90FlashConfig(persistent_ctas=-1))
+    tiles = [k * 7 + (b if k % 2 == 0 else 6 - b) for k in range(7) for b in range(7)]
+    assert sorted(t for t in tiles if t < 48) == list(range(48))

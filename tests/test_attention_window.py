@@ -292,12 +292,14 @@ GPU_CASES = {
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["dispatched", "sm80"])
+@pytest.mark.parametrize("kernel", ["dispatched", "sm80", "persistent"])
 @pytest.mark.parametrize("name", list(GPU_CASES))
 def test_gpu_numerics_vs_torch(name: str, kernel: str):
-    """The dispatched kernel (sm90a on an H200) and the sm80 flash kernel forced on the device."""
+    """The dispatched kernel (sm90a on an H200), the sm80 flash kernel forced on the device, and
+    the sm90a kernel with persistent CTAs (``Options.sm90_attention_persistent``)."""
     from tvmfuse.kernels.attention.flash_sm80 import check, flash_attention_primfunc
     from tvmfuse.kernels.attention.flash_sm90 import NAME
+    from tvmfuse.options import Options, use_options
 
     spec = GPU_CASES[name]
     major, minor = torch.cuda.get_device_capability()
@@ -307,6 +309,11 @@ def test_gpu_numerics_vs_torch(name: str, kernel: str):
         if spec.q_len == 1 or check(spec) is not None:
             pytest.skip("the sm80 flash kernel does not take this spec")
         func = flash_attention_primfunc(spec, target).with_attr("global_symbol", "main")
+    elif kernel == "persistent":
+        with use_options(Options(sm90_attention_persistent=True)):
+            func = attention_primfunc(spec, target).with_attr("global_symbol", "main")
+        if str(func.attrs.get("tvmfuse.rule", "")) != NAME:
+            pytest.skip("not the sm90a kernel on this GPU / spec")
     else:
         func = attention_primfunc(spec, target).with_attr("global_symbol", "main")
         if arch == "sm_90a" and spec.q_len > 1 and spec.dtype != "float32" and spec.head_dim != 32:

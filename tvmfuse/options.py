@@ -116,6 +116,9 @@ class Options:
     # Off: no faster on the H200 (session 19, same process each): the 4-layer LM's prefill 1.660
     # ms with it vs 1.622, a 2-layer hidden-256 LM at 128 tokens 0.495 vs 0.502
     cuda_graph: bool = False
+    # sm_90a flash attention: persistent CTAs, one per SM, looping over the query tiles
+    # (Sm90FlashConfig.persistent_ctas): the next tile's Q and K/V load during a tile's epilogue
+    sm90_attention_persistent: bool = False
     # gemm_sm90: GemmConfig.vector_operands for every kernel (residual / bias as 16-byte loads);
     # the 4-layer LM's prefill 1.538 ms with them vs 1.592 (session 22, interleaved rounds)
     sm90_vector_operands: bool = True

@@ -9,18 +9,22 @@ which dlight honours) where ``target`` is CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 
 from ..attrs import FALLBACK_ATTR, FLOPS_ATTR
+from ..device_props import device_properties
 from ..kernels.attention.cpu import attention_cpu_primfunc
 from ..kernels.attention.flash_decode import check as decode_check
 from ..kernels.attention.flash_decode import flash_decode_primfunc
 from ..kernels.attention.flash_sm80 import check as flash_check
 from ..kernels.attention.flash_sm80 import flash_attention_primfunc
+from ..kernels.attention.flash_sm90 import Sm90FlashConfig, default_config, flash_attention_sm90_primfunc
 from ..kernels.attention.flash_sm90 import check as sm90_check
-from ..kernels.attention.flash_sm90 import flash_attention_sm90_primfunc
 from ..kernels.attention.generic_cuda import attention_generic_cuda_primfunc
 from ..kernels.attention.spec import CAUSAL_KINDS, AttentionSpec
+from ..options import current_options
 
 __all__ = ["CAUSAL_KINDS", "AttentionSpec", "attention_primfunc"]
 
@@ -55,9 +59,19 @@ def _cuda_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.P
     if reason is not None:  # still one kernel without S in HBM, on CUDA cores
         return attention_generic_cuda_primfunc(spec, f"flash_attention: {reason}")
     if str(target.attrs.get("arch", "")) == "sm_90a":
-        reason = sm90_check(spec)
+        cfg = sm90_config(spec, target)
+        reason = sm90_check(spec, cfg)
         if reason is None:
-            return flash_attention_sm90_primfunc(spec, target)
+            return flash_attention_sm90_primfunc(spec, target, cfg)
         func = flash_attention_primfunc(spec, target)
         return func.with_attr(FALLBACK_ATTR, f"flash_attention_sm90: {reason}")
     return flash_attention_primfunc(spec, target)
+
+
+def sm90_config(spec: AttentionSpec, target: tvm.target.Target) -> Sm90FlashConfig:
+    """The sm_90a kernel's tile, and with ``Options.sm90_attention_persistent`` one persistent CTA
+    per SM of the target's device."""
+    cfg = default_config(spec)
+    if current_options().sm90_attention_persistent:
+        cfg = dataclasses.replace(cfg, persistent_ctas=device_properties(target).sms)
+    return cfg

@@ -58,6 +58,10 @@ class Sm90FlashConfig:
     overlap: bool = True  # FA3 intra-warpgroup overlap: softmax of S_j while P_{j-1}·V runs
     pingpong: bool = True  # named barriers: the two consumers take turns issuing GEMMs
     tma_store: bool = True  # O via shared memory + TMA store (out dtype = input dtype only)
+    # > 0: that many CTAs (one per SM) loop over the query tiles, tile k·grid + (bid, or on odd
+    # rounds grid − 1 − bid); the next tile's Q and K/V load during this tile's epilogue and O
+    # is staged in a tile of its own. 0: one CTA per query tile
+    persistent_ctas: int = 0
 
     @property
     def block_m(self) -> int:
@@ -76,8 +80,10 @@ def default_config(spec: AttentionSpec) -> Sm90FlashConfig:
 
 
 def smem_bytes(spec: AttentionSpec, cfg: Sm90FlashConfig) -> int:
-    """Q tile + ``stages`` × (K tile + V tile), 2-byte elements."""
-    return 2 * spec.head_dim * (cfg.block_m + 2 * cfg.stages * cfg.block_n)
+    """Q tile + ``stages`` × (K tile + V tile) (+ persistent with TMA store: an O staging tile),
+    2-byte elements."""
+    o_tile = cfg.block_m if cfg.persistent_ctas and cfg.tma_store else 0
+    return 2 * spec.head_dim * (cfg.block_m + 2 * cfg.stages * cfg.block_n + o_tile)
 
 
 def check(spec: AttentionSpec, cfg: Sm90FlashConfig | None = None) -> str | None:
@@ -95,6 +101,8 @@ def check(spec: AttentionSpec, cfg: Sm90FlashConfig | None = None) -> str | None
         return f"scale must be positive, not {spec.scale}"
     if cfg.block_n % 64 or not 64 <= cfg.block_n <= 256 or cfg.consumers not in (1, 2, 3):
         return f"tile {cfg} unsupported"
+    if cfg.persistent_ctas < 0:
+        return f"persistent_ctas must be ≥ 0, not {cfg.persistent_ctas}"
     if smem_bytes(spec, cfg) > 227 * 1024:
         return f"{smem_bytes(spec, cfg)} bytes of shared memory exceed 227 KiB"
     n_elems = spec.batch * max(spec.q_len, spec.kv_len) * spec.q_heads * spec.head_dim
@@ -105,6 +113,11 @@ def check(spec: AttentionSpec, cfg: Sm90FlashConfig | None = None) -> str | None
 
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+def _plus(a, b):
+    """``a + b``, or ``b`` itself when ``a`` is the Python int 0 (the one-tile kernel's counters)."""
+    return b if isinstance(a, int) and a == 0 else a + b
 
 
 def _emit(res) -> None:
@@ -132,6 +145,13 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     k_off = DC * q_chunk
     v_off = k_off + NS * kv_tile
     total = v_off + NS * kv_tile
+    persistent = cfg.persistent_ctas > 0
+    n_tiles = n_m * Hq * B
+    grid = min(cfg.persistent_ctas, n_tiles) if persistent else n_tiles
+    n_rounds = _cdiv(n_tiles, grid)
+    o_off = 0  # the O staging tile: Q's rows, or (persistent) a tile after the K/V ring
+    if persistent and cfg.tma_store:
+        o_off, total = total, total + BM * D
     q_bytes, kv_bytes = BM * D * 2, BN * D * 2
     s_n, o_n = BN // 2, D // 2  # fp32 accumulators per consumer thread (64 × N / 128)
     heads_batch, last_tile, ns_m1 = Hq * B, n_m - 1, NS - 1
@@ -159,6 +179,19 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         # causal: the longest query tiles first; the heads and batches of one tile run side by side
         return last_tile - bid // heads_batch if causal else bid // heads_batch
 
+    def round_tile(kq, bid):
+        # persistent: the CTA's tile of round kq, alternating direction so that each CTA gets
+        # long and short causal tiles alike
+        return kq * grid + tirx.if_then_else(kq % 2 == 0, bid, grid - 1 - bid)
+
+    def tile_iters(tile):
+        # the KV tiles a query tile visits (the producer's and consumers' running counter)
+        m0 = tile_row(tile) * BM
+        n_end = tile_end(spec, tirx.min(m0 + BM, Sq) - 1, BN)
+        if spec.window is None:
+            return n_end
+        return n_end - band_tiles(spec, m0, tirx.min(m0 + BM, Sq) - 1, BN, n_end)[0]
+
     def tma_rows(smem, tmap, base, chunk: int, head, row, b, bar) -> None:
         """One TMA box per 64-element d-chunk c: rows ``row..`` of ``head`` into ``base + c·chunk``."""
         for c in range(DC):
@@ -168,7 +201,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     def store_o(tmap, smem, h, m0, wg, b) -> None:
         for c in range(DC):
             _emit(tma_st(T.address_of(tmap), *at(OUT_L, b, m0 + wg * 64, h, c * 64)[::-1],
-                         to_shared(smem.ptr_to([c * q_chunk + wg * 4096]))))
+                         to_shared(smem.ptr_to([_plus(o_off, c * q_chunk + wg * 4096)]))))
 
     def mma_qk(s_acc, desc_q, desc_k, stage) -> None:
         # S = Q·Kᵀ: k16 step kk reads 32 bytes into the 128-byte row of d-chunk kk // 4
@@ -203,7 +236,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
             O_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             encode_map(O_map, out, OUT_L, Hq, Sq, 64)
         T.device_entry()
-        bid = T.cta_id([n_m * Hq * B])
+        bid = T.cta_id([grid])
         tx = T.thread_id([cfg.threads])
         smem = T.alloc_buffer((total,), in_dt, scope="shared.dyn", align=1024)
         if tma_store:
@@ -213,25 +246,12 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         k_empty = T.alloc_shared([NS], "uint64")
         v_full = T.alloc_shared([NS], "uint64")
         v_empty = T.alloc_shared([NS], "uint64")
-        m0 = tile_row(bid) * BM
-        b = (bid % heads_batch) // Hq
-        h = bid % Hq
-        g = h // G
-        # KV tiles [n_start, n_end) hold a key visible to some row of the tile, [n_lo, n_full)
-        # only keys visible to every row (spec.band_tiles; no window: n_start = n_lo = 0);
-        # processed from the right: the jj-th of n_it tiles is j = n_end − 1 − jj
-        n_end = tile_end(spec, T.min(m0 + BM, Sq) - 1, BN)
-        n_full = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[2]
-        n_mask = n_end - n_full  # diagonal / ragged tiles: jj < n_mask
-        if spec.window is None:
-            n_it = T.meta_var(n_end)
-        else:
-            n_start = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[0]
-            n_lo = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[1]
-            n_it = n_end - n_start
-            n_edge = n_end - n_lo  # window-edge tiles: jj ≥ n_edge
+        if persistent:
+            q_empty = T.alloc_shared([1], "uint64")
         if tx == 0:
             T.ptx.mbarrier.init.shared.b64(to_shared(q_full.ptr_to([0])), T.uint32(1))
+            if persistent:
+                T.ptx.mbarrier.init.shared.b64(to_shared(q_empty.ptr_to([0])), T.uint32(NC * WG))
             for s in T.unroll(NS):
                 T.ptx.mbarrier.init.shared.b64(to_shared(k_full.ptr_to([s])), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(to_shared(v_full.ptr_to([s])), T.uint32(1))
@@ -242,25 +262,54 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
         if tx // 128 == 0:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](cfg.producer_regs)
             if tx == 0:
-                T.ptx.mbarrier.arrive.expect_tx.shared.b64(to_shared(q_full.ptr_to([0])),
-                                                           T.uint32(q_bytes))
-                tma_rows(smem, Q_map, 0, q_chunk, h, m0, b, q_full.ptr_to([0]))
 
                 @T.inline
-                def load_kv(tmap, full, empty, base, jj, s, j):
-                    if jj >= NS:
-                        T.cuda.mbarrier_wait(empty.ptr_to([s]), (jj // NS + 1) % 2)
+                def load_kv(tmap, full, empty, base, c, s, j, g, b):
+                    # the c-th K (V) tile this CTA loads: stage s = c % NS, free once the
+                    # consumers released its previous use
+                    if c >= NS:
+                        T.cuda.mbarrier_wait(empty.ptr_to([s]), (c // NS + 1) % 2)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(to_shared(full.ptr_to([s])),
                                                                T.uint32(kv_bytes))
                     tma_rows(smem, tmap, base + s * kv_tile, kv_chunk, g, j * BN, b,
                              full.ptr_to([s]))
 
-                # KV tiles in processing order: jj-th tile is j = n_end − 1 − jj (masked tiles first)
-                for jj in T.serial(n_it):
-                    s = jj % NS
-                    j = n_end - 1 - jj
-                    load_kv(K_map, k_full, k_empty, k_off, jj, s, j)
-                    load_kv(V_map, v_full, v_empty, v_off, jj, s, j)
+                @T.inline
+                def produce(tile, kq, kvc):
+                    # Q once (persistent: after the consumers released the previous tile's Q),
+                    # then the tile's KV tiles in processing order: the jj-th is j = n_end − 1 − jj
+                    m0 = tile_row(tile) * BM
+                    b = (tile % heads_batch) // Hq
+                    h = tile % Hq
+                    g = h // G
+                    n_end = tile_end(spec, T.min(m0 + BM, Sq) - 1, BN)
+                    if spec.window is None:
+                        n_it = T.meta_var(n_end)
+                    else:
+                        n_it = n_end - band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[0]
+                    if persistent:
+                        if kq > 0:
+                            T.cuda.mbarrier_wait(q_empty.ptr_to([0]), (kq + 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(to_shared(q_full.ptr_to([0])),
+                                                               T.uint32(q_bytes))
+                    tma_rows(smem, Q_map, 0, q_chunk, h, m0, b, q_full.ptr_to([0]))
+                    for jj in T.serial(n_it):
+                        c = T.meta_var(_plus(kvc, jj))
+                        s = c % NS
+                        j = n_end - 1 - jj
+                        load_kv(K_map, k_full, k_empty, k_off, c, s, j, g, b)
+                        load_kv(V_map, v_full, v_empty, v_off, c, s, j, g, b)
+
+                if persistent:
+                    pc = T.alloc_buffer((1,), "int32", scope="local")
+                    pc[0] = 0
+                    for kq in T.serial(n_rounds):
+                        ptile = round_tile(kq, bid)
+                        if ptile < n_tiles:
+                            produce(ptile, kq, pc[0])
+                            pc[0] = pc[0] + tile_iters(ptile)
+                else:
+                    produce(bid, 0, 0)
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](cfg.consumer_regs)
             s_acc = T.alloc_buffer((s_n,), "float32", scope="local")
@@ -275,7 +324,6 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
             desc_v = T.alloc_buffer((1,), "uint64", scope="local")
             wg = tx // 128 - 1
             t = tx % 128
-            row0 = m0 + wg * 64 + (t // 32) * 16 + (t % 32) // 4
             col0 = (t % 4) * 2
             # descriptors: K-major 128B-swizzled Q / K (LBO unused, SBO 1024 B between 8-row
             # groups); V MN-major (LBO = one 64-column chunk of BN rows, SBO 1024 B)
@@ -285,12 +333,6 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                                                   1, 64, SW128)
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_v[0]), smem.ptr_to([v_off]),
                                                   v_lbo, 64, SW128)
-            for i in T.unroll(o_n):
-                o_acc[i] = T.float32(0)
-            for i in T.unroll(2):
-                m_i[i] = T.float32("-inf")
-                l_i[i] = T.float32(0)
-            T.cuda.mbarrier_wait(q_full.ptr_to([0]), 0)
 
             @T.inline
             def issue_s(stage):
@@ -303,7 +345,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 T.ptx.wgmma.commit_group.sync.aligned()
 
             @T.inline
-            def mask_tile(j):
+            def mask_tile(j, row0):
                 # keys past Skv, (causal) right of the diagonal, (window) left of the band
                 for jn in T.unroll(BN // 8):
                     for x in T.unroll(4):
@@ -312,14 +354,14 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                             s_acc[jn * 4 + x] = T.float32("-inf")
 
             @T.inline
-            def mask(jj, j):
+            def mask(jj, j, row0, n_mask, n_edge):
                 # only the first n_mask tiles and (window) the last ones, from n_edge on
                 if spec.window is None:
                     if jj < n_mask:
-                        mask_tile(j)
+                        mask_tile(j, row0)
                 else:
                     if jj < n_mask or jj >= n_edge:
-                        mask_tile(j)
+                        mask_tile(j, row0)
 
             @T.inline
             def rescale():
@@ -370,102 +412,156 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 if cfg.pingpong:
                     T.ptx["bar.arrive"](T.uint32(2 - wg), T.uint32(two_wg))
 
+            @T.inline
+            def consume(tile, kq, kvc):
+                # one query tile: the KV loop, then O / l stored; kvc KV tiles came before it
+                m0 = tile_row(tile) * BM
+                b = (tile % heads_batch) // Hq
+                h = tile % Hq
+                row0 = m0 + wg * 64 + (t // 32) * 16 + (t % 32) // 4
+                # KV tiles [n_start, n_end) hold a key visible to some row of the tile, [n_lo,
+                # n_full) only keys visible to every row (spec.band_tiles; no window: n_start =
+                # n_lo = 0); processed from the right: the jj-th of n_it tiles is j = n_end − 1 − jj
+                n_end = tile_end(spec, T.min(m0 + BM, Sq) - 1, BN)
+                n_full = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[2]
+                n_mask = n_end - n_full  # diagonal / ragged tiles: jj < n_mask
+                if spec.window is None:
+                    n_it = T.meta_var(n_end)
+                    n_edge = T.meta_var(n_end)
+                else:
+                    n_start = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[0]
+                    n_lo = band_tiles(spec, m0, T.min(m0 + BM, Sq) - 1, BN, n_end)[1]
+                    n_it = n_end - n_start
+                    n_edge = n_end - n_lo  # window-edge tiles: jj ≥ n_edge
+                for i in T.unroll(o_n):
+                    o_acc[i] = T.float32(0)
+                for i in T.unroll(2):
+                    m_i[i] = T.float32("-inf")
+                    l_i[i] = T.float32(0)
+                T.cuda.mbarrier_wait(q_full.ptr_to([0]), kq % 2)
+                if not cfg.overlap:
+                    for jj in T.serial(n_it):
+                        c = T.meta_var(_plus(kvc, jj))
+                        s = c % NS
+                        ph = (c // NS) % 2
+                        j = n_end - 1 - jj
+                        T.cuda.mbarrier_wait(k_full.ptr_to([s]), ph)
+                        turn_wait()
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_s(s)
+                        turn_pass()
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
+                        mask(jj, j, row0, n_mask, n_edge)
+                        softmax(True)
+                        to_p()
+                        T.cuda.mbarrier_wait(v_full.ptr_to([s]), ph)
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_pv(s)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([s])))
+                else:
+                    # FA3 intra-warpgroup overlap: S_jj = Q·K_jjᵀ and O += P_{jj−1}·V_{jj−1} in
+                    # flight together; the softmax of S_jj runs while the P·V wgmma still executes
+                    if n_it > 0:
+                        T.cuda.mbarrier_wait(k_full.ptr_to([kvc % NS]), (kvc // NS) % 2)
+                        turn_wait()
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_s(kvc % NS)
+                        turn_pass()
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([kvc % NS])))
+                        mask(0, n_end - 1, row0, n_mask, n_edge)
+                        softmax(False)
+                        to_p()
+                    for jj in T.serial(1, n_it):
+                        c = T.meta_var(_plus(kvc, jj))
+                        s = c % NS
+                        sp = (c + ns_m1) % NS
+                        j = n_end - 1 - jj
+                        T.cuda.mbarrier_wait(k_full.ptr_to([s]), (c // NS) % 2)
+                        T.cuda.mbarrier_wait(v_full.ptr_to([sp]), ((c - 1) // NS) % 2)
+                        turn_wait()
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_s(s)
+                        issue_pv(sp)
+                        turn_pass()
+                        T.ptx.wgmma.wait_group.sync.aligned(1)
+                        T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
+                        mask(jj, j, row0, n_mask, n_edge)
+                        softmax(False)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sp])))
+                        rescale()
+                        to_p()
+                    if n_it > 0:
+                        cl = T.meta_var(_plus(kvc, n_it - 1))
+                        sl = cl % NS
+                        T.cuda.mbarrier_wait(v_full.ptr_to([sl]), (cl // NS) % 2)
+                        T.ptx.wgmma.fence.sync.aligned()
+                        issue_pv(sl)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sl])))
+                if persistent:  # every GEMM reading this tile's Q retired: the next Q may load
+                    T.ptx.mbarrier.arrive.shared.b64(to_shared(q_empty.ptr_to([0])))
+                # out = O / l   (l summed over the quad)
+                for r in T.unroll(2):
+                    st[0] = l_i[r]
+                    st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 1, 32, 32)
+                    st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 2, 32, 32)
+                    alpha[r] = T.if_then_else(st[0] > T.float32(0), T.float32(1) / st[0],
+                                              T.float32(0))
+                if tma_store:
+                    # O tile → this warpgroup's rows of the staging tile (the idle Q rows, or
+                    # persistent: a tile of its own, free once the last store read it) in the same
+                    # 128B-swizzled layout, then one TMA store per d-chunk (rows ≥ Sq clipped)
+                    if persistent:
+                        if kq > 0:
+                            if t == 0:
+                                T.ptx["cp.async.bulk.wait_group.read"](0)
+                            T.ptx["bar.sync"](T.uint32(3 + wg), T.uint32(WG))
+                    row_l = (t // 32) * 16 + (t % 32) // 4
+                    for dn in T.unroll(D // 8):
+                        for r in T.unroll(2):
+                            cvt(p_frag[0], o_acc[dn * 4 + r * 2 + 1] * alpha[r],
+                                o_acc[dn * 4 + r * 2] * alpha[r])
+                            smem32[_plus(o_off, (dn // 8) * q_chunk + wg * 4096 + (row_l + r * 8) * 64
+                                    + T.bitwise_xor(dn % 8, (row_l + r * 8) % 8) * 8 + col0) // 2] = (
+                                p_frag[0])
+                    T.ptx["fence.proxy.async.shared::cta"]()
+                    T.ptx["bar.sync"](T.uint32(3 + wg), T.uint32(WG))
+                    if t == 0:
+                        store_o(O_map, smem, h, m0, wg, b)
+                        T.ptx["cp.async.bulk.commit_group"]()
+                        if not persistent:
+                            T.ptx["cp.async.bulk.wait_group.read"](0)
+                else:
+                    for r in T.unroll(2):
+                        if row0 + r * 8 < Sq:
+                            for dn in T.unroll(D // 8):
+                                for x in T.unroll(2):
+                                    out[at(OUT_L, b, row0 + r * 8, h, dn * 8 + col0 + x)] = T.Cast(
+                                        odt, o_acc[dn * 4 + r * 2 + x] * alpha[r])
+
             if cfg.pingpong:
                 if wg == 1:  # warpgroup 0 goes first
                     T.ptx["bar.arrive"](T.uint32(1), T.uint32(two_wg))
-            if not cfg.overlap:
-                for jj in T.serial(n_it):
-                    s = jj % NS
-                    ph = (jj // NS) % 2
-                    j = n_end - 1 - jj
-                    T.cuda.mbarrier_wait(k_full.ptr_to([s]), ph)
-                    turn_wait()
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_s(s)
-                    turn_pass()
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
-                    mask(jj, j)
-                    softmax(True)
-                    to_p()
-                    T.cuda.mbarrier_wait(v_full.ptr_to([s]), ph)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_pv(s)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([s])))
+            if persistent:
+                cc = T.alloc_buffer((1,), "int32", scope="local")
+                cc[0] = 0
+                for kq in T.serial(n_rounds):
+                    ctile = round_tile(kq, bid)
+                    if ctile < n_tiles:
+                        consume(ctile, kq, cc[0])
+                        cc[0] = cc[0] + tile_iters(ctile)
+                if tma_store:
+                    if t == 0:  # the last store has read its staging tile before the CTA exits
+                        T.ptx["cp.async.bulk.wait_group.read"](0)
             else:
-                # FA3 intra-warpgroup overlap: S_jj = Q·K_jjᵀ and O += P_{jj−1}·V_{jj−1} in flight
-                # together; the softmax of S_jj runs while the P·V wgmma still executes
-                if n_it > 0:
-                    T.cuda.mbarrier_wait(k_full.ptr_to([0]), 0)
-                    turn_wait()
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_s(0)
-                    turn_pass()
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([0])))
-                    mask(0, n_end - 1)
-                    softmax(False)
-                    to_p()
-                for jj in T.serial(1, n_it):
-                    s = jj % NS
-                    sp = (jj + ns_m1) % NS
-                    j = n_end - 1 - jj
-                    T.cuda.mbarrier_wait(k_full.ptr_to([s]), (jj // NS) % 2)
-                    T.cuda.mbarrier_wait(v_full.ptr_to([sp]), ((jj - 1) // NS) % 2)
-                    turn_wait()
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_s(s)
-                    issue_pv(sp)
-                    turn_pass()
-                    T.ptx.wgmma.wait_group.sync.aligned(1)
-                    T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
-                    mask(jj, j)
-                    softmax(False)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sp])))
-                    rescale()
-                    to_p()
-                if n_it > 0:
-                    sl = (n_it - 1) % NS
-                    T.cuda.mbarrier_wait(v_full.ptr_to([sl]), ((n_it - 1) // NS) % 2)
-                    T.ptx.wgmma.fence.sync.aligned()
-                    issue_pv(sl)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sl])))
+                consume(bid, 0, 0)
             if cfg.pingpong:
                 if wg == 0:  # consume warpgroup 1's last hand-over
                     T.ptx["bar.sync"](T.uint32(1), T.uint32(two_wg))
-            # out = O / l   (l summed over the quad)
-            for r in T.unroll(2):
-                st[0] = l_i[r]
-                st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 1, 32, 32)
-                st[0] = st[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), st[0], 2, 32, 32)
-                alpha[r] = T.if_then_else(st[0] > T.float32(0), T.float32(1) / st[0], T.float32(0))
-            if tma_store:
-                # O tile → this warpgroup's (now idle) Q rows in the same 128B-swizzled layout,
-                # then one TMA store per d-chunk (rows ≥ Sq are clipped by the tensor map)
-                row_l = (t // 32) * 16 + (t % 32) // 4
-                for dn in T.unroll(D // 8):
-                    for r in T.unroll(2):
-                        cvt(p_frag[0], o_acc[dn * 4 + r * 2 + 1] * alpha[r],
-                            o_acc[dn * 4 + r * 2] * alpha[r])
-                        smem32[((dn // 8) * q_chunk + wg * 4096 + (row_l + r * 8) * 64
-                                + T.bitwise_xor(dn % 8, (row_l + r * 8) % 8) * 8 + col0) // 2] = (
-                            p_frag[0])
-                T.ptx["fence.proxy.async.shared::cta"]()
-                T.ptx["bar.sync"](T.uint32(3 + wg), T.uint32(WG))
-                if t == 0:
-                    store_o(O_map, smem, h, m0, wg, b)
-                    T.ptx["cp.async.bulk.commit_group"]()
-                    T.ptx["cp.async.bulk.wait_group.read"](0)
-            else:
-                for r in T.unroll(2):
-                    if row0 + r * 8 < Sq:
-                        for dn in T.unroll(D // 8):
-                            for x in T.unroll(2):
-                                out[at(OUT_L, b, row0 + r * 8, h, dn * 8 + col0 + x)] = T.Cast(
-                                    odt, o_acc[dn * 4 + r * 2 + x] * alpha[r])
 
     return main
 
