@@ -10,6 +10,7 @@ ragged lengths, GQA / MQA, BottomRight with Sq > Skv).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -218,9 +219,25 @@ def test_persistent_option_gives_one_cta_per_sm():
     with use_options(Options(sm90_attention_persistent=True, device="h100-pcie")):
         text = attention_primfunc(spec, SM90A).script()
     assert "T.cta_id([114])" in text and "q_empty" in text  # H100 PCIe: 114 SMs
-    with use_options(Options(device="h100-pcie")):
+    with use_options(Options(sm90_attention_persistent=False, device="h100-pcie")):
         plain = attention_primfunc(spec, SM90A).script()
     assert "T.cta_id([128])" in plain and "q_empty" not in plain
+
+
+@pytest.mark.parametrize(("q_len", "window", "persistent"), [
+    (2048, None, True),  # 16 KV tiles a query tile: persistent (measured faster)
+    (2176, None, False),  # 17: one CTA per tile (causal S4096 / S8192 measured slower)
+    (8192, 1024, True),  # a 1024-key window visits ≤ 10 KV tiles (measured faster)
+])
+def test_persistent_default_by_kv_tiles(q_len, window, persistent):
+    from tvmfuse.options import Options, use_options
+
+    spec = _spec(1, q_len, q_len, 2, 2, 128, "float16", causal="BottomRight")
+    if window:
+        spec = dataclasses.replace(spec, window=window)
+    with use_options(Options(device="h200")):
+        text = attention_primfunc(spec, SM90A).script()
+    assert ("q_empty" in text) == persistent
 
 
 def test_persistent_grid_is_capped_and_rounds_cover_every_tile():

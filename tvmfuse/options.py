@@ -117,8 +117,13 @@ class Options:
     # ms with it vs 1.622, a 2-layer hidden-256 LM at 128 tokens 0.495 vs 0.502
     cuda_graph: bool = False
     # sm_90a flash attention: persistent CTAs, one per SM, looping over the query tiles
-    # (Sm90FlashConfig.persistent_ctas): the next tile's Q and K/V load during a tile's epilogue
-    sm90_attention_persistent: bool = False
+    # (Sm90FlashConfig.persistent_ctas): the next tile's Q and K/V load during a tile's epilogue.
+    # None: where a query tile visits at most 16 KV tiles (2048 keys; rules/attention.py
+    # sm90_config). H100, same process, 5-7 interleaved rounds (session 26): faster at B4·S2048
+    # causal (0.5-1.2 %), B4·S2048 full (2.6 %), the LM's B1·S2048 16q/4kv (1.9 % causal, 5.9 %
+    # full), a 1024-key window at S8192 (7.6 %); slower at causal S4096 32q/8kv (3.4 %) and
+    # causal S8192 (5.5 %)
+    sm90_attention_persistent: bool | None = None
     # gemm_sm90: GemmConfig.vector_operands for every kernel (residual / bias as 16-byte loads);
     # the 4-layer LM's prefill 1.538 ms with them vs 1.592 (session 22, interleaved rounds)
     sm90_vector_operands: bool = True

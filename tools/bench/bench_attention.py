@@ -1,7 +1,8 @@
 """Attention: O = softmax(Q·Kᵀ·scale + mask)·V, prefill and decode, fp16 and bf16.
 
 Layout BSNH: q (B, Sq, Hq, D), k/v (B, Skv, Hkv, D). Workloads (cuda):
-  prefill, causal and non-causal: B4·S2048·H16·D128, B1·S8192·H32·D128, GQA B1·S4096·32q/8kv·D128
+  prefill, causal and non-causal: B4·S2048·H16·D128, B1·S8192·H32·D128, GQA B1·S4096·32q/8kv·D128,
+    GQA B1·S2048·16q/4kv·D128 (the 4-layer LM's)
   decode: B8, one query, KV 8192, 32q/8kv, D128
 cpu smoke: B1·S64·H2·D32 causal and a decode B1·KV64.
 FLOPs = 4·B·Hq·Sq·Skv·D, halved when causal. Decode also reports TB/s over the K/V bytes
@@ -16,6 +17,8 @@ the sm90a TIRx kernel needs tvmfuse's hybrid TIR pipeline); every row's notes sa
 Baselines: sdpa_ms = ``F.scaled_dot_product_attention`` (flash backend on CUDA) on the same BSNH
 tensors (transposed views); torch_eager_ms = naive attention (matmul, mask, fp32 softmax,
 matmul), which in float32 is also the correctness reference.
+``--only WORD[,WORD]``: the rows whose ``<name>_<dtype>`` holds a word, e.g.
+``--only causal_B4_S2048_H16_float16,causal_gqa_B1_S4096_32q8kv_float16``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from torch import nn
 # name → (B, Sq, Skv, Hq, Hkv, D)
 PREFILL = {
     "cuda": {"B4_S2048_H16": (4, 2048, 2048, 16, 16, 128), "B1_S8192_H32": (1, 8192, 8192, 32, 32, 128),
-             "gqa_B1_S4096_32q8kv": (1, 4096, 4096, 32, 8, 128)},
+             "gqa_B1_S4096_32q8kv": (1, 4096, 4096, 32, 8, 128),
+             "gqa_B1_S2048_16q4kv": (1, 2048, 2048, 16, 4, 128)},  # the 4-layer LM's attention
     "cpu": {"B1_S64_H2": (1, 64, 64, 2, 2, 32)},
 }
 DECODE = {"cuda": {"decode_B8_KV8192_32q8kv": (8, 1, 8192, 32, 8, 128)},
@@ -162,8 +166,12 @@ def _kernel_row(name: str, dims: tuple[int, ...], dtype: str, causal: bool, lib_
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One row per (workload, dtype, causal)."""
+    """One row per (workload, dtype, causal); ``--only`` keeps the rows whose name and dtype
+    contain one of its comma-separated words (``--only causal_B4,full_B4`` with ``_float16``...)."""
     cases = _cases(args.device)
+    only = [w for w in getattr(args, "only", "").split(",") if w]
+    if only:
+        cases = [c for c in cases if any(w in f"{c[0]}_{c[2]}" for w in only)]
     if getattr(args, "mode", "pipeline") == "pipeline":
         rows = []
         for name, dims, dtype, causal in cases:
@@ -197,14 +205,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 if __name__ == "__main__":
     import sys
 
-    mode = "pipeline"
-    if "--mode" in sys.argv:
-        i = sys.argv.index("--mode")
-        mode = sys.argv[i + 1]
-        del sys.argv[i:i + 2]
+    extra = {"--mode": "pipeline", "--only": ""}  # this script's own flags (common.main's parser)
+    for flag in extra:
+        if flag in sys.argv:
+            i = sys.argv.index(flag)
+            extra[flag] = sys.argv[i + 1]
+            del sys.argv[i:i + 2]
 
     def run_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
-        args.mode = mode
+        args.mode, args.only = extra["--mode"], extra["--only"]
         return run(args)
 
     raise SystemExit(common.main(run_mode, __doc__))

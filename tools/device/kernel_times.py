@@ -5,7 +5,8 @@ For each named bench workload (tools/bench/bench_<name>.py) it compiles the modu
 runs it ``--iters`` times under the profiler and prints every CUDA kernel's mean device time and
 the achieved rate (bytes or FLOPs of the workload ÷ the summed kernel time of one call).
 ``--anchor compile`` profiles the same module under ``torch.compile`` too (``eager``: plain torch),
-so the kernels can be compared one by one.
+so the kernels can be compared one by one; ``--variant NAME=FIELD:VALUE`` profiles a build with
+those ``tvmfuse.Options`` fields after the default one.
 """
 
 from __future__ import annotations
@@ -30,16 +31,24 @@ def main() -> None:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--target", default="sm90")
     ap.add_argument("--anchor", choices=["none", "eager", "compile"], default="none")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FIELD:VALUE[,...]",
+                    help="also profile a build with these tvmfuse.Options fields (repeatable)")
     opts = ap.parse_args()
     import common
+
+    from tvmfuse.options import Options
+
+    variants = [("tvmfuse", None)] + [(n, Options(**f)) for n, f in map(common.parse_variant, opts.variant)]
 
     args = argparse.Namespace(device="cuda", dtype=opts.dtype, target=opts.target)
     for name in opts.names:
         wl = importlib.import_module(f"bench_{name}").workload(args)
         inputs = tuple(t.cuda() for t in wl.inputs)
-        with tempfile.TemporaryDirectory() as tmp:
-            fn, _ = common.compile_and_load(wl.module, tuple(wl.inputs), opts.target, tmp, name)
-            report(f"{name} tvmfuse", fn, inputs, wl, opts.iters)
+        for label, options in variants:
+            with tempfile.TemporaryDirectory() as tmp:
+                fn, _ = common.compile_and_load(wl.module, tuple(wl.inputs), opts.target, tmp, name,
+                                                options)
+                report(f"{name} {label}", fn, inputs, wl, opts.iters)
         if opts.anchor != "none":
             module = wl.module.cuda()
             anchor = torch.compile(module) if opts.anchor == "compile" else module

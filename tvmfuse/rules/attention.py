@@ -68,10 +68,26 @@ def _cuda_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.P
     return flash_attention_primfunc(spec, target)
 
 
+PERSISTENT_MAX_KV_TILES = 16  # measured: persistent CTAs won up to 16 KV tiles a query tile
+
+
 def sm90_config(spec: AttentionSpec, target: tvm.target.Target) -> Sm90FlashConfig:
-    """The sm_90a kernel's tile, and with ``Options.sm90_attention_persistent`` one persistent CTA
-    per SM of the target's device."""
+    """The sm_90a kernel's tile, with one persistent CTA per SM of the target's device where
+    ``Options.sm90_attention_persistent`` says so; None (default): where a query tile visits at
+    most :data:`PERSISTENT_MAX_KV_TILES` KV tiles (the measurements are in the option's note)."""
     cfg = default_config(spec)
-    if current_options().sm90_attention_persistent:
+    want = current_options().sm90_attention_persistent
+    if want is None:
+        want = max_kv_tiles(spec, cfg.block_m, cfg.block_n) <= PERSISTENT_MAX_KV_TILES
+    if want:
         cfg = dataclasses.replace(cfg, persistent_ctas=device_properties(target).sms)
     return cfg
+
+
+def max_kv_tiles(spec: AttentionSpec, block_m: int, block_n: int) -> int:
+    """The most KV tiles one query tile of ``block_m`` rows visits: all ``ceil(Skv / BN)``, or
+    with a window of w keys at most ``ceil((w + BM) / BN) + 1`` (the band's span)."""
+    tiles = -(-spec.kv_len // block_n)
+    if spec.window is not None:
+        tiles = min(tiles, -(-(spec.window + block_m) // block_n) + 1)
+    return tiles
