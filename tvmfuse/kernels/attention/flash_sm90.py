@@ -19,6 +19,14 @@ warpgroups (warp specialisation)::
                                          read MN-major from shared (trans-b)
     out = O / l (rows that see no key: 0), stored from registers, rows ≥ Sq masked.
 
+Persistent (``persistent_ctas`` = P > 0): P CTAs (one per SM) each take the query tiles
+``k·P + bid`` (even rounds k) and ``k·P + P − 1 − bid`` (odd rounds; with causal's longest-first
+order each CTA then gets long and short tiles alike). The producer loads tile k's Q once the
+consumers released tile k−1's (a ``q_empty`` barrier they arrive at after their last GEMM), the
+K/V ring's stage and phase follow a running count of KV tiles across the CTA's tiles, and O is
+staged in a tile of its own whose TMA store completes while the next tile computes: the next
+tile's Q and first K/V load during this tile's epilogue.
+
 S and P stay in registers. The kernel is a ``@T.prim_func`` with ``@T.inline`` helpers (closures
 over the spec and config; loops unrolled at generation time emit through the IR builder), tagged
 ``tvmfuse.tirx`` so :func:`.gemm_sm90.uses_tirx` sends the build through the hybrid pipeline.
@@ -259,6 +267,21 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 T.ptx.mbarrier.init.shared.b64(to_shared(v_empty.ptr_to([s])), T.uint32(NC * WG))
         T.ptx.fence.mbarrier_init.release.cluster()
         T.cuda.cta_sync()
+
+        @T.inline
+        def each_tile(work):
+            # work(tile, k, KV tiles before it): the CTA's one tile, or (persistent) its rounds
+            if persistent:
+                done = T.alloc_buffer((1,), "int32", scope="local")
+                done[0] = 0
+                for kq in T.serial(n_rounds):
+                    tile = round_tile(kq, bid)
+                    if tile < n_tiles:
+                        work(tile, kq, done[0])
+                        done[0] = done[0] + tile_iters(tile)
+            else:
+                work(bid, 0, 0)
+
         if tx // 128 == 0:
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](cfg.producer_regs)
             if tx == 0:
@@ -300,16 +323,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                         load_kv(K_map, k_full, k_empty, k_off, c, s, j, g, b)
                         load_kv(V_map, v_full, v_empty, v_off, c, s, j, g, b)
 
-                if persistent:
-                    pc = T.alloc_buffer((1,), "int32", scope="local")
-                    pc[0] = 0
-                    for kq in T.serial(n_rounds):
-                        ptile = round_tile(kq, bid)
-                        if ptile < n_tiles:
-                            produce(ptile, kq, pc[0])
-                            pc[0] = pc[0] + tile_iters(ptile)
-                else:
-                    produce(bid, 0, 0)
+                each_tile(produce)
         else:
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](cfg.consumer_regs)
             s_acc = T.alloc_buffer((s_n,), "float32", scope="local")
@@ -546,19 +560,10 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
             if cfg.pingpong:
                 if wg == 1:  # warpgroup 0 goes first
                     T.ptx["bar.arrive"](T.uint32(1), T.uint32(two_wg))
-            if persistent:
-                cc = T.alloc_buffer((1,), "int32", scope="local")
-                cc[0] = 0
-                for kq in T.serial(n_rounds):
-                    ctile = round_tile(kq, bid)
-                    if ctile < n_tiles:
-                        consume(ctile, kq, cc[0])
-                        cc[0] = cc[0] + tile_iters(ctile)
-                if tma_store:
-                    if t == 0:  # the last store has read its staging tile before the CTA exits
-                        T.ptx["cp.async.bulk.wait_group.read"](0)
-            else:
-                consume(bid, 0, 0)
+            each_tile(consume)
+            if persistent and tma_store:
+                if t == 0:  # the last store has read its staging tile before the CTA exits
+                    T.ptx["cp.async.bulk.wait_group.read"](0)
             if cfg.pingpong:
                 if wg == 0:  # consume warpgroup 1's last hand-over
                     T.ptx["bar.sync"](T.uint32(1), T.uint32(two_wg))
