@@ -283,15 +283,16 @@ def _float_mask_inputs() -> tuple[torch.Tensor, ...]:
 
 
 class TorchMHA(nn.Module):
-    """``nn.MultiheadAttention`` (batch first, no weights returned) + residual, or a whole
-    ``nn.TransformerEncoderLayer`` (pre-LN, GELU): torch's own modules, sequence-first inside."""
+    """``nn.MultiheadAttention`` (no weights returned) + residual, or a whole
+    ``nn.TransformerEncoderLayer`` (pre-LN, GELU): torch's own modules, sequence-first inside.
+    ``batch_first=False`` (torch's default) reads x as (S, B, E)."""
 
-    def __init__(self, layer: bool = False) -> None:
+    def __init__(self, layer: bool = False, batch_first: bool = True) -> None:
         super().__init__()
         heads = HIDDEN // D
         self.body = (nn.TransformerEncoderLayer(HIDDEN, heads, 2 * HIDDEN, batch_first=True,
                                                 norm_first=True, activation="gelu") if layer
-                     else nn.MultiheadAttention(HIDDEN, heads, batch_first=True))
+                     else nn.MultiheadAttention(HIDDEN, heads, batch_first=batch_first))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.body, nn.MultiheadAttention):
@@ -502,6 +503,8 @@ FORMULATIONS: list[Formulation] = [
     _f("attn_fp32_module_as_fp16", "attention", _attn(MaskedFill(float("-inf")), torch.float32),
        attention=1, dtype="float16"),
     _f("attn_nn_multihead_attention", "attention", _mod(TorchMHA()), attention=1),
+    _f("attn_nn_multihead_attention_seq_first", "attention", _mod(TorchMHA(batch_first=False)),
+       attention=1),
     _f("attn_nn_transformer_encoder_layer", "attention", _mod(TorchMHA(layer=True)), attention=1),
     _f("sdpa_causal_bhsd", "attention", _attn(SDPA()), attention=1),
     _f("sdpa_causal_bshd", "attention", _attn(SDPA(bshd=True), bshd=True), attention=1),

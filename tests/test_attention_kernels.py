@@ -66,15 +66,18 @@ def _spec(b, sq, skv, hq, hkv, d, dtype="float32", causal="none", bias=None, bia
 
 
 def in_layout(x, layout: str):
-    """A (B, S, H, D) array (numpy or torch) laid out in ``layout`` (contiguous); its inverse too."""
+    """A (B, S, H, D) array (numpy or torch) laid out in ``layout`` (contiguous); its inverse too
+    (each layout is one swap of two axes)."""
     if layout == "BSHD":
         return x
-    t = x.transpose(1, 2) if hasattr(x, "contiguous") else x.transpose(0, 2, 1, 3)
+    a, b = (1, 2) if layout == "BHSD" else (0, 1)
+    t = x.transpose(a, b) if hasattr(x, "contiguous") else np.swapaxes(x, a, b)
     return t.contiguous() if hasattr(t, "contiguous") else np.ascontiguousarray(t)
 
 
 # (qkv_layout, out_layout) pairs other than the default, each exercised below
-LAYOUTS = {"bhsd": ("BHSD", "BHSD"), "bhsd_in": ("BHSD", "BSHD"), "bhsd_out": ("BSHD", "BHSD")}
+LAYOUTS = {"bhsd": ("BHSD", "BHSD"), "bhsd_in": ("BHSD", "BSHD"), "bhsd_out": ("BSHD", "BHSD"),
+           "sbhd_out": ("BSHD", "SBHD"), "bhsd_in_sbhd_out": ("BHSD", "SBHD")}
 
 
 CPU_CASES = {
@@ -317,6 +320,15 @@ GPU_CASES = {
     "bhsd_in_full_gqa_d64_bf16": _spec(2, 77, 333, 8, 2, 64, "bfloat16", layouts=LAYOUTS["bhsd_in"]),
     "bhsd_out_causal_d64_fp16": _spec(1, 150, 150, 4, 4, 64, "float16", "TopLeft",
                                       layouts=LAYOUTS["bhsd_out"]),
+    # out sequence first (torch's nn.MultiheadAttention, batch_first=False), every kernel
+    "sbhd_out_full_gqa_d128_fp16": _spec(2, 150, 150, 8, 2, 128, "float16",
+                                         layouts=LAYOUTS["sbhd_out"]),
+    "sbhd_out_causal_d32_fp16": _spec(3, 70, 70, 4, 2, 32, "float16", "TopLeft",
+                                      layouts=LAYOUTS["bhsd_in_sbhd_out"]),
+    "decode_sbhd_out_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16",
+                                           layouts=LAYOUTS["sbhd_out"]),
+    "generic_sbhd_out_fp16_d48": _spec(2, 70, 70, 4, 2, 48, "float16", "TopLeft",
+                                       layouts=LAYOUTS["sbhd_out"]),
     "bhsd_bias_d128_fp16": _spec(2, 130, 130, 4, 4, 128, "float16", bias=(2, 1, 1, 130),
                                  layouts=LAYOUTS["bhsd"]),
     "decode_bhsd_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16", layouts=LAYOUTS["bhsd"]),

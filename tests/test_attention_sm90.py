@@ -61,6 +61,9 @@ BUILDS = {
     "persistent_bhsd_causal_d128": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
                                           layouts=LAYOUTS["bhsd"]), Sm90FlashConfig(persistent_ctas=5),
                                     (128, 128)),
+    "sbhd_out_causal_d128": (_spec(3, 200, 200, 8, 2, 128, "float16", causal="TopLeft",
+                                   layouts=LAYOUTS["sbhd_out"]), Sm90FlashConfig(persistent_ctas=5),
+                             (128, 128)),
     "persistent_serial_direct_store": (_spec(1, 200, 200, 2, 2, 128, "bfloat16"),
                                        Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False,
                                                        persistent_ctas=3), (128, 128)),
@@ -157,6 +160,13 @@ GPU_CASES = {
         _spec(1, 100, 260, 8, 1, 128, "float16", "BottomRight", layouts=LAYOUTS["bhsd_out"]), None),
     "bhsd_direct_store_causal_d128_bf16": (
         _spec(1, 333, 333, 4, 2, 128, "bfloat16", "TopLeft", layouts=LAYOUTS["bhsd"]),
+        Sm90FlashConfig(tma_store=False)),
+    # out sequence first (the TMA store's map over (D, H, B, S)), and with the direct store
+    "sbhd_out_causal_ragged_gqa_d128_fp16": (
+        _spec(3, 300, 300, 8, 2, 128, "float16", "TopLeft", layouts=LAYOUTS["sbhd_out"]),
+        Sm90FlashConfig(persistent_ctas=7)),
+    "bhsd_in_sbhd_out_full_d64_bf16": (
+        _spec(2, 77, 333, 8, 2, 64, "bfloat16", layouts=LAYOUTS["bhsd_in_sbhd_out"]),
         Sm90FlashConfig(tma_store=False)),
     # persistent CTAs: fewer CTAs than query tiles (several rounds each, both directions), the
     # barrier phases, Q and the O staging tile carried from tile to tile

@@ -73,7 +73,7 @@ def _with_kernel(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     mod = mod.clone()
     # the kernel as the rules return it (attention_primfunc adds the report's FLOPs attribute)
     mod.update_func(mod.get_global_var("attention"),
-                    attention_primfunc(spec, tvm.target.Target("llvm")))
+                    attention_primfunc(spec, tvm.target.Target("llvm")).without_attr("global_symbol"))
     return mod
 
 
@@ -303,3 +303,59 @@ def test_form_gpu_matches_torch(name: str, target: str, head_dim: int, tmp_path)
     module, inputs = _build(name, head_dim=head_dim)
     check_vs_float64(module, inputs, target, tmp_path, tol=5e-3)
     assert_attention_kernel(tmp_path / "m.so", "wgmma" if target == "sm90" else "mma_sync")
+
+
+@I.ir_module
+class SeqFirstOut:
+    """(B, S, H, D) operands; the result read sequence first (torch MHA, ``batch_first=False``)."""
+
+    @R.function
+    def main(q: R.Tensor((2, 8, 4, 16), "float32"), k: R.Tensor((2, 8, 2, 16), "float32"),
+             v: R.Tensor((2, 8, 2, 16), "float32")) -> R.Tensor((8, 2, 4, 16), "float32"):
+        with R.dataflow():
+            o = R.nn.attention(q, k, v, causal_mask="TopLeft")
+            out = R.permute_dims(o, axes=[1, 0, 2, 3])
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class SeqFirstOutExpected:
+    @T.prim_func
+    def attention(q: T.Buffer((2, 8, 4, 16), "float32"), k: T.Buffer((2, 8, 2, 16), "float32"),
+                  v: T.Buffer((2, 8, 2, 16), "float32"), out: T.Buffer((8, 2, 4, 16), "float32")):
+        T.evaluate(0)  # replaced by the generator's kernel for SEQ_FIRST_SPEC below
+
+    @R.function
+    def main(q: R.Tensor((2, 8, 4, 16), "float32"), k: R.Tensor((2, 8, 2, 16), "float32"),
+             v: R.Tensor((2, 8, 2, 16), "float32")) -> R.Tensor((8, 2, 4, 16), "float32"):
+        cls = SeqFirstOutExpected
+        with R.dataflow():
+            out = R.call_tir(cls.attention, (q, k, v), out_ty=R.Tensor((8, 2, 4, 16), "float32"))
+            R.output(out)
+        return out
+
+
+SEQ_FIRST_SPEC = AttentionSpec(batch=2, q_len=8, kv_len=8, q_heads=4, kv_heads=2, head_dim=16,
+                               dtype="float32", scale=SCALE, causal="TopLeft", out_dtype="float32",
+                               qkv_layout="BSHD", out_layout="SBHD")
+
+
+def test_sequence_first_result_folds_into_the_kernel():
+    after = apply_pass(FoldAttentionLayout(), SeqFirstOut)
+    tvm.ir.assert_structural_equal(after, _with_kernel(SeqFirstOutExpected, SEQ_FIRST_SPEC))
+    assert_same_numerics(SeqFirstOut, after)
+
+
+def test_packed_operands_then_the_result_folds():
+    """The second run (after PackAttentionInputs): the packed call's operands are views, its
+    (B, H, S, D) result is written by the kernel; no permute is left."""
+    packed = PackAttentionInputs()(apply_pass(FoldAttentionLayout(), RopeOperands))
+    assert _ops(packed).count("relax.permute_dims") == 4  # q, k, v and the result
+    after = apply_pass(FoldAttentionLayout(), packed)
+    (call,) = _kernel_calls(after)
+    kernel = after[call.args[0]]
+    assert tuple(int(d) for d in kernel.params[-1].shape) == (1, 4, 8, 16)  # out BHSD
+    assert "global_symbol" not in kernel.attrs  # named "attention" for the report
+    assert _ops(after).count("relax.permute_dims") == 3  # only the operands' (in the pack)
+    assert_same_numerics(RopeOperands, after)

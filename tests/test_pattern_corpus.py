@@ -56,6 +56,8 @@ KERNELS: dict[str, int] = {
     # sequence-first MHA are views or gone: PermuteRowsThroughGemm); the layer: + its norms folded
     # into the GEMMs and the FFN's two GEMMs
     "attn_nn_multihead_attention": 4,
+    # sequence first (torch's default): the attention writes the (S, B, H, D) result (was 5)
+    "attn_nn_multihead_attention_seq_first": 4,
     "attn_nn_transformer_encoder_layer": 6,
     "sdpa_causal_bhsd": 1,
     "sdpa_causal_bshd": 1,

@@ -178,6 +178,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
         # Attention operands made by injective ops (RoPE, QKV slices, masks): one kernel writes them
         # all; after every pass that rewrites those operands, before ops become TIR.
         mod = run("pack_attention_inputs", PackAttentionInputs(), mod)
+        # The packed calls' results, read back permuted ((B, H, S, D), sequence first): written in
+        # that layout by the kernel; after the pack, whose views leave nothing to pack.
+        mod = run("fold_attention_output", FoldAttentionLayout(), mod)
         # Casts of a GEMM's slices (fused QKV) become one cast in its epilogue: the GEMM writes
         # fp16, not fp32; after the passes that match on those slices, before ops become TIR.
         mod = run("cast_before_slices", CastBeforeSlices, mod)

@@ -31,10 +31,13 @@ drops that guard on the strength of this rule; a new kernel must keep it.
 Every kernel takes its buffers in the order ``q, k, v, [bias,] out``.
 
 Memory layout: ``qkv_layout`` / ``out_layout`` say how q, k, v and out lie in memory, "BSHD"
-(the layout above) or "BHSD" (torch's ``(B, H, S, D)``: the buffer is ``(B, H, S, D)`` and the
-kernel reads element (b, s, h, d) of the formula at ``[b, h, s, d]``, :func:`at`). So a graph that
-transposes (B, H, S, D) tensors into ``R.nn.attention`` and its result back needs no transpose
-kernel (``tvmfuse.passes.attention_layout``). Every kernel honours both layouts.
+(the layout above), "BHSD" (torch's ``(B, H, S, D)``: the buffer is ``(B, H, S, D)`` and the
+kernel reads element (b, s, h, d) of the formula at ``[b, h, s, d]``, :func:`at`) or "SBHD"
+(sequence first, ``[s, b, h, d]``: what torch's ``nn.MultiheadAttention`` with ``batch_first=False``
+reads back). So a graph that transposes (B, H, S, D) tensors into ``R.nn.attention`` and its result
+back, or a sequence-first module's result, needs no transpose kernel
+(``tvmfuse.passes.attention_layout``). Every kernel indexes through :func:`at`, so every kernel
+honours every layout.
 """
 
 from __future__ import annotations
@@ -46,13 +49,15 @@ from dataclasses import dataclass
 from tvm import tirx
 
 CAUSAL_KINDS = ("none", "TopLeft", "BottomRight")
-LAYOUTS = ("BSHD", "BHSD")
+LAYOUTS = ("BSHD", "BHSD", "SBHD")
 
 
 def at(layout: str, b, s, h, d) -> tuple:
     """Buffer indices of element (batch b, position s, head h, dim d) in ``layout``; also the
     buffer shape when given the extents (B, S, H, D)."""
-    return (b, s, h, d) if layout == "BSHD" else (b, h, s, d)
+    if layout == "BSHD":
+        return (b, s, h, d)
+    return (b, h, s, d) if layout == "BHSD" else (s, b, h, d)
 
 
 @dataclass(frozen=True)
