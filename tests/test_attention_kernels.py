@@ -230,6 +230,8 @@ FLASH_BUILDS = {
     "causal_gqa_d32_fp16_sm80": (_spec(2, 300, 300, 8, 2, 32, "float16", causal="TopLeft"), "sm80"),
     "bhsd_causal_gqa_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
                                              layouts=LAYOUTS["bhsd"]), "sm80"),
+    "sbhd_out_causal_gqa_d32_fp16_sm80": (_spec(3, 300, 300, 8, 2, 32, "float16", causal="TopLeft",
+                                                layouts=LAYOUTS["sbhd_out"]), "sm80"),
 }
 
 
