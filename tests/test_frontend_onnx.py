@@ -274,6 +274,34 @@ def test_shape_gather_after_range():
     run_and_compare(lib, random_inputs(lib))
 
 
+@pytest.mark.parametrize(("index", "axis"), [(np.int64(-1), 1), (np.array([2, -4, 0], np.int64), 0),
+                                           (np.array([[1], [-2]], np.int32), -1)])
+def test_gather_of_constant_index_is_a_constant_take(index, axis):
+    """``Gather`` of a tensor with a static extent at a constant index (negative ones wrapped at
+    import): a ``take`` of a constant, without TVM's run-time ``where(i < 0, i + shape_of(x)[a],
+    i)``, which the graph passes cannot read (torch's MultiheadAttention picks q, k, v that way)."""
+    from tvmfuse.frontend import import_model
+
+    nodes = [helper.make_node("Gather", ["x", "i"], ["y"], axis=axis)]
+    shape = [4, 3, 5]
+    out = list(np.take(np.zeros(shape), index, axis=axis).shape)
+    model = make_model(nodes, [("x", shape)], [("y", out)], [("i", index)])
+    text = import_model(model).mod["main"].script()
+    assert "R.take" in text and "shape_of" not in text and "R.where" not in text, text
+    lib = tvmfuse.compile(model, target="cpu")
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(lib.load(device="cpu")(x)), np.take(x, index, axis=axis))
+
+
+def test_gather_out_of_range_constant_keeps_the_run_time_wrap():
+    """An index outside the extent is not rewritten: TVM's converter handles it as before."""
+    from tvmfuse.frontend import import_model
+
+    nodes = [helper.make_node("Gather", ["x", "i"], ["y"], axis=0)]
+    model = make_model(nodes, [("x", [4, 3])], [("y", [3])], [("i", np.int64(-5))])
+    assert "shape_of" in import_model(model).mod["main"].script()
+
+
 def _reduce_sum_model(axes_initializer: bool) -> onnx.ModelProto:
     node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], name="sum0", keepdims=0)
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])]

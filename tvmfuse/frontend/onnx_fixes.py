@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import tvm
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as stock
@@ -125,7 +126,38 @@ class Gather(stock.Gather):
             idx = index.value.numpy()
             if idx.shape == (1,) and attr.get("axis", 0) == 0:
                 return data.values[int(idx[0])]
+        taken = _constant_take(data, index, attr.get("axis", 0))
+        if taken is not None:
+            return taken
         return super()._impl_v13(bb, inputs, attr, params)
+
+
+def _constant_take(data, index, axis: int) -> relax.Expr | None:
+    """``take(data, i)`` with a constant index ``i`` already wrapped (``i + n`` for ``i < 0``) when
+    ``data`` has a static extent ``n`` along ``axis``; else None (TVM's Gather then wraps at run
+    time). TVM's wrap is ``where(i < 0, i + take(shape_of(data), axis), i)``: scalar ops the graph
+    passes cannot read until constants fold late, so torch's ``nn.MultiheadAttention`` exported to
+    ONNX (q, k, v = ``Gather`` of the packed projection at 0, 1, 2) kept its batch/sequence swap
+    in a kernel of its own (``PermuteRowsThroughGemm`` reads constant takes only)."""
+    if not (isinstance(index, tvm.ir.GenericConst) and isinstance(data, relax.Expr)
+            and isinstance(data.ty, relax.TensorType) and data.ty.shape is not None):
+        return None
+    shape = data.ty.shape
+    if not isinstance(shape, relax.ShapeExpr):
+        return None
+    axis = axis + len(shape.values) if axis < 0 else axis
+    extent = shape.values[axis] if 0 <= axis < len(shape.values) else None
+    if not isinstance(extent, tvm.tirx.IntImm):
+        return None
+    idx = index.value.numpy()
+    if idx.dtype.kind not in "iu":
+        return None
+    wrapped = np.where(idx < 0, idx + int(extent), idx)
+    if wrapped.size and (wrapped.min() < 0 or wrapped.max() >= int(extent)):
+        return None  # out of range: TVM's converter, as before
+    # int64 whatever the model's index type (a 0-d array would otherwise become an int32 constant,
+    # which TVM's take legalisation then compares against its int64 loop variables)
+    return relax.op.take(data, relax.const(wrapped.astype(np.int64), "int64"), axis)
 
 
 class Concat(stock.Concat):
