@@ -139,10 +139,11 @@ def _constant_take(data, index, axis: int) -> relax.Expr | None:
     passes cannot read until constants fold late, so torch's ``nn.MultiheadAttention`` exported to
     ONNX (q, k, v = ``Gather`` of the packed projection at 0, 1, 2) kept its batch/sequence swap
     in a kernel of its own (``PermuteRowsThroughGemm`` reads constant takes only)."""
-    if not (isinstance(index, tvm.ir.GenericConst) and isinstance(data, relax.Expr)
-            and isinstance(data.ty, relax.TensorType) and data.ty.shape is not None):
+    # constant data: TVM's converter gathers at import (a constant, which shape ops can read)
+    if not isinstance(index, tvm.ir.GenericConst) or isinstance(data, tvm.ir.GenericConst):
         return None
-    shape = data.ty.shape
+    ty = data.ty if isinstance(data, relax.Expr) else None  # a PrimExpr: a shape value
+    shape = ty.shape if isinstance(ty, relax.TensorType) else None
     if not isinstance(shape, relax.ShapeExpr):
         return None
     axis = axis + len(shape.values) if axis < 0 else axis
