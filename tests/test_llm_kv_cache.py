@@ -33,6 +33,7 @@ from tvmfuse.kernels.attention.flash_decode import (
 from tvmfuse.kernels.attention.spec import AttentionSpec
 from tvmfuse.llm.kernels import CacheSpec, cache_attention, decode_append, kv_append
 from tvmfuse.llm.kv_cache import DeriveKVCache
+from tvmfuse.options import current_options, use_options
 from tvmfuse.targets import get_target
 from tvmfuse.tvm_setup import codegen_scope
 
@@ -366,6 +367,62 @@ def test_cuda_decode_reads_the_cache_with_the_split_kv_kernel(tmp_path, fused, p
         assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
+# (l2_prefetch, pipeline) with preload: registers before the wait, with and without L2 for the rest
+PRELOAD = [(True, False), (False, False), (True, True)]
+PRELOAD_IDS = ["with_l2", "registers_only", "pipelined"]
+
+
+def _preloaded(spec: CacheSpec, l2: bool, piped: bool) -> tvm.tirx.PrimFunc:
+    config = DecodeConfig(unroll=4 if piped else 8, pipeline=piped, l2_prefetch=l2, preload=True)
+    return flash_decode_cache_primfunc(spec.attention_spec(), config=config).with_attr(
+        "global_symbol", "main")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("l2, piped", PRELOAD, ids=PRELOAD_IDS)
+def test_cuda_decode_preload_loads_first_keys_before_the_wait(tmp_path, l2, piped):
+    """``DecodeConfig.preload``: before its ``griddepcontrol.wait`` the partial kernel reads only
+    offsets/starts and the state (16-byte loads into the key/value registers, and with
+    ``l2_prefetch`` two bulk prefetches of the rows after them); after the wait it loads the newest
+    slot's rows again, under a guard, before the first scores; nvcc: no spills."""
+    target = get_target("sm90")
+    with codegen_scope():
+        source = cuda_source(tvm.compile(tvm.IRModule({"main": _preloaded(DECODE, l2, piped)}),
+                                         target=target.tvm_target()))
+    params, partial = kernel_bodies(source)["main_kernel"]
+    before, after = partial.split("griddepcontrol_wait();", 1)
+    loads = re.findall(r"\*\(uint4\*\)\((\w+)_ptr \+ \d+\) = \*\(uint4\*\)\((\w+)", before)
+    assert loads and {dst for dst, _ in loads} == {"kr", "vr"} and {src for _, src in loads} == {
+        "state_ptr"}, before
+    assert len(loads) == 2 * (4 if piped else 8)  # one key and one value row per unrolled step
+    assert before.count("prefetch_L2_global(") == (2 if l2 else 0)
+    rest = re.sub(r"prefetch_L2_global\(\(&\(state\w*\[|\(uint4\*\)\(state_ptr", "", before)
+    assert {p for p in params if re.search(rf"\b{p}\[", rest)} <= {"offsets_ptr", "starts_ptr"}
+    # the reload: guarded 16-byte loads of the same registers right after the wait, before q
+    reload = after[: after.index("qr_ptr[")]
+    assert "if (" in reload and "*(uint4*)(kr_ptr" in reload and "*(uint4*)(vr_ptr" in reload
+    sass = fatbin_sass(compile_fatbin(source, target, tmp_path))
+    text = next(t for arch, t in sass.items() if arch.startswith("sm_"))
+    assert "LDG.E.128" in text and "STL" not in text
+    log = (tmp_path / "kernels.ptxas.log").read_text()
+    assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_decode_preload_stays_out_of_the_folded_kernel():
+    """The kernel with the append inside writes the newest slot itself: ``preload`` leaves its
+    source as without it (its own first-iteration loads stay)."""
+    spec = DECODE.attention_spec()
+
+    def src(cfg: DecodeConfig) -> str:
+        with codegen_scope():
+            return cuda_source(tvm.compile(tvm.IRModule({"main": flash_decode_cache_primfunc(
+                spec, config=cfg).with_attr("global_symbol", "main")}),
+                target=get_target("sm90").tvm_target()))
+
+    assert src(DecodeConfig(l2_prefetch=True, preload=True)) != src(DecodeConfig(l2_prefetch=True))
+    assert src(DecodeConfig(preload=True)).count("griddepcontrol_wait();") == 1
+
+
 MHA_DECODE = dataclasses.replace(DECODE, q_heads=8, kv_heads=8)  # one query head a block (GC = 1)
 
 
@@ -428,6 +485,32 @@ def test_cuda_decode_takes_one_counter_buffer_for_every_layer():
     assert "attn_sync" not in [str(p.name) for p in DeriveKVCache(MAX_SEQ)(decode.get())["main"].params]
 
 
+@pytest.mark.parametrize("pdl, option, want", [(True, True, True), (True, False, False),
+                                                (False, True, False)])
+def test_decode_preload_follows_the_option_under_programmatic_launch(pdl, option, want):
+    """``Options.decode_preload_kv`` reaches the decode attention's config only where the decode
+    kernels launch programmatically (without PDL nothing runs before a wait); the L2 prefetch
+    keeps its own rule (PDL and a cache under ``decode_kv_prefetch_bytes``)."""
+    import json
+
+    from tvmfuse.attrs import CACHE_ATTENTION_ATTR
+
+    decode = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType([1, 1, 8, 128], "float16"))
+    k = relax.Var("k", relax.TensorType([1, 1, 2, 128], "float16"))
+    with decode.function("main", [q, k]):
+        with decode.dataflow():
+            out = decode.emit_output(relax.op.nn.attention(q, k, k, causal_mask="BottomRight"))
+        decode.emit_func_output(out)
+    with use_options(dataclasses.replace(current_options(), decode_preload_kv=option)):
+        after = DeriveKVCache(MAX_SEQ, cuda=True, pdl=pdl)(decode.get())
+    metas = [json.loads(str(f.attrs[CACHE_ATTENTION_ATTR])) for _, f in after.functions.items()
+             if f.attrs is not None and CACHE_ATTENTION_ATTR in f.attrs]
+    assert len(metas) == 1
+    assert metas[0]["config"]["preload"] == want
+    assert metas[0]["config"]["l2_prefetch"] == pdl
+
+
 @needs_nvcc
 def test_cuda_prefill_append_moves_16_bytes_a_thread(tmp_path):
     """The CUDA prefill append is the vectorised kernel (the generic rule wrote one 2-byte element
@@ -464,6 +547,24 @@ def test_cuda_decode_numerics_on_the_gpu(fused, prefetch):
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err < 2e-3, (seed, err)
         assert not sync.numpy().any(), sync.numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("l2, piped", PRELOAD, ids=PRELOAD_IDS)
+def test_cuda_decode_preload_numerics_on_the_gpu(l2, piped):
+    """The preloading kernel against float64 numpy (offsets 0, 700, 999, past the end), launched
+    plainly: its wait returns at once, so this checks the indexing of the preload and reload (the
+    ordering against the append is the sm90 ``generate`` test's, under PDL)."""
+    dev = tvm.cuda()
+    lib = tvm.compile(tvm.IRModule({"main": _preloaded(DECODE, l2, piped)}),
+                      target=get_target("sm90").tvm_target())
+    sync = tvm.runtime.tensor(np.zeros(DECODE.sync_shape, "int32"), dev)
+    for seed in (3, 4):
+        args, ref = _cache_attention_case(DECODE, *DECODE_ROWS, seed=seed)
+        out = tvm.runtime.empty(DECODE.q_shape, "float16", dev)
+        lib(*[tvm.runtime.tensor(a, dev) for a in args], sync, out)
+        err = np.linalg.norm(out.numpy().astype("float64") - ref) / np.linalg.norm(ref)
+        assert err < 2e-3, (seed, err)
 
 
 @pytest.mark.gpu

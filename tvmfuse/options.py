@@ -111,6 +111,11 @@ class Options:
     # kernel (the old rows load while the append runs); 0: never. Larger caches (the 7B at batch 8:
     # 134 MB a layer) would only evict the weights from the 50 MB L2
     decode_kv_prefetch_bytes: int = 24 << 20
+    # compile_lm decode attention with programmatic launch (sm_90+): the partial kernel loads its
+    # first iteration's keys and values into registers before it waits for the append kernel (the
+    # newest slot again after the wait), as gemv_preload_weights does with weights
+    # (flash_decode's ``preload``); the rest of its rows are prefetched into L2 as above
+    decode_preload_kv: bool = False
     # CUDA targets: TVM's RewriteCUDAGraph captures the kernels between static allocations into a
     # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel).
     # Off: no faster on the H200 (session 19, same process each): the 4-layer LM's prefill 1.660

@@ -110,8 +110,11 @@ class _Rewrite(relax.PyExprMutator):
                 # append runs (flash_decode's l2_prefetch)
                 state_bytes = math.prod(spec.state_shape) * tvm.DataType(spec.dtype).bits // 8
                 prefetch = self.pdl and state_bytes <= opts.decode_kv_prefetch_bytes
+                # with PDL the first keys may load into registers before the wait (preload)
+                preload = self.pdl and opts.decode_preload_kv
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
-                        add(cache_attention(spec, self.cuda, opts.decode_fused_combine, prefetch),
+                        add(cache_attention(spec, self.cuda, opts.decode_fused_combine,
+                                            prefetch, preload),
                             f"{self.prefix}cache_attention{n}"))
             else:
                 pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")

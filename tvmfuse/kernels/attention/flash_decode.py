@@ -27,6 +27,12 @@ append runs, and the reads after the wait hit L2. Safe for the row the append wr
 point of coherence, so a prefetched line is updated by the later write; offsets/starts were
 written kernels earlier (a kernel launches only once its predecessor passed its own wait).
 
+With ``preload`` (over a cache, launched with PDL, no ``new_token``) the block loads its first
+iteration's keys and values into registers before that wait, as the weight-streaming GEMV does
+with its weights (with ``l2_prefetch`` as well, only the rows after them go to L2). The one row the append
+before it writes, the newest slot ``p``, is loaded again after the wait by the lanes that hold it
+(every other row was written by calls before this one, which completed before the append started).
+
 With ``new_token`` (over a cache; :class:`NewToken`) the kernel also does the decode append: each
 block computes its GC query heads from this step's unrotated projections (the model's RoPE,
 folded in as an expression) into shared memory, 128 threads sharing the work, while its first
@@ -71,7 +77,10 @@ class DecodeConfig:
     ``l2_prefetch`` (over a cache, sm_90, launched with PDL): each block prefetches its K and V
     rows into L2, then waits for its predecessor (``griddepcontrol.wait``) — module doc;
     ``pipeline``: a second register set of keys and values, so each iteration's loads are in
-    flight while the previous one's scores and accumulation run (:func:`pick_config`).
+    flight while the previous one's scores and accumulation run (:func:`pick_config`);
+    ``preload`` (over a cache, launched with PDL, not with ``new_token``): the first iteration's
+    keys and values load into registers before the wait, which the kernel places itself as with
+    ``l2_prefetch`` (module doc).
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -82,6 +91,7 @@ class DecodeConfig:
     fused_combine: bool = False
     l2_prefetch: bool = False
     pipeline: bool = False
+    preload: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,15 +143,16 @@ _PIPELINE_MIN_ITERS = 8
 
 
 def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
-                l2_prefetch: bool = False) -> DecodeConfig:
+                l2_prefetch: bool = False, preload: bool = False) -> DecodeConfig:
     """Unroll 8, or unroll 4 with the pipeline where each block loops ≥ 8 iterations (few
     splits: many sequences × KV heads fill the SMs). H200, ``bench_decode_cache.py`` (session 16,
     kernel alone): the 7B cache at batch 8, ctx 1024 (16 iterations a block at unroll 4)
     pipelined 34.98 µs vs 36.75 (unroll 8) and 38.1 (unroll 4); at batch 1 (≤ 4 iterations)
     the pipeline was slower: 7B 5.94 vs 5.54 µs, the 4-layer LM's cache 6.93 vs 6.22."""
-    base = DecodeConfig(fused_combine=fused_combine, l2_prefetch=l2_prefetch)
-    piped = DecodeConfig(unroll=4, fused_combine=fused_combine, l2_prefetch=l2_prefetch,
-                         pipeline=True)
+    flags = {"fused_combine": fused_combine, "l2_prefetch": l2_prefetch,
+             "preload": preload}
+    base = DecodeConfig(**flags)
+    piped = DecodeConfig(unroll=4, pipeline=True, **flags)
     _, L, per_iter = _chunks(spec, piped, sms)
     return piped if L // per_iter >= _PIPELINE_MIN_ITERS else base
 
@@ -221,6 +232,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     prefetch = cache and cfg.l2_prefetch
     pipeline = cfg.pipeline
     folded = new_token is not None
+    preload = cache and cfg.preload and not folded  # iteration 0 in registers before the wait
+    self_wait = prefetch or (cache and cfg.preload)  # the kernel places griddepcontrol.wait
     new = new_token.value if folded else None
     row_bytes = D * tvm.DataType(dt).bits // 8
     k0, v0, q0, rows = state_rows(Hkv, Skv, Hq)
@@ -296,6 +309,26 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             jl: T.let[T.int32] = kb + T.min(j0 + it * per_iter + u * NG + grp, ke - 1)
             kbuf[T.ramp(u * vec, 1, vec)] = k[k_at(b, jl, kvh, T.ramp(d0, 1, vec))]
             vbuf[T.ramp(u * vec, 1, vec)] = v[v_at(b, jl, kvh, T.ramp(d0, 1, vec))]
+
+    @T.macro
+    def prefetch_rows(k, v, b, kvh, j, n_rows, tx):
+        """Thread 0 hands K rows ``j .. j + n_rows − 1`` of KV head ``kvh`` and the same V rows
+        to the TMA unit as two bulk L2 prefetches."""
+        if tx == 0 and n_rows > 0:
+            T.ptx.cp.async_.bulk.prefetch.L2.global_(
+                T.address_of(k[k_at(b, j, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
+            T.ptx.cp.async_.bulk.prefetch.L2.global_(
+                T.address_of(v[v_at(b, j, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
+
+    @T.macro
+    def reload_newest(k, v, kbuf, vbuf, b, kvh, kb, ke, j0, grp, d0):
+        """After the wait: the iteration-0 rows that are the newest visible slot ``kb + ke − 1``
+        (the append's row; clamped lanes past the chunk's end hold it too) loaded again."""
+        for u in T.unroll(U):
+            jn: T.let[T.int32] = T.min(j0 + u * NG + grp, ke - 1)
+            if jn == ke - 1:
+                kbuf[T.ramp(u * vec, 1, vec)] = k[k_at(b, kb + jn, kvh, T.ramp(d0, 1, vec))]
+                vbuf[T.ramp(u * vec, 1, vec)] = v[v_at(b, kb + jn, kvh, T.ramp(d0, 1, vec))]
 
     @T.macro
     def attend(kbuf, vbuf, it, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp):
@@ -374,15 +407,20 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 ke = T.meta_var(kv_eff)
                 Lc = T.meta_var(L)
             j0: T.let[T.int32] = sp * Lc
-            if prefetch:  # this chunk's K and V rows into L2, then wait for the append (module doc)
-                n_rows: T.let[T.int32] = T.max(T.min(Lc, ke - j0), 0)
-                if tx == 0 and n_rows > 0:
-                    T.ptx.cp.async_.bulk.prefetch.L2.global_(
-                        T.address_of(k[k_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
-                    T.ptx.cp.async_.bulk.prefetch.L2.global_(
-                        T.address_of(v[v_at(b, kb + j0, kvh, 0)]), T.Cast("uint32", n_rows * row_bytes))
+            if self_wait:  # this chunk's K and V rows into L2, then wait for the append (module doc)
+                # with preload, iteration 0's rows go to registers and only the rest to L2
+                if preload:
+                    load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
+                if preload and prefetch:
+                    n_rest: T.let[T.int32] = T.max(T.min(Lc - per_iter, ke - j0 - per_iter), 0)
+                    prefetch_rows(k, v, b, kvh, kb + j0 + per_iter, n_rest, tx)
+                elif prefetch:
+                    n_rows: T.let[T.int32] = T.max(T.min(Lc, ke - j0), 0)
+                    prefetch_rows(k, v, b, kvh, kb + j0, n_rows, tx)
                 T.ptx.griddepcontrol.wait()
                 T.ptx.griddepcontrol.launch_dependents()
+                if preload:  # the newest slot, written by the append, loaded again
+                    reload_newest(k, v, kr, vr, b, kvh, kb, ke, j0, grp, d0)
             if folded:  # the decode append inside (module doc)
                 # keys of the first iteration in flight during the RoPE work, except in the block
                 # whose chunk holds the newest slot p: it writes that slot first
@@ -414,7 +452,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     acc[hh * vec + e] = T.float32(0)
             if pipeline:  # the next iteration's loads in flight during this one's math
                 n_it: T.let[T.int32] = Lc // per_iter
-                if not folded:
+                if not folded and not preload:
                     load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
                 for it2 in T.serial((n_it + 1) // 2):
                     # past the chunk's last iteration: clamped to a real key, never attended
@@ -424,7 +462,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     if it2 * 2 + 1 < n_it:
                         attend(kr2, vr2, it2 * 2 + 1, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0,
                                Lc, grp)
-            elif folded:  # iteration 0's keys are loaded above
+            elif folded or preload:  # iteration 0's keys are loaded above
                 attend(kr, vr, 0, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp)
                 for it in T.serial(Lc // per_iter - 1):
                     load_keys(k, v, kr, vr, it + 1, b, kvh, kb, ke, j0, grp, d0)
