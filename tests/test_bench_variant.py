@@ -1,6 +1,6 @@
 """``--variant NAME=FIELD:VALUE,…`` of the bench scripts (tools/bench/common.py): values are JSON
 literals (or Python's True / False / None) or else strings, and each names an existing
-``tvmfuse.Options`` field of the type it declares."""
+``tvmfuse.Options`` field of the type it declares. Also the settling before a CUDA timing."""
 
 from __future__ import annotations
 
@@ -41,3 +41,21 @@ def test_python_booleans_are_booleans():
     _, fields = common.parse_variant("s=sm90_vector_operands:False,cuda_graph:True")
     assert fields == {"sm90_vector_operands": False, "cuda_graph": True}
 
+
+
+def test_settle_calls_until_the_time_passed(monkeypatch):
+    """``settle``: calls in tens with a synchronization after each ten, until ``seconds`` passed;
+    nothing for 0 s; ``time_stats`` settles on CUDA only (a CPU timing is unchanged)."""
+    syncs: list[str] = []
+    monkeypatch.setattr(common, "sync", syncs.append)
+    clock = iter(float(i) for i in range(1000))  # perf_counter: one second per reading
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    calls: list[int] = []
+    assert common.settle(lambda: calls.append(1), "cuda", 3.0) == 30
+    assert len(calls) == 30 and syncs == ["cuda"] * 3
+    assert common.settle(lambda: calls.append(1), "cuda", 0.0) == 0 and len(calls) == 30
+    monkeypatch.undo()
+    called = []
+    monkeypatch.setattr(common, "settle", lambda *a: called.append(a))
+    common.time_stats(lambda: None, warmup=1, iters=2, device="cpu")
+    assert not called

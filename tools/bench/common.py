@@ -65,10 +65,32 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+# CUDA: seconds of untimed calls after the warmup, so that timing starts at the clocks a sustained
+# run gets. An H100 drops from 1980 MHz to ~1600 MHz within ~0.2 s of dense GEMM work (software
+# power cap, nvidia-smi at 100 ms, session 27): the 4-layer LM's prefill timed 1.405 ms right
+# after an idle second and 1.55-1.59 ms from the next 60 calls on, so whichever build was timed
+# first after a pause looked ~10 % faster than the same build later in the process.
+SETTLE_S = 0.5
+
+
+def settle(fn: Callable[[], Any], device: str, seconds: float) -> int:
+    """Call ``fn`` back to back, 10 calls between synchronizations, until ``seconds`` passed (at
+    least once when ``seconds`` > 0); returns the calls made (:data:`SETTLE_S`)."""
+    calls, start = 0, time.perf_counter()
+    while seconds > 0 and (calls == 0 or time.perf_counter() - start < seconds):
+        for _ in range(10):  # back to back, as timed; the sync keeps the host with the GPU
+            fn()
+        calls += 10
+        sync(device)
+    return calls
+
+
 def time_stats(
-    fn: Callable[[], Any], warmup: int = 10, iters: int = 50, device: str | None = None
+    fn: Callable[[], Any], warmup: int = 10, iters: int = 50, device: str | None = None,
+    settle_s: float = SETTLE_S,
 ) -> tuple[float, float]:
-    """``(median ms per call, wall ms per call)`` of ``fn()`` after ``warmup`` untimed calls.
+    """``(median ms per call, wall ms per call)`` of ``fn()`` after ``warmup`` untimed calls
+    (on CUDA also after ``settle_s`` seconds of them: :data:`SETTLE_S`).
 
     CUDA: one ``torch.cuda.Event`` pair per iteration on the current stream (the median of the
     per-iteration device times). CPU: ``time.perf_counter`` around each call. The wall figure is
@@ -79,6 +101,8 @@ def time_stats(
     for _ in range(warmup):
         fn()
     sync(device)
+    if device.startswith("cuda"):
+        settle(fn, device, settle_s)
     times: list[float] = []
     start_wall = time.perf_counter()
     if device.startswith("cuda"):
