@@ -12,6 +12,7 @@
 #           (16 CPU cores compile while the GPU checks; for correctness only, nothing timed) (~250 s)
 #   lm      bench_llama_lm: the default build, eager and torch.compile in 7 interleaved rounds
 #           (add --variant NAME=FIELD:VALUE for an A/B in the same rounds)             (~120 s)
+#   graph   the lm step with a second build, Options.cuda_graph=True, in the same rounds  (~170 s)
 #   split   kernel_times llama_lm --anchor compile: per-kernel split vs torch.compile    (~150 s)
 #   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
 #           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
@@ -34,8 +35,10 @@ for s in "$@"; do
             gpu_test t_gemv tests/test_schedule_gemv.py -k "preload or ring"
             wait ;;
     lm) step lm 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm.json" --rounds 7 ;;
+    graph) step graph 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/graph.json" --rounds 7 \
+             --variant graph=cuda_graph:true ;;
     split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
-    *) echo "unknown step $s (tests ptests lm split sdpa)"; exit 2 ;;
+    *) echo "unknown step $s (tests ptests lm graph split sdpa)"; exit 2 ;;
   esac
 done
