@@ -528,25 +528,29 @@ def test_cuda_prefill_append_moves_16_bytes_a_thread(tmp_path):
     assert "LDG.E.128" in text and "STG.E.128" in text
 
 
+def _check_on_gpu(prim: tvm.tirx.PrimFunc, spec: CacheSpec, seeds=(3, 4)) -> None:
+    """``prim`` built for sm_90a against float64 numpy at offsets 0, 700, 999 and past the end,
+    one call per seed on the same counters, which every call must leave at zero."""
+    dev = tvm.cuda()
+    lib = tvm.compile(tvm.IRModule({"main": prim}), target=get_target("sm90").tvm_target())
+    sync = tvm.runtime.tensor(np.zeros(spec.sync_shape, "int32"), dev)
+    for seed in seeds:
+        args, ref = _cache_attention_case(spec, *DECODE_ROWS, seed=seed)
+        out = tvm.runtime.empty(spec.q_shape, "float16", dev)
+        lib(*[tvm.runtime.tensor(a, dev) for a in args], sync, out)
+        err = np.linalg.norm(out.numpy().astype("float64") - ref) / np.linalg.norm(ref)
+        assert err < 2e-3, (seed, err)
+        assert not sync.numpy().any(), sync.numpy()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fused, prefetch", VARIANTS, ids=VARIANT_IDS)
 def test_cuda_decode_numerics_on_the_gpu(fused, prefetch):
     """H200: the decode kernel against float64 numpy for offsets 0, 700, 999, past the end; three
     calls on the same counters (each call leaves them at zero for the next). The prefetching
     variant launched plainly (its ``griddepcontrol.wait`` returns at once)."""
-    dev = tvm.cuda()
     prim = cache_attention(DECODE, cuda=True, fused_combine=fused, l2_prefetch=prefetch)
-    lib = tvm.compile(tvm.IRModule({"main": prim.with_attr("global_symbol", "main")}),
-                      target=get_target("sm90").tvm_target())
-    sync = tvm.runtime.tensor(np.zeros(DECODE.sync_shape, "int32"), dev)
-    for seed in (3, 4, 5):
-        args, ref = _cache_attention_case(DECODE, *DECODE_ROWS, seed=seed)
-        out = tvm.runtime.empty(DECODE.q_shape, "float16", dev)
-        lib(*[tvm.runtime.tensor(a, dev) for a in args], sync, out)
-        got = out.numpy().astype("float64")
-        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
-        assert err < 2e-3, (seed, err)
-        assert not sync.numpy().any(), sync.numpy()
+    _check_on_gpu(prim.with_attr("global_symbol", "main"), DECODE, seeds=(3, 4, 5))
 
 
 @pytest.mark.gpu
@@ -555,16 +559,7 @@ def test_cuda_decode_preload_numerics_on_the_gpu(l2, piped):
     """The preloading kernel against float64 numpy (offsets 0, 700, 999, past the end), launched
     plainly: its wait returns at once, so this checks the indexing of the preload and reload (the
     ordering against the append is the sm90 ``generate`` test's, under PDL)."""
-    dev = tvm.cuda()
-    lib = tvm.compile(tvm.IRModule({"main": _preloaded(DECODE, l2, piped)}),
-                      target=get_target("sm90").tvm_target())
-    sync = tvm.runtime.tensor(np.zeros(DECODE.sync_shape, "int32"), dev)
-    for seed in (3, 4):
-        args, ref = _cache_attention_case(DECODE, *DECODE_ROWS, seed=seed)
-        out = tvm.runtime.empty(DECODE.q_shape, "float16", dev)
-        lib(*[tvm.runtime.tensor(a, dev) for a in args], sync, out)
-        err = np.linalg.norm(out.numpy().astype("float64") - ref) / np.linalg.norm(ref)
-        assert err < 2e-3, (seed, err)
+    _check_on_gpu(_preloaded(DECODE, l2, piped), DECODE)
 
 
 @pytest.mark.gpu
@@ -573,13 +568,4 @@ def test_cuda_decode_preload_numerics_on_the_gpu(l2, piped):
 def test_cuda_decode_pipelined_numerics_on_the_gpu(spec, fused):
     """H200: the pipelined variant against float64 numpy (offsets 0, 700, 999, past the end: chunks
     of 0, 1 and several iterations, odd and even counts)."""
-    dev = tvm.cuda()
-    lib = tvm.compile(tvm.IRModule({"main": _pipelined(spec, fused)}),
-                      target=get_target("sm90").tvm_target())
-    sync = tvm.runtime.tensor(np.zeros(spec.sync_shape, "int32"), dev)
-    for seed in (3, 4):
-        args, ref = _cache_attention_case(spec, *DECODE_ROWS, seed=seed)
-        out = tvm.runtime.empty(spec.q_shape, "float16", dev)
-        lib(*[tvm.runtime.tensor(a, dev) for a in args], sync, out)
-        err = np.linalg.norm(out.numpy().astype("float64") - ref) / np.linalg.norm(ref)
-        assert err < 2e-3, (seed, err)
+    _check_on_gpu(_pipelined(spec, fused), spec)
