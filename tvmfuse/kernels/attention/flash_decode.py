@@ -303,12 +303,17 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             store(out, c, b, h0 + hh, idx % D)
 
     @T.macro
+    def load_row(k, v, kbuf, vbuf, u, b, kvh, j, d0):
+        """This lane's ``vec`` elements of key and value row ``j`` into register slot ``u``."""
+        kbuf[T.ramp(u * vec, 1, vec)] = k[k_at(b, j, kvh, T.ramp(d0, 1, vec))]
+        vbuf[T.ramp(u * vec, 1, vec)] = v[v_at(b, j, kvh, T.ramp(d0, 1, vec))]
+
+    @T.macro
     def load_keys(k, v, kbuf, vbuf, it, b, kvh, kb, ke, j0, grp, d0):
         """Keys and values of iteration ``it`` (``U`` rows a lane group) into registers."""
         for u in T.unroll(U):
             jl: T.let[T.int32] = kb + T.min(j0 + it * per_iter + u * NG + grp, ke - 1)
-            kbuf[T.ramp(u * vec, 1, vec)] = k[k_at(b, jl, kvh, T.ramp(d0, 1, vec))]
-            vbuf[T.ramp(u * vec, 1, vec)] = v[v_at(b, jl, kvh, T.ramp(d0, 1, vec))]
+            load_row(k, v, kbuf, vbuf, u, b, kvh, jl, d0)
 
     @T.macro
     def prefetch_rows(k, v, b, kvh, j, n_rows, tx):
@@ -327,8 +332,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         for u in T.unroll(U):
             jn: T.let[T.int32] = T.min(j0 + u * NG + grp, ke - 1)
             if jn == ke - 1:
-                kbuf[T.ramp(u * vec, 1, vec)] = k[k_at(b, kb + jn, kvh, T.ramp(d0, 1, vec))]
-                vbuf[T.ramp(u * vec, 1, vec)] = v[v_at(b, kb + jn, kvh, T.ramp(d0, 1, vec))]
+                load_row(k, v, kbuf, vbuf, u, b, kvh, kb + jn, d0)
 
     @T.macro
     def attend(kbuf, vbuf, it, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp):
