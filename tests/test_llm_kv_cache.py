@@ -426,6 +426,73 @@ def test_decode_preload_stays_out_of_the_folded_kernel():
 MHA_DECODE = dataclasses.replace(DECODE, q_heads=8, kv_heads=8)  # one query head a block (GC = 1)
 
 
+def _clustered(spec: CacheSpec, threads: int = 128, l2: bool = False, piped: bool = False,
+               splits: int = 0) -> tvm.tirx.PrimFunc:
+    config = DecodeConfig(unroll=4 if piped else 8, pipeline=piped, l2_prefetch=l2, cluster=True,
+                          threads=threads, splits=splits)
+    return flash_decode_cache_primfunc(spec.attention_spec(), config=config).with_attr(
+        "global_symbol", "main")
+
+
+CLUSTER = [(128, False, False), (256, True, False), (128, True, True)]
+CLUSTER_IDS = ["threads128", "threads256_l2", "pipelined_l2"]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("threads, l2, piped", CLUSTER, ids=CLUSTER_IDS)
+def test_cuda_decode_cluster_combines_in_one_launch(tmp_path, threads, l2, piped):
+    """``DecodeConfig.cluster``: one kernel, launched as clusters of the n_split chunks
+    (``clusterCtaIdx.x`` among its launch tags), no float32 partials in global memory; after a
+    cluster barrier each block merges its share of the outputs from every peer's shared memory
+    (3 distributed shared-memory loads a peer: m, l and the partial sum), and a second (relaxed)
+    barrier keeps every block resident until its peers have read it; no atomics, no spills."""
+    from tvmfuse.build.inspect import launch_tags
+    from tvmfuse.kernels.attention.flash_decode import _chunks
+
+    prim = _clustered(DECODE, threads, l2, piped)
+    n_split, _, _ = _chunks(DECODE.attention_spec(), DecodeConfig(
+        unroll=4 if piped else 8, pipeline=piped, cluster=True, threads=threads), 132)
+    assert 1 < n_split <= 16
+    target = get_target("sm90")
+    with codegen_scope():
+        lib = tvm.compile(tvm.IRModule({"main": prim}), target=target.tvm_target())
+    source = cuda_source(lib)
+    assert list(kernel_bodies(source)) == ["main_kernel"]
+    assert "part_o" not in source and "TVMBackendAllocWorkspace" not in str(lib.mod.inspect_source())
+    assert source.count("tvm_builtin_ptx_ld_shared__cluster_f32(") - 1 == 3 * n_split
+    lib.export_library(str(tmp_path / "m.so"))
+    assert launch_tags(tmp_path / "m.so")["main_kernel"] == [
+        "blockIdx.x", "clusterCtaIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x"]
+    sass = fatbin_sass(compile_fatbin(source, target, tmp_path))
+    text = next(t for arch, t in sass.items() if arch.startswith("sm_"))
+    assert "LDG.E.128" in text and "STL" not in text
+    assert text.count("UCGABAR_ARV") == 2 and text.count("UCGABAR_WAIT") == 2
+    assert re.search(r"\b(ATOM|ATOMG|RED)\.", text) is None
+    log = (tmp_path / "kernels.ptxas.log").read_text()
+    assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
+
+
+def test_decode_cluster_keeps_its_chunks_within_one_cluster():
+    """With ``cluster`` the chunk count is capped at 16 CTAs (the non-portable cluster size) and
+    is not reduced by rounding chunks to whole iterations (the cache's chunk length follows the
+    visible slots at run time); it takes neither the atomic combine nor the append inside."""
+    from tvmfuse.kernels.attention.flash_decode import NewToken, _chunks
+
+    lm4 = AttentionSpec(1, 1, 2081, 16, 4, 128, "float16", 128 ** -0.5)
+    assert _chunks(lm4, DecodeConfig(cluster=True), 132)[0] == 16
+    assert _chunks(lm4, DecodeConfig(cluster=True, threads=256), 132)[0] == 16
+    assert _chunks(lm4, DecodeConfig(), 132)[0] == 33  # the default: ~2 blocks an SM, 64 keys each
+    b8 = AttentionSpec(8, 1, 1057, 32, 32, 128, "float16", 128 ** -0.5)
+    assert _chunks(b8, DecodeConfig(cluster=True), 132)[0] == 2
+    with pytest.raises(ValueError, match="cluster"):
+        flash_decode_cache_primfunc(lm4, config=DecodeConfig(cluster=True, fused_combine=True))
+    with pytest.raises(ValueError, match="cluster"):
+        flash_decode_cache_primfunc(lm4, config=DecodeConfig(cluster=True),
+                                    new_token=NewToken(lambda b, h, d: tvm.tirx.const(0, "float16")))
+    with pytest.raises(ValueError, match="threads"):
+        flash_decode_cache_primfunc(lm4, config=DecodeConfig(threads=200))
+
+
 def _pipelined(spec: CacheSpec, fused: bool = False) -> tvm.tirx.PrimFunc:
     return flash_decode_cache_primfunc(spec.attention_spec(), config=DecodeConfig(
         pipeline=True, fused_combine=fused)).with_attr("global_symbol", "main")
@@ -485,12 +552,15 @@ def test_cuda_decode_takes_one_counter_buffer_for_every_layer():
     assert "attn_sync" not in [str(p.name) for p in DeriveKVCache(MAX_SEQ)(decode.get())["main"].params]
 
 
+@pytest.mark.parametrize("field, key", [("decode_preload_kv", "preload"),
+                                        ("decode_cluster_combine", "cluster")])
 @pytest.mark.parametrize("pdl, option, want", [(True, True, True), (True, False, False),
                                                 (False, True, False)])
-def test_decode_preload_follows_the_option_under_programmatic_launch(pdl, option, want):
-    """``Options.decode_preload_kv`` reaches the decode attention's config only where the decode
-    kernels launch programmatically (without PDL nothing runs before a wait); the L2 prefetch
-    keeps its own rule (PDL and a cache under ``decode_kv_prefetch_bytes``)."""
+def test_decode_options_follow_programmatic_launch(field, key, pdl, option, want):
+    """``Options.decode_preload_kv`` and ``decode_cluster_combine`` reach the decode attention's
+    config only where the decode kernels launch programmatically (without PDL nothing runs
+    before a wait; the cluster kernel is measured on that path); the L2 prefetch keeps its own
+    rule (PDL and a cache under ``decode_kv_prefetch_bytes``)."""
     import json
 
     from tvmfuse.attrs import CACHE_ATTENTION_ATTR
@@ -502,12 +572,12 @@ def test_decode_preload_follows_the_option_under_programmatic_launch(pdl, option
         with decode.dataflow():
             out = decode.emit_output(relax.op.nn.attention(q, k, k, causal_mask="BottomRight"))
         decode.emit_func_output(out)
-    with use_options(dataclasses.replace(current_options(), decode_preload_kv=option)):
+    with use_options(dataclasses.replace(current_options(), **{field: option})):
         after = DeriveKVCache(MAX_SEQ, cuda=True, pdl=pdl)(decode.get())
     metas = [json.loads(str(f.attrs[CACHE_ATTENTION_ATTR])) for _, f in after.functions.items()
              if f.attrs is not None and CACHE_ATTENTION_ATTR in f.attrs]
     assert len(metas) == 1
-    assert metas[0]["config"]["preload"] == want
+    assert metas[0]["config"][key] == want
     assert metas[0]["config"]["l2_prefetch"] == pdl
 
 
@@ -560,6 +630,17 @@ def test_cuda_decode_preload_numerics_on_the_gpu(l2, piped):
     plainly: its wait returns at once, so this checks the indexing of the preload and reload (the
     ordering against the append is the sm90 ``generate`` test's, under PDL)."""
     _check_on_gpu(_preloaded(DECODE, l2, piped), DECODE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("threads, l2, piped", CLUSTER, ids=CLUSTER_IDS)
+@pytest.mark.parametrize("spec", [DECODE, MHA_DECODE], ids=["gqa", "mha"])
+def test_cuda_decode_cluster_numerics_on_the_gpu(spec, threads, l2, piped):
+    """The cluster combine against float64 numpy (offsets 0, 700, 999, past the end: clusters
+    whose chunks are mostly empty, and full ones), launched plainly; also at 3 chunks (a cluster
+    size that is not a power of two)."""
+    _check_on_gpu(_clustered(spec, threads, l2, piped), spec)
+    _check_on_gpu(_clustered(spec, threads, l2, piped, splits=3), spec, seeds=(6,))
 
 
 @pytest.mark.gpu

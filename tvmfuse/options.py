@@ -118,6 +118,14 @@ class Options:
     # slower on an H100 (the 4-layer LM at ctx 2048, 7 alternating rounds in one process, session
     # 27): 0.1885 ms/token with it vs 0.1860 without (+1.3 %, every round), tokens equal
     decode_preload_kv: bool = False
+    # compile_lm decode attention with programmatic launch (sm_90): the split-KV chunks of a head
+    # row run as one thread-block cluster (≤ 16 chunks) and combine through distributed shared
+    # memory (flash_decode's ``cluster``): one launch a layer, no partials through L2. Not
+    # measured yet: off
+    decode_cluster_combine: bool = False
+    # compile_lm decode attention (CUDA): threads per block of the split-KV kernel (16 lanes a key
+    # row at head_dim 128: 128 threads take 8 rows at a time, 256 take 16)
+    decode_attention_threads: int = 128
     # CUDA targets: TVM's RewriteCUDAGraph captures the kernels between static allocations into a
     # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel).
     # Off: no faster on the H200 (session 19, same process each): the 4-layer LM's prefill 1.660

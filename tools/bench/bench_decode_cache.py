@@ -4,19 +4,23 @@
     j over the visible slots 0 .. p (p = ctx − 1), M ≥ ctx slots; K, V and q are rows of the
     layer's state (B, 2·Hkv·M + Hq, D) as ``compile_lm`` lays it out (``state_rows``).
 
-Each ``DecodeConfig(unroll, splits, fused_combine, pipeline)`` of ``--unroll`` × ``--splits`` ×
-``--combine`` (``kernel``: a second kernel, ``fused``: in the partial kernel) × ``--pipeline``
-(``off``; ``on``: a second register set, the next iteration's K/V loads in flight) is built
+Each ``DecodeConfig(unroll, splits, fused_combine, pipeline, cluster, threads)`` of ``--unroll`` ×
+``--splits`` × ``--combine`` (``kernel``: a second kernel, ``fused``: in the partial kernel,
+``cluster``: the chunks of a head row one thread-block cluster, combined through distributed
+shared memory) × ``--pipeline`` (``off``; ``on``: a second register set, the next iteration's K/V
+loads in flight) × ``--threads`` (per block) is built
 (``flash_decode_cache_primfunc``), exported and loaded (kernels built in-process cannot launch
 on the device), checked against a float32 torch reference on random inputs and timed with CUDA
 events; the anchor is torch's SDPA on the visible slice (GQA by ``enable_gqa``). Rate: TB/s over
 the visible K/V bytes (2·B·Hkv·ctx·D·2), floor at 4.21 TB/s. Shapes (``--case``):
 ``lm4`` (B1, 16q/4kv, ctx 2048, M 2081: the 4-layer LM's layer), ``7b`` (B1, 32/32, ctx 1024, M 1057),
-``7b_b8`` (the same at batch 8), ``long`` (B1, 32q/8kv, ctx 8192, M 8224).
+``7b_b8`` (the same at batch 8), ``long`` (B1, 32q/8kv, ctx 8192, M 8224), ``lm4_step`` (lm4
+with 2064 visible slots, as its decode steps after a 2048-token prompt see 2049 … 2080).
 
     python3 tools/bench/bench_decode_cache.py --case lm4 --unroll 2,4 --splits 0,33,66,128
     python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b_b8 --combine kernel,fused
     python3 tools/bench/bench_decode_cache.py --case 7b --case 7b_b8 --pipeline off,on
+    python3 tools/bench/bench_decode_cache.py --case lm4 --combine kernel,cluster --threads 128,256
     python3 tools/bench/bench_decode_cache.py --build-only      # nvcc builds only (any machine)
 """
 
@@ -35,7 +39,8 @@ import torch.nn.functional as F
 
 # name → (B, Hq, Hkv, D, ctx, M)
 CASES = {"lm4": (1, 16, 4, 128, 2048, 2081), "7b": (1, 32, 32, 128, 1024, 1057),
-         "7b_b8": (8, 32, 32, 128, 1024, 1057), "long": (1, 32, 8, 128, 8192, 8224)}
+         "7b_b8": (8, 32, 32, 128, 1024, 1057), "long": (1, 32, 8, 128, 8192, 8224),
+         "lm4_step": (1, 16, 4, 128, 2064, 2081)}  # lm4 mid-generation: the 16th new token
 
 
 def build(case: tuple[int, ...], cfg: Any, path: Path, target: str = "sm90") -> Path:
@@ -100,8 +105,9 @@ def main() -> None:
     p.add_argument("--case", choices=list(CASES), action="append")
     p.add_argument("--unroll", default="4", help="comma-separated DecodeConfig.unroll values")
     p.add_argument("--splits", default="0", help="comma-separated DecodeConfig.splits (0: default)")
-    p.add_argument("--combine", default="kernel", help="comma-separated: kernel, fused")
+    p.add_argument("--combine", default="kernel", help="comma-separated: kernel, fused, cluster")
     p.add_argument("--pipeline", default="off", help="comma-separated: off, on")
+    p.add_argument("--threads", default="128", help="comma-separated DecodeConfig.threads values")
     p.add_argument("--build-only", action="store_true", help="nvcc builds only (no GPU needed)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
@@ -112,12 +118,13 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="decode-cache-"))
     rows = []
     for name in args.case or ["lm4"]:
-        for unroll, splits, combine, pipe in itertools.product(
+        for unroll, splits, combine, pipe, threads in itertools.product(
                 [int(u) for u in args.unroll.split(",")], [int(s) for s in args.splits.split(",")],
-                args.combine.split(","), args.pipeline.split(",")):
+                args.combine.split(","), args.pipeline.split(","),
+                [int(t) for t in args.threads.split(",")]):
             cfg = DecodeConfig(unroll=unroll, splits=splits, fused_combine=combine == "fused",
-                               pipeline=pipe == "on")
-            tag = f"{name}_{unroll}_{splits}_{combine}_{pipe}"
+                               pipeline=pipe == "on", cluster=combine == "cluster", threads=threads)
+            tag = f"{name}_{unroll}_{splits}_{combine}_{pipe}_{threads}"
             path = build(CASES[name], cfg, work / f"{tag}.so")
             if args.build_only:
                 print(f"built {tag}: {path}", flush=True)

@@ -213,22 +213,36 @@ def prefill_kernels_us(lm, ids: torch.Tensor) -> tuple[float, dict[str, float]]:
     return sum(t for t, _ in times), {k[:80]: round(t, 1) for t, k in times[:12]}
 
 
-def ab_rounds(base, other, ids: torch.Tensor, new: int, rounds: int,
+def ab_rounds(base, others: dict[str, Any], ids: torch.Tensor, new: int, rounds: int,
               base_tokens: torch.Tensor) -> dict[str, Any]:
-    """Decode ms/token of two loaded libraries timed in turn (base, other, base, other, …) for
-    ``rounds`` rounds: a drift of the GPU over the run reaches both alike. ``other``'s tokens
+    """Decode ms/token of loaded libraries timed in turn (base, each other, base, …) for
+    ``rounds`` rounds: a drift of the GPU over the run reaches all alike. The others' tokens
     must equal ``base``'s (the same model; only kernels differ)."""
-    other.generate(ids, max_new_tokens=4)  # warm-up
-    times: dict[str, list[float]] = {"base": [], "other": []}
-    tokens_equal = True
+    for lm in others.values():
+        lm.generate(ids, max_new_tokens=4)  # warm-up
+    libs = {"base": base, **others}
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    tokens_equal = {name: True for name in others}
     for _ in range(rounds):
-        for name, lm in (("base", base), ("other", other)):
+        for name, lm in libs.items():
             out = lm.generate(ids, max_new_tokens=new)
             times[name].append(lm.timings["decode_ms_per_token"])
-            tokens_equal &= bool(torch.equal(out, base_tokens))
+            if name != "base":
+                tokens_equal[name] &= bool(torch.equal(out, base_tokens))
     medians = {k: statistics.median(v) for k, v in times.items()}
     return {"rounds_ms_per_token": times, "median_ms_per_token": medians,
-            "other_over_base": medians["other"] / medians["base"], "tokens_equal": tokens_equal}
+            "over_base": {k: medians[k] / medians["base"] for k in others},
+            "tokens_equal": tokens_equal}
+
+
+def parse_variant(text: str) -> dict[str, Any]:
+    """``FIELD[=VALUE][,FIELD[=VALUE]…]`` → Options fields (VALUE: True (default), False, an int)."""
+    bools = {"": True, "True": True, "False": False}
+    fields = {}
+    for part in text.split(","):
+        field, _, value = part.partition("=")
+        fields[field] = bools[value] if value in bools else int(value)
+    return fields
 
 
 def main() -> None:
@@ -264,10 +278,11 @@ def main() -> None:
     p.add_argument("--decode-kv-prefetch", type=int, default=None,
                    help="Options.decode_kv_prefetch_bytes (0: the decode attention prefetches "
                         "no cache rows before its PDL wait; default: the option's default)")
-    p.add_argument("--ab", metavar="FIELD[=VALUE]", default=None,
+    p.add_argument("--ab", metavar="FIELD[=VALUE][,FIELD[=VALUE]]", action="append", default=[],
                    help="also compile with Options.FIELD=VALUE (default True; True / False / an "
-                        "int) and time both libraries' decode in interleaved rounds in this "
-                        "process (medians under 'ab')")
+                        "int; several fields comma-separated; repeat --ab for more libraries) and "
+                        "time every library's decode in interleaved rounds in this process "
+                        "(medians under 'ab')")
     p.add_argument("--ab-rounds", type=int, default=7)
     p.add_argument("--out")
     args = p.parse_args()
@@ -319,12 +334,8 @@ def main() -> None:
     row["tvmfuse"] = dict(lm.timings)
     print("tvmfuse", lm.timings, flush=True)
     if args.ab:
-        field, _, text = args.ab.partition("=")
-        bools = {"": True, "True": True, "False": False}
-        value = bools[text] if text in bools else int(text)
-        row["ab"] = ab_rounds(lm, compiled(dataclasses.replace(opts, **{field: value})), ids,
-                              args.new, args.ab_rounds, got)
-        row["ab"]["field"], row["ab"]["value"] = field, value
+        others = {text: compiled(dataclasses.replace(opts, **parse_variant(text))) for text in args.ab}
+        row["ab"] = ab_rounds(lm, others, ids, args.new, args.ab_rounds, got)
         print("ab", row["ab"], flush=True)
     if prefill_len != args.ctx:
         long_ids = torch.randint(1, SIZES[args.size]["vocab_size"], (args.batch, prefill_len))

@@ -112,9 +112,12 @@ class _Rewrite(relax.PyExprMutator):
                 prefetch = self.pdl and state_bytes <= opts.decode_kv_prefetch_bytes
                 # with PDL the first keys may load into registers before the wait (preload)
                 preload = self.pdl and opts.decode_preload_kv
+                # the combine inside a cluster (sm_90: where the step launches programmatically)
+                cluster = self.pdl and opts.decode_cluster_combine
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
                         add(cache_attention(spec, self.cuda, opts.decode_fused_combine,
-                                            prefetch, preload),
+                                            prefetch, preload, cluster,
+                                            opts.decode_attention_threads),
                             f"{self.prefix}cache_attention{n}"))
             else:
                 pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")

@@ -77,6 +77,8 @@ def _fold_kernel(mod: tvm.IRModule, append: relax.Call, attention: relax.Call
     meta = json.loads(str(kfunc.attrs[CACHE_ATTENTION_ATTR]))
     spec = AttentionSpec(**meta["spec"])
     config = DecodeConfig(**meta["config"])
+    if config.cluster:  # the cluster kernel has no append inside (flash_decode_cache_primfunc)
+        return None
     found = _append_store(afunc, (spec.batch, 1, spec.q_heads + 2 * spec.kv_heads, spec.head_dim))
     if found is None:
         return None

@@ -68,6 +68,7 @@ _THREADS = 128
 _VEC = 8  # elements per 16-byte load
 _MAX_GC = 8  # query heads per block (registers: 2·GC·8 floats of q and acc per thread)
 _MAX_SPLITS = 128  # the combine unrolls its loops over the chunks
+_MAX_CLUSTER = 16  # CTAs of a cluster on sm_90 (above 8 the runtime allows the non-portable size)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,11 @@ class DecodeConfig:
     flight while the previous one's scores and accumulation run (:func:`pick_config`);
     ``preload`` (over a cache, launched with PDL, not with ``new_token``): the first iteration's
     keys and values load into registers before the wait, which the kernel places itself as with
-    ``l2_prefetch`` (module doc).
+    ``l2_prefetch`` (module doc);
+    ``cluster`` (over a cache, sm_90, not with ``fused_combine``): the chunks of one block row are
+    one thread-block cluster (≤ 16 chunks) and combine through distributed shared memory, one
+    launch, no partials in global memory (module doc); ``threads`` per block (a multiple of the
+    lanes one key row takes; more threads: more keys per iteration, fewer chunks for the cluster).
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -92,6 +97,8 @@ class DecodeConfig:
     l2_prefetch: bool = False
     pipeline: bool = False
     preload: bool = False
+    cluster: bool = False
+    threads: int = _THREADS
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,8 @@ class NewToken:
 
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
                  keys_per_iter: int, sms: int) -> int:
-    most = min(_MAX_SPLITS, (kv_eff + keys_per_iter - 1) // keys_per_iter)
+    most = min(_MAX_CLUSTER if cfg.cluster else _MAX_SPLITS,
+               (kv_eff + keys_per_iter - 1) // keys_per_iter)
     if cfg.splits:
         return max(1, min(cfg.splits, most))
     want = (sms * 2 + blocks_per_split - 1) // blocks_per_split  # ~2 blocks per SM
@@ -130,12 +138,14 @@ def _chunks(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> tuple[int, int,
     """(n_split, L, per_iter): KV chunks, keys per chunk (a multiple of the keys one iteration
     takes, ``per_iter`` = 8 lane groups × ``unroll`` at 16 lanes a row)."""
     vec = _VEC if spec.dtype != "float32" else 4
-    per_iter = _THREADS // (spec.head_dim // vec) * cfg.unroll
+    per_iter = cfg.threads // (spec.head_dim // vec) * cfg.unroll
     _, kv_eff = _visible(spec)
     n_split = _split_count(spec, cfg, spec.batch * spec.kv_heads * _head_chunks(spec)[1], kv_eff,
                            per_iter, sms)
     L = (kv_eff + n_split - 1) // n_split
     L = (L + per_iter - 1) // per_iter * per_iter
+    if cfg.cluster:  # over a cache the chunk length follows the sequence: keep every cluster block
+        return n_split, L, per_iter
     return (kv_eff + L - 1) // L, L, per_iter
 
 
@@ -143,14 +153,15 @@ _PIPELINE_MIN_ITERS = 8
 
 
 def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
-                l2_prefetch: bool = False, preload: bool = False) -> DecodeConfig:
+                l2_prefetch: bool = False, preload: bool = False, cluster: bool = False,
+                threads: int = _THREADS) -> DecodeConfig:
     """Unroll 8, or unroll 4 with the pipeline where each block loops ≥ 8 iterations (few
     splits: many sequences × KV heads fill the SMs). H200, ``bench_decode_cache.py`` (session 16,
     kernel alone): the 7B cache at batch 8, ctx 1024 (16 iterations a block at unroll 4)
     pipelined 34.98 µs vs 36.75 (unroll 8) and 38.1 (unroll 4); at batch 1 (≤ 4 iterations)
     the pipeline was slower: 7B 5.94 vs 5.54 µs, the 4-layer LM's cache 6.93 vs 6.22."""
     flags = {"fused_combine": fused_combine, "l2_prefetch": l2_prefetch,
-             "preload": preload}
+             "preload": preload, "cluster": cluster, "threads": threads}
     base = DecodeConfig(**flags)
     piped = DecodeConfig(unroll=4, pipeline=True, **flags)
     _, L, per_iter = _chunks(spec, piped, sms)
@@ -229,6 +240,9 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     q_shape, kv_shape, out_shape = spec.q_shape, at(QKV_L, B, Skv, Hkv, D), spec.out_shape
     fused_combine = cache and cfg.fused_combine  # the counters live beside the cache
+    cluster = cache and cfg.cluster  # the chunks of a block row combine through DSMEM
+    if cluster and (fused_combine or new_token is not None):
+        raise ValueError("flash decode: the cluster combine takes neither fused_combine nor new_token")
     prefetch = cache and cfg.l2_prefetch
     pipeline = cfg.pipeline
     folded = new_token is not None
@@ -247,7 +261,10 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     def v_at(b, j, g, d):
         return (b, v0 + g * Skv + j, d) if cache else at(QKV_L, b, j, g, d)
     LPR = D // vec  # lanes per key row
-    NG = _THREADS // LPR  # key rows in flight per unroll step
+    NT = cfg.threads
+    if NT % LPR or NT % 32 or not 0 < NT <= 1024:
+        raise ValueError(f"flash decode: {NT} threads a block do not hold whole key rows of {LPR} lanes")
+    NG = NT // LPR  # key rows in flight per unroll step
     U = cfg.unroll
     kbase, kv_eff = _visible(spec)  # kv_eff keys from kbase are visible
     n_split, L, per_iter = _chunks(spec, cfg, device_properties(target).sms)
@@ -288,7 +305,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
               lambda s: part_o[(bh * n_split + s) * D + t2])
         store(out, c, bh // Hq, bh % Hq, t2)
 
-    tail_iters = (GC * D + _THREADS - 1) // _THREADS
+    tail_iters = (GC * D + NT - 1) // NT
     unroll_tail = tail_iters * n_split <= 512  # the loads of every output in flight together
 
     @T.macro
@@ -372,14 +389,35 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     acc[hh * vec + e] = acc[hh * vec + e] + s[u * GC + hh] * T.Cast(
                         "float32", vbuf[u * vec + e])
 
+    # cluster combine: block ``sp`` of the cluster merges outputs sp·E … sp·E + E − 1 of the GC·D
+    CE = (GC * D + n_split - 1) // n_split
+
+    @T.macro
+    def cluster_output(pb, c, mc, lc, oc, out, b, h0, idx):
+        """Cluster combine: output element ``idx`` (head h0 + idx // D) from the (m, l, o) each
+        block p of the cluster left in its shared ``cl`` ([GC·D partial sums, GC × (m, l)]; its
+        address in the cluster window ``pb[p]``), read through distributed shared memory
+        (``ld.shared::cluster``), all loads in flight together."""
+        if idx < GC * D:
+            hh: T.let[T.int32] = idx // D
+            for p in T.unroll(n_split):
+                T.ptx.ld.shared__cluster.f32(mc[p], pb[p] + T.Cast("uint32", (GC * D + hh * 2) * 4))
+                T.ptx.ld.shared__cluster.f32(lc[p], pb[p] + T.Cast("uint32", (GC * D + hh * 2 + 1) * 4))
+                T.ptx.ld.shared__cluster.f32(oc[p], pb[p] + T.Cast("uint32", idx * 4))
+            merge(c, lambda s: mc[s], lambda s: lc[s], lambda s: oc[s])
+            store(out, c, b, h0 + hh, idx % D)
+
     @T.macro
     def body(q, k, v, bias, out, offsets, starts, sync):
-        part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
-        part_ml = T.alloc_buffer((B * Hq * n_split * 2,), "float32", scope="global")
+        if not cluster:
+            part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
+            part_ml = T.alloc_buffer((B * Hq * n_split * 2,), "float32", scope="global")
         with T.launch_thread("blockIdx.x", n_split) as sp:
+            if cluster:  # the n_split chunks of this block row are one cluster
+                T.launch_thread("clusterCtaIdx.x", n_split)
             yb = T.launch_thread("blockIdx.y", Hkv * HC)
             b = T.launch_thread("blockIdx.z", B)
-            tx = T.launch_thread("threadIdx.x", _THREADS)
+            tx = T.launch_thread("threadIdx.x", NT)
             qr = T.alloc_buffer((GC * vec,), "float32", scope="local")
             acc = T.alloc_buffer((GC * vec,), "float32", scope="local")
             kr = T.alloc_buffer((U * vec,), dt, scope="local")
@@ -393,6 +431,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             st = T.alloc_buffer((2,), "float32", scope="local")
             sm_o = T.alloc_buffer((NG * GC * D,), "float32", scope="shared")
             sm_ml = T.alloc_buffer((NG * GC * 2,), "float32", scope="shared")
+            if cluster:
+                cl = T.alloc_buffer((GC * D + GC * 2,), "float32", scope="shared")
             if folded:
                 sm_q = T.alloc_buffer((GC * D,), "float32", scope="shared")
             kvh: T.let[T.int32] = yb // HC
@@ -432,13 +472,13 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 if not has_p:
                     load_keys(k, v, kr, vr, 0, b, kvh, kb, ke, j0, grp, d0)
                 # the GC query heads once per block (every lane group reads them), via shared memory
-                for i6 in T.unroll((GC * D + _THREADS - 1) // _THREADS):
-                    idx6: T.let[T.int32] = i6 * _THREADS + tx
+                for i6 in T.unroll((GC * D + NT - 1) // NT):
+                    idx6: T.let[T.int32] = i6 * NT + tx
                     if idx6 < GC * D:
                         sm_q[idx6] = T.Cast("float32", new(b, h0 + idx6 // D, idx6 % D)) * sc
                 if has_p:
-                    for i5 in T.unroll((2 * D + _THREADS - 1) // _THREADS):
-                        idx5: T.let[T.int32] = i5 * _THREADS + tx
+                    for i5 in T.unroll((2 * D + NT - 1) // NT):
+                        idx5: T.let[T.int32] = i5 * NT + tx
                         if idx5 < 2 * D:
                             k[b, T.if_then_else(idx5 < D, k0, v0) + kvh * Skv + offsets[b], idx5 % D] = new(
                                 b, Hq + idx5 // D * Hkv + kvh, idx5 % D)
@@ -483,8 +523,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     sm_ml[(grp * GC + hh) * 2] = m[hh]
                     sm_ml[(grp * GC + hh) * 2 + 1] = lsum[hh]
             T.tvm_storage_sync("shared")
-            for it2 in T.serial((GC * D + _THREADS - 1) // _THREADS):
-                idx: T.let[T.int32] = it2 * _THREADS + tx
+            for it2 in T.serial((GC * D + NT - 1) // NT):
+                idx: T.let[T.int32] = it2 * NT + tx
                 if idx < GC * D:
                     hh2: T.let[T.int32] = idx // D
                     dd: T.let[T.int32] = idx % D
@@ -498,11 +538,34 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                         acc[2] = T.exp2(sm_ml[(gi * GC + hh2) * 2] - st[1])
                         acc[0] = acc[0] + acc[2] * sm_o[(gi * GC + hh2) * D + dd]
                         acc[1] = acc[1] + acc[2] * sm_ml[(gi * GC + hh2) * 2 + 1]
-                    pbase: T.let[T.int32] = (b * Hq + h0 + hh2) * n_split + sp
-                    part_o[pbase * D + dd] = acc[0]
-                    if dd == 0:
-                        part_ml[pbase * 2] = st[0]
-                        part_ml[pbase * 2 + 1] = acc[1]
+                    if cluster:  # this chunk's (o, m, l) stay in shared memory for the cluster
+                        cl[idx] = acc[0]
+                        if dd == 0:
+                            cl[GC * D + hh2 * 2] = st[0]
+                            cl[GC * D + hh2 * 2 + 1] = acc[1]
+                    else:
+                        pbase: T.let[T.int32] = (b * Hq + h0 + hh2) * n_split + sp
+                        part_o[pbase * D + dd] = acc[0]
+                        if dd == 0:
+                            part_ml[pbase * 2] = st[0]
+                            part_ml[pbase * 2 + 1] = acc[1]
+            if cluster:  # every chunk's partial is in its block's shared memory: merge (module doc)
+                cc2 = T.alloc_buffer((4,), "float32", scope="local")
+                mc2 = T.alloc_buffer((n_split,), "float32", scope="local")
+                lc2 = T.alloc_buffer((n_split,), "float32", scope="local")
+                oc2 = T.alloc_buffer((n_split,), "float32", scope="local")
+                pb = T.alloc_buffer((n_split,), "uint32", scope="local")  # the peers' cl addresses
+                for p2 in T.unroll(n_split):
+                    T.ptx.mapa.shared__cluster.u32(pb[p2], T.cuda.cvta_generic_to_shared(
+                        T.address_of(cl[0])), T.uint32(p2))
+                T.cuda.cluster_sync()  # release/acquire: the peers' shared writes are visible
+                for it5 in T.serial((CE + NT - 1) // NT):
+                    if it5 * NT + tx < CE:
+                        cluster_output(pb, cc2, mc2, lc2, oc2, out, b, h0, sp * CE + it5 * NT + tx)
+                # no block leaves while a peer still reads its shared memory (execution only: this
+                # block's reads have returned, its output is its own)
+                T.ptx.barrier.cluster.arrive.relaxed.aligned()
+                T.ptx.barrier.cluster.wait.aligned()
             if fused_combine:  # the block that counts last combines its GC heads (module doc)
                 last_in = T.alloc_buffer((1,), "int32", scope="shared")
                 arrived = T.alloc_buffer((1,), "int32", scope="local")  # (no shared load in an if)
@@ -518,8 +581,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     # every chunk's (m, l) of the GC heads into shared memory at once (sm_o is free:
                     # the merge above read it before the barrier), then each output element loads
                     # its n_split partials together: two L2 round trips for the whole tail
-                    for it4 in T.serial((GC * n_split + _THREADS - 1) // _THREADS):
-                        idx4: T.let[T.int32] = it4 * _THREADS + tx
+                    for it4 in T.serial((GC * n_split + NT - 1) // NT):
+                        idx4: T.let[T.int32] = it4 * NT + tx
                         if idx4 < GC * n_split:
                             src: T.let[T.int32] = (b * Hq + h0 + idx4 // n_split) * n_split + idx4 % n_split
                             sm_o[idx4 * 2] = part_ml[src * 2]
@@ -527,13 +590,13 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     T.tvm_storage_sync("shared")
                     if unroll_tail:
                         for it3 in T.unroll(tail_iters):
-                            tail_output(part_o, sm_o, out, cc, b, h0, it3 * _THREADS + tx)
+                            tail_output(part_o, sm_o, out, cc, b, h0, it3 * NT + tx)
                     else:
                         for it3 in T.serial(tail_iters):
-                            tail_output(part_o, sm_o, out, cc, b, h0, it3 * _THREADS + tx)
+                            tail_output(part_o, sm_o, out, cc, b, h0, it3 * NT + tx)
                     if tx == 0:
                         sync[b * (Hkv * HC) + yb] = 0
-        if not fused_combine:
+        if not fused_combine and not cluster:
             with T.launch_thread("blockIdx.x", B * Hq) as bh:
                 t2 = T.launch_thread("threadIdx.x", D)
                 c = T.alloc_buffer((4,), "float32", scope="local")
