@@ -427,9 +427,9 @@ MHA_DECODE = dataclasses.replace(DECODE, q_heads=8, kv_heads=8)  # one query hea
 
 
 def _clustered(spec: CacheSpec, threads: int = 128, l2: bool = False, piped: bool = False,
-               splits: int = 0) -> tvm.tirx.PrimFunc:
-    config = DecodeConfig(unroll=4 if piped else 8, pipeline=piped, l2_prefetch=l2, cluster=True,
-                          threads=threads, splits=splits)
+               splits: int = 0, unroll: int = 8) -> tvm.tirx.PrimFunc:
+    config = DecodeConfig(unroll=4 if piped else unroll, pipeline=piped, l2_prefetch=l2,
+                          cluster=True, threads=threads, splits=splits)
     return flash_decode_cache_primfunc(spec.attention_spec(), config=config).with_attr(
         "global_symbol", "main")
 
@@ -641,6 +641,8 @@ def test_cuda_decode_cluster_numerics_on_the_gpu(spec, threads, l2, piped):
     size that is not a power of two)."""
     _check_on_gpu(_clustered(spec, threads, l2, piped), spec)
     _check_on_gpu(_clustered(spec, threads, l2, piped, splits=3), spec, seeds=(6,))
+    if not piped:  # 9 rows a lane group (pick_config's one-iteration unroll for the 4-layer LM)
+        _check_on_gpu(_clustered(spec, threads, l2, unroll=9), spec, seeds=(7,))
 
 
 @pytest.mark.gpu

@@ -284,6 +284,9 @@ def main() -> None:
                         "time every library's decode in interleaved rounds in this process "
                         "(medians under 'ab')")
     p.add_argument("--ab-rounds", type=int, default=7)
+    p.add_argument("--options", metavar="FIELD[=VALUE][,FIELD[=VALUE]]", default=None,
+                   help="Options fields of the main library (as --ab spells them): its tokens get "
+                        "the tie-aware check against eager")
     p.add_argument("--out")
     args = p.parse_args()
 
@@ -316,6 +319,9 @@ def main() -> None:
                    decode_fused_combine=args.decode_fused_combine,
                    decode_fold_append=args.fold_append,
                    gemv_prefetch_after_attention=args.gemv_prefetch_after_attention, **extra)
+    if args.options:
+        opts = dataclasses.replace(opts, **parse_variant(args.options))
+        row["options"] = parse_variant(args.options)
 
     def compiled(options: Options):
         with use_options(options):

@@ -114,10 +114,10 @@ class _Rewrite(relax.PyExprMutator):
                 preload = self.pdl and opts.decode_preload_kv
                 # the combine inside a cluster (sm_90: where the step launches programmatically)
                 cluster = self.pdl and opts.decode_cluster_combine
+                threads = opts.decode_attention_threads or (256 if cluster else 128)
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
                         add(cache_attention(spec, self.cuda, opts.decode_fused_combine,
-                                            prefetch, preload, cluster,
-                                            opts.decode_attention_threads),
+                                            prefetch, preload, cluster, threads),
                             f"{self.prefix}cache_attention{n}"))
             else:
                 pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")

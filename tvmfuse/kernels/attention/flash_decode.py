@@ -150,6 +150,7 @@ def _chunks(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> tuple[int, int,
 
 
 _PIPELINE_MIN_ITERS = 8
+_MAX_UNROLL = 10  # rows a lane group holds at once (registers: 2·unroll·8 halves of K and V)
 
 
 def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
@@ -163,6 +164,11 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     flags = {"fused_combine": fused_combine, "l2_prefetch": l2_prefetch,
              "preload": preload, "cluster": cluster, "threads": threads}
     base = DecodeConfig(**flags)
+    if cluster:  # one iteration a block where ≤ _MAX_UNROLL rows a lane group cover every slot
+        rows = _MAX_CLUSTER * (threads // (spec.head_dim // (_VEC if spec.dtype != "float32" else 4)))
+        unroll = -(-_visible(spec)[1] // rows)
+        if base.unroll < unroll <= _MAX_UNROLL:
+            base = DecodeConfig(unroll=unroll, **flags)
     piped = DecodeConfig(unroll=4, pipeline=True, **flags)
     _, L, per_iter = _chunks(spec, piped, sms)
     return piped if L // per_iter >= _PIPELINE_MIN_ITERS else base
