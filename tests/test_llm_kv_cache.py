@@ -552,15 +552,8 @@ def test_cuda_decode_takes_one_counter_buffer_for_every_layer():
     assert "attn_sync" not in [str(p.name) for p in DeriveKVCache(MAX_SEQ)(decode.get())["main"].params]
 
 
-@pytest.mark.parametrize("field, key", [("decode_preload_kv", "preload"),
-                                        ("decode_cluster_combine", "cluster")])
-@pytest.mark.parametrize("pdl, option, want", [(True, True, True), (True, False, False),
-                                                (False, True, False)])
-def test_decode_options_follow_programmatic_launch(field, key, pdl, option, want):
-    """``Options.decode_preload_kv`` and ``decode_cluster_combine`` reach the decode attention's
-    config only where the decode kernels launch programmatically (without PDL nothing runs
-    before a wait; the cluster kernel is measured on that path); the L2 prefetch keeps its own
-    rule (PDL and a cache under ``decode_kv_prefetch_bytes``)."""
+def _decode_config(pdl: bool, clusters: bool = False, **options) -> dict:
+    """The decode attention's config that DeriveKVCache picks under ``options``."""
     import json
 
     from tvmfuse.attrs import CACHE_ATTENTION_ATTR
@@ -572,13 +565,41 @@ def test_decode_options_follow_programmatic_launch(field, key, pdl, option, want
         with decode.dataflow():
             out = decode.emit_output(relax.op.nn.attention(q, k, k, causal_mask="BottomRight"))
         decode.emit_func_output(out)
-    with use_options(dataclasses.replace(current_options(), **{field: option})):
-        after = DeriveKVCache(MAX_SEQ, cuda=True, pdl=pdl)(decode.get())
+    with use_options(dataclasses.replace(current_options(), **options)):
+        after = DeriveKVCache(MAX_SEQ, cuda=True, pdl=pdl, clusters=clusters)(decode.get())
     metas = [json.loads(str(f.attrs[CACHE_ATTENTION_ATTR])) for _, f in after.functions.items()
              if f.attrs is not None and CACHE_ATTENTION_ATTR in f.attrs]
     assert len(metas) == 1
-    assert metas[0]["config"][key] == want
-    assert metas[0]["config"]["l2_prefetch"] == pdl
+    return metas[0]["config"]
+
+
+@pytest.mark.parametrize("pdl, option, want", [(True, True, True), (True, False, False),
+                                                (False, True, False)])
+def test_decode_preload_follows_the_option_under_programmatic_launch(pdl, option, want):
+    """``Options.decode_preload_kv`` reaches the decode attention's config only where the decode
+    kernels launch programmatically (without PDL nothing runs before a wait); the L2 prefetch
+    keeps its own rule (PDL and a cache under ``decode_kv_prefetch_bytes``)."""
+    config = _decode_config(pdl, decode_preload_kv=option)
+    assert config["preload"] == want
+    assert config["l2_prefetch"] == pdl
+
+
+@pytest.mark.parametrize("mode, pdl, clusters, want, threads", [
+    ("pdl", True, True, True, 256), ("pdl", False, True, False, 128), ("on", False, True, True, 256),
+    ("on", True, False, False, 128), ("off", True, True, False, 128)])
+def test_decode_cluster_combine_follows_its_mode(mode, pdl, clusters, want, threads):
+    """``Options.decode_cluster_combine``: "pdl" (default) where the decode step launches
+    programmatically, "on" on every target with thread-block clusters (sm_90), "off" never; the
+    split-KV kernel takes 256 threads with the cluster, 128 without (``decode_attention_threads``
+    0), and an explicit thread count wins."""
+    config = _decode_config(pdl, clusters, decode_cluster_combine=mode)
+    assert (config["cluster"], config["threads"]) == (want, threads)
+    assert _decode_config(pdl, clusters, decode_cluster_combine=mode,
+                          decode_attention_threads=512)["threads"] == 512
+    from tvmfuse.errors import InputSpecError
+
+    with pytest.raises(InputSpecError, match="decode_cluster_combine"):
+        dataclasses.replace(current_options(), decode_cluster_combine="yes")
 
 
 @needs_nvcc

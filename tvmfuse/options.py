@@ -118,13 +118,15 @@ class Options:
     # slower on an H100 (the 4-layer LM at ctx 2048, 7 alternating rounds in one process, session
     # 27): 0.1885 ms/token with it vs 0.1860 without (+1.3 %, every round), tokens equal
     decode_preload_kv: bool = False
-    # compile_lm decode attention with programmatic launch (sm_90): the split-KV chunks of a head
-    # row run as one thread-block cluster (≤ 16 chunks) and combine through distributed shared
-    # memory (flash_decode's ``cluster``): one launch a layer fewer, no partials through L2. H100
-    # (session 28, 7 interleaved rounds in one process, the 4-layer LM at ctx 2048): 0.1793 vs
-    # 0.1869 ms/token with 256 threads (one iteration a block), every round; with 128 threads
-    # (two iterations) 3.7 % slower than without
-    decode_cluster_combine: bool = True
+    # compile_lm decode attention (sm_90): the split-KV chunks of a head row run as one
+    # thread-block cluster (≤ 16 chunks) and combine through distributed shared memory
+    # (flash_decode's ``cluster``): one launch a layer fewer, no partials through L2. "pdl"
+    # (default): where the decode step launches programmatically (batch ≤
+    # programmatic_launch_max_batch); "on": every sm_90 decode step; "off". H100 (session 28, 7
+    # interleaved rounds in one process, the 4-layer LM at ctx 2048): 0.1793 vs 0.1869 ms/token
+    # with 256 threads (one iteration a block), every round; with 128 threads (two iterations)
+    # 3.7 % slower than without. Not measured above batch 1 (hence "pdl")
+    decode_cluster_combine: str = "pdl"
     # compile_lm decode attention (CUDA): threads per block of the split-KV kernel (16 lanes a key
     # row at head_dim 128: 128 threads take 8 rows at a time, 256 take 16); 0: 256 with the
     # cluster combine, 128 without
@@ -176,6 +178,9 @@ class Options:
             if not ok:
                 raise InputSpecError(f"Options.{f.name} must be {f.type}, not {value!r} "
                                      f"({type(value).__name__})")
+        if self.decode_cluster_combine not in ("pdl", "on", "off"):
+            raise InputSpecError("Options.decode_cluster_combine must be 'pdl', 'on' or 'off', "
+                                 f"not {self.decode_cluster_combine!r}")
 
 
 _TYPES = {"bool": bool, "int": int, "str": str, "float": float, "None": type(None)}

@@ -236,12 +236,14 @@ def ab_rounds(base, others: dict[str, Any], ids: torch.Tensor, new: int, rounds:
 
 
 def parse_variant(text: str) -> dict[str, Any]:
-    """``FIELD[=VALUE][,FIELD[=VALUE]…]`` → Options fields (VALUE: True (default), False, an int)."""
+    """``FIELD[=VALUE][,FIELD[=VALUE]…]`` → Options fields (VALUE: True (default), False, an int,
+    else the string)."""
     bools = {"": True, "True": True, "False": False}
-    fields = {}
+    fields: dict[str, Any] = {}
     for part in text.split(","):
         field, _, value = part.partition("=")
-        fields[field] = bools[value] if value in bools else int(value)
+        fields[field] = bools[value] if value in bools else int(value) if value.lstrip(
+            "-").isdigit() else value
     return fields
 
 

@@ -17,7 +17,9 @@
 #   preload   lm4 decode with Options.gemv_preload_weights (default) and without, interleaved in one process (~200 s)
 #   gemv_lm4  bench_gemv at M = 1 over the 4-layer LM's shapes, CUDA-core configs swept      (~60 s)
 #   cluster   the cluster-combine decode attention: its GPU numerics, the kernel alone (lm4 at 2048
-#             and 2064 slots, 128/256 threads) and lm4 decode with it, interleaved    (~450 s)
+#             and 2064 slots, 128/256 threads) and lm4 decode with it, interleaved    (~170 s)
+#   b8cluster the 7B shapes with 4 layers at batch 8 (no PDL): decode_cluster_combine "on" vs the
+#             default ("pdl": off there), interleaved                                   (~120 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
 
 for s in "$@"; do
@@ -56,10 +58,12 @@ for s in "$@"; do
              step cl_attn 120 python3 tools/bench/bench_decode_cache.py --case lm4 --case lm4_step \
                --unroll 8 --combine kernel,cluster --threads 128,256 --out "$OUT/cl_attn.json"
              step cl_lm4 300 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
-               --no-compile --ab decode_cluster_combine --ab decode_cluster_combine,decode_attention_threads=256 \
+               --no-compile --ab decode_cluster_combine=off --ab decode_cluster_combine=pdl,decode_attention_threads=128 \
                --out "$OUT/cl_lm4.json" ;;
+    b8cluster) step b8cluster 200 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
+                 --batch 8 --no-compile --ab decode_cluster_combine=on --out "$OUT/b8cluster.json" ;;
     gemv_lm4) step gemv_lm4 200 python3 tools/bench/bench_gemv.py --shapes lm4 --ms 1 \
                 --configs auto,simt:4:8:4,simt:8:4:4,simt:2:8:8,simt:8:8:8 --out "$OUT/gemv_lm4.json" ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster)"; exit 2 ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster)"; exit 2 ;;
   esac
 done

@@ -44,6 +44,7 @@ from ..passes.lift_weights import take_weights
 from ..pipeline import build, lower
 from ..rules.programmatic_launch import active as pdl_active
 from ..rules.programmatic_launch import scope as pdl_scope
+from ..rules.programmatic_launch import supported as sm90_cuda
 from ..runtime import load
 from ..runtime.lm import LM_FORMAT
 from ..targets import TargetSpec, get_target
@@ -72,8 +73,8 @@ def default_prefill_lengths(max_seq: int) -> list[int]:
 
 
 def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, cuda: bool,
-           tp: tuple[int, int] = (1, 0), pdl: bool = False, windows: list | None = None
-           ) -> tvm.IRModule:
+           tp: tuple[int, int] = (1, 0), pdl: bool = False, windows: list | None = None,
+           clusters: bool = False) -> tvm.IRModule:
     """One entry point's module with its cache. ``windows``: shared by the entry points (prefill
     first): each layer's sliding window as a prefill traced it (DeriveKVCache)."""
     ids = sym.params[0]
@@ -88,7 +89,7 @@ def _entry(sym: relax.Function, name: str, batch: int, seq: int, max_seq: int, c
         LastTokenLogits(),
         # before the cache: its kernels take the rank's head counts
         ShardTensorParallel(*tp),
-        DeriveKVCache(max_seq, cuda, pdl, windows), relax.transform.DeadCodeElimination(),
+        DeriveKVCache(max_seq, cuda, pdl, windows, clusters), relax.transform.DeadCodeElimination(),
     ]
     for stage in stages:
         mod = stage(mod)
@@ -129,7 +130,7 @@ def _lower_rank(sym: relax.Function, entries: dict[str, int], max_batch: int, ma
     windows: list = []  # the sliding windows the longest prefill shows, for the decode step
     for name, seq in sorted(entries.items(), key=lambda e: (e[1] == 1, -e[1])):
         for gv, func in _entry(sym, name, max_batch, seq, max_seq, spec.is_cuda, tp,
-                               pdl, windows).functions.items():
+                               pdl, windows, sm90_cuda(spec.tvm_target())).functions.items():
             combined[gv] = func
     # greedy steps on the device: decode + advance on the same tensors, capturable as a CUDA graph
     decode = combined["decode"]

@@ -86,9 +86,10 @@ def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int, cuda: bool =
 @relax.expr_functor.mutator
 class _Rewrite(relax.PyExprMutator):
     def __init__(self, mod: tvm.IRModule, max_seq: int, cuda: bool, prefix: str,
-                 pdl: bool = False, windows: list | None = None) -> None:
+                 pdl: bool = False, windows: list | None = None, clusters: bool = False) -> None:
         super().__init__(mod)
         self.max_seq, self.cuda, self.prefix, self.pdl = max_seq, cuda, prefix, pdl
+        self.clusters = clusters
         self.windows = windows or []  # per layer, from the prefill traces (_layer_windows)
         self.caches: list[relax.Var] = []
         self.specs: list[CacheSpec] = []
@@ -112,8 +113,10 @@ class _Rewrite(relax.PyExprMutator):
                 prefetch = self.pdl and state_bytes <= opts.decode_kv_prefetch_bytes
                 # with PDL the first keys may load into registers before the wait (preload)
                 preload = self.pdl and opts.decode_preload_kv
-                # the combine inside a cluster (sm_90: where the step launches programmatically)
-                cluster = self.pdl and opts.decode_cluster_combine
+                # the combine inside a cluster (sm_90; by default where the step launches
+                # programmatically, the batch-1 path it was measured on)
+                mode = opts.decode_cluster_combine
+                cluster = self.clusters and (mode == "on" or (mode == "pdl" and self.pdl))
                 threads = opts.decode_attention_threads or (256 if cluster else 128)
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
                         add(cache_attention(spec, self.cuda, opts.decode_fused_combine,
@@ -200,13 +203,15 @@ class DeriveKVCache:
     """Every Relax function with attention gets the cache parameters (module doc)."""
 
     def __init__(self, max_seq: int, cuda: bool = False, pdl: bool = False,
-                 windows: list | None = None) -> None:
+                 windows: list | None = None, clusters: bool = False) -> None:
         """``pdl``: the decode kernels launch programmatically (sm_90+, ``programmatic_launch``
-        on): the decode attention may prefetch its cache rows before its wait. ``windows``: a list
+        on): the decode attention may prefetch its cache rows before its wait. ``clusters``: the
+        target runs thread-block clusters (sm_90+; ``Options.decode_cluster_combine``).
+        ``windows``: a list
         shared by the entry points' modules, the longest prefill first and decode last: the
         layers' sliding windows as that prefill traced them (:func:`_layer_windows`), for the
         decode step, whose trace shows none."""
-        self.max_seq, self.cuda, self.pdl = max_seq, cuda, pdl
+        self.max_seq, self.cuda, self.pdl, self.clusters = max_seq, cuda, pdl, clusters
         self.windows = windows if windows is not None else []
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
@@ -225,7 +230,7 @@ class DeriveKVCache:
                 continue
             batch = int(func.params[0].ty.shape.values[0])
             rw = _Rewrite(out, self.max_seq, self.cuda, prefix=f"{gv.name_hint}_", pdl=self.pdl,
-                          windows=windows)
+                          windows=windows, clusters=self.clusters)
             rw.set_batch(batch)
             body = rw.visit_expr(func.body)
             if not rw.specs:
