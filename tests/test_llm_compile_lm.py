@@ -151,10 +151,12 @@ _PDL_AT_2 = {"programmatic_launch_max_batch": 2}  # max_batch 2 would otherwise 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, {"gemv_prefetch_after_attention": True, **_PDL_AT_2},
-                                     {"decode_fold_append": True,
+                                     {"decode_fold_append": True, "decode_cluster_combine": "off",
                                       "gemv_prefetch_after_attention": True, **_PDL_AT_2},
-                                     {"gemv_preload_weights": True, **_PDL_AT_2}],
-                         ids=["default", "prefetch_after_attention", "fold_and_prefetch", "preload"])
+                                     {"gemv_preload_weights": True, **_PDL_AT_2},
+                                     {"decode_cluster_combine": "on"}],
+                         ids=["default", "prefetch_after_attention", "fold_and_prefetch", "preload",
+                              "cluster_without_pdl"])
 def test_sm90_generate_on_the_gpu(tmp_path, options):
     """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU), with the
     decode options that change kernels off their defaults too (those that act only on kernels
@@ -174,6 +176,30 @@ def test_sm90_generate_on_the_gpu(tmp_path, options):
     got = lm.generate(ids, max_new_tokens=STEPS, attention_mask=mask)
     assert torch.equal(got[:, :9], ids)  # padding kept
     check_tokens(lm, ids.numpy(), mask.numpy(), ref_tokens, ref_logits, got.numpy())
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, max_batch, cluster", [("pdl", 1, True), ("pdl", 2, False),
+                                                      ("on", 2, True)])
+def test_sm90_decode_attention_combines_in_a_cluster(mode, max_batch, cluster):
+    """``Options.decode_cluster_combine``: "pdl" (default) gives the decode step launched
+    programmatically (one sequence) the cluster kernel (one kernel reading its peers' shared
+    memory); at two sequences the step launches plainly and keeps the partial + combine kernels;
+    "on" takes the cluster there too."""
+    import dataclasses
+
+    from tvmfuse.build.inspect import cuda_source
+    from tvmfuse.options import current_options, use_options
+
+    with use_options(dataclasses.replace(current_options(), decode_cluster_combine=mode)):
+        lib = tvmfuse.compile_lm(_llama().half(), target="sm90", max_seq_len=MAX_SEQ,
+                                 max_batch=max_batch, prefill_lengths=[16])
+    source = cuda_source(lib.executable)
+    names = re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", source)
+    attention = sorted({n for n in names if "cache_attention" in n})
+    assert len(attention) == (1 if cluster else 2), attention
+    assert ("ld.shared::cluster" in source) == cluster
 
 
 @needs_nvcc

@@ -35,8 +35,9 @@ def _kernels(lib) -> list[str]:
                       cuda_source(lib.executable))
 
 
-def _compile(fold: bool):
-    opts = dataclasses.replace(current_options(), decode_fold_append=fold)
+def _compile(fold: bool, cluster: str = "pdl"):
+    opts = dataclasses.replace(current_options(), decode_fold_append=fold,
+                               decode_cluster_combine=cluster)
     with use_options(opts):
         return tvmfuse.compile_lm(tiny_llama().half(), target="sm90", max_seq_len=64, max_batch=2,
                                   prefill_lengths=[16])
@@ -60,6 +61,16 @@ def test_sm90_decode_loses_the_append_kernel(tmp_path):
     sass = next(iter(kernel_sass(folded.export(tmp_path / "lm.so")).values()))
     partial = next(text for name, text in sass.items() if name.endswith("attention0_append_kernel"))
     assert "LDG" in partial and "STL" not in partial
+
+
+@needs_nvcc
+@pytest.mark.slow
+def test_the_cluster_combine_kernel_keeps_its_append():
+    """The cluster-combine attention has no form with the append inside: with both options the
+    fold leaves the decode step's append and its one attention kernel as they are."""
+    names = set(_kernels(_compile(True, cluster="on")))
+    assert any("decode_append" in n for n in names), names
+    assert {n for n in names if "cache_attention" in n} == {"decode_cache_attention0_kernel"}, names
 
 
 def test_substitute_replaces_the_block_vars():
