@@ -491,6 +491,24 @@ def test_decode_cluster_keeps_its_chunks_within_one_cluster():
                                     new_token=NewToken(lambda b, h, d: tvm.tirx.const(0, "float16")))
     with pytest.raises(ValueError, match="threads"):
         flash_decode_cache_primfunc(lm4, config=DecodeConfig(threads=200))
+    gc8 = AttentionSpec(1, 1, 2081, 32, 4, 128, "float16", 128 ** -0.5)  # 8 query heads a block
+    with pytest.raises(ValueError, match="shared memory"):  # 16 lane groups x 8 heads x 128 floats
+        flash_decode_cache_primfunc(gc8, config=DecodeConfig(cluster=True, threads=256))
+
+
+@pytest.mark.parametrize("q_heads, cluster, threads, unroll", [
+    (16, True, 256, 9),  # lm4: GC = 4; 16 chunks x 16 rows x 9 cover 2081 slots in one iteration
+    (16, False, 128, 8),
+    (32, True, 128, 8),  # GC = 8: 256 threads would need 64 KiB to merge; unroll 17 too many
+])
+def test_decode_config_threads_and_unroll_follow_the_cluster(q_heads, cluster, threads, unroll):
+    """``pick_config`` with ``threads`` 0: 256 threads with the cluster where a block merges ≤ 4
+    query heads, else 128; with the cluster the unroll rises to one iteration a block where that
+    is ≤ 10 rows a lane group and ≤ 40 scores a lane."""
+    spec = AttentionSpec(1, 1, 2081, q_heads, 4, 128, "float16", 128 ** -0.5)
+    cfg = pick_config(spec, 132, l2_prefetch=True, cluster=cluster)
+    assert (cfg.cluster, cfg.threads, cfg.unroll, cfg.pipeline) == (cluster, threads, unroll, False)
+    assert pick_config(spec, 132, cluster=cluster, threads=64).threads == 64
 
 
 def _pipelined(spec: CacheSpec, fused: bool = False) -> tvm.tirx.PrimFunc:
@@ -595,7 +613,7 @@ def test_decode_cluster_combine_follows_its_mode(mode, pdl, clusters, want, thre
     config = _decode_config(pdl, clusters, decode_cluster_combine=mode)
     assert (config["cluster"], config["threads"]) == (want, threads)
     assert _decode_config(pdl, clusters, decode_cluster_combine=mode,
-                          decode_attention_threads=512)["threads"] == 512
+                          decode_attention_threads=64)["threads"] == 64
     from tvmfuse.errors import InputSpecError
 
     with pytest.raises(InputSpecError, match="decode_cluster_combine"):

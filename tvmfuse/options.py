@@ -129,7 +129,7 @@ class Options:
     decode_cluster_combine: str = "pdl"
     # compile_lm decode attention (CUDA): threads per block of the split-KV kernel (16 lanes a key
     # row at head_dim 128: 128 threads take 8 rows at a time, 256 take 16); 0: 256 with the
-    # cluster combine, 128 without
+    # cluster combine where a block merges ≤ 4 query heads, else 128 (flash_decode.pick_config)
     decode_attention_threads: int = 0
     # CUDA targets: TVM's RewriteCUDAGraph captures the kernels between static allocations into a
     # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel).

@@ -244,7 +244,7 @@ def _row_macro(spec: CacheSpec, scope: str):
 
 def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = False,
                     l2_prefetch: bool = False, preload: bool = False, cluster: bool = False,
-                    threads: int = 128) -> tvm.tirx.PrimFunc:
+                    threads: int = 0) -> tvm.tirx.PrimFunc:
     """``(state, offsets, starts, out)``: decode attention (S = 1) over the cache, this step's
     query from the state (module doc). CUDA takes ``sync`` (``spec.sync_shape`` int32, zero
     before the first call, left zero) before ``out``: the split-KV flash-decoding kernel reading
@@ -254,7 +254,8 @@ def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = F
     cache rows into L2 and then waits for its predecessor itself; with ``preload`` as well, its
     first keys and values load into registers before that wait (``DecodeConfig.preload``);
     ``cluster`` (sm_90): the chunks of a head row combine inside a thread-block cluster, one
-    launch (``DecodeConfig.cluster``); ``threads`` per block of the split-KV kernel."""
+    launch (``DecodeConfig.cluster``); ``threads`` per block of the split-KV kernel (0: its
+    ``pick_config`` rule)."""
     Bm, Hq = spec.batch, spec.q_heads
     if spec.seq != 1:
         raise ValueError(f"cache_attention: one query per sequence (decode), not S = {spec.seq}")

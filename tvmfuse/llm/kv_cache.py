@@ -117,10 +117,10 @@ class _Rewrite(relax.PyExprMutator):
                 # programmatically, the batch-1 path it was measured on)
                 mode = opts.decode_cluster_combine
                 cluster = self.clusters and (mode == "on" or (mode == "pdl" and self.pdl))
-                threads = opts.decode_attention_threads or (256 if cluster else 128)
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
                         add(cache_attention(spec, self.cuda, opts.decode_fused_combine,
-                                            prefetch, preload, cluster, threads),
+                                            prefetch, preload, cluster,
+                                            opts.decode_attention_threads),
                             f"{self.prefix}cache_attention{n}"))
             else:
                 pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")

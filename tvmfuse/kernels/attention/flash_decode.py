@@ -162,27 +162,34 @@ def _chunks(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> tuple[int, int,
 
 _PIPELINE_MIN_ITERS = 8
 _MAX_UNROLL = 10  # rows a lane group holds at once (registers: 2·unroll·8 halves of K and V)
+_MAX_SCORES = 40  # unroll · GC scores a lane holds (registers)
+_MAX_STATIC_SMEM = 48 << 10  # bytes of static shared memory a CUDA block may declare
 
 
 def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
                 l2_prefetch: bool = False, preload: bool = False, cluster: bool = False,
-                threads: int = _THREADS) -> DecodeConfig:
+                threads: int = 0) -> DecodeConfig:
     """Unroll 8, or unroll 4 with the pipeline where each block loops ≥ 8 iterations (few
     splits: many sequences × KV heads fill the SMs). H200, ``bench_decode_cache.py`` (session 16,
     kernel alone): the 7B cache at batch 8, ctx 1024 (16 iterations a block at unroll 4)
     pipelined 34.98 µs vs 36.75 (unroll 8) and 38.1 (unroll 4); at batch 1 (≤ 4 iterations)
     the pipeline was slower: 7B 5.94 vs 5.54 µs, the 4-layer LM's cache 6.93 vs 6.22.
 
-    With ``cluster``: the unroll that lets one iteration of the (≤ 16) chunks cover every slot,
-    where it is ≤ 10. H100 (session 28, kernel alone, 256 threads, 2064 of 2081 slots visible as
-    in the 4-layer LM's decode): unroll 9 (one iteration) 6.00 µs vs unroll 8 (two) 7.18."""
+    ``threads`` 0: 256 with ``cluster`` where a block takes ≤ 4 query heads (the lane groups'
+    shared merge buffer, threads·8·GC floats, stays at 32 KiB), else 128. With ``cluster``: the
+    unroll that lets one iteration of the (≤ 16) chunks cover every slot, where it is ≤ 10 and
+    unroll·GC ≤ 40 (the scores' registers; lm4, GC = 4: 9, 177 registers, no spills). H100
+    (session 28, kernel alone, 256 threads, 2064 of 2081 slots visible as in the 4-layer LM's
+    decode): unroll 9 (one iteration) 6.00 µs vs unroll 8 (two) 7.18."""
+    GC = _head_chunks(spec)[0]
+    threads = threads or (256 if cluster and GC <= 4 else _THREADS)
     flags = {"fused_combine": fused_combine, "l2_prefetch": l2_prefetch,
              "preload": preload, "cluster": cluster, "threads": threads}
     base = DecodeConfig(**flags)
     if cluster:  # one iteration a block where ≤ _MAX_UNROLL rows a lane group cover every slot
         rows = _MAX_CLUSTER * (threads // (spec.head_dim // (_VEC if spec.dtype != "float32" else 4)))
         unroll = -(-_visible(spec)[1] // rows)
-        if base.unroll < unroll <= _MAX_UNROLL:
+        if base.unroll < unroll <= _MAX_UNROLL and unroll * GC <= _MAX_SCORES:
             base = DecodeConfig(unroll=unroll, **flags)
     piped = DecodeConfig(unroll=4, pipeline=True, **flags)
     _, L, per_iter = _chunks(spec, piped, sms)
@@ -286,6 +293,11 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     if NT % LPR or NT % 32 or not 0 < NT <= 1024:
         raise ValueError(f"flash decode: {NT} threads a block do not hold whole key rows of {LPR} lanes")
     NG = NT // LPR  # key rows in flight per unroll step
+    smem = 4 * (NG * GC * (D + 2) + (GC * (D + 2) if cfg.cluster else 0)
+                + (GC * D if new_token is not None else 0))
+    if smem > _MAX_STATIC_SMEM:
+        raise ValueError(f"flash decode: {NT} threads a block merging {GC} query heads need {smem} "
+                         f"bytes of shared memory (at most {_MAX_STATIC_SMEM}): fewer threads")
     U = cfg.unroll
     kbase, kv_eff = _visible(spec)  # kv_eff keys from kbase are visible
     n_split, L, per_iter = _chunks(spec, cfg, device_properties(target).sms)
