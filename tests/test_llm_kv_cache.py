@@ -685,6 +685,17 @@ def test_cuda_decode_cluster_numerics_on_the_gpu(spec, threads, l2, piped):
 
 
 @pytest.mark.gpu
+def test_cuda_decode_cluster_numerics_eight_heads_a_block():
+    """The cluster kernel as ``pick_config`` builds it for 8 query heads a KV head (GC = 8: 128
+    threads, unroll 8; ptxas spills a few bytes there, as the two-kernel default does)."""
+    spec = dataclasses.replace(DECODE, q_heads=16, kv_heads=2)
+    config = pick_config(spec.attention_spec(), 132, l2_prefetch=True, cluster=True)
+    assert (config.threads, config.unroll) == (128, 8)
+    _check_on_gpu(flash_decode_cache_primfunc(spec.attention_spec(), config=config).with_attr(
+        "global_symbol", "main"), spec)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("spec", [DECODE, MHA_DECODE], ids=["gqa", "mha"])
 @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "fused_combine"])
 def test_cuda_decode_pipelined_numerics_on_the_gpu(spec, fused):
