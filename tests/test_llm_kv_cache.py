@@ -496,19 +496,24 @@ def test_decode_cluster_keeps_its_chunks_within_one_cluster():
         flash_decode_cache_primfunc(gc8, config=DecodeConfig(cluster=True, threads=256))
 
 
-@pytest.mark.parametrize("q_heads, cluster, threads, unroll", [
-    (16, True, 256, 9),  # lm4: GC = 4; 16 chunks x 16 rows x 9 cover 2081 slots in one iteration
-    (16, False, 128, 8),
-    (32, True, 128, 8),  # GC = 8: 256 threads would need 64 KiB to merge; unroll 17 too many
+@pytest.mark.parametrize("batch, slots, q_heads, kv_heads, cluster, want", [
+    (1, 2081, 16, 4, True, (True, 256, 9)),  # lm4: 16 chunks x 16 rows x 9 cover 2081 slots at once
+    (1, 2081, 16, 4, False, (False, 128, 8)),
+    (4, 1000, 16, 2, True, (True, 128, 8)),  # GC = 8: 256 threads would need 64 KiB to merge
+    # GC = 8 at 2081 slots: 16 chunks of 128 threads serialise 24 rows a lane group against 8
+    (1, 2081, 32, 4, True, (False, 128, 8)),
+    (1, 4096, 8, 1, True, (False, 128, 8)),  # one KV head: 64 chunks without the cluster
 ])
-def test_decode_config_threads_and_unroll_follow_the_cluster(q_heads, cluster, threads, unroll):
+def test_decode_config_threads_and_unroll_follow_the_cluster(batch, slots, q_heads, kv_heads,
+                                                             cluster, want):
     """``pick_config`` with ``threads`` 0: 256 threads with the cluster where a block merges ≤ 4
     query heads, else 128; with the cluster the unroll rises to one iteration a block where that
-    is ≤ 10 rows a lane group and ≤ 40 scores a lane."""
-    spec = AttentionSpec(1, 1, 2081, q_heads, 4, 128, "float16", 128 ** -0.5)
+    is ≤ 10 rows a lane group and ≤ 40 scores a lane; and the cluster is dropped where its ≤ 16
+    chunks would give each lane group more than 1.25× the rows of the two-kernel config."""
+    spec = AttentionSpec(batch, 1, slots, q_heads, kv_heads, 128, "float16", 128 ** -0.5)
     cfg = pick_config(spec, 132, l2_prefetch=True, cluster=cluster)
-    assert (cfg.cluster, cfg.threads, cfg.unroll, cfg.pipeline) == (cluster, threads, unroll, False)
-    assert pick_config(spec, 132, cluster=cluster, threads=64).threads == 64
+    assert (cfg.cluster, cfg.threads, cfg.unroll, cfg.pipeline) == (*want, False)
+    assert pick_config(spec, 132, cluster=cluster, threads=64).threads == 64  # an explicit count
 
 
 def _pipelined(spec: CacheSpec, fused: bool = False) -> tvm.tirx.PrimFunc:
@@ -690,7 +695,7 @@ def test_cuda_decode_cluster_numerics_eight_heads_a_block():
     threads, unroll 8; ptxas spills a few bytes there, as the two-kernel default does)."""
     spec = dataclasses.replace(DECODE, q_heads=16, kv_heads=2)
     config = pick_config(spec.attention_spec(), 132, l2_prefetch=True, cluster=True)
-    assert (config.threads, config.unroll) == (128, 8)
+    assert (config.cluster, config.threads, config.unroll) == (True, 128, 8)
     _check_on_gpu(flash_decode_cache_primfunc(spec.attention_spec(), config=config).with_attr(
         "global_symbol", "main"), spec)
 

@@ -164,6 +164,9 @@ _PIPELINE_MIN_ITERS = 8
 _MAX_UNROLL = 10  # rows a lane group holds at once (registers: 2·unroll·8 halves of K and V)
 _MAX_SCORES = 40  # unroll · GC scores a lane holds (registers)
 _MAX_STATIC_SMEM = 48 << 10  # bytes of static shared memory a CUDA block may declare
+# the cluster's chunks (≤ 16) against the two-kernel config's, in rows a lane group works through:
+# lm4 (H100, session 28) won 4 % at 9 vs 8 rows, broke even at 16 vs 8, lost 3.7 % at 24 vs 8
+_CLUSTER_MAX_SERIAL = 1.25
 
 
 def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
@@ -178,10 +181,14 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     ``threads`` 0: 256 with ``cluster`` where a block takes ≤ 4 query heads (the lane groups'
     shared merge buffer, threads·8·GC floats, stays at 32 KiB), else 128. With ``cluster``: the
     unroll that lets one iteration of the (≤ 16) chunks cover every slot, where it is ≤ 10 and
-    unroll·GC ≤ 40 (the scores' registers; lm4, GC = 4: 9, 177 registers, no spills). H100
+    unroll·GC ≤ 40 (the scores' registers; lm4, GC = 4: 9, 177 registers, no spills). The
+    cluster is kept only where each lane group then works through ≤ 1.25× the key rows it would
+    without (few KV heads at long contexts, e.g. one KV head: 16 chunks would serialise what the
+    two-kernel config spreads over up to 128); else the two-kernel config is returned. H100
     (session 28, kernel alone, 256 threads, 2064 of 2081 slots visible as in the 4-layer LM's
     decode): unroll 9 (one iteration) 6.00 µs vs unroll 8 (two) 7.18."""
     GC = _head_chunks(spec)[0]
+    explicit = threads
     threads = threads or (256 if cluster and GC <= 4 else _THREADS)
     flags = {"fused_combine": fused_combine, "l2_prefetch": l2_prefetch,
              "preload": preload, "cluster": cluster, "threads": threads}
@@ -193,7 +200,18 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
             base = DecodeConfig(unroll=unroll, **flags)
     piped = DecodeConfig(unroll=4, pipeline=True, **flags)
     _, L, per_iter = _chunks(spec, piped, sms)
-    return piped if L // per_iter >= _PIPELINE_MIN_ITERS else base
+    picked = piped if L // per_iter >= _PIPELINE_MIN_ITERS else base
+    if cluster:  # ≤ 16 chunks must not lengthen each lane group's serial work much (doc)
+        plain = pick_config(spec, sms, fused_combine, l2_prefetch, preload, threads=explicit)
+        if _serial_rows(spec, picked, sms) > _CLUSTER_MAX_SERIAL * _serial_rows(spec, plain, sms):
+            return plain
+    return picked
+
+
+def _serial_rows(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> float:
+    """Key rows one lane group of a block works through: chunk length / lane groups a block."""
+    vec = _VEC if spec.dtype != "float32" else 4
+    return _chunks(spec, cfg, sms)[1] / (cfg.threads // (spec.head_dim // vec))
 
 
 def check(spec: AttentionSpec) -> str | None:
