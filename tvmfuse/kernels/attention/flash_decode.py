@@ -123,6 +123,16 @@ class NewToken:
     value: Callable
 
 
+def _vec(spec: AttentionSpec) -> int:
+    """Elements a lane loads at once (16 bytes; 4 floats in float32)."""
+    return _VEC if spec.dtype != "float32" else 4
+
+
+def _lane_groups(spec: AttentionSpec, threads: int) -> int:
+    """Key rows a block of ``threads`` loads at once (head_dim / vec lanes a row)."""
+    return threads // (spec.head_dim // _vec(spec))
+
+
 def _split_count(spec: AttentionSpec, cfg: DecodeConfig, blocks_per_split: int, kv_eff: int,
                  keys_per_iter: int, sms: int) -> int:
     most = min(_MAX_CLUSTER if cfg.cluster else _MAX_SPLITS,
@@ -148,8 +158,7 @@ def _visible(spec: AttentionSpec) -> tuple[int, int]:
 def _chunks(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> tuple[int, int, int]:
     """(n_split, L, per_iter): KV chunks, keys per chunk (a multiple of the keys one iteration
     takes, ``per_iter`` = 8 lane groups × ``unroll`` at 16 lanes a row)."""
-    vec = _VEC if spec.dtype != "float32" else 4
-    per_iter = cfg.threads // (spec.head_dim // vec) * cfg.unroll
+    per_iter = _lane_groups(spec, cfg.threads) * cfg.unroll
     _, kv_eff = _visible(spec)
     n_split = _split_count(spec, cfg, spec.batch * spec.kv_heads * _head_chunks(spec)[1], kv_eff,
                            per_iter, sms)
@@ -194,7 +203,7 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
              "preload": preload, "cluster": cluster, "threads": threads}
     base = DecodeConfig(**flags)
     if cluster:  # one iteration a block where ≤ _MAX_UNROLL rows a lane group cover every slot
-        rows = _MAX_CLUSTER * (threads // (spec.head_dim // (_VEC if spec.dtype != "float32" else 4)))
+        rows = _MAX_CLUSTER * _lane_groups(spec, threads)
         unroll = -(-_visible(spec)[1] // rows)
         if base.unroll < unroll <= _MAX_UNROLL and unroll * GC <= _MAX_SCORES:
             base = DecodeConfig(unroll=unroll, **flags)
@@ -210,8 +219,7 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
 
 def _serial_rows(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> float:
     """Key rows one lane group of a block works through: chunk length / lane groups a block."""
-    vec = _VEC if spec.dtype != "float32" else 4
-    return _chunks(spec, cfg, sms)[1] / (cfg.threads // (spec.head_dim // vec))
+    return _chunks(spec, cfg, sms)[1] / _lane_groups(spec, cfg.threads)
 
 
 def check(spec: AttentionSpec) -> str | None:
@@ -220,7 +228,7 @@ def check(spec: AttentionSpec) -> str | None:
         return f"needs q_len == 1, not {spec.q_len}"
     if spec.dtype not in ("float16", "bfloat16", "float32"):
         return f"dtype {spec.dtype} unsupported"
-    vec = _VEC if spec.dtype != "float32" else 4
+    vec = _vec(spec)
     lanes = spec.head_dim // vec
     if spec.head_dim % vec or lanes & (lanes - 1) or _THREADS % lanes:
         return f"head_dim {spec.head_dim} unsupported"
@@ -277,7 +285,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     reason = check(spec)
     if reason is not None:  # callers ask check() first; reaching this is a caller's bug
         raise ValueError(f"flash decode: {reason}")
-    vec = _VEC if spec.dtype != "float32" else 4
+    vec = _vec(spec)
     cfg = config or DecodeConfig()
     B, Skv, Hq, Hkv, D = spec.batch, spec.kv_len, spec.q_heads, spec.kv_heads, spec.head_dim
     G = spec.group
@@ -311,8 +319,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     if NT % LPR or NT % 32 or not 0 < NT <= 1024:
         raise ValueError(f"flash decode: {NT} threads a block do not hold whole key rows of {LPR} lanes")
     NG = NT // LPR  # key rows in flight per unroll step
-    smem = 4 * (NG * GC * (D + 2) + (GC * (D + 2) if cfg.cluster else 0)
-                + (GC * D if new_token is not None else 0))
+    smem = 4 * (NG * GC * (D + 2) + (GC * (D + 2) if cluster else 0) + (GC * D if folded else 0))
     if smem > _MAX_STATIC_SMEM:
         raise ValueError(f"flash decode: {NT} threads a block merging {GC} query heads need {smem} "
                          f"bytes of shared memory (at most {_MAX_STATIC_SMEM}): fewer threads")
