@@ -607,6 +607,17 @@ def test_decode_preload_follows_the_option_under_programmatic_launch(pdl, option
     assert config["l2_prefetch"] == pdl
 
 
+@pytest.mark.parametrize("threads, cluster", [(200, "off"), (512, "pdl")],
+                         ids=["not_whole_warps", "shared_memory"])
+def test_decode_attention_threads_it_cannot_take_name_the_option(threads, cluster):
+    """A thread count the split-KV kernel cannot take (not whole warps; a merge buffer past 48 KiB
+    of shared memory) stops compile_lm's cache derivation with a CompileError that names the
+    decode attention, its heads and ``Options.decode_attention_threads``."""
+    with pytest.raises(CompileError, match=r"decode attention 'main_cache_attention0' \(8 q / 2 KV "
+                       r"heads, head_dim 128\) with Options.decode_attention_threads=" + str(threads)):
+        _decode_config(True, True, decode_attention_threads=threads, decode_cluster_combine=cluster)
+
+
 @pytest.mark.parametrize("mode, pdl, clusters, want, threads", [
     ("pdl", True, True, True, 256), ("pdl", False, True, False, 128), ("on", False, True, True, 256),
     ("on", True, False, False, 128), ("off", True, True, False, 128)])

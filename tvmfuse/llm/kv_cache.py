@@ -117,11 +117,18 @@ class _Rewrite(relax.PyExprMutator):
                 # programmatically, the batch-1 path it was measured on)
                 mode = opts.decode_cluster_combine
                 cluster = self.clusters and (mode == "on" or (mode == "pdl" and self.pdl))
+                name = f"{self.prefix}cache_attention{n}"
+                try:
+                    attention = cache_attention(spec, self.cuda, opts.decode_fused_combine,
+                                                prefetch, preload, cluster,
+                                                opts.decode_attention_threads)
+                except ValueError as err:  # a thread count the kernel cannot take
+                    raise CompileError(f"compile_lm: decode attention {name!r} ({spec.q_heads} q / "
+                                       f"{spec.kv_heads} KV heads, head_dim {spec.head_dim}) with "
+                                       f"Options.decode_attention_threads="
+                                       f"{opts.decode_attention_threads}: {err}") from err
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
-                        add(cache_attention(spec, self.cuda, opts.decode_fused_combine,
-                                            prefetch, preload, cluster,
-                                            opts.decode_attention_threads),
-                            f"{self.prefix}cache_attention{n}"))
+                        add(attention, name))
             else:
                 pair = tuple(add(kv_append(spec, region, self.cuda), f"{self.prefix}{kv}_append{n}")
                              for region, kv in ((0, "k"), (1, "v")))

@@ -317,7 +317,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     LPR = D // vec  # lanes per key row
     NT = cfg.threads
     if NT % LPR or NT % 32 or not 0 < NT <= 1024:
-        raise ValueError(f"flash decode: {NT} threads a block do not hold whole key rows of {LPR} lanes")
+        raise ValueError(f"flash decode: {NT} threads a block: need whole warps (a multiple of 32, at "
+                         f"most 1024) holding whole key rows of {LPR} lanes")
     NG = NT // LPR  # key rows in flight per unroll step
     smem = 4 * (NG * GC * (D + 2) + (GC * (D + 2) if cluster else 0) + (GC * D if folded else 0))
     if smem > _MAX_STATIC_SMEM:
