@@ -154,9 +154,11 @@ _PDL_AT_2 = {"programmatic_launch_max_batch": 2}  # max_batch 2 would otherwise 
                                      {"decode_fold_append": True, "decode_cluster_combine": "off",
                                       "gemv_prefetch_after_attention": True, **_PDL_AT_2},
                                      {"gemv_preload_weights": True, **_PDL_AT_2},
-                                     {"decode_cluster_combine": "on"}],
+                                     {"decode_cluster_combine": "on"},
+                                     {"decode_gemv_append": True, **_PDL_AT_2},
+                                     {"decode_gemv_append": True}],
                          ids=["default", "prefetch_after_attention", "fold_and_prefetch", "preload",
-                              "cluster_without_pdl"])
+                              "cluster_without_pdl", "gemv_append", "gemv_append_without_pdl"])
 def test_sm90_generate_on_the_gpu(tmp_path, options):
     """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU), with the
     decode options that change kernels off their defaults too (those that act only on kernels

@@ -106,6 +106,10 @@ class Options:
     # (rules/fold_decode_append.py). Off: no faster on the H200 (the 4-layer LM at ctx 2048,
     # same call: 0.1631 ms/token folded vs 0.1629 not, session 17); numerics pass both ways
     decode_fold_append: bool = False
+    # compile_lm decode (CUDA): the append (RoPE of q and k, the K/V row into the cache) made by
+    # the QKV GEMV's epilogue (rules/gemv_append.py): one launch a layer fewer and no qkv round
+    # trip between kernels. Off: not measured on a GPU yet
+    decode_gemv_append: bool = False
     # compile_lm decode attention with programmatic launch (sm_90+): a layer's cache of at most
     # this many bytes is prefetched into L2 by the attention kernel before it waits for the append
     # kernel (the old rows load while the append runs); 0: never. Larger caches (the 7B at batch 8:

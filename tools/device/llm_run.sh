@@ -18,6 +18,10 @@
 #   gemv_lm4  bench_gemv at M = 1 over the 4-layer LM's shapes, CUDA-core configs swept      (~60 s)
 #   cluster   the cluster-combine decode attention: its GPU numerics, the kernel alone (lm4 at 2048
 #             and 2064 slots, 128/256 threads) and lm4 decode with it, interleaved    (~170 s)
+#   gappend   the QKV GEMV making the cache append (Options.decode_gemv_append): its GPU generate
+#             tests, then lm4 decode with and without it, interleaved                  (~300 s)
+#   ga7b4     the 7B shapes with 4 layers, ctx 1024: decode_gemv_append A/B at batch 1, and at
+#             batch 8 beside decode_cluster_combine=on                                  (~300 s)
 #   b8cluster the 7B shapes with 4 layers at batch 8 (no PDL): decode_cluster_combine "on" vs the
 #             default ("pdl": off there), interleaved                                   (~120 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
@@ -62,8 +66,17 @@ for s in "$@"; do
                --out "$OUT/cl_lm4.json" ;;
     b8cluster) step b8cluster 200 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
                  --batch 8 --no-compile --ab decode_cluster_combine=on --out "$OUT/b8cluster.json" ;;
+    gappend) step t_gappend 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_llm_compile_lm.py \
+               -k "gemv_append or cluster_without_pdl"
+             step ga_lm4 300 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
+               --no-compile --ab decode_gemv_append=True --out "$OUT/ga_lm4.json" ;;
+    ga7b4) step ga7b4_b1 200 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
+             --no-compile --ab decode_gemv_append=True --out "$OUT/ga7b4_b1.json"
+           step ga7b4_b8 200 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
+             --batch 8 --no-compile --ab decode_gemv_append=True --ab decode_cluster_combine=on \
+             --out "$OUT/ga7b4_b8.json" ;;
     gemv_lm4) step gemv_lm4 200 python3 tools/bench/bench_gemv.py --shapes lm4 --ms 1 \
                 --configs auto,simt:4:8:4,simt:8:4:4,simt:2:8:8,simt:8:8:8 --out "$OUT/gemv_lm4.json" ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster)"; exit 2 ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster gappend ga7b4)"; exit 2 ;;
   esac
 done

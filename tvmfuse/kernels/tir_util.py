@@ -48,13 +48,16 @@ class UnknownExpr(Exception):
     """An expression kind :func:`rebuild` does not know (the caller's rewrite does not apply)."""
 
 
-def rebuild(expr: tirx.PrimExpr, post) -> tirx.PrimExpr:
+def rebuild(expr: tirx.PrimExpr, post, pre=None) -> tirx.PrimExpr:
     """``expr`` rebuilt bottom-up, each node passed through ``post(node)`` after its children
     (TVM 0.27 exposes no TIR expression mutator to Python). Vars, constants, arithmetic and
     comparisons, ``Not``, casts, ``Select``, buffer loads and intrinsic calls are rebuilt; any
-    other node raises :class:`UnknownExpr`."""
+    other node raises :class:`UnknownExpr`. ``pre(node)``, where given, is asked first: a
+    PrimExpr it returns replaces the node and its children are not visited (None: go on)."""
 
     def visit(e):
+        if pre is not None and (new := pre(e)) is not None:
+            return new
         if isinstance(e, (tirx.Var, tirx.IntImm, tirx.FloatImm)):
             new = e
         elif isinstance(e, (*BINARY_OPS, tirx.Mod)):

@@ -32,6 +32,7 @@ import tvm
 from tvm import relax, s_tir, tirx
 
 from ..attrs import CACHE_ATTENTION_ATTR
+from ..errors import TVM_ERRORS
 from ..kernels.attention.flash_decode import DecodeConfig, NewToken, flash_decode_cache_primfunc
 from ..kernels.attention.spec import AttentionSpec
 from ..kernels.tir_util import UnknownExpr, dtype_of, substitute
@@ -40,24 +41,26 @@ from ..options import current_options
 NAME = "fold_decode_append"
 
 
-def _append_store(func: tirx.PrimFunc, shape: tuple[int, ...]) -> tuple[list, tirx.BufferStore] | None:
-    """(iter vars (b, s, h, d), the store) of ``func``'s ``append`` block once every other block is
-    inlined into it; None when that fails or the block is not the decode append of ``shape``."""
+def append_store(func: tirx.PrimFunc, shape: tuple[int, ...]
+                 ) -> tuple[list, tirx.PrimExpr | None, tirx.BufferStore] | None:
+    """(iter vars (b, s, h, d), the store's guard (None: none), the store) of ``func``'s
+    ``append`` block once every other block is inlined into it; None when that fails or the block
+    is not the decode append of ``shape``."""
     try:
         sch = s_tir.Schedule(func)
         for block in sch.get_child_blocks(sch.get_sblock("root")):
             if sch.get(block).name_hint != "append":
                 sch.compute_inline(block)
         block = sch.get(sch.get_sblock("append"))
-    except (s_tir.ScheduleError, tvm.TVMError, ValueError):
+    except (s_tir.ScheduleError, *TVM_ERRORS):
         return None
     ivs = list(block.iter_vars)
     if [int(iv.dom.extent) for iv in ivs] != list(shape):
         return None
-    body = block.body
+    body, guard = block.body, None
     if isinstance(body, tirx.IfThenElse) and body.else_case is None:
-        body = body.then_case
-    return (ivs, body) if isinstance(body, tirx.BufferStore) else None
+        body, guard = body.then_case, body.condition
+    return (ivs, guard, body) if isinstance(body, tirx.BufferStore) else None
 
 
 def _state_index(append: relax.Call) -> int | None:
@@ -79,10 +82,10 @@ def _fold_kernel(mod: tvm.IRModule, append: relax.Call, attention: relax.Call
     config = DecodeConfig(**meta["config"])
     if config.cluster:  # the cluster kernel has no append inside (flash_decode_cache_primfunc)
         return None
-    found = _append_store(afunc, (spec.batch, 1, spec.q_heads + 2 * spec.kv_heads, spec.head_dim))
+    found = append_store(afunc, (spec.batch, 1, spec.q_heads + 2 * spec.kv_heads, spec.head_dim))
     if found is None:
         return None
-    ivs, store = found
+    ivs, _guard, store = found  # the kernel writes the newest slot only where it is in the cache
     if not store.buffer.same_as(afunc.params[state_index]):  # a param is its buffer (0.27)
         return None
 

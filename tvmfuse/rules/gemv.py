@@ -26,6 +26,8 @@ pass returns the module unchanged.
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 from tvm import relax, s_tir, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
@@ -50,6 +52,8 @@ from ..passes._util import const_array
 from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
+from .gemv_append import NAME as APPEND_NAME
+from .gemv_append import AppendSite, append_sites, gather_for
 from .programmatic_launch import active as pdl_active
 from .programmatic_launch import launches_programmatically
 
@@ -106,13 +110,16 @@ def max_m() -> int:
 
 def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transposed: bool = False,
                  in_loop: InLoopStats | None = None, after_attention: bool = False,
-                 preload: bool = False) -> tirx.PrimFunc:
+                 preload: bool = False, append: tuple[tirx.PrimFunc, AppendSite] | None = None
+                 ) -> tirx.PrimFunc:
     """The GEMV kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads W as (K, N), the kernel takes its transpose (N, K) (the
     caller passes the transposed weight). ``in_loop``: the kernel computes x's row statistics;
     its signature is ``func``'s without the statistics parameters. ``after_attention``: x is a
-    decode attention's output (:func:`l2_prefetch_bytes`).
+    decode attention's output (:func:`l2_prefetch_bytes`). ``append``: the decode append PrimFunc
+    reading the output and where (:mod:`.gemv_append`): the kernel makes its stores instead of
+    writing y; its signature is ``func``'s without y, then the append's without the GEMV's output.
     """
     g = analyze(func)
     if g.m > MAX_M:
@@ -130,12 +137,25 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemvConfig | None = None, b_transpose
     expr = opmath(g.expr, g.out_dtype)  # the chain in fp32 on the sum, one rounding
     buffers, positions, store_value, pair_value = kernel_signature(func, g, expr, b_transposed,
                                                                    in_loop)
+    gather, l2_prefetch = None, l2_prefetch_bytes(Target.current(allow_none=True), after_attention)
+    if append is not None:
+        if problem.pair:
+            raise NotHandled("a pair epilogue feeds the append")
+        if cfg.rows == 1:  # RoPE pairs need two rows a block (few rows: N < 2 · SMs)
+            cfg = dataclasses.replace(cfg, rows=2)
+        gather = gather_for(append[0], append[1], g.m, g.n, cfg.rows, g.out_dtype)
+        if isinstance(gather, str):
+            raise NotHandled(gather)
+        a, b, out = positions
+        buffers = [*(p for i, p in enumerate(buffers) if i != out),
+                   *(p for i, p in enumerate(append[0].params) if i != append[1].qkv)]
+        positions = (a - (a > out), b - (b > out), None)
+        l2_prefetch = 0
     kernel = gemv_kernel(problem, cfg, buffers, *positions, store_value, pair_value,
                          row_stats=in_loop.stats if in_loop is not None else None,
-                         l2_prefetch=l2_prefetch_bytes(Target.current(allow_none=True),
-                                                       after_attention),
-                         preload=preload)
-    return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: NAME, TILE_ATTR: cfg.tag})
+                         l2_prefetch=l2_prefetch, preload=preload, gather=gather)
+    rule = NAME if gather is None else APPEND_NAME
+    return kernel.with_attrs({"tirx.is_scheduled": True, RULE_ATTR: rule, TILE_ATTR: cfg.tag})
 
 
 class Gemv(GPUScheduleRule):
@@ -164,27 +184,30 @@ class _Plan:
     def __init__(self) -> None:
         self.kernels: dict = {}  # (gvar, b_transposed, in_loop) → PrimFunc | reason str
         self.calls: list = []  # (call, key, args)
+        self.appends: list = []  # (append call, key, args, in-place index): gemv_append
         self.stats_names: dict = {}  # key → the statistics PrimFunc's name (for the report)
         self.transposed = weight_arrays.DerivedConstants()  # (N, K) copies, one per (K, N) weight
 
     def kernel(self, mod, gvar, b_transposed, in_loop, after_attention=False,
-               preload=False) -> tirx.PrimFunc | str:
-        key = _key(gvar, b_transposed, in_loop, after_attention, preload)
+               preload=False, append: AppendSite | None = None) -> tirx.PrimFunc | str:
+        key = _key(gvar, b_transposed, in_loop, after_attention, preload, append)
         if key not in self.kernels:
             try:
-                self.kernels[key] = build_kernel(mod[gvar], b_transposed=b_transposed,
-                                                 in_loop=in_loop, after_attention=after_attention,
-                                                 preload=preload)
+                self.kernels[key] = build_kernel(
+                    mod[gvar], b_transposed=b_transposed, in_loop=in_loop,
+                    after_attention=after_attention, preload=preload,
+                    append=None if append is None else (mod[append.call.args[0]], append))
             except NotHandled as why:
                 self.kernels[key] = str(why)
         return self.kernels[key]
 
 
 def _key(gvar, b_transposed: bool, in_loop: InLoopStats | None, after_attention: bool = False,
-         preload: bool = False) -> tuple:
+         preload: bool = False, append: AppendSite | None = None) -> tuple:
     """A dict key for one kernel variant (InLoopStats is not hashable)."""
     stats = None if in_loop is None else (in_loop.stats, in_loop.mean, in_loop.rstd)
-    return gvar, b_transposed, stats, after_attention, preload
+    site = None if append is None else (append.call.args[0], append.qkv, append.state)
+    return gvar, b_transposed, stats, after_attention, preload, site
 
 
 def _attention_outputs(mod: tvm.IRModule, func: relax.Function) -> set:
@@ -248,6 +271,7 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
         else:
             stats_for += mine
     attention_out = _attention_outputs(mod, func)
+    sites = append_sites(mod, func) if current_options().decode_gemv_append else {}
     for binding in (b for block in func.body.blocks for b in block.bindings):
         call = binding.value
         if not (isinstance(call, relax.Call) and call.op == call_tir and call.args[0] in gemms):
@@ -270,6 +294,17 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
         args[g.b] = weight[1]
         if in_loop is not None:
             args = [a for i, a in enumerate(args) if i not in in_loop.dropped]
+        site = sites.get(binding.var)
+        if site is not None and not isinstance(
+                plan.kernel(mod, gv, weight[0], in_loop, after_attention, preload, site), str):
+            # the append's stores made by this kernel: the append call is replaced, this one dies
+            key = _key(gv, weight[0], in_loop, after_attention, preload, site)
+            a_args = list(site.call.args[1].fields)
+            plan.appends.append((site.call, key, [*args, *(a for i, a in enumerate(a_args)
+                                                           if i != site.qkv)],
+                                 len(args) + site.state - (site.state > site.qkv)))
+            plan.stats_names[key] = stats_name
+            continue
         key = _key(gv, weight[0], in_loop, after_attention, preload)
         plan.calls.append((call, key, args))
         plan.stats_names[key] = stats_name
@@ -287,26 +322,36 @@ def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass na
     mod = mod.clone()  # assigned into below: not the caller's module
     for gv, why in refused.items():
         mod[gv] = mod[gv].with_attr(FALLBACK_ATTR, f"{NAME}: {why}")
-    if not plan.calls:
+    if not plan.calls and not plan.appends:
         return mod
     call_tir = tvm.ir.Op.get(_CALL_TIR)
     added: dict = {}
 
     @mutator
     class _Rewrite(PyExprMutator):
-        def visit_call_(self, call):
-            found = next(((k, a) for c, k, a in plan.calls if c.same_as(call)), None)
-            if found is None:
-                return super().visit_call_(call)
-            key, args = found
+        def kernel(self, key) -> tvm.ir.GlobalVar:
             if key not in added:
-                gv, _, in_loop, _, _ = key
+                gv, in_loop, site = key[0], key[2], key[5]
                 kernel = plan.kernels[key].with_attr(REPLACES_ATTR, gv.name_hint)
                 if in_loop is not None:  # the report counts the statistics in this kernel
                     kernel = kernel.with_attr(IN_LOOP_ATTR,
                                               [gv.name_hint, plan.stats_names[key]])
-                added[key] = self.builder_.add_func(kernel, f"{gv.name_hint}_gemv")
-            return relax.Call(call_tir, [added[key], relax.Tuple(args)], call.attrs, call.ty_args)
+                suffix = "gemv" if site is None else APPEND_NAME
+                added[key] = self.builder_.add_func(kernel, f"{gv.name_hint}_{suffix}")
+            return added[key]
+
+        def visit_call_(self, call):
+            appended = next(((k, a, i) for c, k, a, i in plan.appends if c.same_as(call)), None)
+            if appended is not None:
+                key, args, inplace = appended
+                return relax.op.call_tir_inplace(self.kernel(key), relax.Tuple(args), [inplace],
+                                                 call.ty_args[0])
+            found = next(((k, a) for c, k, a in plan.calls if c.same_as(call)), None)
+            if found is None:
+                return super().visit_call_(call)
+            key, args = found
+            return relax.Call(call_tir, [self.kernel(key), relax.Tuple(args)], call.attrs,
+                              call.ty_args)
 
     rewriter = _Rewrite(mod)
     for gv, func in list(mod.functions_items()):

@@ -22,18 +22,20 @@ from ..passes._util import const_array
 
 
 class TransposedTwins:
-    """The 2-D tensor constants passed to ``call_tir`` anywhere in ``mod``, by (shape, dtype), and
-    how many ``call_tir`` arguments each one is (``uses``, by the constant's handle)."""
+    """The 2-D tensor constants passed to ``call_tir`` (or ``call_tir_inplace``) anywhere in
+    ``mod``, by (shape, dtype), and how many such arguments each one is (``uses``, by the
+    constant's handle)."""
 
     def __init__(self, mod: tvm.IRModule) -> None:
         self.by_shape: dict[tuple, list] = {}
         self.uses: dict[int, int] = {}
         self.arrays: dict[int, np.ndarray] = {}
         self.found: dict[int, relax.Constant | None] = {}
-        call_tir = tvm.ir.Op.get("relax.call_tir")
+        # call_tir_inplace too: the decode QKV GEMV that makes the cache append (.gemv_append)
+        calls = (tvm.ir.Op.get("relax.call_tir"), tvm.ir.Op.get("relax.call_tir_inplace"))
 
         def visit(expr) -> None:
-            if isinstance(expr, relax.Call) and expr.op == call_tir:
+            if isinstance(expr, relax.Call) and any(expr.op.same_as(op) for op in calls):
                 for arg in expr.args[1].fields:
                     ty = arg.ty if isinstance(arg, tvm.ir.expr.Constant) else None
                     if isinstance(ty, relax.TensorType) and ty.ndim == 2 and ty.shape is not None:

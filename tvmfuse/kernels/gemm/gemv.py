@@ -58,6 +58,7 @@ rstd = rsqrt(max(s2/K − (s1/K)², 0) + eps); RMSNorm s2 = Σx², rstd = rsqrt(
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -121,6 +122,30 @@ class GemvProblem:
     in_dtype: str
     out_dtype: str
     pair: bool = False
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """The GEMV's outputs consumed inside the block instead of stored to y (module doc, *gather*).
+
+    ``row_of(j)``: the row of W (and of the GEMM's output) kernel row ``j`` computes, a bijection
+    of [0, N) under which every row a block's stores read is one of that block's rows;
+    ``kernel_row(n)`` its inverse. Output ``(m, n)`` (row m of x, GEMM row n) makes one store,
+    under a condition: ``guard(m, n)``. Its data loads that the store evaluates whenever it is
+    made (not under a select's branch: RoPE tables, positions) are issued early, while W streams:
+    ``early(m, n, "float", k)`` is the k-th float one as float32 (k < ``counts[0]``),
+    ``early(m, n, "int", k)`` the k-th integer one as int64 (k < ``counts[1]``), each evaluated
+    only where the guard holds. ``store(m, n, load, early)`` gives ``(buffer, indices, value)``
+    of the store, reading the GEMM's output through ``load(m2, n2)`` (y[m2, n2] after the GEMM's
+    own epilogue, in y's dtype, from shared memory) and the early values through ``early(k)``
+    (the float ones first)."""
+
+    row_of: Callable[[PrimExpr], PrimExpr]
+    kernel_row: Callable[[PrimExpr], PrimExpr]
+    guard: Callable[[PrimExpr, PrimExpr], PrimExpr]
+    early: Callable[[PrimExpr, PrimExpr, str, PrimExpr], PrimExpr]
+    counts: tuple[int, int]
+    store: Callable
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -217,6 +242,19 @@ def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4,
     return cfg
 
 
+def _early_value(ef: tirx.Buffer, ei: tirx.Buffer, o: PrimExpr, n_ef: int, n_ei: int,
+                 k: int) -> PrimExpr:
+    """Early value k of a gather kernel thread's output ``o`` (:class:`RowGather`)."""
+    return ef[o * n_ef + k] if k < n_ef else ei[o * (n_ei + 1) + k - n_ef]
+
+
+def _block_output(yb: tirx.Buffer, n0: PrimExpr, rows: int, kernel_row: Callable,
+                  m: PrimExpr, n: PrimExpr) -> PrimExpr:
+    """y[m, n] of a gather kernel's block (rows n0 .. n0 + rows in kernel order) from its shared
+    copy; an n of another block is clamped into this one (the caller proved none is read)."""
+    return yb[m * rows + T.max(T.min(kernel_row(n) - n0, rows - 1), 0)]
+
+
 RowStatValues = tuple  # (mean, rstd) of the output's row
 # ``store_value(acc, row, col, stats)``: the value stored at y[row, col] from the sum ``acc``
 StoreValue = Callable[[PrimExpr, PrimExpr, PrimExpr, "RowStatValues | None"], PrimExpr]
@@ -228,21 +266,28 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 a_param: int, b_param: int, c_param: int, store_value: StoreValue | None = None,
                 pair_value: PairValue | None = None,
                 row_stats: RowStats | None = None, l2_prefetch: int = 0,
-                preload: bool = False) -> tirx.PrimFunc:
+                preload: bool = False, gather: RowGather | None = None) -> tirx.PrimFunc:
     """The kernel as a scheduled s_tir PrimFunc over ``params`` (the fused function's signature);
     x, W, y are the parameters at the given positions (x (M, K), W (N, K), y (M, N) or (M, N/2)
     with ``pair_value``). ``store_value`` / ``pair_value`` as in :func:`.sm90.gemm_kernel`;
     ``stats`` is ``(mean, rstd)`` of the row with ``row_stats``, else None. ``l2_prefetch`` > 0
     (sm_90 only): that many bytes of the block's W rows go to L2 before ``griddepcontrol.wait``.
     ``preload`` (sm_90 only; the register engines, not the ring): the first iteration's W vectors
-    are loaded before the wait (module doc)."""
+    are loaded before the wait (module doc). ``gather``: the outputs go to ``gather.store``
+    instead of y (W's rows in ``gather.row_of`` order; no pair epilogue, no L2 prefetch)."""
     p = problem
     reason = check(p, cfg, row_stats)
     if reason:
         raise ValueError(reason)
+    if gather is not None and (p.pair or l2_prefetch):
+        raise ValueError("a gather epilogue takes neither a pair epilogue nor an L2 prefetch")
+    w_row = gather.row_of if gather is not None else (lambda j: j)
+    gather_on = gather is not None
+    n_ef, n_ei = gather.counts if gather_on else (0, 0)
     if (pair_value is not None) != p.pair:
         raise ValueError("pair_value must be given exactly for a pair problem")
-    x, w, y = params[a_param], params[b_param], params[c_param]
+    x, w = params[a_param], params[b_param]
+    y = params[c_param] if gather is None else None
     in_dtype, out_dtype = p.in_dtype, p.out_dtype
     value = store_value or (lambda acc, row, col, stats: T.Cast(out_dtype, acc))
     rows, warps, unroll, chunk = cfg.rows, cfg.warps, cfg.unroll, cfg.chunk
@@ -328,6 +373,11 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
             av = T.alloc_buffer((unroll * p.m * VEC,), in_dtype, scope="local", align=16)
         if has_stats:
             st = T.alloc_buffer((n_stats * m_pad,), "float32", scope="local")
+        if gather_on:  # the block's outputs: y[m, row_of(n0 + j)] at yb[m · rows + j]
+            yb = T.alloc_buffer((p.m * rows,), out_dtype, scope="shared")
+            # per output of the thread: the early loads (float32, then int64 and the guard)
+            ef = T.alloc_buffer((max(1, out_iters * n_ef),), "float32", scope="local")
+            ei = T.alloc_buffer((out_iters * (n_ei + 1),), "int64", scope="local")
         total = T.alloc_buffer((4,), "float32", scope="local")  # products (2), s1, s2
         wid = tx // WARP
         lane = tx % WARP
@@ -386,7 +436,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                     T.cuda.cvta_generic_to_shared(T.address_of(ring[
                         (wid * stages + slot) * stage_elems + r * ring_row
                         + (t * WARP + lane) % vec_per_row * VEC])),
-                    T.address_of(w[T.min(n0 + r, p.n - 1), T.min(kk, p.k - VEC)]),
+                    T.address_of(w[w_row(T.min(n0 + r, p.n - 1)), T.min(kk, p.k - VEC)]),
                     16,
                     T.Cast("uint32", T.if_then_else(n0 + r < p.n and kk < p.k, 16, 0)),
                 )
@@ -399,16 +449,37 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 for j in T.unroll(nt):
                     if kq < p.k and n0 + j * 8 + lane // 4 < p.n:
                         bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = w[
-                            n0 + j * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
+                            w_row(n0 + j * 8 + lane // 4), T.Ramp(kq, 1, VEC)]
                     else:
                         bv[T.Ramp((u * nt + j) * VEC, 1, VEC)] = zeros()
             else:
                 kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
                 for r in T.unroll(rows):
                     if n0 + r < p.n:
-                        bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = w[n0 + r, T.Ramp(kv, 1, VEC)]
+                        bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = w[w_row(n0 + r),
+                                                                      T.Ramp(kv, 1, VEC)]
                     else:
                         bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = zeros()
+
+        @T.inline
+        def gather_early(it):
+            # iteration 0, after its loads are issued: the stores' data loads (RoPE tables,
+            # positions, the guard's) go out while W streams, into ef / ei
+            if gather_on:
+                if it == 0:
+                    for o in T.unroll(out_iters):
+                        idx = T.meta_var(o * cfg.threads + tx)
+                        row = T.meta_var(idx // rows)
+                        n_g = T.meta_var(w_row(bx * rows + idx % rows))
+                        if idx < outputs and bx * rows + idx % rows < p.n:
+                            ei[o * (n_ei + 1) + n_ei] = T.Cast("int64", gather.guard(row, n_g))
+                            if ei[o * (n_ei + 1) + n_ei] != T.int64(0):
+                                for k in T.unroll(n_ef):
+                                    ef[o * n_ef + k] = gather.early(row, n_g, "float", k)
+                                for k in T.unroll(n_ei):
+                                    ei[o * (n_ei + 1) + k] = gather.early(row, n_g, "int", k)
+                        else:
+                            ei[o * (n_ei + 1) + n_ei] = T.int64(0)
 
         @T.inline
         def loop_w_chunk(it, u):
@@ -457,6 +528,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 T.ptx["cp.async.wait_group"](stages - 1)
                 T.cuda.warp_sync()
                 base = T.meta_var((wid * stages + it % stages) * stage_elems)
+                gather_early(it)
                 for sl in T.unroll(slabs):  # x of every slab first: one L1/L2 round trip a step
                     kx = T.meta_var((it * warps + wid) * chunk + sl * MMA_CHUNK + (lane % 4) * VEC)
                     for j in T.unroll(xt):
@@ -493,6 +565,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                                     i * 16 + h * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
                             else:
                                 av[T.Ramp(((u * mt + i) * 2 + h) * VEC, 1, VEC)] = zeros()
+                gather_early(it)
                 for u in T.unroll(unroll):
                     if has_stats:
                         # after every load of the iteration is issued: summed right after its own
@@ -512,6 +585,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                         loop_w_chunk(it, u)
                         for m in T.unroll(p.m):
                             av[T.Ramp((u * p.m + m) * VEC, 1, VEC)] = x[m, T.Ramp(kv, 1, VEC)]
+                gather_early(it)
                 for u in T.unroll(unroll):
                     kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
                     if kv < p.k:
@@ -587,11 +661,27 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                         total[2] = total[2] + red[red_size + (v * m_pad + row) * 2]
                         total[3] = total[3] + red[red_size + (v * m_pad + row) * 2 + 1]
                 stats = T.meta_var(stat_values(total, row) if has_stats else None)
-                if p.pair:
+                if gather_on:
+                    yb[row * rows + col] = value(total[0], row, w_row(bx * rows + col), stats)
+                elif p.pair:
                     y[row, bx * out_cols + col] = pair_value(total[0], total[1], row,
                                                              bx * out_cols + col, stats)
                 else:
                     y[row, bx * out_cols + col] = value(total[0], row, bx * out_cols + col, stats)
+        if gather_on:
+            # every output of the block is in yb: each thread makes the stores of its outputs
+            T.tvm_storage_sync("shared")
+            for o in T.unroll(out_iters):
+                idx = T.meta_var(o * cfg.threads + tx)
+                row = T.meta_var(idx // rows)
+                col = T.meta_var(idx % rows)
+                if idx < outputs and bx * rows + col < p.n:
+                    if ei[o * (n_ei + 1) + n_ei] != T.int64(0):
+                        made = T.meta_var(gather.store(
+                            row, w_row(bx * rows + col),
+                            functools.partial(_block_output, yb, n0, rows, gather.kernel_row),
+                            functools.partial(_early_value, ef, ei, o, n_ef, n_ei)))
+                        T.buffer_store(made[0], made[2], made[1])
 
     return tirx.PrimFunc(list(params), kernel.body, attrs=kernel.attrs).without_attr(
         "global_symbol")

@@ -1,0 +1,238 @@
+"""The decode append made by the QKV GEMV's epilogue (rules/gemv_append.py,
+``Options.decode_gemv_append``).
+
+CPU: which row order :func:`gather_for` picks (or why none), the gather's stores against the
+append PrimFunc itself on llvm (an emulation of the kernel's blocks: each block's outputs in a
+buffer of its own, every store made from there), and the compiled sm90 decode step: no append
+kernel, the GEMV writes the cache, nvcc builds it without spills. GPU numerics:
+test_llm_compile_lm's ``test_sm90_generate_on_the_gpu[gemv_append]``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import tirx
+from tvm.script import tirx as T
+
+from tests.cuda_tools import kernel_sass, needs_nvcc
+from tests.lm_reference import tiny_llama
+from tvmfuse.kernels.gemm.gemv import RowGather, _block_output, _early_value
+from tvmfuse.options import current_options, use_options
+from tvmfuse.rules import gemv as gemv_rule
+from tvmfuse.rules.gemv_append import AppendSite, _value, gather_for
+
+pytest.importorskip("transformers")
+
+import tvmfuse  # noqa: E402
+from tvmfuse.build.inspect import cuda_source  # noqa: E402
+
+M, HEADS, D = 2, 4, 16
+N = HEADS * D
+
+
+def _append(pairing: str) -> tvm.tirx.PrimFunc:
+    """A decode append of M rows × HEADS heads of D into ``state`` (M, HEADS, D): the point
+    (b, h, d) stores ``x[b, h·D + d] · c[d] + x[b, partner] · s[d]``, partner d ± D/2
+    ("rotate_half") or d xor 1 ("interleaved"); the store skipped where ``keep[b]`` is 0."""
+    half = D // 2
+
+    def partner(h, d):
+        if pairing == "rotate_half":
+            return h * D + T.if_then_else(d < half, d + half, d - half)
+        return h * D + d // 2 * 2 + (1 - d % 2)
+
+    @T.prim_func(s_tir=True)
+    def append(x: T.Buffer((M, N), "float16"), c: T.Buffer((D,), "float16"),
+               s: T.Buffer((D,), "float16"), keep: T.Buffer((M,), "int32"),
+               state: T.Buffer((M, HEADS, D), "float16")):
+        for b, q, h, d in T.grid(M, 1, HEADS, D):
+            with T.sblock("append"):
+                vb, vq, vh, vd = T.axis.remap("SSSS", [b, q, h, d])
+                if keep[vb] > 0:
+                    state[vb, vh, vd] = x[vb, vh * D + vd] * c[vd] + x[vb, partner(vh, vd)] * s[vd]
+
+    return append
+
+
+_SITE = AppendSite(call=None, qkv=0, state=4)
+_J = tirx.Var("j", "int32")
+
+
+def _emulation(afunc: tvm.tirx.PrimFunc, site: AppendSite, gather: RowGather, m: int, n: int,
+               rows: int) -> tvm.tirx.PrimFunc:
+    """``(y, append's params but the GEMV output)``: the gather kernel's stores, block by block
+    on llvm (each block's outputs y[m, row_of(j)] in a buffer of its own, as the kernel's
+    shared memory; the early loads into buffers of their own before each store)."""
+    y = tirx.decl_buffer((m, n), "float16", name="y")
+    others = [p for i, p in enumerate(afunc.params) if i != site.qkv]
+    n_ef, n_ei = gather.counts
+
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def emulate():
+        for bx in T.serial(n // rows):
+            yb = T.alloc_buffer((m * rows,), "float16")
+            ef = T.alloc_buffer((max(1, n_ef),), "float32")
+            ei = T.alloc_buffer((n_ei + 1,), "int64")
+            for i in T.serial(m * rows):
+                yb[i] = y[i // rows, gather.row_of(bx * rows + i % rows)]
+            for i in T.serial(m * rows):
+                n_i = T.meta_var(gather.row_of(bx * rows + i % rows))
+                if gather.guard(i // rows, n_i):
+                    for k in T.unroll(n_ef):
+                        ef[k] = gather.early(i // rows, n_i, "float", k)
+                    for k in T.unroll(n_ei):
+                        ei[k] = gather.early(i // rows, n_i, "int", k)
+                    made = T.meta_var(gather.store(
+                        i // rows, n_i,
+                        functools.partial(_block_output, yb, bx * rows, rows, gather.kernel_row),
+                        functools.partial(_early_value, ef, ei, 0, n_ef, n_ei)))
+                    T.buffer_store(made[0], made[2], made[1])
+
+    return tirx.PrimFunc([y, *others], emulate.body)
+
+
+def _run(func, args: list[np.ndarray]) -> list[np.ndarray]:
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target="llvm")
+    arrays = [tvm.runtime.tensor(a) for a in args]
+    lib["main"](*arrays)
+    return [a.numpy() for a in arrays]
+
+
+def _check_stores(afunc, site, gather, m, n, rows, others: list[np.ndarray]) -> None:
+    """The emulated gather stores what the append PrimFunc stores, bit for bit."""
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal((m, n)).astype("float16")
+    state_pos = site.state - (site.state > site.qkv)
+    ref_args = [*others[:site.qkv], y, *others[site.qkv:]]
+    want = _run(afunc, ref_args)[site.state]
+    got = _run(_emulation(afunc, site, gather, m, n, rows), [y, *others])[1 + state_pos]
+    np.testing.assert_array_equal(got, want)
+
+
+def _inputs(rng, keep) -> list[np.ndarray]:
+    return [rng.standard_normal(D).astype("float16"), rng.standard_normal(D).astype("float16"),
+            np.array(keep, "int32"), rng.standard_normal((M, HEADS, D)).astype("float16")]
+
+
+@pytest.mark.parametrize("pairing, order", [("rotate_half", "rotate_half"), ("interleaved", "rows")])
+@pytest.mark.parametrize("rows", [2, 8, 16])
+def test_gather_picks_the_order_and_stores_what_the_append_does(pairing, order, rows):
+    """rotate-half pairs (d, d + D/2) take the alternating order unless a block holds whole
+    heads, interleaved pairs (2i, 2i + 1) W's own; either way every store (and the skipped ones:
+    keep = 0) matches the append's."""
+    afunc = _append(pairing)
+    gather = gather_for(afunc, _SITE, M, N, rows, "float16")
+    assert isinstance(gather, RowGather), gather
+    one = _value(gather.row_of(_J), [(_J, np.int64(1))])
+    assert (one == 1) == (order == "rows" or rows % D == 0), one
+    _check_stores(afunc, _SITE, gather, M, N, rows, _inputs(np.random.default_rng(1), [1, 0]))
+
+
+
+@pytest.mark.parametrize("pairing", ["rotate_half", "interleaved"])
+def test_orders_are_permutations(pairing):
+    """row_of is a bijection of [0, N) and kernel_row its inverse (numpy and TIR agree)."""
+    gather = gather_for(_append(pairing), _SITE, M, N, 8, "float16")
+    j = np.arange(N)
+    rows = _value(gather.row_of(_J), [(_J, j)])
+    assert sorted(rows.tolist()) == list(range(N))
+    n = tirx.Var("n", "int32")
+    np.testing.assert_array_equal(_value(gather.kernel_row(n), [(n, rows)]), j)
+
+
+def test_pairs_across_blocks_are_refused():
+    """Three rows a block split the rotate-half and the interleaved pairs alike: no order keeps
+    every read in its block, and the reason says so (the two kernels stay)."""
+    for pairing in ("rotate_half", "interleaved"):
+        why = gather_for(_append(pairing), _SITE, M, N, 3, "float16")
+        assert isinstance(why, str) and "another block" in why, why
+
+
+def test_a_data_dependent_read_is_refused():
+    """A read of the GEMV's output at an index computed from data cannot be proved in-block."""
+
+    @T.prim_func(s_tir=True)
+    def append(x: T.Buffer((M, N), "float16"), c: T.Buffer((D,), "float16"),
+               s: T.Buffer((D,), "float16"), keep: T.Buffer((M,), "int32"),
+               state: T.Buffer((M, HEADS, D), "float16")):
+        for b, q, h, d in T.grid(M, 1, HEADS, D):
+            with T.sblock("append"):
+                vb, vq, vh, vd = T.axis.remap("SSSS", [b, q, h, d])
+                state[vb, vh, vd] = x[vb, T.Cast("int64", keep[vb]) % N] * c[vd]
+
+    why = gather_for(append, _SITE, M, N, 8, "float16")
+    assert isinstance(why, str) and "depends on data" in why, why
+
+
+def test_a_dtype_mismatch_is_refused():
+    why = gather_for(_append("rotate_half"), _SITE, M, N, 8, "float32")
+    assert isinstance(why, str) and "float32" in why, why
+
+
+def _compile(max_batch: int, on: bool = True, capture: list | None = None):
+    if capture is not None:
+        real = gemv_rule.gather_for
+
+        def spy(afunc, site, m, n, rows, dtype):
+            made = real(afunc, site, m, n, rows, dtype)
+            capture.append((afunc, site, m, n, rows, made))
+            return made
+
+        gemv_rule.gather_for = spy
+    try:
+        with use_options(dataclasses.replace(current_options(), decode_gemv_append=on)):
+            return tvmfuse.compile_lm(tiny_llama().half(), target="sm90", max_seq_len=64,
+                                      max_batch=max_batch, prefill_lengths=[16])
+    finally:
+        if capture is not None:
+            gemv_rule.gather_for = real
+
+
+def _kernels(lib) -> list[str]:
+    return re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(",
+                      cuda_source(lib.executable))
+
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_sm90_decode_step_loses_the_append_kernel(tmp_path, max_batch):
+    """With the option the decode step has no append kernel: the QKV GEMV (one kernel for every
+    layer) writes the cache; the rest stays (the lm_head's GEMV shares the QKV's fused PrimFunc
+    in this model and keeps its plain kernel). nvcc builds it: sm_90a SASS without spills. The
+    gather the pass used stores what the model's own append PrimFunc stores (llvm emulation)."""
+    captured: list = []
+    plain, folded = set(_kernels(_compile(max_batch, on=False))), None
+    lib = _compile(max_batch, capture=captured)
+    folded = set(_kernels(lib))
+    appends = {n for n in plain if "decode_append" in n}
+    assert len(appends) == 1 and not any("decode_append" in n for n in folded), folded
+    new = folded - plain
+    assert len(new) == 1 and next(iter(new)).endswith("_gemv_append_kernel"), new
+    assert plain - folded == appends
+    source = cuda_source(lib.executable)
+    start = re.search(rf"void __launch_bounds__\(\d+\) {next(iter(new))}\([^)]*\) {{", source)
+    body = source[start.end():].split("\n}\n")[0]
+    assert re.search(r"cache_0_ptr\[[^\]]*\] = ", body), body[-2000:]  # the GEMV writes the state
+    sass = next(iter(kernel_sass(lib.export(tmp_path / "lm.so")).values()))
+    text = next(t for name, t in sass.items() if name.endswith("_gemv_append_kernel"))
+    assert "STL" not in text and "STG" in text
+    afunc, site, m, n, rows, gather = captured[0]
+    assert isinstance(gather, RowGather) and m == max_batch and rows % 2 == 0
+    rng = np.random.default_rng(2)
+    others = []
+    for i, p in enumerate(afunc.params):
+        if i == site.qkv:
+            continue
+        shape = [int(s) for s in p.shape]
+        if str(p.dtype).startswith("int"):  # positions and offsets: in range, one past the cache
+            others.append(np.full(shape, 5 if "offsets" not in p.name else 7, str(p.dtype)))
+        else:
+            others.append(rng.standard_normal(shape).astype(str(p.dtype)))
+    _check_stores(afunc, site, gather, m, n, rows, others)
+

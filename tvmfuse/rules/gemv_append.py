@@ -1,0 +1,324 @@
+"""Decode: the cache append made by the QKV GEMV's epilogue (one kernel a layer fewer).
+
+``compile_lm``'s decode step per layer (:mod:`tvmfuse.llm.kv_cache`), after FuseTIR::
+
+    qkv = call_tir(fused_matmul, (x, W, ...))                      # y = f(x · Wᵀ), M ≤ 64: a GEMV
+    s = call_tir_inplace(fused_append, (qkv, cos, pos, sin, state, offsets))
+  → s = call_tir_inplace(gemv_append, (x, W, ..., cos, pos, sin, state, offsets))
+
+The append PrimFunc (RoPE of q and k, the V slice and the in-place store of
+:func:`tvmfuse.llm.kernels.decode_append`) inlines to one guarded store per point ``(b, h, d)`` of
+``concat(q, k, v)`` (:func:`.fold_decode_append.append_store`), an expression of qkv's elements.
+The GEMV kernel makes those stores itself (:class:`~..kernels.gemm.gemv.RowGather`): a block puts
+its outputs in shared memory, then each thread evaluates the points of its outputs (point
+``(b, h, d)`` ↔ output ``(b, h·D + d)``) with the qkv reads taken from there. So every qkv
+element a point reads must be an output of the point's own block. RoPE reads two elements of a
+head: d and d ± D/2 (rotate-half, Llama's), or 2i and 2i + 1 (the interleaved form); the kernel
+computes W's rows in an order that puts each such pair in one block: W's own order, or each
+head's rows d and d + D/2 alternating (its blocks read W's rows in that order: no weight is
+copied). Which order holds is checked on every point with the reads' indices evaluated in numpy;
+where neither does, or a read's index depends on data, the two kernels stay.
+
+Bytes moved are the same; what goes is a launch and the qkv round trip between two kernels on
+the decode step's critical path. ``Options.decode_gemv_append`` switches it (off: not measured on
+a GPU yet). The built kernel is :func:`.gemv.build_kernel`'s with ``append``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax, s_tir, tirx
+
+from ..errors import TVM_ERRORS
+from ..kernels.gemm.gemv import RowGather
+from ..kernels.tir_util import BINARY_OPS, Call, Load, dtype_of, rebuild
+from .fold_decode_append import append_store
+
+NAME = "gemv_append"
+_APPEND_BLOCK = "append"
+
+
+@dataclass(frozen=True)
+class AppendSite:
+    """A decode append reading a GEMV's output: its call, the argument positions of the GEMV's
+    output (``qkv``) and of the state it writes in place (``state``)."""
+
+    call: relax.Call
+    qkv: int
+    state: int
+
+
+class _Unknown(Exception):
+    """The expression's value depends on data (a buffer load) or is not an integer."""
+
+
+_NP = {tirx.Add: np.add, tirx.Sub: np.subtract, tirx.Mul: np.multiply, tirx.Min: np.minimum,
+       tirx.Max: np.maximum, tirx.FloorDiv: np.floor_divide, tirx.FloorMod: np.mod,
+       tirx.EQ: np.equal, tirx.NE: np.not_equal, tirx.LT: np.less, tirx.LE: np.less_equal,
+       tirx.GT: np.greater, tirx.GE: np.greater_equal, tirx.And: np.logical_and,
+       tirx.Or: np.logical_or}
+
+
+def _is_select(e) -> bool:
+    return isinstance(e, tirx.Select) or (isinstance(e, Call) and isinstance(e.op, tvm.ir.Op)
+                                          and e.op.name == "prim.if_then_else")
+
+
+def _select_parts(e) -> tuple:
+    return (e.condition, e.true_value, e.false_value) if isinstance(e, tirx.Select) else tuple(e.args)
+
+
+def _value(e, env: list) -> np.ndarray:
+    """``e`` (an integer / boolean index expression) over the points of ``env`` ((var, array)
+    pairs, broadcasting); raises :class:`_Unknown` where it reads data or is not an integer."""
+    if isinstance(e, tirx.Var):
+        found = next((a for v, a in env if v.same_as(e)), None)
+        if found is None:
+            raise _Unknown(e.name)
+        return found
+    if isinstance(e, tirx.IntImm):
+        return np.int64(e.value)
+    if type(e) in _NP:
+        return _NP[type(e)](_value(e.a, env), _value(e.b, env))
+    if isinstance(e, (tirx.Div, tirx.Mod)):  # truncated: the sign of the dividend
+        a, b = _value(e.a, env), _value(e.b, env)
+        q = np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))
+        return q if isinstance(e, tirx.Div) else a - b * q
+    if isinstance(e, tirx.Not):
+        return np.logical_not(_value(e.a, env))
+    if isinstance(e, tirx.Cast) and (dtype_of(e).startswith(("int", "uint")) or dtype_of(e) == "bool"):
+        v = _value(e.value, env)
+        return v.astype(bool) if dtype_of(e) == "bool" else np.asarray(v).astype(np.int64)
+    if _is_select(e):
+        c, a, b = _select_parts(e)
+        return np.where(_value(c, env), _value(a, env), _value(b, env))
+    raise _Unknown(type(e).__name__)
+
+
+def _children(e) -> list:
+    if isinstance(e, (*BINARY_OPS, tirx.Mod)):
+        return [e.a, e.b]
+    if isinstance(e, tirx.Not):
+        return [e.a]
+    if isinstance(e, tirx.Cast):
+        return [e.value]
+    if isinstance(e, Load):
+        return list(e.indices)
+    if isinstance(e, Call):
+        return list(e.args)
+    return []
+
+
+def _reads(e, buf: tirx.Buffer, env: list, mask: np.ndarray, found: list) -> None:
+    """Append ``(indices, mask)`` for every load of ``buf`` in ``e``: its indices evaluated at the
+    points, ``mask`` the points where the load is evaluated (the branches of a select whose
+    condition is known split it). Raises :class:`_Unknown` for an index that depends on data."""
+    if isinstance(e, Load) and e.source.same_as(buf):
+        found.append(([_value(i, env) for i in e.indices], mask))
+    if _is_select(e):
+        c, a, b = _select_parts(e)
+        _reads(c, buf, env, mask, found)
+        try:
+            taken = np.broadcast_to(_value(c, env), mask.shape)
+        except _Unknown:  # a data-dependent branch: either may be evaluated
+            taken = None
+        _reads(a, buf, env, mask if taken is None else mask & taken, found)
+        _reads(b, buf, env, mask if taken is None else mask & ~taken, found)
+        return
+    for child in _children(e):
+        _reads(child, buf, env, mask, found)
+
+
+@dataclass(frozen=True)
+class _Order:
+    """Kernel row j computes W row ``row_of(j)``; ``kernel_row`` inverts it (numpy or TIR)."""
+
+    name: str
+    row_of: Callable
+    kernel_row: Callable
+
+
+def _orders(head_dim: int) -> list[_Order]:
+    """W's own order, then (even head_dim) each head's rows d, d + D/2 alternating."""
+    orders = [_Order("rows", lambda j: j, lambda n: n)]
+    if head_dim % 2 == 0:
+        d, half = head_dim, head_dim // 2
+        orders.append(_Order(
+            "rotate_half",
+            lambda j: j // d * d + j % d // 2 + j % 2 * half,
+            lambda n: n // d * d + n % d % half * 2 + n % d // half))
+    return orders
+
+
+def gather_for(afunc: tirx.PrimFunc, site: AppendSite, m: int, n: int, rows: int, dtype: str
+               ) -> RowGather | str:
+    """The :class:`RowGather` making ``afunc``'s stores from a GEMV's (m, n) output of ``dtype``
+    whose blocks hold ``rows`` kernel rows; a str: why it cannot (module doc)."""
+    qkv = afunc.params[site.qkv]
+    if str(qkv.dtype) != dtype:
+        return f"the append reads the GEMV's output as {qkv.dtype}, the GEMV writes {dtype}"
+    shape = [int(s) for s in qkv.shape]
+    if int(np.prod(shape)) != m * n:
+        return f"the append reads {shape} of the GEMV's ({m}, {n}) output"
+    found = None
+    for heads in (h for h in range(1, n + 1) if n % h == 0):  # the append's (B, 1, H, D) points
+        found = append_store(afunc, (m, 1, heads, n // heads))
+        if found is not None:
+            break
+    if found is None:
+        return "no decode append block over the GEMV's outputs"
+    ivs, guard, store = found
+    heads, d = (int(iv.dom.extent) for iv in ivs[2:])
+    strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+    env = [(ivs[0].var, np.arange(m).reshape(m, 1, 1)), (ivs[1].var, np.int64(0)),
+           (ivs[2].var, np.arange(heads).reshape(1, heads, 1)),
+           (ivs[3].var, np.arange(d).reshape(1, 1, d))]
+    reads: list = []
+    try:
+        for e in [store.value, *store.indices, *([guard] if guard is not None else [])]:
+            _reads(e, qkv, env, np.ones((m, heads, d), bool), reads)
+    except _Unknown as why:
+        return f"a read of the GEMV's output at an index that depends on data ({why})"
+    point = np.arange(heads).reshape(1, heads, 1) * d + np.arange(d).reshape(1, 1, d)
+    for order in _orders(d):
+        home = order.kernel_row(point) // rows
+        if all(_closed(idx, mask, strides, m, n, home, order, rows) for idx, mask in reads):
+            return _gather(order, ivs, guard, store, qkv, strides, n, d)
+    return (f"a point of the append reads GEMV outputs of another block ({rows} rows a block, "
+            f"head_dim {d}, orders tried: {', '.join(o.name for o in _orders(d))})")
+
+
+def _closed(idx: list, mask: np.ndarray, strides: list, m: int, n: int, home: np.ndarray,
+            order: _Order, rows: int) -> bool:
+    """Whether every masked point's read (flat index from ``idx``) is a row of its own block."""
+    flat = np.broadcast_to(sum(np.asarray(i) * s for i, s in zip(idx, strides)), mask.shape)
+    flat = flat[mask]
+    if flat.size == 0:
+        return True
+    if flat.min() < 0 or flat.max() >= m * n:
+        return False
+    return bool(np.all(order.kernel_row(flat % n) // rows == np.broadcast_to(home, mask.shape)[mask]))
+
+
+def _early_loads(e, qkv: tirx.Buffer, found: list, path=None) -> None:
+    """The outermost loads in ``e`` of buffers other than ``qkv``, each once (structurally) with
+    the condition under which ``e`` evaluates it (``path``: the select conditions above it, None:
+    always; a load under several paths gets their disjunction), in order."""
+    if isinstance(e, Load):
+        if not e.source.same_as(qkv):
+            seen = next((f for f in found if tvm_ffi.structural_equal(e, f[0])), None)
+            if seen is None:
+                found.append([e, path])
+            elif seen[1] is not None:
+                seen[1] = None if path is None else tirx.Or(seen[1], path)
+        return
+    if _is_select(e):
+        c, a, b = _select_parts(e)
+        _early_loads(c, qkv, found, path)
+        _early_loads(a, qkv, found, c if path is None else tirx.And(path, c))
+        not_c = tirx.Not(c)
+        _early_loads(b, qkv, found, not_c if path is None else tirx.And(path, not_c))
+        return
+    for child in _children(e):
+        _early_loads(child, qkv, found, path)
+
+
+def _gather(order: _Order, ivs: list, guard, store: tirx.BufferStore, qkv: tirx.Buffer,
+            strides: list, n: int, d: int) -> RowGather:
+    """The :class:`RowGather` of ``store`` under ``guard`` with the point (b, h, d) ↔ GEMV output
+    (b, h·D + d); the early loads are the value's and the indices' (a load under a select only
+    where the select takes it)."""
+
+    def at(row, col):
+        """(guard, value, indices, early loads) at the point of output (row, col)."""
+        point = [row, 0, col // d, col % d]
+        vmap = [(iv.var, tirx.Cast(dtype_of(iv.var), x)) for iv, x in zip(ivs, point)]
+
+        def post(e):
+            return next((new for old, new in vmap if old.same_as(e)), e) if isinstance(
+                e, tirx.Var) else e
+
+        value = rebuild(store.value, post)
+        indices = [rebuild(i, post) for i in store.indices]
+        early: list = []
+        for e in (value, *indices):
+            _early_loads(e, qkv, early)
+        floats = [f for f in early if dtype_of(f[0]).startswith(("float", "bfloat"))]
+        ints = [f for f in early if dtype_of(f[0]).startswith(("int", "uint"))]
+        cond = rebuild(guard, post) if guard is not None else tirx.const(True, "bool")
+        return cond, value, indices, floats, ints
+
+    def early_value(row, col, kind, k):
+        _, _, _, floats, ints = at(row, col)
+        loads, dtype = (floats, "float32") if kind == "float" else (ints, "int64")
+        if not loads:  # an unrolled loop of no iterations still parses its body
+            return tirx.const(0, dtype)
+
+        def guarded(load, path):  # a load under a select: only where the select takes it
+            value = tirx.Cast(dtype, load)
+            return value if path is None else tirx.if_then_else(path, value, tirx.const(0, dtype))
+
+        out = guarded(*loads[-1])
+        for i in range(len(loads) - 2, -1, -1):  # k is an unrolled loop's var: folds to one
+            out = tirx.Select(k == i, guarded(*loads[i]), out)
+        return out
+
+    def make(row, col, load, early):
+        _, value, indices, floats, ints = at(row, col)
+        hoisted = [f[0] for f in (*floats, *ints)]
+
+        def pre(e):
+            for k, h in enumerate(hoisted):
+                if isinstance(e, Load) and tvm_ffi.structural_equal(e, h):
+                    return tirx.Cast(dtype_of(h), early(k))
+            if isinstance(e, Load) and e.source.same_as(qkv):
+                flat = sum(tirx.Cast("int32", i) * s for i, s in zip(e.indices, strides))
+                return load(flat // n, flat % n)
+            return None
+
+        return store.buffer, [rebuild(i, lambda x: x, pre) for i in indices], rebuild(
+            value, lambda x: x, pre)
+
+    probe = at(tirx.Var("m", "int32"), tirx.Var("n", "int32"))
+    return RowGather(order.row_of, order.kernel_row, lambda row, col: at(row, col)[0],
+                     early_value, (len(probe[3]), len(probe[4])), make)
+
+
+def append_sites(mod: tvm.IRModule, func: relax.Function) -> dict:
+    """GEMV output var → the decode append that is its only reader (:class:`AppendSite`)."""
+    uses: dict = {}
+    for b in (b for block in func.body.blocks for b in block.bindings):
+        for var in relax.analysis.free_vars(b.value):
+            uses.setdefault(var, []).append(b.value)
+    for var in relax.analysis.free_vars(func.body.body):
+        uses.setdefault(var, []).append(None)
+    sites = {}
+    for b in (b for block in func.body.blocks for b in block.bindings):
+        call = b.value
+        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
+                and call.op.name == "relax.call_tir_inplace" and isinstance(call.args[1], relax.Tuple)):
+            continue
+        afunc = mod[call.args[0]]
+        inplace = [int(i) for i in call.attrs.inplace_indices]
+        if not isinstance(afunc, tirx.PrimFunc) or len(inplace) != 1 or not _has_append(afunc):
+            continue
+        args = list(call.args[1].fields)
+        for i, arg in enumerate(args):
+            if (i != inplace[0] and isinstance(arg, relax.Var) and len(uses.get(arg, [])) == 1
+                    and sum(a.same_as(arg) for a in args) == 1):
+                sites[arg] = AppendSite(call, i, inplace[0])
+    return sites
+
+
+def _has_append(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` has the decode append's block (:func:`tvmfuse.llm.kernels.decode_append`)."""
+    try:
+        s_tir.Schedule(func).get_sblock(_APPEND_BLOCK)
+    except (s_tir.ScheduleError, *TVM_ERRORS):
+        return False
+    return True
