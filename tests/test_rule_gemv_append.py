@@ -38,13 +38,18 @@ N = HEADS * D
 def _append(pairing: str) -> tvm.tirx.PrimFunc:
     """A decode append of M rows × HEADS heads of D into ``state`` (M, HEADS, D): the point
     (b, h, d) stores ``x[b, h·D + d] · c[d] + x[b, partner] · s[d]``, partner d ± D/2
-    ("rotate_half") or d xor 1 ("interleaved"); the store skipped where ``keep[b]`` is 0."""
+    ("rotate_half") or d xor 1 ("interleaved"), or ("data") ``x[b, keep[b] mod N] · c[d]``; the
+    store skipped where ``keep[b]`` is 0."""
     half = D // 2
 
-    def partner(h, d):
+    def value(x, c, s, keep, b, h, d):
+        if pairing == "data":
+            return x[b, T.Cast("int64", keep[b]) % N] * c[d]
         if pairing == "rotate_half":
-            return h * D + T.if_then_else(d < half, d + half, d - half)
-        return h * D + d // 2 * 2 + (1 - d % 2)
+            partner = h * D + T.if_then_else(d < half, d + half, d - half)
+        else:
+            partner = h * D + d // 2 * 2 + (1 - d % 2)
+        return x[b, h * D + d] * c[d] + x[b, partner] * s[d]
 
     @T.prim_func(s_tir=True)
     def append(x: T.Buffer((M, N), "float16"), c: T.Buffer((D,), "float16"),
@@ -54,7 +59,7 @@ def _append(pairing: str) -> tvm.tirx.PrimFunc:
             with T.sblock("append"):
                 vb, vq, vh, vd = T.axis.remap("SSSS", [b, q, h, d])
                 if keep[vb] > 0:
-                    state[vb, vh, vd] = x[vb, vh * D + vd] * c[vd] + x[vb, partner(vh, vd)] * s[vd]
+                    state[vb, vh, vd] = value(x, c, s, keep, vb, vh, vd)
 
     return append
 
@@ -155,17 +160,7 @@ def test_pairs_across_blocks_are_refused():
 
 def test_a_data_dependent_read_is_refused():
     """A read of the GEMV's output at an index computed from data cannot be proved in-block."""
-
-    @T.prim_func(s_tir=True)
-    def append(x: T.Buffer((M, N), "float16"), c: T.Buffer((D,), "float16"),
-               s: T.Buffer((D,), "float16"), keep: T.Buffer((M,), "int32"),
-               state: T.Buffer((M, HEADS, D), "float16")):
-        for b, q, h, d in T.grid(M, 1, HEADS, D):
-            with T.sblock("append"):
-                vb, vq, vh, vd = T.axis.remap("SSSS", [b, q, h, d])
-                state[vb, vh, vd] = x[vb, T.Cast("int64", keep[vb]) % N] * c[vd]
-
-    why = gather_for(append, _SITE, M, N, 8, "float16")
+    why = gather_for(_append("data"), _SITE, M, N, 8, "float16")
     assert isinstance(why, str) and "depends on data" in why, why
 
 
