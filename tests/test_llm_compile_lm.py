@@ -102,6 +102,27 @@ def test_gpt2_learned_positions():
 
 
 @pytest.mark.slow
+def test_gpt2_batch_of_two_left_padded():
+    """GPT-2 at max_batch 2: its Conv1D views the attention output as (B·S, E), which torch's
+    SDPA decomposition left unviewable with a symbolic batch (the import failed); the views are
+    now reshapes on that retry. Two prompts, one left-padded, against torch's greedy tokens."""
+    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2,
+                            prefill_lengths=[16]).load()
+    ids = torch.randint(0, 128, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    ref_tokens, ref_logits = torch_greedy(model, ids, STEPS, mask)
+    got = lm.generate(ids, max_new_tokens=STEPS, attention_mask=mask)
+    assert torch.equal(got[:, :7], ids)
+    check_tokens(lm, ids.numpy(), mask.numpy(), ref_tokens, ref_logits, got.numpy())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_llama_lm_module(dtype):
     """models/llama_lm.py as a user writes it (fused QKV, cos/sin buffers sliced [:S], GQA by

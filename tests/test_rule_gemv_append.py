@@ -15,6 +15,7 @@ import re
 
 import numpy as np
 import pytest
+import torch
 import tvm
 from tvm import tirx
 from tvm.script import tirx as T
@@ -169,28 +170,72 @@ def test_a_dtype_mismatch_is_refused():
     assert isinstance(why, str) and "float32" in why, why
 
 
-def _compile(max_batch: int, on: bool = True, capture: list | None = None):
-    if capture is not None:
-        real = gemv_rule.gather_for
+def _model(family: str):
+    """A transformers causal LM at random init (seed 0), fp16: 2 layers, hidden 64, 4 query heads
+    of 16 (2 KV heads where the family has GQA), vocab 128."""
+    import transformers
 
-        def spy(afunc, site, m, n, rows, dtype):
-            made = real(afunc, site, m, n, rows, dtype)
-            capture.append((afunc, site, m, n, rows, made))
-            return made
+    if family == "llama":
+        return tiny_llama().half()
+    torch.manual_seed(0)
+    small = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    gpt = {"vocab_size": 128, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}
+    model = {
+        "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**small)),
+        "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **small)),
+        "phi": lambda: transformers.PhiForCausalLM(transformers.PhiConfig(partial_rotary_factor=0.5,
+                                                                          **small)),
+        "gptj": lambda: transformers.GPTJForCausalLM(transformers.GPTJConfig(rotary_dim=16, **gpt)),
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(bos_token_id=0,
+                                                                             eos_token_id=0, **gpt)),
+    }[family]()
+    return model.half().eval()
 
-        gemv_rule.gather_for = spy
+
+def _compile(max_batch: int, on: bool = True, capture: list | None = None, family: str = "llama"):
+    """compile_lm of ``family`` for sm90 with ``decode_gemv_append`` = ``on``; ``capture`` gets
+    ``(append PrimFunc, site, m, n, rows, gather or reason)`` of each gather the pass tried."""
+    real = gemv_rule.gather_for
+
+    def spy(afunc, site, m, n, rows, dtype):
+        made = real(afunc, site, m, n, rows, dtype)
+        capture.append((afunc, site, m, n, rows, made))
+        return made
+
+    gemv_rule.gather_for = spy if capture is not None else real
     try:
         with use_options(dataclasses.replace(current_options(), decode_gemv_append=on)):
-            return tvmfuse.compile_lm(tiny_llama().half(), target="sm90", max_seq_len=64,
+            return tvmfuse.compile_lm(_model(family), target="sm90", max_seq_len=64,
                                       max_batch=max_batch, prefill_lengths=[16])
     finally:
-        if capture is not None:
-            gemv_rule.gather_for = real
+        gemv_rule.gather_for = real
 
 
 def _kernels(lib) -> list[str]:
     return re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(",
                       cuda_source(lib.executable))
+
+
+def _check_captured(captured: list, max_batch: int) -> None:
+    """The gather the pass used stores what the model's own append PrimFunc stores (llvm
+    emulation), with sequence 0 inside the cache and sequence 1 (if any) one past it."""
+    afunc, site, m, n, rows, gather = captured[0]
+    assert isinstance(gather, RowGather), gather
+    assert m == max_batch and rows % 2 == 0
+    rng = np.random.default_rng(2)
+    others = []
+    for i, p in enumerate(afunc.params):
+        if i == site.qkv:
+            continue
+        shape = [int(s) for s in p.shape]
+        if "offsets" in p.name:
+            others.append(np.array([7, 64][:shape[0]], str(p.dtype)))
+        elif str(p.dtype).startswith("int"):  # positions
+            others.append(np.full(shape, 5, str(p.dtype)))
+        else:
+            others.append(rng.standard_normal(shape).astype(str(p.dtype)))
+    _check_stores(afunc, site, gather, m, n, rows, others)
 
 
 @needs_nvcc
@@ -200,9 +245,9 @@ def test_sm90_decode_step_loses_the_append_kernel(tmp_path, max_batch):
     """With the option the decode step has no append kernel: the QKV GEMV (one kernel for every
     layer) writes the cache; the rest stays (the lm_head's GEMV shares the QKV's fused PrimFunc
     in this model and keeps its plain kernel). nvcc builds it: sm_90a SASS without spills. The
-    gather the pass used stores what the model's own append PrimFunc stores (llvm emulation)."""
+    gather the pass used stores what the append PrimFunc stores."""
     captured: list = []
-    plain, folded = set(_kernels(_compile(max_batch, on=False))), None
+    plain = set(_kernels(_compile(max_batch, on=False)))
     lib = _compile(max_batch, capture=captured)
     folded = set(_kernels(lib))
     appends = {n for n in plain if "decode_append" in n}
@@ -217,17 +262,22 @@ def test_sm90_decode_step_loses_the_append_kernel(tmp_path, max_batch):
     sass = next(iter(kernel_sass(lib.export(tmp_path / "lm.so")).values()))
     text = next(t for name, t in sass.items() if name.endswith("_gemv_append_kernel"))
     assert "STL" not in text and "STG" in text
-    afunc, site, m, n, rows, gather = captured[0]
-    assert isinstance(gather, RowGather) and m == max_batch and rows % 2 == 0
-    rng = np.random.default_rng(2)
-    others = []
-    for i, p in enumerate(afunc.params):
-        if i == site.qkv:
-            continue
-        shape = [int(s) for s in p.shape]
-        if str(p.dtype).startswith("int"):  # positions and offsets: in range, one past the cache
-            others.append(np.full(shape, 5 if "offsets" not in p.name else 7, str(p.dtype)))
-        else:
-            others.append(rng.standard_normal(shape).astype(str(p.dtype)))
-    _check_stores(afunc, site, gather, m, n, rows, others)
+    _check_captured(captured, max_batch)
 
+
+@needs_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "gpt2", "gptj", "phi", "qwen3"])
+def test_sm90_families_as_transformers_writes_them(family):
+    """Qwen2 (QKV bias), GPT-2 (no RoPE: the append copies), GPT-J (interleaved rotary), Phi
+    (rotary over half of each head: pairs within groups of 8 rows) take the GEMV append, and its
+    stores match their append PrimFuncs. Qwen3 normalises q and k per head between the projection
+    and the append: no append reads the GEMV's output, and its append kernel stays."""
+    captured: list = []
+    names = _kernels(_compile(2, capture=captured, family=family))
+    if family == "qwen3":
+        assert not captured and any("decode_append" in n for n in names), names
+        return
+    assert not any("decode_append" in n for n in names), names
+    assert any(n.endswith("_gemv_append_kernel") for n in names), names
+    _check_captured(captured, 2)

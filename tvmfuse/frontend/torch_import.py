@@ -126,6 +126,34 @@ def _finite(bound) -> int | None:
         return None
 
 
+def decompose(ep, source: str):
+    """``ep.run_decompositions()``; where that fails, again with every ``aten.view`` made an
+    ``aten.reshape`` (a copy where the strides need one). torch decomposes SDPA into math whose
+    output strides differ from the fused kernel's that the export traced, so a later ``view`` of
+    the (B, S, E) attention output can fail with a symbolic batch (GPT-2's Conv1D
+    ``x.view(-1, E)`` at ``compile_lm(max_batch > 1)``); the graph is functional, so a reshape
+    computes the same values."""
+    import torch
+
+    try:
+        with quiet_torch_internals():
+            return ep.run_decompositions()
+    except Exception as err:  # noqa: BLE001 - torch raises many kinds; the retry decides
+        first = err
+    views = [n for n in ep.graph.nodes if n.op == "call_function"
+             and n.target == torch.ops.aten.view.default]
+    for node in views:
+        node.target = torch.ops.aten.reshape.default
+    try:
+        if not views:
+            raise first
+        ep.graph_module.recompile()
+        with quiet_torch_internals():
+            return ep.run_decompositions()
+    except Exception:  # noqa: BLE001 - report the first failure, the one of the plain path
+        raise ModelError(f"{source}: torch decomposition failed: {first}") from first
+
+
 def import_exported(ep, overrides: dict[str, InputOverride], source: str, reference=None,
                     dynamic: Ranges | None = None) -> ImportedModel:
     """Import a ``torch.export.ExportedProgram``; its symbolic dims are fixed or named by
@@ -133,11 +161,7 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     from tvm.relax.frontend.torch import from_exported_program
 
     dynamic = dynamic or {}
-    try:
-        with quiet_torch_internals():
-            ep = ep.run_decompositions()
-    except Exception as err:
-        raise ModelError(f"{source}: torch decomposition failed: {err}") from err
+    ep = decompose(ep, source)
     unsupported = scan_unsupported(ep)
     if unsupported:
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)

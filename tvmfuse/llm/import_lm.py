@@ -22,7 +22,7 @@ from ..errors import ModelError, UnsupportedOpError
 from ..frontend.onnx_import import import_onnx, load_onnx
 from ..frontend.spec import InputOverride
 from ..frontend.torch_fixes import custom_convert_map
-from ..frontend.torch_import import export_with_dims, quiet_torch_internals, scan_unsupported
+from ..frontend.torch_import import decompose, export_with_dims, quiet_torch_internals, scan_unsupported
 
 
 def _logits_module(model):
@@ -47,11 +47,7 @@ def _logits_module(model):
 def _from_exported(ep, source: str) -> tvm.IRModule:
     from tvm.relax.frontend.torch import from_exported_program
 
-    try:
-        with quiet_torch_internals():
-            ep = ep.run_decompositions()
-    except Exception as err:
-        raise ModelError(f"{source}: torch decomposition failed: {err}") from err
+    ep = decompose(ep, source)
     unsupported = scan_unsupported(ep)
     if unsupported:
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)

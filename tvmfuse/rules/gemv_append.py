@@ -15,7 +15,8 @@ its outputs in shared memory, then each thread evaluates the points of its outpu
 element a point reads must be an output of the point's own block. RoPE reads two elements of a
 head: d and d ± D/2 (rotate-half, Llama's), or 2i and 2i + 1 (the interleaved form); the kernel
 computes W's rows in an order that puts each such pair in one block: W's own order, or each
-head's rows d and d + D/2 alternating (its blocks read W's rows in that order: no weight is
+head's rows d and d + D/2 alternating (or, for a partial rotary embedding over the first D/2^k
+dims, the same within groups of D/2^k rows; its blocks read W's rows in that order: no weight is
 copied). Which order holds is checked on every point with the reads' indices evaluated in numpy;
 where neither does, or a read's index depends on data, the two kernels stay.
 
@@ -144,15 +145,22 @@ class _Order:
 
 
 def _orders(head_dim: int) -> list[_Order]:
-    """W's own order, then (even head_dim) each head's rows d, d + D/2 alternating."""
+    """W's own order, then the rotate-half pairings: in each group of p rows (p = D, D/2, …, 4:
+    partial rotary embeddings rotate the first D/2^k dims of a head) rows i and i + p/2
+    alternating."""
     orders = [_Order("rows", lambda j: j, lambda n: n)]
-    if head_dim % 2 == 0:
-        d, half = head_dim, head_dim // 2
-        orders.append(_Order(
-            "rotate_half",
-            lambda j: j // d * d + j % d // 2 + j % 2 * half,
-            lambda n: n // d * d + n % d % half * 2 + n % d // half))
+    p = head_dim
+    while p >= 4 and p % 2 == 0:
+        orders.append(_rotate_half(p))
+        p //= 2
     return orders
+
+
+def _rotate_half(p: int) -> _Order:
+    half = p // 2
+    return _Order(f"rotate_half/{p}",
+                  lambda j: j // p * p + j % p // 2 + j % 2 * half,
+                  lambda n: n // p * p + n % p % half * 2 + n % p // half)
 
 
 def gather_for(afunc: tirx.PrimFunc, site: AppendSite, m: int, n: int, rows: int, dtype: str

@@ -376,8 +376,11 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
         if gather_on:  # the block's outputs: y[m, row_of(n0 + j)] at yb[m · rows + j]
             yb = T.alloc_buffer((p.m * rows,), out_dtype, scope="shared")
             # per output of the thread: the early loads (float32, then int64 and the guard)
-            ef = T.alloc_buffer((max(1, out_iters * n_ef),), "float32", scope="local")
             ei = T.alloc_buffer((out_iters * (n_ei + 1),), "int64", scope="local")
+            if n_ef > 0:
+                ef = T.alloc_buffer((out_iters * n_ef,), "float32", scope="local")
+            else:  # no float early loads (a store without RoPE): nothing reads it
+                ef = T.meta_var(ei)
         total = T.alloc_buffer((4,), "float32", scope="local")  # products (2), s1, s2
         wid = tx // WARP
         lane = tx % WARP
