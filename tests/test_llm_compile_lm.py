@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.cuda_tools import needs_nvcc
-from tests.lm_reference import check_tokens, greedy_matches_torch, tiny_llama, torch_greedy
+from tests.lm_reference import check_tokens, greedy_matches_torch, tiny_llama, tiny_lm, torch_greedy
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,10 +89,7 @@ def test_generate_refuses_past_the_cache(llama):
 
 @pytest.mark.slow
 def test_gpt2_learned_positions():
-    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                  bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model = tiny_lm("gpt2")
     lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=1,
                             prefill_lengths=[16]).load()
     ids = torch.randint(0, 128, (1, 6))
@@ -106,10 +103,7 @@ def test_gpt2_batch_of_two_left_padded():
     """GPT-2 at max_batch 2: its Conv1D views the attention output as (B·S, E), which torch's
     SDPA decomposition left unviewable with a symbolic batch (the import failed); the views are
     now reshapes on that retry. Two prompts, one left-padded, against torch's greedy tokens."""
-    cfg = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128,
-                                  bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
+    model = tiny_lm("gpt2")
     lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=MAX_SEQ, max_batch=2,
                             prefill_lengths=[16]).load()
     ids = torch.randint(0, 128, (2, 7))
