@@ -132,7 +132,7 @@ def decompose(ep, source: str):
     output strides differ from the fused kernel's that the export traced, so a later ``view`` of
     the (B, S, E) attention output can fail with a symbolic batch (GPT-2's Conv1D
     ``x.view(-1, E)`` at ``compile_lm(max_batch > 1)``); the graph is functional, so a reshape
-    computes the same values."""
+    computes the same values. ``ep`` itself is left as it was."""
     import torch
 
     try:
@@ -142,16 +142,20 @@ def decompose(ep, source: str):
         first = err
     views = [n for n in ep.graph.nodes if n.op == "call_function"
              and n.target == torch.ops.aten.view.default]
+    if not views:
+        raise ModelError(f"{source}: torch decomposition failed: {first}") from first
     for node in views:
         node.target = torch.ops.aten.reshape.default
+    ep.graph_module.recompile()
     try:
-        if not views:
-            raise first
-        ep.graph_module.recompile()
         with quiet_torch_internals():
             return ep.run_decompositions()
     except Exception:  # noqa: BLE001 - report the first failure, the one of the plain path
         raise ModelError(f"{source}: torch decomposition failed: {first}") from first
+    finally:  # the caller's program keeps its views
+        for node in views:
+            node.target = torch.ops.aten.view.default
+        ep.graph_module.recompile()
 
 
 def import_exported(ep, overrides: dict[str, InputOverride], source: str, reference=None,

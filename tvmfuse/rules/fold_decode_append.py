@@ -41,11 +41,11 @@ from ..options import current_options
 NAME = "fold_decode_append"
 
 
-def append_store(func: tirx.PrimFunc, shape: tuple[int, ...]
+def append_store(func: tirx.PrimFunc, shape: tuple[int, ...] | None
                  ) -> tuple[list, tirx.PrimExpr | None, tirx.BufferStore] | None:
     """(iter vars (b, s, h, d), the store's guard (None: none), the store) of ``func``'s
     ``append`` block once every other block is inlined into it; None when that fails or the block
-    is not the decode append of ``shape``."""
+    is not the decode append of ``shape`` (None: of any shape)."""
     try:
         sch = s_tir.Schedule(func)
         for block in sch.get_child_blocks(sch.get_sblock("root")):
@@ -55,7 +55,7 @@ def append_store(func: tirx.PrimFunc, shape: tuple[int, ...]
     except (s_tir.ScheduleError, *TVM_ERRORS):
         return None
     ivs = list(block.iter_vars)
-    if [int(iv.dom.extent) for iv in ivs] != list(shape):
+    if shape is not None and [int(iv.dom.extent) for iv in ivs] != list(shape):
         return None
     body, guard = block.body, None
     if isinstance(body, tirx.IfThenElse) and body.else_case is None:

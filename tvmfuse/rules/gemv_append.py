@@ -173,15 +173,13 @@ def gather_for(afunc: tirx.PrimFunc, site: AppendSite, m: int, n: int, rows: int
     shape = [int(s) for s in qkv.shape]
     if int(np.prod(shape)) != m * n:
         return f"the append reads {shape} of the GEMV's ({m}, {n}) output"
-    found = None
-    for heads in (h for h in range(1, n + 1) if n % h == 0):  # the append's (B, 1, H, D) points
-        found = append_store(afunc, (m, 1, heads, n // heads))
-        if found is not None:
-            break
-    if found is None:
+    found = append_store(afunc, None)
+    extents = None if found is None else [int(iv.dom.extent) for iv in found[0]]
+    # the append's points (B, 1, H, D), one per GEMV output
+    if extents is None or len(extents) != 4 or extents[:2] != [m, 1] or extents[2] * extents[3] != n:
         return "no decode append block over the GEMV's outputs"
     ivs, guard, store = found
-    heads, d = (int(iv.dom.extent) for iv in ivs[2:])
+    heads, d = extents[2:]
     strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
     env = [(ivs[0].var, np.arange(m).reshape(m, 1, 1)), (ivs[1].var, np.int64(0)),
            (ivs[2].var, np.arange(heads).reshape(1, heads, 1)),

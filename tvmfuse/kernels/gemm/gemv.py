@@ -49,6 +49,12 @@ registers the loop would load them into; the loop's first iteration then loads x
 made resident during its predecessor's tail so has its first DRAM round trip behind it when the
 wait returns. Nothing past the loads moves: x, the statistics and the stores stay after the wait.
 
+*Gather* (``gather``, :class:`RowGather`; ``rules/gemv_append.py``: the decode append): block
+kernel-row j computes W's row ``row_of(j)``; the block puts its outputs in shared memory instead of
+y, then each output's thread makes one store elsewhere (the RoPE'd q, k, v into the KV cache)
+whose reads of y are outputs of the same block. The store's other data loads go out in iteration
+0, after the main loop's own loads are issued, so they travel while W streams.
+
 *Row statistics* (``row_stats``): the LayerNorm / RMSNorm statistics of x's rows, which the
 epilogue reads, are summed from the same x vectors in the main loop (the block's warps cover all
 of K) and reduced with the partial products. LayerNorm uses the shifted sums of
