@@ -22,6 +22,8 @@
 #             tests, then lm4 decode with and without it, interleaved                  (~300 s)
 #   ga7b4     the 7B shapes with 4 layers, ctx 1024: decode_gemv_append A/B at batch 1, and at
 #             batch 8 beside decode_cluster_combine=on                                  (~300 s)
+#   gemv8     bench_gemv at M = 8 over the 7B shapes, with and without the in-loop RMSNorm
+#             statistics, 16- and 32-warp blocks beside pick_config's choice            (~200 s)
 #   b8cluster the 7B shapes with 4 layers at batch 8 (no PDL): decode_cluster_combine "on" vs the
 #             default ("pdl": off there), interleaved                                   (~120 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
@@ -75,8 +77,12 @@ for s in "$@"; do
            step ga7b4_b8 200 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
              --batch 8 --no-compile --ab decode_gemv_append=True --ab decode_cluster_combine=on \
              --out "$OUT/ga7b4_b8.json" ;;
+    gemv8) step gemv8_stats 150 python3 tools/bench/bench_gemv.py --ms 8 --stats --jobs 16 \
+             --configs auto,mma:8:16:4,mma:8:16:2,mma:16:16:2,mma:8:32:2 --out "$OUT/gemv8_stats.json"
+           step gemv8 150 python3 tools/bench/bench_gemv.py --ms 8 --jobs 16 \
+             --configs auto,mma:8:16:4,mma:8:32:2,mma:8:32:4,mma:16:16:4 --out "$OUT/gemv8.json" ;;
     gemv_lm4) step gemv_lm4 200 python3 tools/bench/bench_gemv.py --shapes lm4 --ms 1 \
                 --configs auto,simt:4:8:4,simt:8:4:4,simt:2:8:8,simt:8:8:8 --out "$OUT/gemv_lm4.json" ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster gappend ga7b4)"; exit 2 ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster gappend ga7b4 gemv8)"; exit 2 ;;
   esac
 done
