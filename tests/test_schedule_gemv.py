@@ -84,15 +84,23 @@ def test_check_and_pick_config():
     assert not pick_config(GemvProblem(4, 4096, 4096, "float16", "float16"), 132).mma
     eight = GemvProblem(8, 4096, 4096, "float16", "float16")
     assert pick_config(eight, 132).mma  # measured faster from M = 8 (pick_config's docstring)
-    # the mma engine's measured config: 8 rows, 8 warps, 4 chunks in flight (2 above M = 16)
-    assert pick_config(eight, 132) == GemvConfig(rows=8, warps=8, unroll=4, mma=True)
+    # the mma engine's measured configs: up to M = 8 8 rows, 16 warps, 4 chunks in flight, with
+    # or without the norm statistics (bench_gemv --ms 8, session 30); above, 8 warps, 4 chunks
+    # (2 above M = 16)
+    sixteen_warps = GemvConfig(rows=8, warps=16, unroll=4, mma=True)
+    qkv = GemvProblem(8, 12288, 4096, "float16", "float16")
+    for problem in (eight, qkv, GemvProblem(5, 22016, 4096, "float16", "float16", pair=True)):
+        assert pick_config(problem, 132) == sixteen_warps
+        assert pick_config(problem, 132, row_stats=True) == sixteen_warps
+    assert pick_config(p, 132) == GemvConfig(rows=8, warps=8, unroll=4, mma=True)
     assert pick_config(GemvProblem(64, 4096, 4096, "float16", "float16"), 132) == GemvConfig(
         rows=8, warps=8, unroll=2, mma=True)
-    # with the norm statistics in the loop every block recomputes them: 32-row blocks where N
-    # gives every SM one, else the 8-row config (bench_gemv --stats, session 15)
-    assert pick_config(eight, 132, row_stats=True) == GemvConfig(rows=8, warps=8, unroll=4, mma=True)
-    qkv = GemvProblem(8, 12288, 4096, "float16", "float16")
-    assert pick_config(qkv, 132, row_stats=True) == GemvConfig(rows=32, warps=4, unroll=2, mma=True)
+    # above M = 8 with the norm statistics in the loop every block recomputes them: 32-row blocks
+    # where N gives every SM one, else the 8-row config (bench_gemv --stats, session 15)
+    assert pick_config(p, 132, row_stats=True) == GemvConfig(rows=8, warps=8, unroll=4, mma=True)
+    qkv16 = GemvProblem(16, 12288, 4096, "float16", "float16")
+    assert pick_config(qkv16, 132, row_stats=True) == GemvConfig(rows=32, warps=4, unroll=2,
+                                                                 mma=True)
     assert not pick_config(eight, 132, simt_max_m=8).mma
     assert pick_config(GemvProblem(1, 4096, 4096, "float16", "float16"), 132, simt_max_m=0).mma
     small_n = pick_config(GemvProblem(1, 256, 4096, "float16", "float16"), 132)
@@ -166,7 +174,8 @@ def test_prefetch_after_attention_takes_the_o_projection_only(on, fold):
 
 PRELOAD_CASES = [  # (m, n, k, pair, stats): the 4-layer LM's decode shapes, K past a chunk, mma
     (1, 3072, 2048, False, True), (1, 11264, 2048, True, True), (1, 2048, 5632, False, False),
-    (3, 1000, 1000, False, False), (8, 4096, 4096, False, False), (8, 12288, 4096, False, True)]
+    (3, 1000, 1000, False, False), (8, 4096, 4096, False, False), (8, 12288, 4096, False, True),
+    (5, 22016, 4096, True, True)]
 PRELOAD_IDS = [f"{m}x{n}x{k}{'-pair' if pr else ''}{'-stats' if st else ''}"
                for m, n, k, pr, st in PRELOAD_CASES]
 

@@ -14,6 +14,8 @@
 #           (add --variant NAME=FIELD:VALUE for an A/B in the same rounds)             (~120 s)
 #   graph   the lm step with a second build, Options.cuda_graph=True, in the same rounds  (~170 s)
 #   split   kernel_times llama_lm --anchor compile: per-kernel split vs torch.compile    (~150 s)
+#   warps   kernel_times llama_lm, the default build and Options.sm90_stats_warps: which GEMMs the
+#           statistics warps slow (the LM prefill is ~11 % slower with them, sessions 22 and 30) (~150 s)
 #   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
 #           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
@@ -38,7 +40,9 @@ for s in "$@"; do
     graph) step graph 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/graph.json" --rounds 7 \
              --variant graph=cuda_graph:true ;;
     split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;
+    warps) step warps 300 python3 tools/device/kernel_times.py llama_lm --iters 20 \
+             --variant warps=sm90_stats_warps:true ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
-    *) echo "unknown step $s (tests ptests lm graph split sdpa)"; exit 2 ;;
+    *) echo "unknown step $s (tests ptests lm graph split warps sdpa)"; exit 2 ;;
   esac
 done

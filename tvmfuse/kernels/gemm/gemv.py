@@ -228,13 +228,21 @@ def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4,
     and 40.6 vs 26.4 µs). Default ``simt_max_m`` 4: the engines tie at M = 4 over the 7B shapes and
     the mma engine is 1.5× faster at M = 8 (session 11).
 
+    Up to M = 8 (one 16-row x tile), with or without statistics: 8-row blocks of 16 warps, 4
+    chunks in flight. ``bench_gemv.py --ms 8`` over the 7B shapes (K = 4096), H100, session 30,
+    with statistics against the 32-row 4-warp config: 4096×12288 35.3 vs 37.2 µs, 4096×22016
+    60.7 vs 66.5 µs; without, against 8 warps: 34.7 vs 35.2, 60.1 vs 61.4, 4096×4096 13.0 vs 13.3
+    (H200, sessions 14 and 16, without: 27.4 vs 28.2, 46.6 vs 48.5, 11.2 vs 11.3).
+
     The ring (16 rows × 4 warps, 256-wide chunks, 2 stages) for M ≤ 8 without statistics where
     K ≥ 8192 (long per-warp streams): ``bench_gemv.py`` at M = 8 (session 16) 11008×4096 24.3 vs
     25.7 µs; on K = 4096 it was 1–3 % slower than the register engine and with statistics 5–15 %."""
     if problem.m > min(simt_max_m, SIMT_MAX_M):
         if not row_stats and problem.m <= RING_MAX_M and problem.k >= RING_MIN_K:
             return GemvConfig(rows=16, warps=4, unroll=8, mma=True, stages=2)
-        if row_stats and _cdiv(problem.n, 32) >= sms:
+        if problem.m <= SIMT_MAX_M:
+            cfg = GemvConfig(rows=8, warps=16, unroll=4, mma=True)
+        elif row_stats and _cdiv(problem.n, 32) >= sms:
             cfg = GemvConfig(rows=32, warps=4, unroll=2, mma=True)
         else:
             cfg = GemvConfig(rows=8, warps=8, unroll=4 if _cdiv(problem.m, 16) == 1 else 2, mma=True)
