@@ -4,7 +4,15 @@ each query / key head), GPTBigCode (multi-query; ``view(*input_shape, -1, head_d
 symbolic length used to fail the import) and Falcon's new decoder architecture (grouped K/V
 picked by ``[..., -2, :]`` / ``[..., -1, :]``: silently wrong before NegativeIndices). Greedy
 tokens equal transformers' (``lm_reference.check_tokens``); the last two are initialised with a
-larger spread (``initializer_range=0.3``) so that their greedy tokens are not one repeated token."""
+larger spread (``initializer_range=0.3``) so that their greedy tokens are not one repeated token.
+
+Session 30, more families as transformers writes them: Qwen2 (QKV bias), Gemma ((1 + w) RMSNorm, the embedding
+scaled by √hidden, GeGLU), Gemma-2 without attention soft-capping (sliding windows on every other
+layer, final-logit soft-capping), StableLM (LayerNorm, rotary over a quarter of each head),
+GPT-NeoX (parallel residual, rotary over a quarter), OPT (learned positions offset by 2, ReLU),
+OLMo (LayerNorm without parameters), Cohere (parallel attention and MLP, logit scale) and
+Granite (embedding, residual, attention and logit multipliers). Gemma-2 with its default
+attention soft-capping and Bloom's ALiBi are refused with the reason."""
 
 from __future__ import annotations
 
@@ -32,10 +40,43 @@ def _model(name: str) -> torch.nn.Module:
             vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=256,
             ffn_hidden_size=128, initializer_range=0.3, bos_token_id=0, eos_token_id=0)).eval()
-    return T.Qwen3ForCausalLM(T.Qwen3Config(**common, head_dim=16)).eval()
+    if name == "qwen3":
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**common, head_dim=16)).eval()
+    return _more(name, common)
 
 
-@pytest.mark.parametrize("name", ["phi3", "qwen3", "gpt_bigcode", "falcon"])
+def _more(name: str, common: dict) -> torch.nn.Module:
+    """The families of session 30 (module doc)."""
+    import transformers as T
+
+    small = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=256)
+    build = {
+        "qwen2": lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**common)),
+        "gemma": lambda: T.GemmaForCausalLM(T.GemmaConfig(**common, head_dim=16)),
+        "gemma2": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(
+            **common, head_dim=16, sliding_window=8, attn_logit_softcapping=None)),
+        "gemma2_softcap": lambda: T.Gemma2ForCausalLM(T.Gemma2Config(**common, head_dim=16)),
+        "stablelm": lambda: T.StableLmForCausalLM(T.StableLmConfig(**common,
+                                                                    partial_rotary_factor=0.25)),
+        "gpt_neox": lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(
+            **small, intermediate_size=128, rotary_pct=0.25, initializer_range=0.3)),
+        "opt": lambda: T.OPTForCausalLM(T.OPTConfig(
+            vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=256, word_embed_proj_dim=64,
+            init_std=0.3)),
+        "olmo": lambda: T.OlmoForCausalLM(T.OlmoConfig(**common)),
+        "cohere": lambda: T.CohereForCausalLM(T.CohereConfig(**common)),
+        "granite": lambda: T.GraniteForCausalLM(T.GraniteConfig(**common)),
+        "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2,
+                                                          n_head=4, initializer_range=0.3)),
+    }
+    return build[name]().eval()
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen3", "gpt_bigcode", "falcon", "qwen2", "gemma",
+                                  "gemma2", "stablelm", "gpt_neox", "opt", "olmo", "cohere",
+                                  "granite"])
 def test_greedy_tokens(name):
     model = _model(name)
     lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=64, prefill_lengths=[16]).load()
@@ -57,3 +98,16 @@ def test_phi3_mlp_is_one_pair_gemm():
     names = [k["name"] for k in report["kernels"]]
     assert sum("matmul_pair" in n for n in names) == 2, names  # one per layer
     assert not any("split" in n for n in names), names
+
+
+@pytest.mark.parametrize("name, why", [
+    ("gemma2_softcap", r"left alone because: the scores pass through tanh \(logit soft-capping"),
+    ("bloom", r"cannot derive per-sequence positions: .*ALiBi"),
+])
+def test_refused_with_the_reason(name, why):
+    """What compile_lm cannot take yet is a CompileError that says why: Gemma-2's attention
+    soft-capping (FuseAttention's own reason, not "see the report"), Bloom's ALiBi bias."""
+    from tvmfuse.errors import CompileError
+
+    with pytest.raises(CompileError, match=why):
+        tvmfuse.compile_lm(_model(name), target="cpu", max_seq_len=64, prefill_lengths=[16])

@@ -44,6 +44,7 @@ from tvm import relax
 
 from ..errors import CompileError
 from ..options import current_options
+from ..passes.attention import attention_decisions
 from ._graph import var_name
 from .kernels import CacheSpec, cache_attention, decode_append, kv_append
 
@@ -205,6 +206,15 @@ def _layer_windows(mod: tvm.IRModule) -> tuple[int, list]:
     return 1, []
 
 
+def _left(mod: tvm.IRModule) -> str:
+    """Why FuseAttention left the module's attention candidates alone, for an error message."""
+    reasons = sorted({d["reason"] for d in attention_decisions(mod)
+                      if d.get("status") == "left" and d.get("reason")})
+    if not reasons:
+        return " (`tvmfuse report` lists why attention was left alone)"
+    return "; the candidates were left alone because: " + "; ".join(reasons)
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.llm.DeriveKVCache")
 class DeriveKVCache:
     """Every Relax function with attention gets the cache parameters (module doc)."""
@@ -242,8 +252,7 @@ class DeriveKVCache:
             body = rw.visit_expr(func.body)
             if not rw.specs:
                 raise CompileError(f"compile_lm: function {gv.name_hint!r} has no attention that "
-                                   "FuseAttention recognised: no KV cache to derive (see "
-                                   "`tvmfuse report` for why attention was left alone)")
+                                   f"FuseAttention recognised: no KV cache to derive{_left(mod)}")
             sync = [rw.sync] if rw.sync is not None else []
             params = [*func.params, rw.offsets, rw.starts, *rw.caches, *sync]
             new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
