@@ -10,8 +10,11 @@ Session 30, more families as transformers writes them: Qwen2 (QKV bias), Gemma (
 scaled by √hidden, GeGLU), Gemma-2 without attention soft-capping (sliding windows on every other
 layer, final-logit soft-capping), StableLM (LayerNorm, rotary over a quarter of each head),
 GPT-NeoX (parallel residual, rotary over a quarter), OPT (learned positions offset by 2, ReLU),
-OLMo (LayerNorm without parameters), Cohere (parallel attention and MLP, logit scale) and
-Granite (embedding, residual, attention and logit multipliers). Gemma-2 with its default
+OLMo (LayerNorm without parameters), Cohere (parallel attention and MLP, logit scale),
+Granite (embedding, residual, attention and logit multipliers) and Mixtral (4 experts, top 2,
+built with ``experts_implementation="batched_mm"`` as the import error's hint asks); also
+Gemma-3 (q/k norms, sliding windows), Starcoder2, GPT-J (interleaved rotary), Phi (partial
+rotary), SmolLM3 and Llama with Llama-3's rope scaling. Gemma-2 with its default
 attention soft-capping and Bloom's ALiBi are refused with the reason."""
 
 from __future__ import annotations
@@ -68,6 +71,22 @@ def _more(name: str, common: dict) -> torch.nn.Module:
         "olmo": lambda: T.OlmoForCausalLM(T.OlmoConfig(**common)),
         "cohere": lambda: T.CohereForCausalLM(T.CohereConfig(**common)),
         "granite": lambda: T.GraniteForCausalLM(T.GraniteConfig(**common)),
+        "gemma3": lambda: T.Gemma3ForCausalLM(T.Gemma3TextConfig(**common, head_dim=16,
+                                                                  sliding_window=8)),
+        "starcoder2": lambda: T.Starcoder2ForCausalLM(T.Starcoder2Config(**common,
+                                                                         sliding_window=None)),
+        "gptj": lambda: T.GPTJForCausalLM(T.GPTJConfig(
+            vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
+            initializer_range=0.3)),
+        "llama3_rope": lambda: T.LlamaForCausalLM(T.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})),
+        "phi": lambda: T.PhiForCausalLM(T.PhiConfig(**common, partial_rotary_factor=0.5)),
+        "smollm3": lambda: T.SmolLM3ForCausalLM(T.SmolLM3Config(**common, pad_token_id=0)),
+        # the mixture of experts as the UnsupportedOpError's hint says: batched matmuls
+        "mixtral": lambda: T.MixtralForCausalLM._from_config(
+            T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+            experts_implementation="batched_mm"),
         "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2,
                                                           n_head=4, initializer_range=0.3)),
     }
@@ -76,7 +95,8 @@ def _more(name: str, common: dict) -> torch.nn.Module:
 
 @pytest.mark.parametrize("name", ["phi3", "qwen3", "gpt_bigcode", "falcon", "qwen2", "gemma",
                                   "gemma2", "stablelm", "gpt_neox", "opt", "olmo", "cohere",
-                                  "granite"])
+                                  "granite", "mixtral", "gemma3", "starcoder2", "gptj",
+                                  "llama3_rope", "phi", "smollm3"])
 def test_greedy_tokens(name):
     model = _model(name)
     lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=64, prefill_lengths=[16]).load()
