@@ -108,7 +108,9 @@ class Options:
     decode_fold_append: bool = False
     # compile_lm decode (CUDA): the append (RoPE of q and k, the K/V row into the cache) made by
     # the QKV GEMV's epilogue (rules/gemv_append.py): one launch a layer fewer and no qkv round
-    # trip between kernels. Off: not measured on a GPU yet
+    # trip between kernels. Off: no win on both models (H100, session 30: the 4-layer LM's decode
+    # +0.6 %, the 7B shapes with 4 layers −0.25 % at batch 1 and −0.3 % at batch 8); GPU
+    # generate tests pass
     decode_gemv_append: bool = False
     # compile_lm decode attention with programmatic launch (sm_90+): a layer's cache of at most
     # this many bytes is prefetched into L2 by the attention kernel before it waits for the append

@@ -217,7 +217,8 @@ def pick_config(problem: GemvProblem, sms: int, simt_max_m: int = 4,
     """CUDA cores up to M = ``simt_max_m`` (at most 8), tensor cores above. CUDA cores: 8 warps,
     rows per block as many as still give every SM a block (≥ ``sms`` blocks: N small, fewer rows).
 
-    Tensor cores (H200, session 12): without in-loop statistics, 8-row blocks of 8 warps with 4
+    Tensor cores above M = 8 (measured at M = 8, where the next paragraph's config has since
+    replaced them; H200, session 12): without in-loop statistics, 8-row blocks of 8 warps with 4
     chunks in flight per warp (2 above M = 16: the A fragments' registers) — in the 7B model at
     batch 8 the down projection went from 39.4 to 26.3 µs and O from 16.2 to 11.7 µs a layer
     (``bench_gemv.py --configs`` at M = 8: the fastest or within 1.5 % on all four shapes). With
