@@ -52,6 +52,9 @@ class Options:
     # GEMM that can takes them (no cost estimate). Off: slower on the H200 (session 22, the
     # 4-layer LM's prefill, 5 interleaved rounds: 1.703 ms with it vs 1.538; numerics pass)
     sm90_stats_warps: bool = False
+    # gemm_sm90_producer_stats: an RMSNorm's sums of squares come from the wgmma GEMM writing its
+    # input (partial sums per column tile), read by the GEMMs after the norm: no statistics kernel
+    sm90_producer_stats: bool = True
     # gemm_row_stats_simt: the statistics move into the fp32 SIMT GEMMs that read them
     simt_in_loop_stats: bool = True
     # gemm_sm80: the epilogue on the mma fragments, stored from registers (no shared staging)

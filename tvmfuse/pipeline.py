@@ -51,6 +51,7 @@ from .rules.fallback import ApplyRules
 from .rules.fold_decode_append import FoldDecodeAppend
 from .rules.gemm_row_stats_simt import SimtGemmRowStats
 from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
+from .rules.gemm_sm90_producer_stats import Sm90ProducerRowStats
 from .rules.gemm_sm90_stats import Sm90GemmRowStats
 from .rules.gemv import SmallMGemm
 from .rules.programmatic_launch import active as pdl_active
@@ -223,6 +224,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             # sm_80+: small-M GEMMs (decode) become weight-streaming kernels (their norm statistics
             # inside, constant weights passed (N, K)); before the wgmma passes below see them.
             mod = run("gemv", SmallMGemm, mod)
+            # sm_90a only: RMSNorm statistics of a wgmma GEMM's output become partial sums in that
+            # GEMM's epilogue (no main-loop cost, unlike the in-loop statistics below: first).
+            mod = run("gemm_sm90_producer_stats", Sm90ProducerRowStats, mod)
             # sm_90a only: a norm's row statistics move into the wgmma GEMMs that read them.
             mod = run("gemm_sm90_row_stats", Sm90GemmRowStats, mod)
             # fp32 GEMMs (SIMT): the row statistics merge into them; after the wgmma ones took theirs.

@@ -16,6 +16,9 @@
 #   split   kernel_times llama_lm --anchor compile: per-kernel split vs torch.compile    (~150 s)
 #   warps   kernel_times llama_lm, the default build and Options.sm90_stats_warps: which GEMMs the
 #           statistics warps slow (the LM prefill is ~11 % slower with them, sessions 22 and 30) (~150 s)
+#   pstats  the producer statistics (Options.sm90_producer_stats): their GPU numerics, then the
+#           LM prefill with them (default), without them and with PDL on every kernel, in the same
+#           7 interleaved rounds                                                          (~400 s)
 #   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
 #           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
@@ -42,7 +45,13 @@ for s in "$@"; do
     split) step split 300 python3 tools/device/kernel_times.py llama_lm --anchor compile --iters 20 ;;
     warps) step warps 300 python3 tools/device/kernel_times.py llama_lm --iters 20 \
              --variant warps=sm90_stats_warps:true ;;
+    pstats) step t_pstats 260 python3 -m pytest -q -m gpu -p no:cacheprovider \
+              tests/test_rule_gemm_sm90_producer_stats.py tests/test_schedule_gemm_sm90_stats.py \
+              -k "residual or llama_lm or decoder_layer or mlp_block"
+            step lm_pstats 330 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm_pstats.json" \
+              --rounds 7 --variant no_pstats=sm90_producer_stats:false \
+              --variant pdl=programmatic_launch:all ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
-    *) echo "unknown step $s (tests ptests lm graph split warps sdpa)"; exit 2 ;;
+    *) echo "unknown step $s (tests ptests lm graph split warps pstats sdpa)"; exit 2 ;;
   esac
 done

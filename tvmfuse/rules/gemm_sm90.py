@@ -149,7 +149,7 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
 
     buffers: ``func``'s parameters renamed ``p<i>``, 16-byte aligned, B as (N, K) when
     ``b_transposed`` turns an "nn" read around, without the row-statistics parameters that
-    ``in_loop`` computes. ``store_value(acc, row, col, stats, loads=None)`` / ``pair_value(acc,
+    ``in_loop`` computes (with ``in_loop.stats.partials``, rstd's place holds the partial sums). ``store_value(acc, row, col, stats, loads=None)`` / ``pair_value(acc,
     acc_odd, row, col, stats, loads=None)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at
     one output (``loads``: an :data:`~..kernels.gemm.epilogue.LoadHook`).
     """
@@ -166,7 +166,11 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
                 raise NotHandled(f"parameter {i} is not an (M, 1) fp32 row statistic")
         row_values = [(params[i], k) for k, i in enumerate((in_loop.mean, in_loop.rstd))
                       if i is not None]
-        kept = [i for i in kept if i not in in_loop.dropped]
+        if in_loop.stats.partials:  # rstd's place: the producer's (partials, M) sums of squares
+            new[in_loop.rstd] = tirx.decl_buffer((in_loop.stats.partials, g.m), "float32",
+                                                 name=f"p{in_loop.rstd}", data_alignment=16)
+        else:
+            kept = [i for i in kept if i not in in_loop.dropped]
         positions = tuple(kept.index(i) for i in positions)
     buffers = [(params[i], new[i]) for i in kept]
 
@@ -203,7 +207,8 @@ def bucket_configs(hi: int, n: int, sms: int | None = None, layout: str = "nt"
 
 def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
                  b_transposed: bool = False, in_loop: InLoopStats | None = None,
-                 ranges: dict[str, tuple[int, int]] | None = None) -> tirx.PrimFunc:
+                 ranges: dict[str, tuple[int, int]] | None = None,
+                 partials_out: bool = False) -> tirx.PrimFunc:
     """The TIRx kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads B as (K, N) but the kernel takes B's transpose (N, K)
@@ -213,6 +218,9 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     ``ranges``: the symbols' ranges (:func:`.relax_shapes.symbol_ranges`). A symbolic M bounded
     by them gets one kernel per :func:`bucket_configs` bucket in one function, which branches on
     M at run time (each branch its own launch).
+    ``partials_out``: the kernel also writes the row partial sums of squares of its output, an
+    (⌈N / BN⌉, M) fp32 parameter after ``func``'s (:func:`partials_of` gives the count;
+    ``gemm_kernel(row_partials_out=...)``).
     """
 
     g = analyze(func, symbolic_m=in_loop is None and ranges is not None)
@@ -248,10 +256,24 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         expr = fast_math16(expr)
     buffers, positions, store_value, pair_value = kernel_signature(func, g, expr, b_transposed,
                                                                    in_loop)
-    kernels = [gemm_kernel(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
-                           buffers, *positions, store_value, pair_value,
-                           row_stats=in_loop.stats if in_loop is not None else None, rows=rows)
-               for top, c in buckets]
+    partials_in = in_loop.rstd if in_loop is not None and in_loop.stats.partials else None
+    partials_pos = None
+    if partials_out:
+        if rows is not None or g.acc_odd is not None or len(g.out_shape) != 2:
+            raise NotHandled("row partial sums need a static M and a plain (M, N) output")
+        buffers = [*buffers, tirx.decl_buffer((-(-g.n // cfg.bn), g.m), "float32",
+                                              name="row_partials", data_alignment=16)]
+        partials_pos = len(buffers) - 1
+    try:
+        kernels = [gemm_kernel(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
+                               buffers, *positions, store_value, pair_value,
+                               row_stats=in_loop.stats if in_loop is not None else None, rows=rows,
+                               row_partials_in=partials_in, row_partials_out=partials_pos)
+                   for top, c in buckets]
+    except ValueError as err:
+        if partials_in is None and partials_pos is None:
+            raise
+        raise NotHandled(str(err)) from err
     kernel = kernels[-1]
     if len(kernels) > 1:  # if M <= top_0: kernel 0 elif M <= top_1: kernel 1 … else the last
         body = kernel.body
@@ -265,6 +287,15 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     if func.attrs is not None and TUNING_ATTR in func.attrs:  # tuned / default label stays
         attrs[TUNING_ATTR] = func.attrs[TUNING_ATTR]
     return kernel.with_attrs(attrs)
+
+
+def partials_of(func: tirx.PrimFunc, b_transposed: bool = False) -> int:
+    """How many column tiles :func:`build_kernel` gives ``func``'s (static M) output: the rows of
+    its ``partials_out`` sums."""
+    g = analyze(func)
+    layout = "nt" if b_transposed else g.layout
+    cfg = gemm_config_of(func) or select_config(g.m, g.n, layout=layout)
+    return -(-g.n // cfg.bn)
 
 
 def _is_transpose(func: tirx.PrimFunc) -> bool:

@@ -165,10 +165,14 @@ class RowStats:
     """Per-row statistics of A (over its K columns) that the kernel computes in its main loop.
 
     ``centered``: LayerNorm (mean and rstd); otherwise RMSNorm (rstd only). ``eps`` as in the norm.
+    ``partials``: RMSNorm only; the sums of squares are not taken from the A stages but read from
+    an (partials, M) fp32 parameter that the GEMM producing A wrote (``row_partials_out``), one
+    column tile of A per entry: ``Σ_k x[r, k]² = Σ_t P[t, r]``.
     """
 
     centered: bool
     eps: float
+    partials: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -238,7 +242,9 @@ def _all(*conds):
 def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buffer],
                 a_param: int, b_param: int, c_param: int, store_value: StoreValue | None = None,
                 pair_value: PairValue | None = None,
-                row_stats: RowStats | None = None, rows: PrimExpr | None = None) -> tirx.PrimFunc:
+                row_stats: RowStats | None = None, rows: PrimExpr | None = None,
+                row_partials_in: int | None = None,
+                row_partials_out: int | None = None) -> tirx.PrimFunc:
     """The kernel as a TIRx PrimFunc over ``params`` (the fused function's signature, kept so the
     kernel replaces it in place); A, B, C are the parameters at the given positions.
 
@@ -253,6 +259,11 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     tensor map, the raster and the store masks take ``rows``, so a CTA's tiles past the last row
     are never started (they are the trailing ones of its tile sequence: no gap in the barrier
     phases).
+
+    ``row_partials_in``: the position of ``row_stats.partials``' (partials, M) fp32 parameter.
+    ``row_partials_out``: the position of an (⌈N / BN⌉, M) fp32 output: entry ``[t, r]`` is the sum
+    of squares of the values this kernel stores in row r of column tile t (the module doc's
+    *producer statistics*); plain 16-bit outputs with the quad store only.
     """
     p = problem
     # 0-d parameters (a scalar tensor in the epilogue) are read through one-element views that the
@@ -308,6 +319,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     m_ragged = rows is not None or p.m % cfg.bm != 0
     has_stats = row_stats is not None
     centered = has_stats and row_stats.centered
+    from_partials = has_stats and row_stats.partials > 0
+    if from_partials and (centered or row_partials_in is None or cfg.stats_warps):
+        raise ValueError("statistics from partial sums: RMSNorm, a parameter, no statistics warps")
+    pin = params[row_partials_in] if from_partials else None
+    pout = params[row_partials_out] if row_partials_out is not None else None
+    has_pout = pout is not None
     by_warps = has_stats and cfg.stats_warps  # the statistics by two producer warps (module doc)
     if by_warps and cfg.pingpong:
         raise ValueError("statistics warps with ping-pong consumers unsupported")
@@ -322,6 +339,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
             and c_cols % 8 == 0)
     blocks = cfg.bn // 16 if is_pair else cfg.bn // 8
     quads = blocks // 4 if quad else 0
+    if pout is not None and (is_pair or quads * 4 != blocks):
+        raise ValueError("row partial sums need a plain epilogue stored by whole quads")
     # The plain quad store exchanges the fp32 accumulators and evaluates the epilogue where the
     # 8 outputs land (one row, 8 consecutive columns, inside the store's bounds test): the
     # epilogue's 16-bit operands read there, (M, N) residuals and (N,) biases, load as one 16-byte
@@ -612,6 +631,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                 if has_stats and not by_warps:
                     xv = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
                     rsum = T.alloc_buffer((3,), "float32", scope="local")  # s1, s2, shift c
+                if has_pout:
+                    psum = T.alloc_buffer((2,), "float32", scope="local")  # Σ stored² of rows h
                 if has_stats:
                     rstat = T.alloc_buffer((4,), "float32", scope="local")  # mean, rstd
                 else:
@@ -679,6 +700,28 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     T.ptx.mbarrier.arrive.shared.b64(T.cuda.cvta_generic_to_shared(sbar.ptr_to([1])))
 
                 @T.inline
+                def stats_from_partials(row0):
+                    # rstd of this thread's fragment rows row0 (+ 8) from the producer's partial
+                    # sums of squares (rows past M read row M − 1: never stored)
+                    for h in T.unroll(2):
+                        rsum[1] = T.float32(0)
+                        for q in T.unroll(row_stats.partials if from_partials else 0):
+                            rsum[1] = rsum[1] + pin[q, T.min(row0 + h * 8, m_dev - 1)]
+                        rstat[h * 2 + 1] = T.rsqrt(rsum[1] / T.float32(k_f) + T.float32(eps))
+
+                @T.inline
+                def partials_store(row0, n0):
+                    # the quad's four lanes hold one row's outputs: sum them, lane 0 stores
+                    for h in T.unroll(2):
+                        psum[h] = psum[h] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), psum[h],
+                                                                   1, 32)
+                        psum[h] = psum[h] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), psum[h],
+                                                                   2, 32)
+                        if tx % 4 == 0:
+                            if row0 + h * 8 < m_dev:
+                                pout[n0 // cfg.bn, row0 + h * 8] = psum[h]
+
+                @T.inline
                 def consume(ti, m0, n0):
                     if cfg.pingpong:
                         # Main loops alternate: warpgroup w starts tile ti once the other one has
@@ -689,7 +732,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                             T.cuda.mbarrier_wait(turn.ptr_to([wg - 1]), ((ti - 1) // 2) % 2)
                     for i in T.unroll(acc_n * sub):
                         acc[i] = T.float32(0)
-                    if has_stats and not by_warps:
+                    if has_stats and not by_warps and not from_partials:
                         rsum[0] = T.float32(0)
                         rsum[1] = T.float32(0)
                         rsum[2] = T.float32(0)
@@ -701,8 +744,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         for kk in T.unroll(BK // 16):
                             wgmma(acc, desc_a, desc_b, s, kk)
                         T.ptx.wgmma.commit_group.sync.aligned()
-                        if has_stats and not by_warps:  # while the wgmmas run: this thread's half row
-                            stats_accumulate(s, kt)
+                        if has_stats and not by_warps and not from_partials:
+                            stats_accumulate(s, kt)  # while the wgmmas run: this thread's half row
                         T.ptx.wgmma.wait_group.sync.aligned(1)
                         release((g + stages_m1) % stages, kt > 0)
                     if cfg.pingpong:  # one thread past the last full wait of this tile: the other's turn
@@ -820,6 +863,9 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         for e in T.unroll(8):
                             qv[e] = _value_at(value, qa[e], row, col, e, row_stat_loads(rstat, h),
                                               vec_ops, ov)
+                            if has_pout:
+                                psum[h] = psum[h] + T.Cast("float32", qv[e]) * T.Cast("float32",
+                                                                                      qv[e])
                         C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
 
                     @T.inline
@@ -873,8 +919,13 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         row0 = _plus(m0, u_row) + first_row(wg) * 64 + (t // 32) * 16 + (t % 32) // 4
                         if by_warps:
                             stats_fetch(ti)
+                        elif from_partials:
+                            stats_from_partials(row0)
                         elif has_stats:
                             stats_finish()
+                        if has_pout:
+                            psum[0] = T.float32(0)
+                            psum[1] = T.float32(0)
                         # A tile inside (M, N) stores without per-element guards: straight-line
                         # code whose loads (bias, residual) and arithmetic the compiler can
                         # schedule across elements.
@@ -885,6 +936,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                 store(u_acc, row0, False)
                             else:
                                 store(u_acc, row0, True)
+                        if has_pout:
+                            partials_store(row0, n0)
 
                     if sub > 1:
                         for u in T.unroll(sub):

@@ -1,0 +1,137 @@
+"""Sm90ProducerRowStats: an RMSNorm's sums of squares written by the GEMM that produced its input.
+
+CPU: which statistics kernels go (a residual GEMM's output, RMSNorm, sm_90a) and which stay
+(LayerNorm, sm80, the option off, a norm of a non-GEMM tensor); the partial-sum parameters'
+shapes; the kernels compile for sm_90a with no spills. GPU: residual + RMSNorm + Linear blocks
+with ragged M and N (a partial last column tile) and the 4-layer LM's shape class against float64
+torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from tvm import tirx
+
+import tvmfuse
+from models.decoder_layer import RMSNorm
+from tests.cuda_tools import check_vs_float64, kernel_sass, needs_nvcc
+from tvmfuse.frontend import import_model
+from tvmfuse.options import Options, use_options
+from tvmfuse.pipeline import lower
+from tvmfuse.targets import get_target
+
+
+class ResidualNormLinear(nn.Module):
+    """``h = x + a·W1ᵀ;  y = norm(h)·W2ᵀ + h``: the first Linear's epilogue writes the residual
+    stream the norm reads (a pre-norm block's shape), x (M, K), a (M, K2)."""
+
+    def __init__(self, k: int, k2: int, n: int, norm: str = "rms") -> None:
+        super().__init__()
+        self.proj = nn.Linear(k2, k, bias=False)
+        self.norm = nn.LayerNorm(k) if norm == "layer" else RMSNorm(k)
+        self.out = nn.Linear(k, n, bias=False)
+        self.gate = nn.Linear(k, n, bias=False)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        h = x + self.proj(a)
+        n = self.norm(h)
+        return self.out(n) * torch.sigmoid(self.gate(n)) + h[:, : self.out.out_features]
+
+
+def _model(m: int, k: int, k2: int, n: int, dtype=torch.float16, norm: str = "rms", seed: int = 0):
+    torch.manual_seed(seed)
+    module = ResidualNormLinear(k, k2, n, norm).to(dtype).eval()
+    return module, ((torch.randn(m, k) + 1).to(dtype), (torch.randn(m, k2) / 8).to(dtype))
+
+
+def _kernels(module, inputs, target: str = "sm90", **options) -> dict[str, tirx.PrimFunc]:
+    with use_options(Options(**options)):
+        mod = lower(import_model(module, inputs).mod, get_target(target))
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def test_residual_gemm_writes_the_partial_sums():
+    """The statistics kernel goes; the residual GEMM gains a (⌈N/BN⌉, M) fp32 output, and each
+    GEMM after the norm reads it where it read rstd (M = 1000 rows, N = 328: two column tiles)."""
+    funcs = _kernels(*_model(1000, 328, 512, 256))
+    assert not any(name.endswith("norm_stats") for name in funcs), sorted(funcs)
+    (producer,) = [f for name, f in funcs.items() if name.endswith("_partials")]
+    consumers = [f for name, f in funcs.items() if name.endswith("_partial_stats")]
+    assert len(consumers) >= 1, sorted(funcs)
+    partials = producer.params[-1]
+    shape = tuple(int(d) for d in partials.shape)
+    assert shape == (2, 1000) and str(partials.dtype) == "float32"
+    for f in consumers:
+        shapes = [tuple(int(d) for d in p.shape) for p in f.params]
+        assert (2, 1000) in shapes, shapes
+        assert "T.rsqrt" in f.script()
+
+
+@pytest.mark.parametrize("target, norm, options, why", [
+    ("sm90", "layer", {}, "LayerNorm"),
+    ("sm80", "rms", {}, "sm80"),
+    ("sm90", "rms", {"sm90_producer_stats": False}, "option off"),
+])
+def test_statistics_kernel_stays(target, norm, options, why):
+    """LayerNorm's shifted sums, other targets and the option off keep the statistics kernel."""
+    funcs = _kernels(*_model(256, 256, 256, 256, norm=norm), target=target,
+                     sm90_in_loop_stats=False, **options)
+    assert any(name.endswith("norm_stats") for name in funcs), (why, sorted(funcs))
+    assert not any(name.endswith("_partials") for name in funcs), (why, sorted(funcs))
+
+
+def test_llama_lm_keeps_only_the_embedding_norms_kernel():
+    """The 4-layer LM's shape class, two layers: of five RMSNorms the four after a residual GEMM
+    take their sums from it; the first (after the embedding gather) keeps its kernel."""
+    from models import llama_lm
+
+    module, inputs = llama_lm.build(vocab=512, hidden=1024, n_layers=2, n_heads=8, n_kv_heads=2,
+                                    ffn=2816, seq=2048)
+    funcs = _kernels(module, inputs)
+    assert sum(name.startswith("rms_norm_stats") for name in funcs) == 1, sorted(funcs)
+    assert sum(name.endswith("_partials") for name in funcs) == 2  # O-proj, down (per layer)
+    off = _kernels(module, inputs, sm90_producer_stats=False)
+    assert sum(name.startswith("rms_norm_stats") for name in off) == 1  # one function, 5 calls
+
+
+@needs_nvcc
+def test_kernels_compile_without_spills(tmp_path):
+    """Export: the producer's quad sums are two SHFL.BFLY per row; HGMMA in every GEMM kernel."""
+    module, inputs = _model(1000, 328, 512, 256)
+    path = tvmfuse.compile(module, inputs, target="sm90").export(tmp_path / "m.so")
+    kernels = kernel_sass(path)["sm_90a"]
+    producer = [s for name, s in kernels.items() if "_partials" in name]
+    consumer = [s for name, s in kernels.items() if "_partial_stats" in name]
+    assert producer and consumer, sorted(kernels)
+    assert all("HGMMA" in s and "SHFL.BFLY" in s for s in producer)
+    assert all("HGMMA" in s and "MUFU.RSQ" in s for s in consumer)
+    assert not any("STL" in s for s in producer + consumer)  # no local-memory spills
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU numerics against float64 torch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, k2, n, dtype, tol", [
+    (1000, 328, 512, 256, torch.float16, 5e-3),    # ragged M, a partial last column tile
+    (2048, 2048, 2048, 1024, torch.float16, 5e-3),  # full tiles, a cluster pair
+    (300, 1024, 640, 512, torch.bfloat16, 2e-2),
+], ids=["ragged-fp16", "full-fp16", "bf16"])
+def test_gpu_residual_norm_linear(m, k, k2, n, dtype, tol, tmp_path):
+    module, inputs = _model(m, k, k2, n, dtype)
+    check_vs_float64(module, inputs, "sm90", tmp_path, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_lm(tmp_path):
+    """Several persistent tiles a CTA; every norm but the first from partial sums."""
+    from models import llama_lm
+
+    module, inputs = llama_lm.build(vocab=2048, hidden=1024, n_layers=2, n_heads=8, n_kv_heads=2,
+                                    ffn=2816, seq=2048)
+    check_vs_float64(module, inputs, "sm90", tmp_path, 5e-3)

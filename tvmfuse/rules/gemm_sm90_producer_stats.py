@@ -1,0 +1,231 @@
+"""sm_90a: an RMSNorm's sums of squares come from the GEMM that wrote its input.
+
+A pre-norm decoder's residual stream is written by a GEMM epilogue (``h = x + o_proj(attn)``,
+``y = h + down(…)``) and read at once by the next norm's statistics kernel (NormGemmPrologue)::
+
+    h    = call_tir(gemm, (a, W, r))                       (M, N) fp16: out = cast(a·W) + r
+    rstd = call_tir(rms_norm_stats, (h,))                  (M, 1) fp32: rsqrt(Σ_k h[i, k]² / N + eps)
+    y    = call_tir(gemm2, (h, W2, rstd))                  reads rstd[i] in its epilogue
+
+The producer already holds every value of h in registers when it stores it, so it also writes
+``P[t, i] = Σ_{k in column tile t} h[i, k]²`` (fp32, one row per 128×BN output tile column, from
+the rounded values it stores: the same numbers the statistics kernel squares), and each consumer
+forms ``rstd[i] = rsqrt(Σ_t P[t, i] / N + eps)`` in its epilogue::
+
+    h, P = call_tir(gemm_partials, (a, W, r))              P: (⌈N / BN⌉, M) fp32
+    y    = call_tir(gemm2_from_partials, (h, W2, P))
+
+One kernel and one read of h (M·N·2 bytes) fewer per norm, for ⌈N/BN⌉·M·4 bytes written and
+read back. Applies to RMSNorm statistics (LayerNorm's shifted sums stay with their kernel) of a
+static-M, plain (not paired) 16-bit GEMM output that the wgmma kernel takes, when every reader of
+rstd is a wgmma GEMM over h (:func:`.gemm_sm90.build_kernel` with ``in_loop`` partials). Runs in
+``pipeline.lower`` before Sm90GemmRowStats (whose in-loop statistics cost the consumers' main loop
+~12 %; it takes the statistics calls left here) and Sm90Gemm, which leaves the kernels made here
+(tagged scheduled) alone. A producer whose
+weight Sm90Gemm would have read transposed (a transpose kernel's output, or a constant it prefers
+(N, K)) is left alone, so that its tile stays the one Sm90Gemm picks. ``Options.sm90_producer_stats``
+switches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax.expr_functor import PyExprMutator, mutator
+
+from ..kernels.gemm.epilogue import NotHandled, analyze
+from ..kernels.gemm.sm90 import RowStats
+from ..options import current_options
+from ..passes import weight_arrays
+from ..passes._util import const_array
+from .gemm_sm90 import InLoopStats, _is_transpose, build_kernel, is_sm90a, partials_of, select_config
+from .gemm_sm90_stats import _bindings, row_stats_of, stats_calls
+from .weight_twins import TransposedTwins
+
+NAME = "gemm_sm90_producer_stats"
+_CALL_TIR = "relax.call_tir"
+
+
+@dataclass
+class _Plan:
+    """A statistics call, the GEMM call producing its input and the GEMM calls reading rstd."""
+
+    stats: relax.Call
+    rstd: relax.Var
+    producer: relax.Call
+    producer_kernel: tirx.PrimFunc
+    producer_b: tuple | None  # (B's position, the (N, K) twin it reads instead) or None
+    partials: int
+    consumers: list[tuple[relax.Call, tirx.PrimFunc, int, tuple | None]]  # call, kernel, rstd pos, B
+
+
+def _prim(mod: tvm.IRModule, call) -> tirx.PrimFunc | None:
+    """The PrimFunc a ``call_tir`` calls (None: not a call_tir of a PrimFunc)."""
+    if not (isinstance(call, relax.Call) and call.op == tvm.ir.Op.get(_CALL_TIR)):
+        return None
+    func = mod[call.args[0]]
+    return func if isinstance(func, tirx.PrimFunc) else None
+
+
+def _weight(mod: tvm.IRModule, func: tirx.PrimFunc, args: list, twins: TransposedTwins,
+            defs: dict) -> tuple[tuple | None, str | None]:
+    """``(B swap or None, why not)`` for a GEMM this rule builds: a (K, N) constant with an (N, K)
+    twin is read as the twin (as Sm90Gemm does); a B that Sm90Gemm would read transposed otherwise
+    is a reason to leave the GEMM to it."""
+    g = analyze(func)
+    if g.layout != "nn":
+        return None, None
+    b = args[g.b]
+    twin = twins.of(b)
+    if twin is not None:
+        return (g.b, twin), None
+    producer = _prim(mod, defs.get(b)) if isinstance(b, relax.Var) else None
+    if producer is not None and _is_transpose(producer):
+        return None, "its B is a transpose kernel's output (Sm90Gemm reads the original)"
+    if isinstance(b, tvm.ir.expr.Constant) and isinstance(g.m, int) and \
+            select_config(g.m, g.n, layout="nt") != select_config(g.m, g.n, layout="nn"):
+        # Sm90Gemm's choice for such a B read by one call: its transpose, made now
+        w = const_array(b) if twins.uses.get(hash(b)) == 1 else None
+        if w is None:
+            return None, "Sm90Gemm would read its constant B transposed"
+        return (g.b, weight_arrays.constant(weight_arrays.transpose(w))), None
+    return None, None
+
+
+def _is_statistic(mod: tvm.IRModule, arg, defs: dict) -> bool:
+    """``arg`` is a statistics call's result (rstd, or an item of LayerNorm's (mean, rstd))."""
+    value = defs.get(arg) if isinstance(arg, relax.Var) else None
+    if isinstance(value, relax.TupleGetItem):
+        value = defs.get(value.tuple_value)
+    func = _prim(mod, value)
+    return func is not None and row_stats_of(func) is not None
+
+
+def _plan_one(mod: tvm.IRModule, call: relax.Call, spec: RowStats, x, outputs: list, uses: dict,
+              defs: dict, twins: TransposedTwins) -> _Plan | str:
+    """The plan for one statistics call, or why it keeps its kernel."""
+    producer = defs.get(x) if isinstance(x, relax.Var) else None
+    func = _prim(mod, producer)
+    if func is None or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
+        return "its input is not written by an unscheduled fused GEMM kernel"
+    if len(uses.get(x, [])) < 2 or spec.centered:
+        return "LayerNorm statistics" if spec.centered else "its input has no other reader"
+    try:
+        g = analyze(func)
+    except NotHandled as err:
+        return f"its input's producer is not a GEMM + epilogue ({err})"
+    args = list(producer.args[1].fields)
+    if any(_is_statistic(mod, a, defs) for a in args):
+        return "its producer reads a norm's statistics (Sm90GemmRowStats may take them in-loop)"
+    swap, why = _weight(mod, func, args, twins, defs)
+    if why:
+        return f"producer {producer.args[0].name_hint}: {why}"
+    if g.out != len(args) or len(producer.ty_args) != 1 or not isinstance(x.ty, relax.TensorType):
+        return "the producer has more than one output"
+    try:
+        kernel = build_kernel(func, b_transposed=swap is not None, partials_out=True)
+        count = partials_of(func, b_transposed=swap is not None)
+    except NotHandled as err:
+        return f"producer {producer.args[0].name_hint}: {err}"
+    plan = _Plan(call, outputs[0], producer, kernel, swap, count, [])
+    partial_spec = RowStats(False, spec.eps, partials=count)
+    for user in {id(u): u for u in uses.get(outputs[0], [])}.values():
+        ufunc = _prim(mod, user)
+        if ufunc is None:
+            return "rstd is read outside a GEMM kernel"
+        uargs = list(user.args[1].fields)
+        try:
+            ug = analyze(ufunc)
+        except NotHandled as err:
+            return f"consumer {user.args[0].name_hint} is not a GEMM + epilogue ({err})"
+        pos = [i for i, a in enumerate(uargs) if a.same_as(outputs[0])]
+        if not uargs[ug.a].same_as(x) or len(pos) != 1:
+            return f"consumer {user.args[0].name_hint} does not read rstd once with A = the input"
+        uswap, why = _weight(mod, ufunc, uargs, twins, defs)
+        if why:
+            return f"consumer {user.args[0].name_hint}: {why}"
+        try:
+            ukernel = build_kernel(ufunc, b_transposed=uswap is not None,
+                                   in_loop=InLoopStats(partial_spec, None, pos[0]))
+        except NotHandled as err:
+            return f"consumer {user.args[0].name_hint}: {err}"
+        plan.consumers.append((user, ukernel, pos[0], uswap))
+    return plan if plan.consumers else "rstd has no reader"
+
+
+@tvm.transform.module_pass(opt_level=0, name="Sm90ProducerRowStats")
+def Sm90ProducerRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - CamelCase pass
+    """RMSNorm statistics kernels over a wgmma GEMM's output → partial sums in that GEMM."""
+    if not current_options().sm90_producer_stats or \
+            not is_sm90a(tvm.target.Target.current(allow_none=True)):
+        return mod
+    twins = TransposedTwins(mod)
+    plans = []
+    for _gv, func in mod.functions_items():
+        if not isinstance(func, relax.Function):
+            continue
+        defs = {b.var: b.value for b in _bindings(func)}
+        for call, _fn, spec, x, outputs, uses in stats_calls(mod, func):
+            if outputs is None:
+                continue
+            got = _plan_one(mod, call, spec, x, outputs, uses, defs, twins)
+            if not isinstance(got, str):  # a reason: the statistics kernel stays
+                plans.append(got)
+    if not plans:
+        return mod
+    return _rewrite(mod, plans)
+
+
+def _rewrite(mod: tvm.IRModule, plans: list[_Plan]) -> tvm.IRModule:
+    """Producers return ``(h, P)``; consumers read P where they read rstd; the statistics calls
+    are left unused and removed with their PrimFuncs."""
+    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    def producer_of(call) -> _Plan | None:
+        return next((p for p in plans if p.producer.same_as(call)), None)
+
+    def consumer_of(call) -> tuple | None:
+        return next(((p, c) for p in plans for c in p.consumers if c[0].same_as(call)), None)
+
+    @mutator
+    class _Rewrite(PyExprMutator):
+        def __init__(self, mod):
+            super().__init__(mod)
+            self.partials: dict = {}  # id(plan) → the P var
+
+        def _args(self, call, swap) -> list:
+            args = [self.visit_expr(a) for a in call.args[1].fields]
+            if swap is not None:
+                args[swap[0]] = swap[1]
+            return args
+
+        def visit_call_(self, call):
+            plan = producer_of(call)
+            if plan is not None:
+                gv = self.builder_.add_func(plan.producer_kernel,
+                                            f"{call.args[0].name_hint}_partials")
+                out_ty = call.ty_args[0]
+                m = out_ty.shape.values[0]
+                both = self.builder_.emit(relax.call_tir(
+                    gv, relax.Tuple(self._args(call, plan.producer_b)),
+                    [out_ty, relax.TensorType([plan.partials, m], "float32")]))
+                self.partials[id(plan)] = self.builder_.emit(relax.TupleGetItem(both, 1))
+                return relax.TupleGetItem(both, 0)
+            found = consumer_of(call)
+            if found is None:
+                return super().visit_call_(call)
+            plan, (_user, kernel, pos, swap) = found
+            args = self._args(call, swap)
+            args[pos] = self.partials[id(plan)]
+            gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_partial_stats")
+            return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
+
+    rewriter = _Rewrite(mod)
+    for gv, func in list(mod.functions_items()):
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+
+
+__all__ = ["NAME", "Sm90ProducerRowStats"]
