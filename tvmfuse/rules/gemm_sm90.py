@@ -149,8 +149,9 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
 
     buffers: ``func``'s parameters renamed ``p<i>``, 16-byte aligned, B as (N, K) when
     ``b_transposed`` turns an "nn" read around, without the row-statistics parameters that
-    ``in_loop`` computes (with ``in_loop.stats.partials``, rstd's place holds the partial sums). ``store_value(acc, row, col, stats, loads=None)`` / ``pair_value(acc,
-    acc_odd, row, col, stats, loads=None)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at
+    ``in_loop`` computes (with ``in_loop.stats.partials``, rstd's place holds the partial sums).
+    ``store_value(acc, row, col, stats, loads=None)`` / ``pair_value(acc, acc_odd, row, col,
+    stats, loads=None)`` (None without a pair epilogue) evaluate ``expr``, the epilogue, at
     one output (``loads``: an :data:`~..kernels.gemm.epilogue.LoadHook`).
     """
     params = list(func.params)

@@ -20,7 +20,8 @@ so those keep the kernel. Where it does not apply the statistics kernel stays, a
 
 Runs in ``pipeline.lower`` before :func:`.gemm_sm90.Sm90Gemm` (on the fused PrimFuncs, after
 ``reshape_to_view``) and after :mod:`.gemm_sm90_producer_stats`, which takes the RMSNorm statistics
-of a wgmma GEMM's output at no main-loop cost; the kernels it makes are tagged scheduled, so Sm90Gemm and dlight skip them.
+of a wgmma GEMM's output at no main-loop cost; the kernels it makes are tagged scheduled, so
+Sm90Gemm and dlight skip them.
 Only with an sm_90a target; elsewhere the module is returned unchanged, as it is with
 ``Options(sm90_in_loop_stats=False)`` (measurements: every statistics kernel kept);
 ``Options(sm90_in_loop_stats_always=True)`` moves the statistics whatever the cost estimate says,

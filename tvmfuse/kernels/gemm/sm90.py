@@ -59,6 +59,14 @@ of its rows to ``rowstat`` (shared) and arrives on ``stats_ready``; each consume
 that phase, loads its two fragment rows' statistics and arrives on ``stats_free``, which the
 statistics threads wait for before they overwrite ``rowstat`` with the next tile's.
 
+*Producer statistics* (``row_partials_out``): a kernel whose output an RMSNorm reads next also
+writes ``P[t, r] = Σ x[r, c]²`` over the columns c of its column tile t, squared from the rounded
+values it stores. After the quad store's exchange lane r of a quad holds whole 8-column blocks
+of one fragment row, so each lane sums its blocks' squares, two ``shfl.xor`` (1, 2) add the
+quad's four lanes and lane 0 stores the row's entry (rows ≥ M skipped; columns ≥ N never summed).
+A consumer given ``RowStats(partials=T)`` (``row_partials_in``) skips the in-loop sums and forms
+``rstd = rsqrt(Σ_t P[t, r] / K + eps)`` for its two fragment rows before the epilogue.
+
 The kernel is one ``@T.prim_func`` whose body is written in TVMScript with ``@T.inline`` helpers
 (closures over the config); loops unrolled at generation time (accumulator chains, B boxes) emit
 their statements through the IR builder. Its signature is the caller's buffers.
