@@ -98,6 +98,24 @@ def test_llama_lm_keeps_only_the_embedding_norms_kernel():
     assert sum(name.startswith("rms_norm_stats") for name in off) == 1  # one function, 5 calls
 
 
+def test_report_names_the_merged_statistics():
+    """``tvmfuse report``: the producer lists its fused function's ops under this rule; the GEMM
+    after the norm lists the statistics first (they are formed there); no boundary leads from the
+    producer into a statistics kernel, and the producer → GEMM boundary says what crosses it."""
+    from tvmfuse.report import analyze
+
+    module, inputs = _model(1000, 328, 512, 256)
+    report = analyze(import_model(module, inputs).mod, get_target("sm90"), "float16", stock=False)
+    by_name = {k["name"]: k for k in report["kernels"]}
+    (producer,) = [k for n, k in by_name.items() if n.endswith("_partials")]
+    assert producer["rule"] == "gemm_sm90_producer_stats" and producer["ops"][0] == "matmul"
+    consumers = [k for n, k in by_name.items() if n.endswith("_partial_stats")]
+    assert consumers and all(k["ops"][0] == "rms_norm_stats" for k in consumers)
+    edges = [e for e in report["not_fused"] if e["kernels"][0] == producer["name"]]
+    assert edges and not any("norm_stats" in e["kernels"][1] for e in edges), edges
+    assert any("row sums of squares" in e["reason"] for e in edges), edges
+
+
 @needs_nvcc
 def test_kernels_compile_without_spills(tmp_path):
     """Export: the producer's quad sums are two SHFL.BFLY per row; HGMMA in every GEMM kernel."""
@@ -110,6 +128,22 @@ def test_kernels_compile_without_spills(tmp_path):
     assert all("HGMMA" in s and "SHFL.BFLY" in s for s in producer)
     assert all("HGMMA" in s and "MUFU.RSQ" in s for s in consumer)
     assert not any("STL" in s for s in producer + consumer)  # no local-memory spills
+
+
+@needs_nvcc
+def test_epilogue_l2_prefetch_option(tmp_path):
+    """``Options.sm90_epilogue_l2_prefetch``: the residual GEMM's producer thread issues bulk L2
+    prefetches (UBLKPF) of the residual's tile rows; the GEMM without an (M, N) operand and the
+    default build issue none."""
+    module, inputs = _model(1000, 328, 512, 256)
+    counts = {}
+    for on in (False, True):
+        with use_options(Options(sm90_epilogue_l2_prefetch=on)):
+            path = tvmfuse.compile(module, inputs, target="sm90").export(tmp_path / f"m{on}.so")
+        counts[on] = {name: s.count("UBLKPF") for name, s in kernel_sass(path)["sm_90a"].items()
+                      if "HGMMA" in s}
+    assert not any(counts[False].values()), counts
+    assert [n for n, c in counts[True].items() if c] == [n for n in counts[True] if "_partials" in n]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,6 +159,13 @@ def test_kernels_compile_without_spills(tmp_path):
 def test_gpu_residual_norm_linear(m, k, k2, n, dtype, tol, tmp_path):
     module, inputs = _model(m, k, k2, n, dtype)
     check_vs_float64(module, inputs, "sm90", tmp_path, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_epilogue_l2_prefetch(tmp_path):
+    """The residual read after its L2 prefetch (ragged M, a partial last column tile)."""
+    with use_options(Options(sm90_epilogue_l2_prefetch=True)):
+        check_vs_float64(*_model(1000, 328, 512, 256), "sm90", tmp_path, 5e-3)
 
 
 @pytest.mark.gpu

@@ -33,3 +33,6 @@ KEPT_ATTR = "tvmfuse.stats_kept"
 IN_LOOP_ATTR = "tvmfuse.in_loop_stats"
 # on a generated kernel that replaces a fused PrimFunc under a new name: the fused PrimFunc's name
 REPLACES_ATTR = "tvmfuse.replaces"
+# on a GEMM kernel that also writes row partial sums of squares (gemm_sm90_producer_stats): the
+# statistics PrimFunc they replace
+PARTIALS_ATTR = "tvmfuse.row_partials"

@@ -24,6 +24,7 @@ from .attrs import (
     IN_LOOP_ATTR,
     KEPT_ATTR,
     KERNEL_TILE_ATTR,
+    PARTIALS_ATTR,
     REPLACES_ATTR,
     RULE_ATTR,
     TILE_ATTR,
@@ -277,6 +278,11 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
     if p in ("gemm_epilogue", "norm_gemm", "attention") and c == "norm":
         return ("consumer reduces over whole rows of a GEMM output: a row spans several GEMM tiles, "
                 "so it needs a cross-block reduction first")
+    if prod.rule == "gemm_sm90_producer_stats" and cons.ops[0].endswith("_stats"):
+        return ("the producer writes the A operand of a GEMM after a norm, and the row sums of "
+                "squares of each of its column tiles, from which that GEMM forms the norm's "
+                "statistics (gemm_sm90_producer_stats): GEMM feeding a GEMM, fusing would "
+                "recompute the first product for every tile of the second")
     if p in ("gemm_epilogue", "norm_gemm", "attention") and cons.ops[0].endswith("_stats"):
         return ("the producer writes the A operand of a GEMM that computes its row statistics "
                 "in-loop (norm → Linear folded in): GEMM feeding a GEMM, fusing would recompute the "
@@ -315,10 +321,18 @@ def _boundary_reason(prod: KernelInfo, cons: KernelInfo) -> str:
 def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[dict[str, Any]]:
     """Producer → consumer pairs between kernels, each with the reason they stayed apart."""
     by_name = {k.name: k for k in kernels}
+    inside: dict[str, set[str]] = {}  # kernel → the statistics functions computed inside it
+    partials: dict[str, str] = {}  # kernel → the statistics function its partial sums replace
     for k in kernels:  # a GEMM that computes its statistics stands for both fused_tir functions
         attrs = stages["finalize"][k.name].attrs
-        for merged in (attrs.get(IN_LOOP_ATTR) or []) if attrs is not None else []:
-            by_name.setdefault(str(merged), k)
+        merged = [str(n) for n in (attrs.get(IN_LOOP_ATTR) or [])] if attrs is not None else []
+        for name in merged:
+            by_name.setdefault(name, k)
+        inside[k.name] = set(merged[1:])
+        if attrs is not None and REPLACES_ATTR in attrs:  # a generated kernel's fused function
+            by_name.setdefault(str(attrs[REPLACES_ATTR]), k)
+        if attrs is not None and PARTIALS_ATTR in attrs:
+            partials[k.name] = str(attrs[PARTIALS_ATTR])
     producer_of: dict[Any, KernelInfo] = {}
     found: list[dict[str, Any]] = []
     views = tuple(tvm.ir.Op.get(n) for n in ("relax.memory.view", "relax.memory.ensure_zero_offset"))
@@ -334,9 +348,15 @@ def _edges(stages: dict[str, tvm.IRModule], kernels: list[KernelInfo]) -> list[d
             continue
         kernel = by_name.get(call.args[0].name_hint)
         args = call.args[1].fields if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
+        first = producer_of.get(args[0]) if args else None
+        if first is not None and partials.get(first.name) == call.args[0].name_hint:
+            producer_of[var] = first  # statistics its producer wrote as partial sums
+            continue
         if kernel is not None:
             for arg in args:
                 prod = producer_of.get(arg)
+                if prod is not None and prod.name in inside.get(kernel.name, ()):
+                    continue  # statistics this kernel computes itself (a kept call's name)
                 if prod is not None and prod is not kernel and not any(
                         e["kernels"] == [prod.name, kernel.name] for e in found):
                     attrs = stages["finalize"][prod.name].attrs

@@ -250,6 +250,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
                          "together)")
     if not current_options().sm90_vector_operands:
         buckets = [(top, replace(c, vector_operands=False)) for top, c in buckets]
+    if current_options().sm90_epilogue_l2_prefetch:
+        buckets = [(top, replace(c, epilogue_l2_prefetch=True)) for top, c in buckets]
 
     cfg = buckets[-1][1]
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding

@@ -35,6 +35,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from ..attrs import IN_LOOP_ATTR, PARTIALS_ATTR, REPLACES_ATTR, RULE_ATTR
 from ..kernels.gemm.epilogue import NotHandled, analyze
 from ..kernels.gemm.sm90 import RowStats
 from ..options import current_options
@@ -125,7 +126,9 @@ def _plan_one(mod: tvm.IRModule, call: relax.Call, spec: RowStats, x, outputs: l
     if g.out != len(args) or len(producer.ty_args) != 1 or not isinstance(x.ty, relax.TensorType):
         return "the producer has more than one output"
     try:
-        kernel = build_kernel(func, b_transposed=swap is not None, partials_out=True)
+        kernel = build_kernel(func, b_transposed=swap is not None, partials_out=True).with_attrs({
+            REPLACES_ATTR: producer.args[0].name_hint,  # the report's ops: the fused function's
+            PARTIALS_ATTR: call.args[0].name_hint, RULE_ATTR: NAME})
         count = partials_of(func, b_transposed=swap is not None)
     except NotHandled as err:
         return f"producer {producer.args[0].name_hint}: {err}"
@@ -151,7 +154,9 @@ def _plan_one(mod: tvm.IRModule, call: relax.Call, spec: RowStats, x, outputs: l
                                    in_loop=InLoopStats(partial_spec, None, pos[0]))
         except NotHandled as err:
             return f"consumer {user.args[0].name_hint}: {err}"
-        plan.consumers.append((user, ukernel, pos[0], uswap))
+        # the report lists the statistics among this kernel's ops, as for in-loop statistics
+        merged = [user.args[0].name_hint, call.args[0].name_hint]
+        plan.consumers.append((user, ukernel.with_attr(IN_LOOP_ATTR, merged), pos[0], uswap))
     return plan if plan.consumers else "rstd has no reader"
 
 

@@ -131,6 +131,9 @@ class GemmConfig:
     # rows and hand (mean, rstd) to the epilogue through shared memory; the consumers' main loop
     # does no extra work (False: the consumers read the A rows between their wgmmas)
     stats_warps: bool = False
+    # the producer thread bulk-prefetches this tile's rows of the epilogue's (M, N) 16-bit operands
+    # (a residual) into L2 a few K tiles before the main loop ends, so the epilogue's loads hit L2
+    epilogue_l2_prefetch: bool = False
 
     @property
     def consumers(self) -> int:
@@ -357,6 +360,13 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                if quad and not is_pair and store_value is not None and cfg.vector_operands
                else [])
     vec_dtype = str(vec_ops[0].dtype) if vec_ops else in_dtype
+    # (M, N) epilogue operands prefetched into L2 (GemmConfig.epilogue_l2_prefetch), at K tile
+    # pf_at: the stages in flight plus two before the end
+    pf_ops = [b for b in vec_ops if len(b.shape) == 2] if cfg.epilogue_l2_prefetch else []
+    n_pf = len(pf_ops)
+    pf0 = pf_ops[0] if n_pf > 0 else a_buf
+    pf1 = pf_ops[1] if n_pf > 1 else a_buf
+    pf_at = max(0, kt_total - stages - 2)
     tma_load = T.ptx[_TMA_2D]
     tma_multicast = T.ptx[_TMA_2D + ".multicast::cluster"]
     mma = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16.f32.{ab}.{ab}"]
@@ -566,6 +576,17 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                  T.address_of(A_map), kt * 64, m0,
                                  T.cuda.cvta_generic_to_shared(full.ptr_to([s])))
                         load_b(smem, full, B_map, s, kt, n0, rank)
+                        if n_pf > 0:
+                            if kt == pf_at:
+                                for r in T.serial(cfg.bm):
+                                    if m0 + r < m_dev:
+                                        T.ptx.cp.async_.bulk.prefetch.L2.global_(
+                                            T.address_of(pf0[m0 + r, n0]),
+                                            T.Cast("uint32", T.min(cfg.bn, p.n - n0) * 2))
+                                        if n_pf > 1:
+                                            T.ptx.cp.async_.bulk.prefetch.L2.global_(
+                                                T.address_of(pf1[m0 + r, n0]),
+                                                T.Cast("uint32", T.min(cfg.bn, p.n - n0) * 2))
 
                 if by_warps:
                     xs = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
