@@ -55,9 +55,6 @@ class Options:
     # gemm_sm90_producer_stats: an RMSNorm's sums of squares come from the wgmma GEMM writing its
     # input (partial sums per column tile), read by the GEMMs after the norm: no statistics kernel
     sm90_producer_stats: bool = True
-    # sm_90a GEMMs: the epilogue's (M, N) operands (a residual) bulk-prefetched into L2 before the
-    # main loop ends (GemmConfig.epilogue_l2_prefetch)
-    sm90_epilogue_l2_prefetch: bool = False
     # gemm_row_stats_simt: the statistics move into the fp32 SIMT GEMMs that read them
     simt_in_loop_stats: bool = True
     # gemm_sm80: the epilogue on the mma fragments, stored from registers (no shared staging)

@@ -167,9 +167,11 @@ def kernel_signature(func: tirx.PrimFunc, g: FusedGemm, expr: tvm.ir.PrimExpr, b
                 raise NotHandled(f"parameter {i} is not an (M, 1) fp32 row statistic")
         row_values = [(params[i], k) for k, i in enumerate((in_loop.mean, in_loop.rstd))
                       if i is not None]
-        if in_loop.stats.partials:  # rstd's place: the producer's (partials, M) sums of squares
-            new[in_loop.rstd] = tirx.decl_buffer((in_loop.stats.partials, g.m), "float32",
-                                                 name=f"p{in_loop.rstd}", data_alignment=16)
+        if in_loop.stats.partials:  # rstd's place: the producer's partials; mean's goes
+            rows = in_loop.stats.partials * (2 if in_loop.stats.centered else 1)
+            new[in_loop.rstd] = tirx.decl_buffer((rows, g.m), "float32", name=f"p{in_loop.rstd}",
+                                                 data_alignment=16)
+            kept = [i for i in kept if i != in_loop.mean]
         else:
             kept = [i for i in kept if i not in in_loop.dropped]
         positions = tuple(kept.index(i) for i in positions)
@@ -209,7 +211,7 @@ def bucket_configs(hi: int, n: int, sms: int | None = None, layout: str = "nt"
 def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
                  b_transposed: bool = False, in_loop: InLoopStats | None = None,
                  ranges: dict[str, tuple[int, int]] | None = None,
-                 partials_out: bool = False) -> tirx.PrimFunc:
+                 partials_out: bool = False, partials_centered: bool = False) -> tirx.PrimFunc:
     """The TIRx kernel replacing ``func``; raises :class:`NotHandled` with the reason.
 
     ``b_transposed``: ``func`` reads B as (K, N) but the kernel takes B's transpose (N, K)
@@ -221,7 +223,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     M at run time (each branch its own launch).
     ``partials_out``: the kernel also writes the row partial sums of squares of its output, an
     (⌈N / BN⌉, M) fp32 parameter after ``func``'s (:func:`partials_of` gives the count;
-    ``gemm_kernel(row_partials_out=...)``).
+    ``gemm_kernel(row_partials_out=...)``); ``partials_centered``: each column tile's row mean and
+    M2 instead, a (2·⌈N / BN⌉, M) one (LayerNorm).
     """
 
     g = analyze(func, symbolic_m=in_loop is None and ranges is not None)
@@ -250,8 +253,6 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
                          "together)")
     if not current_options().sm90_vector_operands:
         buckets = [(top, replace(c, vector_operands=False)) for top, c in buckets]
-    if current_options().sm90_epilogue_l2_prefetch:
-        buckets = [(top, replace(c, epilogue_l2_prefetch=True)) for top, c in buckets]
 
     cfg = buckets[-1][1]
     expr = opmath(g.expr, g.out_dtype)  # the whole chain in fp32 on the accumulator, one rounding
@@ -259,19 +260,23 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         expr = fast_math16(expr)
     buffers, positions, store_value, pair_value = kernel_signature(func, g, expr, b_transposed,
                                                                    in_loop)
-    partials_in = in_loop.rstd if in_loop is not None and in_loop.stats.partials else None
+    partials_in = None
+    if in_loop is not None and in_loop.stats.partials:  # rstd's position once mean's is gone
+        partials_in = in_loop.rstd - int(in_loop.mean is not None and in_loop.mean < in_loop.rstd)
     partials_pos = None
     if partials_out:
         if rows is not None or g.acc_odd is not None or len(g.out_shape) != 2:
             raise NotHandled("row partial sums need a static M and a plain (M, N) output")
-        buffers = [*buffers, tirx.decl_buffer((-(-g.n // cfg.bn), g.m), "float32",
-                                              name="row_partials", data_alignment=16)]
+        rows = -(-g.n // cfg.bn) * (2 if partials_centered else 1)
+        buffers = [*buffers, tirx.decl_buffer((rows, g.m), "float32", name="row_partials",
+                                              data_alignment=16)]
         partials_pos = len(buffers) - 1
     try:
         kernels = [gemm_kernel(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
                                buffers, *positions, store_value, pair_value,
                                row_stats=in_loop.stats if in_loop is not None else None, rows=rows,
-                               row_partials_in=partials_in, row_partials_out=partials_pos)
+                               row_partials_in=partials_in, row_partials_out=partials_pos,
+                               partials_centered=partials_centered)
                    for top, c in buckets]
     except ValueError as err:
         if partials_in is None and partials_pos is None:
@@ -292,13 +297,13 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     return kernel.with_attrs(attrs)
 
 
-def partials_of(func: tirx.PrimFunc, b_transposed: bool = False) -> int:
-    """How many column tiles :func:`build_kernel` gives ``func``'s (static M) output: the rows of
-    its ``partials_out`` sums."""
+def partials_of(func: tirx.PrimFunc, b_transposed: bool = False) -> tuple[int, int]:
+    """(column tiles, their width) :func:`build_kernel` gives ``func``'s (static M) output: what
+    its ``partials_out`` rows cover."""
     g = analyze(func)
     layout = "nt" if b_transposed else g.layout
     cfg = gemm_config_of(func) or select_config(g.m, g.n, layout=layout)
-    return -(-g.n // cfg.bn)
+    return -(-g.n // cfg.bn), cfg.bn
 
 
 def _is_transpose(func: tirx.PrimFunc) -> bool:

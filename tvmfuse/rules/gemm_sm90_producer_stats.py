@@ -1,4 +1,4 @@
-"""sm_90a: an RMSNorm's sums of squares come from the GEMM that wrote its input.
+"""sm_90a: a norm's row statistics come from the GEMM that wrote its input.
 
 A pre-norm decoder's residual stream is written by a GEMM epilogue (``h = x + o_proj(attn)``,
 ``y = h + down(…)``) and read at once by the next norm's statistics kernel (NormGemmPrologue)::
@@ -15,16 +15,20 @@ forms ``rstd[i] = rsqrt(Σ_t P[t, i] / N + eps)`` in its epilogue::
     h, P = call_tir(gemm_partials, (a, W, r))              P: (⌈N / BN⌉, M) fp32
     y    = call_tir(gemm2_from_partials, (h, W2, P))
 
-One kernel and one read of h (M·N·2 bytes) fewer per norm, for ⌈N/BN⌉·M·4 bytes written and
-read back. Applies to RMSNorm statistics (LayerNorm's shifted sums stay with their kernel) of a
-static-M, plain (not paired) 16-bit GEMM output that the wgmma kernel takes, when every reader of
-rstd is a wgmma GEMM over h (:func:`.gemm_sm90.build_kernel` with ``in_loop`` partials). Runs in
-``pipeline.lower`` before Sm90GemmRowStats (whose in-loop statistics cost the consumers' main loop
-~12 %; it takes the statistics calls left here) and Sm90Gemm, which leaves the kernels made here
-(tagged scheduled) alone. A producer whose
-weight Sm90Gemm would have read transposed (a transpose kernel's output, or a constant it prefers
-(N, K)) is left alone, so that its tile stays the one Sm90Gemm picks. ``Options.sm90_producer_stats``
-switches it.
+LayerNorm's (mean, rstd) likewise: each tile row's mean and sum of squared deviations M2 (the
+8-value chunks of a lane and then the quad's lanes joined by Chan's rule: no E[x²] − mean²
+cancellation), ``P`` (2·⌈N / BN⌉, M); the consumer joins the tiles the same way,
+``rstd = rsqrt(M2 / N + eps)``.
+
+One kernel and one read of h (M·N·2 bytes) fewer per norm, for ⌈N/BN⌉·M·4 bytes (LayerNorm: twice
+that) written and read back. Applies to the statistics of a static-M, plain (not paired) 16-bit
+GEMM output that the wgmma kernel takes, when every reader of them is a wgmma GEMM over h
+(:func:`.gemm_sm90.build_kernel` with ``in_loop`` partials) and the producer reads no statistics
+itself. Runs in ``pipeline.lower`` before Sm90GemmRowStats (whose in-loop statistics cost the
+consumers' main loop ~12 %; it takes the statistics calls left here) and Sm90Gemm, which leaves
+the kernels made here (tagged scheduled) alone. A producer whose weight Sm90Gemm would have read
+transposed (a transpose kernel's output, or a constant it prefers (N, K)) is left alone, so that
+its tile stays the one Sm90Gemm picks. ``Options.sm90_producer_stats`` switches it.
 """
 
 from __future__ import annotations
@@ -51,15 +55,16 @@ _CALL_TIR = "relax.call_tir"
 
 @dataclass
 class _Plan:
-    """A statistics call, the GEMM call producing its input and the GEMM calls reading rstd."""
+    """A statistics call, the GEMM call producing its input and the GEMM calls reading its
+    statistics."""
 
     stats: relax.Call
-    rstd: relax.Var
+    outputs: list[relax.Var]  # [rstd] or [mean, rstd]
     producer: relax.Call
     producer_kernel: tirx.PrimFunc
     producer_b: tuple | None  # (B's position, the (N, K) twin it reads instead) or None
-    partials: int
-    consumers: list[tuple[relax.Call, tirx.PrimFunc, int, tuple | None]]  # call, kernel, rstd pos, B
+    rows: int  # of the partials: column tiles (RMSNorm), twice that (LayerNorm)
+    consumers: list[tuple[relax.Call, tirx.PrimFunc, InLoopStats, tuple | None]]  # call, kernel, B
 
 
 def _prim(mod: tvm.IRModule, call) -> tirx.PrimFunc | None:
@@ -111,8 +116,8 @@ def _plan_one(mod: tvm.IRModule, call: relax.Call, spec: RowStats, x, outputs: l
     func = _prim(mod, producer)
     if func is None or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
         return "its input is not written by an unscheduled fused GEMM kernel"
-    if len(uses.get(x, [])) < 2 or spec.centered:
-        return "LayerNorm statistics" if spec.centered else "its input has no other reader"
+    if len(uses.get(x, [])) < 2:
+        return "its input has no other reader"
     try:
         g = analyze(func)
     except NotHandled as err:
@@ -126,43 +131,45 @@ def _plan_one(mod: tvm.IRModule, call: relax.Call, spec: RowStats, x, outputs: l
     if g.out != len(args) or len(producer.ty_args) != 1 or not isinstance(x.ty, relax.TensorType):
         return "the producer has more than one output"
     try:
-        kernel = build_kernel(func, b_transposed=swap is not None, partials_out=True).with_attrs({
+        kernel = build_kernel(func, b_transposed=swap is not None, partials_out=True,
+                              partials_centered=spec.centered).with_attrs({
             REPLACES_ATTR: producer.args[0].name_hint,  # the report's ops: the fused function's
             PARTIALS_ATTR: call.args[0].name_hint, RULE_ATTR: NAME})
-        count = partials_of(func, b_transposed=swap is not None)
+        count, cols = partials_of(func, b_transposed=swap is not None)
     except NotHandled as err:
         return f"producer {producer.args[0].name_hint}: {err}"
-    plan = _Plan(call, outputs[0], producer, kernel, swap, count, [])
-    partial_spec = RowStats(False, spec.eps, partials=count)
-    for user in {id(u): u for u in uses.get(outputs[0], [])}.values():
+    plan = _Plan(call, outputs, producer, kernel, swap, count * (2 if spec.centered else 1), [])
+    partial_spec = RowStats(spec.centered, spec.eps, partials=count, partial_cols=cols)
+    for user in {id(u): u for o in outputs for u in uses.get(o, [])}.values():
         ufunc = _prim(mod, user)
         if ufunc is None:
-            return "rstd is read outside a GEMM kernel"
+            return "a statistic is read outside a GEMM kernel"
         uargs = list(user.args[1].fields)
         try:
             ug = analyze(ufunc)
         except NotHandled as err:
             return f"consumer {user.args[0].name_hint} is not a GEMM + epilogue ({err})"
-        pos = [i for i, a in enumerate(uargs) if a.same_as(outputs[0])]
-        if not uargs[ug.a].same_as(x) or len(pos) != 1:
-            return f"consumer {user.args[0].name_hint} does not read rstd once with A = the input"
+        pos = [[i for i, a in enumerate(uargs) if a.same_as(o)] for o in outputs]
+        if not uargs[ug.a].same_as(x) or any(len(p) != 1 for p in pos):
+            return (f"consumer {user.args[0].name_hint} does not read each statistic once with "
+                    "A = the input")
         uswap, why = _weight(mod, ufunc, uargs, twins, defs)
         if why:
             return f"consumer {user.args[0].name_hint}: {why}"
         try:
-            ukernel = build_kernel(ufunc, b_transposed=uswap is not None,
-                                   in_loop=InLoopStats(partial_spec, None, pos[0]))
+            in_loop = InLoopStats(partial_spec, pos[0][0] if spec.centered else None, pos[-1][0])
+            ukernel = build_kernel(ufunc, b_transposed=uswap is not None, in_loop=in_loop)
         except NotHandled as err:
             return f"consumer {user.args[0].name_hint}: {err}"
         # the report lists the statistics among this kernel's ops, as for in-loop statistics
         merged = [user.args[0].name_hint, call.args[0].name_hint]
-        plan.consumers.append((user, ukernel.with_attr(IN_LOOP_ATTR, merged), pos[0], uswap))
-    return plan if plan.consumers else "rstd has no reader"
+        plan.consumers.append((user, ukernel.with_attr(IN_LOOP_ATTR, merged), in_loop, uswap))
+    return plan if plan.consumers else "the statistics have no reader"
 
 
 @tvm.transform.module_pass(opt_level=0, name="Sm90ProducerRowStats")
 def Sm90ProducerRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - CamelCase pass
-    """RMSNorm statistics kernels over a wgmma GEMM's output → partial sums in that GEMM."""
+    """Norm statistics kernels over a wgmma GEMM's output → partial sums in that GEMM."""
     if not current_options().sm90_producer_stats or \
             not is_sm90a(tvm.target.Target.current(allow_none=True)):
         return mod
@@ -214,15 +221,16 @@ def _rewrite(mod: tvm.IRModule, plans: list[_Plan]) -> tvm.IRModule:
                 m = out_ty.shape.values[0]
                 both = self.builder_.emit(relax.call_tir(
                     gv, relax.Tuple(self._args(call, plan.producer_b)),
-                    [out_ty, relax.TensorType([plan.partials, m], "float32")]))
+                    [out_ty, relax.TensorType([plan.rows, m], "float32")]))
                 self.partials[id(plan)] = self.builder_.emit(relax.TupleGetItem(both, 1))
                 return relax.TupleGetItem(both, 0)
             found = consumer_of(call)
             if found is None:
                 return super().visit_call_(call)
-            plan, (_user, kernel, pos, swap) = found
+            plan, (_user, kernel, in_loop, swap) = found
             args = self._args(call, swap)
-            args[pos] = self.partials[id(plan)]
+            args[in_loop.rstd] = self.partials[id(plan)]  # mean's argument goes (LayerNorm)
+            args = [a for i, a in enumerate(args) if i != in_loop.mean]
             gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_partial_stats")
             return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
 

@@ -131,9 +131,6 @@ class GemmConfig:
     # rows and hand (mean, rstd) to the epilogue through shared memory; the consumers' main loop
     # does no extra work (False: the consumers read the A rows between their wgmmas)
     stats_warps: bool = False
-    # the producer thread bulk-prefetches this tile's rows of the epilogue's (M, N) 16-bit operands
-    # (a residual) into L2 a few K tiles before the main loop ends, so the epilogue's loads hit L2
-    epilogue_l2_prefetch: bool = False
 
     @property
     def consumers(self) -> int:
@@ -176,14 +173,17 @@ class RowStats:
     """Per-row statistics of A (over its K columns) that the kernel computes in its main loop.
 
     ``centered``: LayerNorm (mean and rstd); otherwise RMSNorm (rstd only). ``eps`` as in the norm.
-    ``partials``: RMSNorm only; the sums of squares are not taken from the A stages but read from
-    an (partials, M) fp32 parameter that the GEMM producing A wrote (``row_partials_out``), one
-    column tile of A per entry: ``Σ_k x[r, k]² = Σ_t P[t, r]``.
+    ``partials``: the statistics are not taken from the A stages but from what the GEMM producing
+    A wrote (``row_partials_out``) for each of its ``partials`` column tiles of ``partial_cols``
+    columns (the last one may be narrower): RMSNorm an (partials, M) fp32 parameter of sums of
+    squares, ``Σ_k x[r, k]² = Σ_t P[t, r]``; LayerNorm a (2·partials, M) one of each tile's row
+    mean (rows t) and sum of squared deviations M2 (rows partials + t), combined by Chan's rule.
     """
 
     centered: bool
     eps: float
     partials: int = 0
+    partial_cols: int = 0
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -255,7 +255,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                 pair_value: PairValue | None = None,
                 row_stats: RowStats | None = None, rows: PrimExpr | None = None,
                 row_partials_in: int | None = None,
-                row_partials_out: int | None = None) -> tirx.PrimFunc:
+                row_partials_out: int | None = None,
+                partials_centered: bool = False) -> tirx.PrimFunc:
     """The kernel as a TIRx PrimFunc over ``params`` (the fused function's signature, kept so the
     kernel replaces it in place); A, B, C are the parameters at the given positions.
 
@@ -274,7 +275,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     ``row_partials_in``: the position of ``row_stats.partials``' (partials, M) fp32 parameter.
     ``row_partials_out``: the position of an (⌈N / BN⌉, M) fp32 output: entry ``[t, r]`` is the sum
     of squares of the values this kernel stores in row r of column tile t (the module doc's
-    *producer statistics*); plain 16-bit outputs with the quad store only.
+    *producer statistics*); plain 16-bit outputs with the quad store only. ``partials_centered``:
+    a (2·⌈N / BN⌉, M) output of the tile rows' mean and M2 instead (LayerNorm).
     """
     p = problem
     # 0-d parameters (a scalar tensor in the epilogue) are read through one-element views that the
@@ -331,8 +333,12 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     has_stats = row_stats is not None
     centered = has_stats and row_stats.centered
     from_partials = has_stats and row_stats.partials > 0
-    if from_partials and (centered or row_partials_in is None or cfg.stats_warps):
-        raise ValueError("statistics from partial sums: RMSNorm, a parameter, no statistics warps")
+    if from_partials and (row_partials_in is None or cfg.stats_warps
+                          or (centered and row_stats.partial_cols <= 0)):
+        raise ValueError("statistics from partial sums: a parameter, the producer's tile width, "
+                         "no statistics warps")
+    n_part = row_stats.partials if from_partials else 0
+    p_cols = row_stats.partial_cols if from_partials else 0
     pin = params[row_partials_in] if from_partials else None
     pout = params[row_partials_out] if row_partials_out is not None else None
     has_pout = pout is not None
@@ -360,13 +366,6 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                if quad and not is_pair and store_value is not None and cfg.vector_operands
                else [])
     vec_dtype = str(vec_ops[0].dtype) if vec_ops else in_dtype
-    # (M, N) epilogue operands prefetched into L2 (GemmConfig.epilogue_l2_prefetch), at K tile
-    # pf_at: the stages in flight plus two before the end
-    pf_ops = [b for b in vec_ops if len(b.shape) == 2] if cfg.epilogue_l2_prefetch else []
-    n_pf = len(pf_ops)
-    pf0 = pf_ops[0] if n_pf > 0 else a_buf
-    pf1 = pf_ops[1] if n_pf > 1 else a_buf
-    pf_at = max(0, kt_total - stages - 2)
     tma_load = T.ptx[_TMA_2D]
     tma_multicast = T.ptx[_TMA_2D + ".multicast::cluster"]
     mma = T.ptx[f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16.f32.{ab}.{ab}"]
@@ -576,17 +575,6 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                  T.address_of(A_map), kt * 64, m0,
                                  T.cuda.cvta_generic_to_shared(full.ptr_to([s])))
                         load_b(smem, full, B_map, s, kt, n0, rank)
-                        if n_pf > 0:
-                            if kt == pf_at:
-                                for r in T.serial(cfg.bm):
-                                    if m0 + r < m_dev:
-                                        T.ptx.cp.async_.bulk.prefetch.L2.global_(
-                                            T.address_of(pf0[m0 + r, n0]),
-                                            T.Cast("uint32", T.min(cfg.bn, p.n - n0) * 2))
-                                        if n_pf > 1:
-                                            T.ptx.cp.async_.bulk.prefetch.L2.global_(
-                                                T.address_of(pf1[m0 + r, n0]),
-                                                T.Cast("uint32", T.min(cfg.bn, p.n - n0) * 2))
 
                 if by_warps:
                     xs = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
@@ -661,7 +649,9 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     xv = T.alloc_buffer((8,), in_dtype, scope="local", align=16)
                     rsum = T.alloc_buffer((3,), "float32", scope="local")  # s1, s2, shift c
                 if has_pout:
-                    psum = T.alloc_buffer((2,), "float32", scope="local")  # Σ stored² of rows h
+                    # rows h: Σ stored² (RMSNorm), or (n, mean, M2) at 3h and a chunk's (mean, M2)
+                    psum = T.alloc_buffer((6 if partials_centered else 2,), "float32", scope="local")
+                    pch = T.alloc_buffer((2,), "float32", scope="local")
                 if has_stats:
                     rstat = T.alloc_buffer((4,), "float32", scope="local")  # mean, rstd
                 else:
@@ -730,25 +720,60 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
 
                 @T.inline
                 def stats_from_partials(row0):
-                    # rstd of this thread's fragment rows row0 (+ 8) from the producer's partial
-                    # sums of squares (rows past M read row M − 1: never stored)
+                    # (mean,) rstd of this thread's fragment rows row0 (+ 8) from the producer's
+                    # partials (rows past M read row M − 1: never stored). LayerNorm: tile q's
+                    # (mean, M2) over its n_q columns joins the n = q·cols before it (Chan).
                     for h in T.unroll(2):
+                        rsum[0] = T.float32(0)
                         rsum[1] = T.float32(0)
-                        for q in T.unroll(row_stats.partials if from_partials else 0):
-                            rsum[1] = rsum[1] + pin[q, T.min(row0 + h * 8, m_dev - 1)]
-                        rstat[h * 2 + 1] = T.rsqrt(rsum[1] / T.float32(k_f) + T.float32(eps))
+                        for q in T.unroll(n_part):
+                            if centered:
+                                n_q = T.Cast("float32", T.min(p_cols, p.k - q * p_cols))
+                                n_b = T.Cast("float32", q * p_cols)
+                                delta = pin[q, T.min(row0 + h * 8, m_dev - 1)] - rsum[0]
+                                rsum[0] = rsum[0] + delta * n_q / (n_b + n_q)
+                                rsum[1] = rsum[1] + pin[n_part + q, T.min(row0 + h * 8, m_dev - 1)] \
+                                    + delta * delta * n_b * n_q / (n_b + n_q)
+                            else:
+                                rsum[1] = rsum[1] + pin[q, T.min(row0 + h * 8, m_dev - 1)]
+                        if centered:
+                            rstat[h * 2] = rsum[0]
+                            rstat[h * 2 + 1] = T.rsqrt(T.max(rsum[1] / T.float32(k_f), T.float32(0))
+                                                       + T.float32(eps))
+                        else:
+                            rstat[h * 2 + 1] = T.rsqrt(rsum[1] / T.float32(k_f) + T.float32(eps))
+
+                @T.inline
+                def quad_join(h, lanes):
+                    # (n, mean, M2) of rows h joined with lane t ^ lanes' (Chan; n may be 0)
+                    n_o = T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), psum[h * 3], lanes, 32)
+                    mean_o = T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), psum[h * 3 + 1], lanes, 32)
+                    m2_o = T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), psum[h * 3 + 2], lanes, 32)
+                    w = n_o / T.max(psum[h * 3] + n_o, T.float32(1))
+                    delta = mean_o - psum[h * 3 + 1]
+                    psum[h * 3 + 1] = psum[h * 3 + 1] + delta * w
+                    psum[h * 3 + 2] = psum[h * 3 + 2] + m2_o + delta * delta * psum[h * 3] * w
+                    psum[h * 3] = psum[h * 3] + n_o
 
                 @T.inline
                 def partials_store(row0, n0):
-                    # the quad's four lanes hold one row's outputs: sum them, lane 0 stores
+                    # the quad's four lanes hold one row's outputs: join them, lane 0 stores
                     for h in T.unroll(2):
-                        psum[h] = psum[h] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), psum[h],
-                                                                   1, 32)
-                        psum[h] = psum[h] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES), psum[h],
-                                                                   2, 32)
-                        if tx % 4 == 0:
-                            if row0 + h * 8 < m_dev:
-                                pout[n0 // cfg.bn, row0 + h * 8] = psum[h]
+                        if partials_centered:
+                            quad_join(h, 1)
+                            quad_join(h, 2)
+                            if tx % 4 == 0:
+                                if row0 + h * 8 < m_dev:
+                                    pout[n0 // cfg.bn, row0 + h * 8] = psum[h * 3 + 1]
+                                    pout[tiles_n + n0 // cfg.bn, row0 + h * 8] = psum[h * 3 + 2]
+                        else:
+                            psum[h] = psum[h] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES),
+                                                                       psum[h], 1, 32)
+                            psum[h] = psum[h] + T.cuda.__shfl_xor_sync(T.uint32(_ALL_LANES),
+                                                                       psum[h], 2, 32)
+                            if tx % 4 == 0:
+                                if row0 + h * 8 < m_dev:
+                                    pout[n0 // cfg.bn, row0 + h * 8] = psum[h]
 
                 @T.inline
                 def consume(ti, m0, n0):
@@ -892,9 +917,25 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         for e in T.unroll(8):
                             qv[e] = _value_at(value, qa[e], row, col, e, row_stat_loads(rstat, h),
                                               vec_ops, ov)
-                            if has_pout:
+                            if has_pout and not partials_centered:
                                 psum[h] = psum[h] + T.Cast("float32", qv[e]) * T.Cast("float32",
                                                                                       qv[e])
+                        if has_pout and partials_centered:
+                            # the 8 outputs' (mean, M2), joined to the row's (n, mean, M2) (Chan)
+                            pch[0] = T.float32(0)
+                            for e in T.unroll(8):
+                                pch[0] = pch[0] + T.Cast("float32", qv[e])
+                            pch[0] = pch[0] * T.float32(0.125)
+                            pch[1] = T.float32(0)
+                            for e in T.unroll(8):
+                                pch[1] = pch[1] + (T.Cast("float32", qv[e]) - pch[0]) * (
+                                    T.Cast("float32", qv[e]) - pch[0])
+                            delta = pch[0] - psum[h * 3 + 1]
+                            psum[h * 3 + 1] = psum[h * 3 + 1] + delta * T.float32(8) / (
+                                psum[h * 3] + T.float32(8))
+                            psum[h * 3 + 2] = psum[h * 3 + 2] + pch[1] + delta * delta * psum[
+                                h * 3] * T.float32(8) / (psum[h * 3] + T.float32(8))
+                            psum[h * 3] = psum[h * 3] + T.float32(8)
                         C2[row, T.Ramp(col, 1, 8)] = qv[T.Ramp(0, 1, 8)]
 
                     @T.inline
@@ -953,8 +994,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                         elif has_stats:
                             stats_finish()
                         if has_pout:
-                            psum[0] = T.float32(0)
-                            psum[1] = T.float32(0)
+                            for i in T.unroll(6 if partials_centered else 2):
+                                psum[i] = T.float32(0)
                         # A tile inside (M, N) stores without per-element guards: straight-line
                         # code whose loads (bias, residual) and arithmetic the compiler can
                         # schedule across elements.
