@@ -157,3 +157,25 @@ def test_gpu_llama_lm(tmp_path):
     module, inputs = llama_lm.build(vocab=2048, hidden=1024, n_layers=2, n_heads=8, n_kv_heads=2,
                                     ffn=2816, seq=2048)
     check_vs_float64(module, inputs, "sm90", tmp_path, 5e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_gpt2_layernorm(tmp_path):
+    """transformers' GPT-2 at random init in fp16: its LayerNorms after the residual GEMMs take
+    their (mean, rstd) from the producers' tile partials."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, n_positions=512)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).half().eval()
+
+    class Logits(nn.Module):
+        def __init__(self, m: nn.Module) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    ids = torch.randint(0, 1000, (1, 256), generator=torch.Generator().manual_seed(0))
+    check_vs_float64(Logits(model), (ids,), "sm90", tmp_path, 1e-2)
