@@ -55,6 +55,8 @@ class Options:
     # gemm_sm90_producer_stats: an RMSNorm's sums of squares come from the wgmma GEMM writing its
     # input (partial sums per column tile), read by the GEMMs after the norm: no statistics kernel
     sm90_producer_stats: bool = True
+    # ... for LayerNorm too (tile means and M2 joined by Chan's rule): off until its GPU tests ran
+    sm90_producer_stats_layernorm: bool = False
     # gemm_row_stats_simt: the statistics move into the fp32 SIMT GEMMs that read them
     simt_in_loop_stats: bool = True
     # gemm_sm80: the epilogue on the mma fragments, stored from registers (no shared staging)

@@ -267,8 +267,8 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     if partials_out:
         if rows is not None or g.acc_odd is not None or len(g.out_shape) != 2:
             raise NotHandled("row partial sums need a static M and a plain (M, N) output")
-        rows = -(-g.n // cfg.bn) * (2 if partials_centered else 1)
-        buffers = [*buffers, tirx.decl_buffer((rows, g.m), "float32", name="row_partials",
+        p_rows = -(-g.n // cfg.bn) * (2 if partials_centered else 1)
+        buffers = [*buffers, tirx.decl_buffer((p_rows, g.m), "float32", name="row_partials",
                                               data_alignment=16)]
         partials_pos = len(buffers) - 1
     try:

@@ -18,7 +18,8 @@ forms ``rstd[i] = rsqrt(Σ_t P[t, i] / N + eps)`` in its epilogue::
 LayerNorm's (mean, rstd) likewise: each tile row's mean and sum of squared deviations M2 (the
 8-value chunks of a lane and then the quad's lanes joined by Chan's rule: no E[x²] − mean²
 cancellation), ``P`` (2·⌈N / BN⌉, M); the consumer joins the tiles the same way,
-``rstd = rsqrt(M2 / N + eps)``.
+``rstd = rsqrt(M2 / N + eps)``. The LayerNorm form is behind
+``Options.sm90_producer_stats_layernorm`` (off) until its GPU numerics have run.
 
 One kernel and one read of h (M·N·2 bytes) fewer per norm, for ⌈N/BN⌉·M·4 bytes (LayerNorm: twice
 that) written and read back. Applies to the statistics of a static-M, plain (not paired) 16-bit
@@ -118,6 +119,8 @@ def _plan_one(mod: tvm.IRModule, call: relax.Call, spec: RowStats, x, outputs: l
         return "its input is not written by an unscheduled fused GEMM kernel"
     if len(uses.get(x, [])) < 2:
         return "its input has no other reader"
+    if spec.centered and not current_options().sm90_producer_stats_layernorm:
+        return "LayerNorm partials are off (Options.sm90_producer_stats_layernorm)"
     try:
         g = analyze(func)
     except NotHandled as err:
