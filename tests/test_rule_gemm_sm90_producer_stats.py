@@ -126,10 +126,13 @@ def test_report_names_the_merged_statistics():
 
 
 @needs_nvcc
-def test_kernels_compile_without_spills(tmp_path):
-    """Export: the producer's quad sums are two SHFL.BFLY per row; HGMMA in every GEMM kernel."""
-    module, inputs = _model(1000, 328, 512, 256)
-    path = tvmfuse.compile(module, inputs, target="sm90").export(tmp_path / "m.so")
+@pytest.mark.parametrize("norm", ["rms", "layer"])
+def test_kernels_compile_without_spills(norm, tmp_path):
+    """Export: the producer's quad sums (LayerNorm: joins) are SHFL.BFLY; HGMMA in every GEMM
+    kernel; the consumer's rsqrt; no local-memory spills."""
+    module, inputs = _model(1000, 328, 512, 256, norm=norm)
+    with use_options(Options(sm90_producer_stats_layernorm=True)):
+        path = tvmfuse.compile(module, inputs, target="sm90").export(tmp_path / "m.so")
     kernels = kernel_sass(path)["sm_90a"]
     producer = [s for name, s in kernels.items() if "_partials" in name]
     consumer = [s for name, s in kernels.items() if "_partial_stats" in name]

@@ -651,6 +651,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                 if has_pout:
                     # rows h: Σ stored² (RMSNorm), or (n, mean, M2) at 3h and a chunk's (mean, M2)
                     psum = T.alloc_buffer((6 if partials_centered else 2,), "float32", scope="local")
+                if has_pout and partials_centered:
                     pch = T.alloc_buffer((2,), "float32", scope="local")
                 if has_stats:
                     rstat = T.alloc_buffer((4,), "float32", scope="local")  # mean, rstd
@@ -724,7 +725,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                     # partials (rows past M read row M − 1: never stored). LayerNorm: tile q's
                     # (mean, M2) over its n_q columns joins the n = q·cols before it (Chan).
                     for h in T.unroll(2):
-                        rsum[0] = T.float32(0)
+                        if centered:
+                            rsum[0] = T.float32(0)
                         rsum[1] = T.float32(0)
                         for q in T.unroll(n_part):
                             if centered:
