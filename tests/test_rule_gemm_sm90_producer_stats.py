@@ -125,6 +125,46 @@ def test_report_names_the_merged_statistics():
     assert any("row sums of squares" in e["reason"] for e in edges), edges
 
 
+@pytest.mark.parametrize("source", ["transformers", "onnx-legacy", "onnx-dynamo"])
+def test_fires_on_models_as_users_bring_them(source, tmp_path):
+    """transformers' Llama at random init (fp16), and the fp32 LM through both ONNX exporters
+    compiled in fp16: every RMSNorm after a residual GEMM takes its producer's partial sums, the
+    first (after the embedding gather) stays in-loop, no statistics kernel is left."""
+    from tvmfuse.report import analyze
+
+    if source == "transformers":
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=512)
+        torch.manual_seed(0)
+        llama = transformers.LlamaForCausalLM(cfg).half().eval()
+
+        class Logits(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.m = llama
+
+            def forward(self, ids: torch.Tensor) -> torch.Tensor:
+                return self.m(input_ids=ids, use_cache=False).logits
+
+        model = import_model(Logits(), (torch.randint(0, 1000, (1, 256)),))
+    else:
+        from models import llama_lm
+        from models.export_onnx import export_onnx
+
+        module, inputs = llama_lm.build(vocab=512, hidden=256, n_layers=2, n_heads=4, n_kv_heads=2,
+                                        ffn=512, seq=128, dtype=torch.float32)
+        dynamo = source == "onnx-dynamo"
+        model = import_model(str(export_onnx(module, inputs, tmp_path / "lm.onnx", dynamo=dynamo,
+                                             opset=18 if dynamo else 17)))
+    names = [k["name"] for k in analyze(model.mod, get_target("sm90"), "float16",
+                                        stock=False)["kernels"]]
+    assert not any(n.startswith("rms_norm_stats") for n in names), names
+    assert sum(n.endswith("_partials") for n in names) == 4, names  # O and down, two layers
+
+
 @needs_nvcc
 @pytest.mark.parametrize("norm", ["rms", "layer"])
 def test_kernels_compile_without_spills(norm, tmp_path):
