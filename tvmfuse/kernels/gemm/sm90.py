@@ -65,7 +65,11 @@ values it stores. After the quad store's exchange lane r of a quad holds whole 8
 of one fragment row, so each lane sums its blocks' squares, two ``shfl.xor`` (1, 2) add the
 quad's four lanes and lane 0 stores the row's entry (rows ≥ M skipped; columns ≥ N never summed).
 A consumer given ``RowStats(partials=T)`` (``row_partials_in``) skips the in-loop sums and forms
-``rstd = rsqrt(Σ_t P[t, r] / K + eps)`` for its two fragment rows before the epilogue.
+``rstd = rsqrt(Σ_t P[t, r] / K + eps)`` for its two fragment rows before the epilogue. For a
+LayerNorm (``partials_centered``) each lane keeps its row's (n, mean, M2) instead, joining each
+8-output block's own mean and M2 (Chan: δ = mean_b − mean_a, mean += δ·n_b/n,
+M2 += M2_b + δ²·n_a·n_b/n), the quad's lanes join the same way through ``shfl.xor``, and the
+consumer joins the T tiles (static column counts) to (mean, rstd = rsqrt(M2/K + eps)).
 
 The kernel is one ``@T.prim_func`` whose body is written in TVMScript with ``@T.inline`` helpers
 (closures over the config); loops unrolled at generation time (accumulator chains, B boxes) emit
