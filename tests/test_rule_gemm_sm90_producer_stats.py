@@ -44,6 +44,17 @@ class ResidualNormLinear(nn.Module):
         return self.out(n) * torch.sigmoid(self.gate(n)) + h[:, : self.out.out_features]
 
 
+class Logits(nn.Module):
+    """A transformers causal LM as ``input_ids → logits`` (no cache)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).logits
+
+
 def _model(m: int, k: int, k2: int, n: int, dtype=torch.float16, norm: str = "rms", seed: int = 0):
     """The block and its inputs; x's rows have mean ≈ 3·std (LayerNorm's cancellation case)."""
     torch.manual_seed(seed)
@@ -140,16 +151,7 @@ def test_fires_on_models_as_users_bring_them(source, tmp_path):
                                        num_key_value_heads=2, max_position_embeddings=512)
         torch.manual_seed(0)
         llama = transformers.LlamaForCausalLM(cfg).half().eval()
-
-        class Logits(nn.Module):
-            def __init__(self) -> None:
-                super().__init__()
-                self.m = llama
-
-            def forward(self, ids: torch.Tensor) -> torch.Tensor:
-                return self.m(input_ids=ids, use_cache=False).logits
-
-        model = import_model(Logits(), (torch.randint(0, 1000, (1, 256)),))
+        model = import_model(Logits(llama), (torch.randint(0, 1000, (1, 256)),))
     else:
         from models import llama_lm
         from models.export_onnx import export_onnx
@@ -218,15 +220,6 @@ def test_gpu_gpt2_layernorm(tmp_path):
     cfg = transformers.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, n_positions=512)
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).half().eval()
-
-    class Logits(nn.Module):
-        def __init__(self, m: nn.Module) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.m(input_ids=ids, use_cache=False).logits
-
     ids = torch.randint(0, 1000, (1, 256), generator=torch.Generator().manual_seed(0))
     with use_options(Options(sm90_producer_stats_layernorm=True)):
         check_vs_float64(Logits(model), (ids,), "sm90", tmp_path, 1e-2)

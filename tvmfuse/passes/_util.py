@@ -107,6 +107,15 @@ def rewrite_functions(mod: tvm.IRModule, rewrite: Callable[[relax.Function], rel
     return mod
 
 
+def mutate_functions(rewriter: PyExprMutator) -> tvm.IRModule:
+    """Every Relax function of ``rewriter``'s module through ``rewriter`` (whose builder may add
+    PrimFuncs), then dead code removed: the calls it left unused and the PrimFuncs they called."""
+    for gv, func in list(rewriter.builder_.get().functions_items()):
+        if isinstance(func, relax.Function):
+            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
+    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+
+
 def rewrite_with_plans(mod: tvm.IRModule, plan: Callable[[relax.Function], dict],
                        rewriter: Callable[[tvm.IRModule, dict], PyExprMutator]) -> tvm.IRModule:
     """A copy of ``mod`` where each Relax function with a non-empty ``plan(func)`` is rewritten

@@ -118,6 +118,11 @@ def gemm_problem(func: tirx.PrimFunc) -> GemmProblem:
     return GemmProblem(g.m, g.n, g.k, g.in_dtype, g.out_dtype, g.layout)
 
 
+def static_config(func: tirx.PrimFunc, m: int, n: int, layout: str) -> GemmConfig:
+    """The tile of a static-M GEMM: a tuning record's, else :func:`select_config`'s."""
+    return gemm_config_of(func) or select_config(m, n, layout=layout)
+
+
 def gemm_config_of(func: tirx.PrimFunc) -> GemmConfig | None:
     """The :class:`GemmConfig` a tuning record put on ``func`` (None: choose the default)."""
     if func.attrs is None or CONFIG_ATTR not in func.attrs:
@@ -234,7 +239,7 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
             raise NotHandled("B is already (N, K)")
         layout = "nt"
     if isinstance(g.m, int):
-        cfg = cfg or gemm_config_of(func) or select_config(g.m, g.n, layout=layout)  # a record's first
+        cfg = cfg or static_config(func, g.m, g.n, layout)  # a record's first
         buckets, rows = [(g.m, cfg)], None
     else:
         hi = upper_bound(g.m, ranges)
@@ -301,8 +306,7 @@ def partials_of(func: tirx.PrimFunc, b_transposed: bool = False) -> tuple[int, i
     """(column tiles, their width) :func:`build_kernel` gives ``func``'s (static M) output: what
     its ``partials_out`` rows cover."""
     g = analyze(func)
-    layout = "nt" if b_transposed else g.layout
-    cfg = gemm_config_of(func) or select_config(g.m, g.n, layout=layout)
+    cfg = static_config(func, g.m, g.n, "nt" if b_transposed else g.layout)
     return -(-g.n // cfg.bn), cfg.bn
 
 

@@ -45,7 +45,7 @@ from ..kernels.gemm.epilogue import NotHandled, analyze
 from ..kernels.gemm.sm90 import RowStats
 from ..options import current_options
 from ..passes import weight_arrays
-from ..passes._util import const_array
+from ..passes._util import const_array, mutate_functions
 from .gemm_sm90 import InLoopStats, _is_transpose, build_kernel, is_sm90a, partials_of, select_config
 from .gemm_sm90_stats import _bindings, row_stats_of, stats_calls
 from .weight_twins import TransposedTwins
@@ -117,8 +117,6 @@ def _plan_one(mod: tvm.IRModule, call: relax.Call, spec: RowStats, x, outputs: l
     func = _prim(mod, producer)
     if func is None or (func.attrs is not None and func.attrs.get("tirx.is_scheduled")):
         return "its input is not written by an unscheduled fused GEMM kernel"
-    if len(uses.get(x, [])) < 2:
-        return "its input has no other reader"
     if spec.centered and not current_options().sm90_producer_stats_layernorm:
         return "LayerNorm partials are off (Options.sm90_producer_stats_layernorm)"
     try:
@@ -197,6 +195,7 @@ def _rewrite(mod: tvm.IRModule, plans: list[_Plan]) -> tvm.IRModule:
     """Producers return ``(h, P)``; consumers read P where they read rstd; the statistics calls
     are left unused and removed with their PrimFuncs."""
     call_tir = tvm.ir.Op.get(_CALL_TIR)
+
     def producer_of(call) -> _Plan | None:
         return next((p for p in plans if p.producer.same_as(call)), None)
 
@@ -237,11 +236,7 @@ def _rewrite(mod: tvm.IRModule, plans: list[_Plan]) -> tvm.IRModule:
             gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_partial_stats")
             return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
 
-    rewriter = _Rewrite(mod)
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+    return mutate_functions(_Rewrite(mod))
 
 
 __all__ = ["NAME", "Sm90ProducerRowStats"]

@@ -43,6 +43,7 @@ from ..device_props import device_properties
 from ..kernels.gemm.epilogue import NotHandled, analyze
 from ..kernels.gemm.sm90 import RowStats
 from ..options import current_options
+from ..passes._util import mutate_functions
 from ..passes.norm_gemm import row_stats_params
 from .gemm_sm90 import InLoopStats, build_kernel, is_sm90a
 from .weight_twins import TransposedTwins
@@ -244,9 +245,5 @@ def swap_gemm_calls(mod: tvm.IRModule, swaps: list[tuple]) -> tvm.IRModule:
             gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_stats")
             return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
 
-    rewriter = _Rewrite(mod)
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+    return mutate_functions(_Rewrite(mod))
 
