@@ -43,6 +43,27 @@ def test_python_booleans_are_booleans():
 
 
 
+def test_variant_tuning_db_is_not_an_options_field(monkeypatch, tmp_path):
+    """``tuning_db:PATH`` in a variant goes to ``tvmfuse.compile(tuning_db=)``; the other fields
+    still build the Options (and the entry keeps what was asked)."""
+    seen = []
+
+    def fake_compile(model, inputs, target, workdir, name, options=None, tuning_db=None):
+        seen.append((options, tuning_db))
+        return (lambda *a: None), 0.0
+
+    monkeypatch.setattr(common, "compile_and_load", fake_compile)
+    args = common.parser(None).parse_args(
+        ["--variant", f"t=tuning_db:{tmp_path},cuda_graph:true", "--variant", "plain=cuda_graph:false",
+         "--workdir", str(tmp_path)])
+    wl = common.Workload(name="w", module=None, inputs=(), shape="", dtype="float16")
+    built = common._compile_variants(wl, args, lambda msg: None)
+    assert built["t"][0]["options"] == {"tuning_db": str(tmp_path), "cuda_graph": True}
+    (opts_t, db_t), (opts_p, db_p) = seen
+    assert db_t == str(tmp_path) and opts_t == Options(cuda_graph=True)
+    assert db_p is None and opts_p == Options(cuda_graph=False)
+
+
 def test_settle_calls_until_the_time_passed(monkeypatch):
     """``settle``: calls in tens with a synchronization after each ten, until ``seconds`` passed;
     nothing for 0 s; ``time_stats`` settles on CUDA only (a CPU timing is unchanged)."""

@@ -55,7 +55,10 @@ class Options:
     # gemm_sm90_producer_stats: an RMSNorm's sums of squares come from the wgmma GEMM writing its
     # input (partial sums per column tile), read by the GEMMs after the norm: no statistics kernel
     sm90_producer_stats: bool = True
-    # ... for LayerNorm too (tile means and M2 joined by Chan's rule): off until its GPU tests ran
+    # ... for LayerNorm too (tile means and M2 joined by Chan's rule). Its GPU numerics pass (H100,
+    # session 32: ragged / full / bf16 blocks, GPT-2), but where it applies the in-loop statistics
+    # already took the kernel (GPT-2), and it was no faster there: 1.165 → 1.179 ms, within the
+    # ±1 % two builds of the same kernels differ by. Off.
     sm90_producer_stats_layernorm: bool = False
     # gemm_row_stats_simt: the statistics move into the fp32 SIMT GEMMs that read them
     simt_in_loop_stats: bool = True

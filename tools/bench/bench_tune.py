@@ -5,7 +5,9 @@ Workloads (``--workloads``, comma-separated ``CASE:SHAPE:DTYPE``):
 * bench_gemm's cases (``bias_relu``, ``bias_gelu``, ``swiglu``, ``residual``), SHAPE ``MxNxK``:
   Y = epilogue(X·Wᵀ + b); cpu: 64³;
 * ``attn_causal`` / ``attn_full``, SHAPE ``BxSqxSkvxHqxHkvxD``: bench_attention's SDPA module
-  (BSNH tensors) through the model pipeline.
+  (BSNH tensors) through the model pipeline;
+* ``llama_lm``, SHAPE ``lm4``: bench_llama_lm's 4-layer LM prefill (its GEMMs' tile configs and
+  the attention's; ``--min-mb`` high keeps the norms out).
 
 Default (cuda): ``bias_relu:4096x4096x4096:float16``. Per workload: tune into ``--db``/NAME
 (``--trials`` per task; tuning wall time recorded), compile without and with that database, check
@@ -28,7 +30,11 @@ import torch
 
 
 def workload(case: str, shape: str, dtype: str, device: str) -> common.Workload:
-    """A bench_gemm case at ``MxNxK`` or an attention case at ``BxSqxSkvxHqxHkvxD``."""
+    """A bench_gemm case at ``MxNxK``, an attention case at ``BxSqxSkvxHqxHkvxD`` or the LM."""
+    if case == "llama_lm":
+        import bench_llama_lm
+
+        return bench_llama_lm.workload(argparse.Namespace(device=device, dtype=dtype))
     if case in ("attn_causal", "attn_full"):
         import bench_attention
 
@@ -101,7 +107,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for item in args.workloads.split(","):
         parts = item.split(":")
-        cases = [*bench_gemm.CASES, "attn_causal", "attn_full"]
+        cases = [*bench_gemm.CASES, "attn_causal", "attn_full", "llama_lm"]
         if len(parts) != 3 or parts[0] not in cases or parts[2] not in common.DTYPES:
             raise SystemExit(f"--workloads: {item!r} is not CASE:SHAPE:DTYPE with CASE in {cases} "
                              f"and DTYPE in {list(common.DTYPES)}")

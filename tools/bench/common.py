@@ -304,17 +304,19 @@ def compile_and_load(
     workdir: str | Path,
     name: str = "model",
     options: Any = None,
+    tuning_db: str | None = None,
 ) -> tuple[Callable[..., Any], float]:
     """``tvmfuse.compile`` → ``export`` into ``workdir`` → ``tvmfuse.load``; returns
     ``(callable, compile seconds)`` (compile + export, not load). ``options``: a
-    ``tvmfuse.Options`` (None: the defaults).
+    ``tvmfuse.Options`` (None: the defaults); ``tuning_db``: a ``tvmfuse tune`` database.
 
     Each call writes a new file name: a path that was loaded once stays cached by ``dlopen``.
     """
     import tvmfuse
 
     t0 = time.perf_counter()
-    lib = tvmfuse.compile(module, example_inputs, target=target, options=options)
+    lib = tvmfuse.compile(module, example_inputs, target=target, options=options,
+                          tuning_db=tuning_db)
     path = lib.export(Path(workdir) / f"{name}_{next(_counter)}.so")
     seconds = time.perf_counter() - t0
     return tvmfuse.load(path, device="cpu" if target == "cpu" else "cuda"), seconds
@@ -540,7 +542,9 @@ def bench(wl: Workload, opts: argparse.Namespace) -> dict[str, Any]:
 
 def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
     """``NAME=FIELD:VALUE[,FIELD:VALUE…]`` → (name, Options fields); values are JSON literals
-    (``true``, ``8``, ``"all"``) or else strings: ``pdl=programmatic_launch:all,cuda_graph:true``."""
+    (``true``, ``8``, ``"all"``) or else strings: ``pdl=programmatic_launch:all,cuda_graph:true``.
+    The field ``tuning_db:PATH`` is not an Options field: that build reads the ``tvmfuse tune``
+    database PATH."""
     name, sep, fields = text.partition("=")
     if not sep or not name:
         raise SystemExit(f"--variant {text!r}: expected NAME=FIELD:VALUE[,FIELD:VALUE...]")
@@ -568,11 +572,13 @@ def _compile_variants(wl: Workload, opts: argparse.Namespace, log: Callable[[str
     for text in getattr(opts, "variant", None) or []:
         name, fields = parse_variant(text)
         entry: dict[str, Any] = {"options": fields}
+        fields = dict(fields)
+        db = fields.pop("tuning_db", None)
         fn = None
         try:
             model = wl.export(Path(opts.workdir)) if wl.export else wl.module
             fn, entry["compile_s"] = compile_and_load(model, wl.inputs, opts.target, opts.workdir,
-                                                      f"{wl.name}_{name}", Options(**fields))
+                                                      f"{wl.name}_{name}", Options(**fields), db)
         except Exception as err:
             entry["notes"] = f"compile failed: {short_error(err)}"
             log(f"variant {name}: {entry['notes']}")

@@ -4,7 +4,7 @@
     python3 tools/bench/run_all.py --device cpu --no-compile      # CPU smoke run, tiny shapes
 
 Workloads, in this order: layernorm, rmsnorm, softmax, elementwise, gemm, norm_linear,
-attention, mlp, decoder, attention_forms, llama_lm, onnx_decoder.
+attention, mlp, decoder, attention_forms, llama_lm, onnx_decoder, hf_prefill.
 Results go to --out or to tools/bench/results/<gpu>_<target>_<UTC time>.json, rewritten after each
 workload so a run killed half-way keeps what it measured. A workload that raises is recorded with
 ``ERROR: …`` in its notes and the others still run; the exit status is 1 when any did. The last
@@ -30,6 +30,7 @@ import bench_attention_forms
 import bench_decoder
 import bench_elementwise
 import bench_gemm
+import bench_hf_prefill
 import bench_layernorm
 import bench_llama_lm
 import bench_mlp
@@ -53,6 +54,7 @@ WORKLOADS: dict[str, ModuleType] = {
     "attention_forms": bench_attention_forms,
     "llama_lm": bench_llama_lm,
     "onnx_decoder": bench_onnx_decoder,
+    "hf_prefill": bench_hf_prefill,
 }
 
 

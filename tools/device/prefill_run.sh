@@ -19,6 +19,9 @@
 #   pstats  the producer statistics (Options.sm90_producer_stats): their GPU numerics, then the
 #           LM prefill with them (default), without them and with PDL on every kernel, in the same
 #           7 interleaved rounds                                                          (~400 s)
+#   hf      bench_hf_prefill: transformers' GPT-2 and BERT (LayerNorm) against torch.compile, with
+#           the LayerNorm producer statistics (Options.sm90_producer_stats_layernorm) as a variant,
+#           7 interleaved rounds                                                         (~180 s)
 #   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
 #           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
@@ -47,11 +50,13 @@ for s in "$@"; do
              --variant warps=sm90_stats_warps:true ;;
     pstats) step t_pstats 260 python3 -m pytest -q -m gpu -p no:cacheprovider \
               tests/test_rule_gemm_sm90_producer_stats.py tests/test_schedule_gemm_sm90_stats.py \
-              -k "residual or llama_lm or decoder_layer or mlp_block"
+              -k "residual or llama_lm or gpt2 or decoder_layer or mlp_block"
             step lm_pstats 330 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm_pstats.json" \
               --rounds 7 --variant no_pstats=sm90_producer_stats:false \
               --variant pdl=programmatic_launch:all ;;
+    hf) step hf 380 python3 tools/bench/bench_hf_prefill.py --rounds 7 --out "$OUT/hf.json" \
+          --variant ln_partials=sm90_producer_stats_layernorm:true ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
-    *) echo "unknown step $s (tests ptests lm graph split warps pstats sdpa)"; exit 2 ;;
+    *) echo "unknown step $s (tests ptests lm graph split warps pstats hf sdpa)"; exit 2 ;;
   esac
 done

@@ -19,7 +19,9 @@ LayerNorm's (mean, rstd) likewise: each tile row's mean and sum of squared devia
 8-value chunks of a lane and then the quad's lanes joined by Chan's rule: no E[x²] − mean²
 cancellation), ``P`` (2·⌈N / BN⌉, M); the consumer joins the tiles the same way,
 ``rstd = rsqrt(M2 / N + eps)``. The LayerNorm form is behind
-``Options.sm90_producer_stats_layernorm`` (off) until its GPU numerics have run.
+``Options.sm90_producer_stats_layernorm`` (off): its GPU numerics pass, but the GEMMs after a
+LayerNorm already take its statistics in their main loop (:mod:`.gemm_sm90_stats`) and GPT-2's
+prefill was no faster with the partials (session 32, H100).
 
 One kernel and one read of h (M·N·2 bytes) fewer per norm, for ⌈N/BN⌉·M·4 bytes (LayerNorm: twice
 that) written and read back. Applies to the statistics of a static-M, plain (not paired) 16-bit
