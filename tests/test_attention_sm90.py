@@ -5,7 +5,8 @@ HGMMA (both products), UTMALDG (TMA loads) and MUFU.EX2, and ptxas reports no sp
 ``attention_primfunc`` picks it on sm_90a and falls back (with the reason) where it does not
 apply; a model's attention goes through ``tvmfuse.compile`` and the export into the fatbin.
 ``gpu``: rel err against a float64 reference (causal / non-causal, fp16 / bf16, D 64 / 128,
-ragged lengths, GQA / MQA, BottomRight with Sq > Skv).
+ragged lengths, GQA / MQA, BottomRight with Sq > Skv, additive biases: padding masks and T5-style
+(1, H, Sq, Skv) ones, rows a bias masks wholly).
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ BUILDS = {
     "persistent_serial_direct_store": (_spec(1, 200, 200, 2, 2, 128, "bfloat16"),
                                        Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False,
                                                        persistent_ctas=3), (128, 128)),
+    # additive biases: a padding mask (B, 1, 1, Skv) on ragged causal GQA, T5's (1, H, Sq, Skv)
+    "bias_padding_causal_gqa_d128_fp16": (
+        _spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft", bias=(2, 1, 1, 300)), None,
+        (128, 128)),
+    "bias_heads_rows_d64_bf16_persistent": (
+        _spec(1, 200, 333, 4, 4, 64, "bfloat16", bias=(1, 4, 200, 333)),
+        Sm90FlashConfig(persistent_ctas=5), (128, 64)),
 }
 
 
@@ -98,10 +106,25 @@ def test_dispatch_sm90a_picks_wgmma_kernel():
 
 
 def test_dispatch_falls_back_with_reason():
+    spec = _spec(2, 64, 64, 2, 2, 96, "float16")
+    func = attention_primfunc(spec, SM90A)
+    assert "tvmfuse.tirx" not in func.attrs and len(func.params) == 4
+    assert "head_dim 96" in str(func.attrs["tvmfuse.fallback"])
+
+
+def test_dispatch_takes_a_bias():
+    """An additive bias (a padding mask as BERT passes it) is the kernel's fifth parameter, in
+    the order ``q, k, v, bias, out`` every attention kernel takes."""
     spec = _spec(2, 64, 64, 2, 2, 64, "float16", bias=(2, 1, 1, 64))
     func = attention_primfunc(spec, SM90A)
-    assert "tvmfuse.tirx" not in func.attrs and len(func.params) == 5
-    assert "bias" in str(func.attrs["tvmfuse.fallback"])
+    assert func.attrs["tvmfuse.rule"] == NAME and len(func.params) == 5
+    assert [p.name for p in func.params] == ["q", "k", "v", "bias", "out"]
+    from tvmfuse.options import Options, use_options
+
+    with use_options(Options(sm90_attention_bias=False)):  # the A/B switch: the sm80-style kernel
+        func = attention_primfunc(spec, SM90A)
+    assert "sm90_attention_bias off" in str(func.attrs["tvmfuse.fallback"])
+    assert len(func.params) == 5
 
 
 def test_unsupported_reasons():
@@ -187,6 +210,19 @@ GPU_CASES = {
     "persistent_bn64_3stage_bf16": (
         _spec(1, 333, 333, 2, 2, 128, "bfloat16", causal="TopLeft"),
         Sm90FlashConfig(block_n=64, stages=3, persistent_ctas=2)),
+    # additive biases (random_inputs masks the last third of batch 0's keys in a padding mask)
+    "bias_padding_full_d64_fp16": (_spec(2, 512, 512, 12, 12, 64, "float16", bias=(2, 1, 1, 512)),
+                                   None),
+    "bias_padding_causal_ragged_gqa_d128_bf16": (
+        _spec(2, 300, 300, 8, 2, 128, "bfloat16", "TopLeft", bias=(2, 1, 1, 300)), None),
+    "bias_t5_heads_rows_ragged_d64_fp16": (
+        _spec(1, 77, 333, 4, 4, 64, "float16", bias=(1, 4, 77, 333)), None),
+    "bias_rows_bhsd_persistent_d128_fp16": (
+        _spec(2, 200, 200, 4, 2, 128, "float16", "TopLeft", bias=(2, 1, 200, 200),
+              layouts=LAYOUTS["bhsd"]), Sm90FlashConfig(persistent_ctas=5)),
+    "bias_padding_serial_direct_store_bf16": (
+        _spec(2, 200, 200, 2, 2, 128, "bfloat16", bias=(2, 1, 1, 200)),
+        Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False)),
 }
 
 
@@ -205,13 +241,18 @@ def test_gpu_numerics(name):
     lib = tvm.compile(tvm.IRModule({"main": func}), target=SM90A, tir_pipeline="tirx")
     source = cuda_source(lib)  # the one kernel the call launches: TMA loads, wgmma products
     assert "wgmma.mma_async" in source and "cp.async.bulk.tensor" in source
-    q, k, v, _ = random_inputs(spec)
+    q, k, v, bias = random_inputs(spec)
+    if spec.bias_shape is not None and spec.bias_shape[2] > 1:
+        bias[0, 0, 5, :] = -1e9  # a query row that sees no key: its output is 0
     dt = getattr(torch, spec.dtype)
     bshd = [torch.from_numpy(x).to("cuda", dt) for x in (q, k, v)]
     args = [in_layout(x, spec.qkv_layout) for x in bshd]
+    if bias is not None:  # the reference reads the bias as the kernel does: rounded to its dtype
+        args.append(torch.from_numpy(bias).to("cuda", getattr(torch, spec.bias_dtype)))
     out = torch.full(spec.out_shape, float("nan"), dtype=dt, device="cuda")
     lib["main"](*[tvm.runtime.from_dlpack(x) for x in (*args, out)])
-    ref = reference(*[x.cpu().double().numpy() for x in bshd], None, spec)
+    ref = reference(*[x.cpu().double().numpy() for x in bshd],
+                    None if bias is None else args[-1].cpu().double().numpy(), spec)
     got = in_layout(out, spec.out_layout).cpu().double().numpy()
     assert np.isfinite(got).all(), f"{name}: NaN / inf in the output"
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)

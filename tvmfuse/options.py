@@ -158,6 +158,10 @@ class Options:
     # full), a 1024-key window at S8192 (7.6 %); slower at causal S4096 32q/8kv (3.4 %) and
     # causal S8192 (5.5 %)
     sm90_attention_persistent: bool | None = None
+    # sm_90a flash attention with an additive bias (padding masks, T5's position bias) in the
+    # wgmma kernel (False: those attentions keep the sm80-style mma.sync kernel, as before
+    # session 32)
+    sm90_attention_bias: bool = True
     # gemm_sm90: GemmConfig.vector_operands for every kernel (residual / bias as 16-byte loads);
     # the 4-layer LM's prefill 1.538 ms with them vs 1.592 (session 22, interleaved rounds)
     sm90_vector_operands: bool = True

@@ -1,9 +1,11 @@
 """transformers models with LayerNorm at random init in fp16, one forward pass: GPT-2 and BERT.
 
 cuda: GPT-2 (4 layers, hidden 1024, 16 heads, vocab 8192) on ids (1, 2048) → logits, and BERT
-(4 layers, hidden 768, 12 heads, intermediate 3072, vocab 8192) on ids (8, 512) →
+(4 layers, hidden 768, 12 heads, intermediate 3072, vocab 8192) on ids (8, 512) with the
+attention_mask a padded batch has (row b: 512 − 48·b real tokens, then padding) →
 last_hidden_state; cpu smoke: 2 layers, hidden 64, 32 tokens. Both are built as a user would
 (``from_config``, ``.half().eval()``, eager attention) and wrapped to return one tensor.
+``--family gpt2`` / ``bert``: one of them.
 
 FLOPs per layer, T = batch·seq, h = hidden, f = FFN width:
     projections  2·T·h·4h       (qkv, o)
@@ -36,9 +38,9 @@ class _FirstOutput(torch.nn.Module):
         super().__init__()
         self.model, self.field = model, field
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         out = self.model(input_ids=ids, use_cache=False) if self.field == "logits" else \
-            self.model(input_ids=ids)
+            self.model(input_ids=ids, attention_mask=mask)
         return getattr(out, self.field)
 
 
@@ -71,16 +73,26 @@ def workload(family: str, size: dict[str, int], dtype: str) -> common.Workload:
     module = _FirstOutput(model.to(common.DTYPES[dtype]).eval(), field).eval()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (size["batch"], size["seq"]), generator=gen)
-    return common.Workload(name=f"hf_{family}", module=module, inputs=(ids,),
+    inputs: tuple[torch.Tensor, ...] = (ids,)
+    if family == "bert":  # a padded batch: row b has seq − b·seq/(2·batch) real tokens
+        real = size["seq"] - torch.arange(size["batch"]) * (size["seq"] // (2 * size["batch"]))
+        inputs = (ids, (torch.arange(size["seq"])[None] < real[:, None]).to(torch.int64))
+    return common.Workload(name=f"hf_{family}", module=module, inputs=inputs,
                            shape=" ".join(f"{k}={v}" for k, v in size.items()), dtype=dtype,
                            flops=flops(family, **size))
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Benchmark both families; one row each."""
-    return [common.bench(workload(family, size, args.dtype), args)
-            for family, size in SIZES[args.device].items()]
+    """Benchmark the families of ``args.family`` (default both); one row each."""
+    families = getattr(args, "family", None) or list(SIZES[args.device])
+    return [common.bench(workload(family, SIZES[args.device][family], args.dtype), args)
+            for family in families]
+
+
+def options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", action="append", choices=list(SIZES["cuda"]),
+                   help="only this model (repeatable; default: all)")
 
 
 if __name__ == "__main__":
-    raise SystemExit(common.main(run, __doc__))
+    raise SystemExit(common.main(run, __doc__, options))

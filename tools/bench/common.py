@@ -675,12 +675,17 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def main(run: Callable[[argparse.Namespace], list[dict[str, Any]]], description: str | None) -> int:
+def main(run: Callable[[argparse.Namespace], list[dict[str, Any]]], description: str | None,
+         extend: Callable[[argparse.ArgumentParser], Any] | None = None) -> int:
     """CLI of one bench script: run, print the JSON and the table, append to ``--out``.
+    ``extend(parser)`` adds the script's own options.
 
     Exits 0 when the script ran: tvmfuse failures and INCORRECT results are data in the rows.
     """
-    args = resolve(parser(description).parse_args())
+    p = parser(description)
+    if extend is not None:
+        extend(p)
+    args = resolve(p.parse_args())
     rows = run(args)
     print(json.dumps({"gpu": gpu_name(), "versions": versions(), "rows": rows}, indent=1))
     print(format_table(rows))

@@ -12,7 +12,8 @@ warpgroups (warp specialisation)::
                                          loop starts at the tile of the tile's first visible
                                          key, tiles left of the band are never loaded):
         S  = Q·K_jᵀ                      wgmma m64n{BN}k16, A and B from shared (SS), fp32
-        S  masked (−inf) on diagonal / ragged / window-edge tiles only
+        S  masked (−inf) on diagonal / ragged / window-edge tiles only; with an additive bias
+                                         S += bias / scale (so that S·c adds bias·log2e)
         m' = max(m, rowmax S·c);  α = 2^(m − m');  P = 2^(S·c − m');  l = α·l + rowsum P
                                          (c = scale·log2e folded into one FFMA)
         O  = α·O + P·V_j                 wgmma m64n{D}k16, A = P from registers (RS), B = V
@@ -31,8 +32,10 @@ S and P stay in registers. The kernel is a ``@T.prim_func`` with ``@T.inline`` h
 over the spec and config; loops unrolled at generation time emit through the IR builder), tagged
 ``tvmfuse.tirx`` so :func:`.gemm_sm90.uses_tirx` sends the build through the hybrid pipeline.
 Covers fp16 / bf16, head dim 64 / 128, causal kinds, sliding windows, GQA / MQA, any Sq / Skv (D·2 bytes is a
-multiple of 16, so TMA strides are legal). Not covered (the caller falls back to the sm80-style
-kernel, see :func:`check`): an additive bias.
+multiple of 16, so TMA strides are legal), and an additive bias of any broadcast shape (B|1, Hq|1,
+Sq|1, Skv) (padding masks, T5's relative positions: the kernel's fifth parameter, read from global
+memory per score element where it varies, once per key column where it is (…, 1, Skv)). Other
+specs fall back to the sm80-style kernel (:func:`check`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ...attrs import RULE_ATTR, SPEC_ATTR, TIRX_ATTR
+from .cpu import bias_strides
 from .spec import AttentionSpec, at, band_tiles, causal_offset, masked, spec_json, tile_end
 
 _LOG2E = math.log2(math.e)
@@ -104,7 +108,10 @@ def check(spec: AttentionSpec, cfg: Sm90FlashConfig | None = None) -> str | None
     if spec.head_dim not in (64, 128):
         return f"head_dim {spec.head_dim} unsupported (64 or 128)"
     if spec.bias_shape is not None:
-        return "additive bias not implemented in the sm90a kernel"
+        try:
+            bias_strides(spec)
+        except ValueError as err:
+            return str(err)
     if not spec.scale > 0:
         return f"scale must be positive, not {spec.scale}"
     if cfg.block_n % 64 or not 64 <= cfg.block_n <= 256 or cfg.consumers not in (1, 2, 3):
@@ -135,7 +142,7 @@ def _emit(res) -> None:
 
 
 def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
-    """The kernel ``main(q, k, v, out)`` for ``spec`` (checked by :func:`check`)."""
+    """The kernel ``main(q, k, v, [bias,] out)`` for ``spec`` (checked by :func:`check`)."""
     B, Sq, Skv, Hq, Hkv, D = (spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads,
                               spec.head_dim)
     G = spec.group
@@ -147,6 +154,10 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     n_m = _cdiv(Sq, BM)
     causal = causal_offset(spec) is not None
     c_log2 = float(spec.scale * _LOG2E)
+    has_bias = spec.bias_shape is not None
+    fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
+    bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
+    bdt = spec.bias_dtype or in_dt
     # shared layout (elements): Q [DC][BM][64] | K [NS][DC][BN][64] | V [NS][DC][BN][64]
     q_chunk, kv_chunk = BM * 64, BN * 64
     kv_tile = DC * kv_chunk
@@ -228,11 +239,12 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                         True, 1, 1, 1))
 
     @T.prim_func
-    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle):
+    def main(q_h: T.handle, k_h: T.handle, v_h: T.handle, b_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
         q = T.match_buffer(q_h, spec.q_shape, in_dt, align=16)
         k = T.match_buffer(k_h, spec.kv_shape, in_dt, align=16)
         v = T.match_buffer(v_h, spec.kv_shape, in_dt, align=16)
+        bias = T.match_buffer(b_h, bias_shape, bdt)  # without a bias: dropped below, never read
         out = T.match_buffer(o_h, spec.out_shape, odt, align=16)
         Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         encode_map(Q_map, q, QKV_L, Hq, Sq, BM)
@@ -378,6 +390,31 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                         mask_tile(j, row0)
 
             @T.inline
+            def add_bias(j, row0, b, h):
+                # S += bias / scale: the softmax's S·c (c = scale·log2e) then adds bias·log2e.
+                # Columns past Skv are masked already (−inf) and read nothing; rows past Sq read
+                # the last row's bias (their results are never stored).
+                for jn in T.unroll(BN // 8):
+                    for x in T.unroll(4):
+                        col = j * BN + jn * 8 + col0 + x % 2
+                        if Skv % BN == 0:
+                            bias_add(jn * 4 + x, b, h, row0 + (x // 2) * 8, col)
+                        elif col < Skv:
+                            bias_add(jn * 4 + x, b, h, row0 + (x // 2) * 8, col)
+
+            @T.inline
+            def bias_add(i, b, h, row, col):
+                s_acc[i] = s_acc[i] + T.Cast("float32", bias[b * fb, h * fh,
+                                                             T.min(row, Sq - 1) * fi, col]) * (
+                    T.float32(1.0 / spec.scale))
+
+            @T.inline
+            def mask_and_bias(jj, j, row0, n_mask, n_edge, b, h):
+                mask(jj, j, row0, n_mask, n_edge)
+                if has_bias:
+                    add_bias(j, row0, b, h)
+
+            @T.inline
             def rescale():
                 for dn in T.unroll(D // 8):
                     for x in T.unroll(4):
@@ -466,7 +503,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                         turn_pass()
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
-                        mask(jj, j, row0, n_mask, n_edge)
+                        mask_and_bias(jj, j, row0, n_mask, n_edge, b, h)
                         softmax(True)
                         to_p()
                         T.cuda.mbarrier_wait(v_full.ptr_to([s]), ph)
@@ -485,7 +522,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                         turn_pass()
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([kvc % NS])))
-                        mask(0, n_end - 1, row0, n_mask, n_edge)
+                        mask_and_bias(0, n_end - 1, row0, n_mask, n_edge, b, h)
                         softmax(False)
                         to_p()
                     for jj in T.serial(1, n_it):
@@ -502,7 +539,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                         turn_pass()
                         T.ptx.wgmma.wait_group.sync.aligned(1)
                         T.ptx.mbarrier.arrive.shared.b64(to_shared(k_empty.ptr_to([s])))
-                        mask(jj, j, row0, n_mask, n_edge)
+                        mask_and_bias(jj, j, row0, n_mask, n_edge, b, h)
                         softmax(False)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         T.ptx.mbarrier.arrive.shared.b64(to_shared(v_empty.ptr_to([sp])))
@@ -568,13 +605,17 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 if wg == 0:  # consume warpgroup 1's last hand-over
                     T.ptx["bar.sync"](T.uint32(1), T.uint32(two_wg))
 
-    return main
+    if has_bias:
+        return main
+    # no bias: the kernel is (q, k, v, out); its body never reads the bias buffer
+    params = [p for i, p in enumerate(main.params) if i != 3]
+    return tirx.PrimFunc(params, main.body, main.ret_type, main.attrs)
 
 
 def flash_attention_sm90_primfunc(spec: AttentionSpec, target: tvm.target.Target | None = None,
                                   config: Sm90FlashConfig | None = None,
                                   name: str | None = None) -> tvm.tirx.PrimFunc:
-    """PrimFunc ``(q, k, v, out)`` for ``spec`` on sm_90a; ValueError when not covered.
+    """PrimFunc ``(q, k, v, [bias,] out)`` for ``spec`` on sm_90a; ValueError when not covered.
 
     ``name``: keep a global symbol (standalone builds); inside a Relax module the build names it.
     """
