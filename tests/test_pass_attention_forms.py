@@ -265,26 +265,35 @@ def test_sliding_window_gpu_matches_torch(how: str, target: str, tmp_path):
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
     _check_numerics(module, inputs, got, torch.float16)
 
-
+BIAS_FORMS = ["padding_masked_fill"]  # a data-dependent padding mask: an additive bias operand
 GPU_FORMS = ["hand_written", "additive_finfo_min", "padding_masked_fill", "gqa_expand_reshape",
              "bshd_inputs", "sdpa_enable_gqa", "einsum", "baddbmm"]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("target", ["sm90", "sm80"])
+@pytest.mark.parametrize("target", ["sm90", "sm80", "sm90_bias"])
 @pytest.mark.parametrize("name", GPU_FORMS)
 def test_form_gpu_matches_torch(name: str, target: str, tmp_path):
-    """The fused forms on the GPU flash kernels (head dim 64): output against torch in float64."""
+    """The fused forms on the GPU flash kernels (head dim 64): output against torch in float64.
+    ``sm90_bias`` (the bias forms only): sm90 with ``Options.sm90_attention_bias`` on, the padding
+    mask's additive bias in the wgmma kernel (off by default until this has run on a GPU)."""
     import tvmfuse
 
+    bias_on = target == "sm90_bias"
+    if bias_on and name not in BIAS_FORMS:
+        pytest.skip("no additive bias: the same kernel as sm90")
+    target = "sm90" if bias_on else target
+    options = Options(sm90_attention_bias=bias_on)
     module, inputs = forms.build(name, head_dim=64)
-    _, stages, _ = _compile(module, inputs, target=target)
+    _, stages, _ = _compile(module, inputs, target=target, options=options)
     assert _attention_calls(stages["fuse_attention"]) == 1
     (kernel,) = [f for gv, f in stages["legalize"].functions.items()
                  if gv.name_hint in ("attention", "flash_attention")]
-    # every form on the wgmma kernel on sm90, the padding mask's additive bias included
-    assert "tvmfuse.fallback" not in kernel.attrs, kernel.attrs["tvmfuse.fallback"]
-    lib = tvmfuse.compile(module, inputs, target=target)
+    if name in BIAS_FORMS and target == "sm90" and not bias_on:
+        assert "sm90_attention_bias off" in str(kernel.attrs["tvmfuse.fallback"]), kernel.attrs
+    else:
+        assert "tvmfuse.fallback" not in kernel.attrs, kernel.attrs["tvmfuse.fallback"]
+    lib = tvmfuse.compile(module, inputs, target=target, options=options)
     model = tvmfuse.load(lib.export(tmp_path / f"{name}.so"), device="cuda")
     got = model(*[x.cuda() for x in inputs])
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()

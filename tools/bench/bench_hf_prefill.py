@@ -2,7 +2,7 @@
 
 cuda: GPT-2 (4 layers, hidden 1024, 16 heads, vocab 8192) on ids (1, 2048) → logits, and BERT
 (4 layers, hidden 768, 12 heads, intermediate 3072, vocab 8192) on ids (8, 512) with the
-attention_mask a padded batch has (row b: 512 − 48·b real tokens, then padding) →
+attention_mask a padded batch has (row b: 512 − 32·b real tokens, then padding) →
 last_hidden_state; cpu smoke: 2 layers, hidden 64, 32 tokens. Both are built as a user would
 (``from_config``, ``.half().eval()``, eager attention) and wrapped to return one tensor.
 ``--family gpt2`` / ``bert``: one of them.
