@@ -211,13 +211,17 @@ def test_t5_encoder_relative_bias_attention():
 
 
 @pytest.mark.gpu
-def test_gpu_t5_encoder(tmp_path):
+@pytest.mark.parametrize("bias_on", [False, True], ids=["default", "sm90_bias"])
+def test_gpu_t5_encoder(tmp_path, bias_on):
     """On the H200: the T5 encoder in fp16 (head dim 64; the attention kernel reads the (1, H, S, S)
-    relative position bias) against the float64 model."""
+    relative position bias) against the float64 model; ``sm90_bias``: on the wgmma kernel
+    (``Options.sm90_attention_bias``)."""
     from tests.cuda_tools import check_vs_float64
+    from tvmfuse.options import Options, use_options
 
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(0))
-    check_vs_float64(_Hidden(_t5_encoder(256, 4).half()), (ids,), "sm90", tmp_path, 1e-2)
+    with use_options(Options(sm90_attention_bias=bias_on)):
+        check_vs_float64(_Hidden(_t5_encoder(256, 4).half()), (ids,), "sm90", tmp_path, 1e-2)
 
 
 def test_t5_seq2seq_logits():
@@ -257,11 +261,14 @@ def test_t5_seq2seq_logits():
 
 
 @pytest.mark.gpu
-def test_gpu_bert_fp16_from_torch(tmp_path):
+@pytest.mark.parametrize("bias_on", [False, True], ids=["default", "sm90_bias"])
+def test_gpu_bert_fp16_from_torch(tmp_path, bias_on):
     """On the H200: transformers BERT in fp16 from torch with a padding mask. Its Q/K/V biases
     (fp16 constants added in fp32) ride in the wide QKV GEMM's sm90 epilogue since session 24
-    (before: the sm80 path, fp32 out), and the mask gather is a view; against the float64 model."""
+    (before: the sm80 path, fp32 out), and the mask gather is a view; against the float64 model.
+    ``sm90_bias``: the mask's additive bias in the wgmma attention (``Options.sm90_attention_bias``)."""
     from tests.cuda_tools import check_vs_float64
+    from tvmfuse.options import Options, use_options
 
     class Hidden(torch.nn.Module):
         def __init__(self, model: torch.nn.Module) -> None:
@@ -278,4 +285,5 @@ def test_gpu_bert_fp16_from_torch(tmp_path):
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 64, dtype=torch.int64)
     mask[1, 40:] = 0
-    check_vs_float64(Hidden(bert), (ids, mask), "sm90", tmp_path, 1e-2)
+    with use_options(Options(sm90_attention_bias=bias_on)):
+        check_vs_float64(Hidden(bert), (ids, mask), "sm90", tmp_path, 1e-2)

@@ -58,8 +58,8 @@ for s in "$@"; do
               --variant pdl=programmatic_launch:all ;;
     hf) step hf 380 python3 tools/bench/bench_hf_prefill.py --rounds 7 --out "$OUT/hf.json" \
           --variant ln_partials=sm90_producer_stats_layernorm:true ;;
-    bias) step t_bias 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_sm90.py \
-            tests/test_pass_attention_forms.py -k "bias"
+    bias) step t_bias 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_sm90.py \
+            tests/test_pass_attention_forms.py tests/test_hf_families.py -k "bias"
           step hf_bert 200 python3 tools/bench/bench_hf_prefill.py --family bert --rounds 5 \
             --variant bias_on=sm90_attention_bias:true --out "$OUT/hf_bert.json" ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
