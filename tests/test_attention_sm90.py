@@ -96,6 +96,22 @@ def test_builds_to_hgmma_and_tma_without_spills(name, tmp_path, monkeypatch):
     assert spills and all(s == ("0", "0") for s in spills), report
 
 
+@needs_nvcc
+def test_bias_loads(tmp_path, monkeypatch):
+    """Without a bias every operand comes by TMA (no LDG); a padding mask (B, 1, 1, Skv) is read
+    once per key column a thread holds (its two rows share the load), a (1, H, Sq, Skv) bias once
+    per score: half the loads (ragged Skv, the guarded copy: at most half)."""
+    def loads(spec) -> int:
+        sass, _ = _build_sass(flash_attention_sm90_primfunc(spec, name="main"), tmp_path, monkeypatch)
+        return len(re.findall(r"\bLDG", sass))
+
+    assert loads(_spec(1, 256, 256, 4, 4, 64, "float16")) == 0
+    rows = loads(_spec(2, 256, 256, 4, 4, 64, "float16", bias=(1, 4, 256, 256)))
+    assert rows > 0
+    assert 2 * loads(_spec(2, 256, 256, 4, 4, 64, "float16", bias=(2, 1, 1, 256))) == rows
+    assert 0 < 2 * loads(_spec(2, 300, 300, 4, 4, 64, "float16", bias=(2, 1, 1, 300))) <= rows
+
+
 def test_dispatch_sm90a_picks_wgmma_kernel():
     spec = _spec(1, 128, 128, 2, 2, 128, "float16", causal="TopLeft")
     func = attention_primfunc(spec, SM90A)

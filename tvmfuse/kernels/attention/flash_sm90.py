@@ -158,6 +158,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
     bdt = spec.bias_dtype or in_dt
+    inv_scale = tirx.const(1.0 / spec.scale, "float32")
     # shared layout (elements): Q [DC][BM][64] | K [NS][DC][BN][64] | V [NS][DC][BN][64]
     q_chunk, kv_chunk = BM * 64, BN * 64
     kv_tile = DC * kv_chunk
@@ -348,6 +349,8 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
             desc_q = T.alloc_buffer((1,), "uint64", scope="local")
             desc_k = T.alloc_buffer((1,), "uint64", scope="local")
             desc_v = T.alloc_buffer((1,), "uint64", scope="local")
+            if has_bias:
+                bias_v = T.alloc_buffer((1,), "float32", scope="local")
             wg = tx // 128 - 1
             t = tx % 128
             col0 = (t % 4) * 2
@@ -395,18 +398,24 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                 # Columns past Skv are masked already (−inf) and read nothing; rows past Sq read
                 # the last row's bias (their results are never stored).
                 for jn in T.unroll(BN // 8):
-                    for x in T.unroll(4):
-                        col = j * BN + jn * 8 + col0 + x % 2
+                    for e in T.unroll(2):
+                        col = j * BN + jn * 8 + col0 + e
                         if Skv % BN == 0:
-                            bias_add(jn * 4 + x, b, h, row0 + (x // 2) * 8, col)
+                            bias_column(jn * 4 + e, b, h, row0, col)
                         elif col < Skv:
-                            bias_add(jn * 4 + x, b, h, row0 + (x // 2) * 8, col)
+                            bias_column(jn * 4 + e, b, h, row0, col)
 
             @T.inline
-            def bias_add(i, b, h, row, col):
-                s_acc[i] = s_acc[i] + T.Cast("float32", bias[b * fb, h * fh,
-                                                             T.min(row, Sq - 1) * fi, col]) * (
-                    T.float32(1.0 / spec.scale))
+            def bias_column(i, b, h, row0, col):
+                # the thread's two rows (row0, row0 + 8) of one column: accumulators i, i + 2
+                if fi == 0:  # (…, 1, Skv): one load for both rows
+                    bias_v[0] = T.Cast("float32", bias[b * fb, h * fh, 0, col]) * inv_scale
+                    s_acc[i] = s_acc[i] + bias_v[0]
+                    s_acc[i + 2] = s_acc[i + 2] + bias_v[0]
+                else:
+                    for r in T.unroll(2):
+                        s_acc[i + r * 2] = s_acc[i + r * 2] + T.Cast("float32", bias[
+                            b * fb, h * fh, T.min(row0 + r * 8, Sq - 1), col]) * inv_scale
 
             @T.inline
             def mask_and_bias(jj, j, row0, n_mask, n_edge, b, h):
