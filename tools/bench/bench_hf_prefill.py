@@ -61,15 +61,16 @@ def workload(family: str, size: dict[str, int], dtype: str) -> common.Workload:
     if family == "gpt2":
         cfg = transformers.GPT2Config(n_layer=size["layers"], n_embd=size["hidden"],
                                       n_head=size["heads"], vocab_size=VOCAB,
-                                      n_positions=max(1024, size["seq"]))
+                                      n_positions=max(1024, size["seq"]),
+                                      attn_implementation="eager")
         model, field = transformers.GPT2LMHeadModel(cfg), "logits"
     else:
         cfg = transformers.BertConfig(num_hidden_layers=size["layers"], hidden_size=size["hidden"],
                                       num_attention_heads=size["heads"],
                                       intermediate_size=4 * size["hidden"], vocab_size=VOCAB,
-                                      max_position_embeddings=max(512, size["seq"]))
+                                      max_position_embeddings=max(512, size["seq"]),
+                                      attn_implementation="eager")
         model, field = transformers.BertModel(cfg, add_pooling_layer=False), "last_hidden_state"
-    cfg._attn_implementation = "eager"
     module = _FirstOutput(model.to(common.DTYPES[dtype]).eval(), field).eval()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (size["batch"], size["seq"]), generator=gen)
