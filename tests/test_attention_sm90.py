@@ -131,16 +131,16 @@ def test_dispatch_falls_back_with_reason():
 def test_dispatch_takes_a_bias():
     """An additive bias (a padding mask as BERT passes it) is the kernel's fifth parameter, in
     the order ``q, k, v, bias, out`` every attention kernel takes, with
-    ``Options.sm90_attention_bias`` on; off (the default until its GPU tests ran) the sm80-style
-    kernel takes it and the reason is recorded."""
+    ``Options.sm90_attention_bias`` on (the default since its GPU tests passed, session 33); off,
+    the sm80-style kernel takes it and the reason is recorded."""
     from tvmfuse.options import Options, use_options
 
     spec = _spec(2, 64, 64, 2, 2, 64, "float16", bias=(2, 1, 1, 64))
-    with use_options(Options(sm90_attention_bias=True)):
-        func = attention_primfunc(spec, SM90A)
+    func = attention_primfunc(spec, SM90A)
     assert func.attrs["tvmfuse.rule"] == NAME and len(func.params) == 5
     assert [p.name for p in func.params] == ["q", "k", "v", "bias", "out"]
-    func = attention_primfunc(spec, SM90A)
+    with use_options(Options(sm90_attention_bias=False)):
+        func = attention_primfunc(spec, SM90A)
     assert "sm90_attention_bias off" in str(func.attrs["tvmfuse.fallback"])
     assert "tvmfuse.tirx" not in func.attrs and len(func.params) == 5
 

@@ -211,7 +211,7 @@ def test_t5_encoder_relative_bias_attention():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bias_on", [False, True], ids=["default", "sm90_bias"])
+@pytest.mark.parametrize("bias_on", [False, True], ids=["sm80_bias", "sm90_bias"])
 def test_gpu_t5_encoder(tmp_path, bias_on):
     """On the H200: the T5 encoder in fp16 (head dim 64; the attention kernel reads the (1, H, S, S)
     relative position bias) against the float64 model; ``sm90_bias``: on the wgmma kernel
@@ -261,7 +261,7 @@ def test_t5_seq2seq_logits():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bias_on", [False, True], ids=["default", "sm90_bias"])
+@pytest.mark.parametrize("bias_on", [False, True], ids=["sm80_bias", "sm90_bias"])
 def test_gpu_bert_fp16_from_torch(tmp_path, bias_on):
     """On the H200: transformers BERT in fp16 from torch with a padding mask. Its Q/K/V biases
     (fp16 constants added in fp32) ride in the wide QKV GEMM's sm90 epilogue since session 24

@@ -22,7 +22,7 @@
 #   hf      bench_hf_prefill: transformers' GPT-2 and BERT (LayerNorm) against torch.compile, with
 #           the LayerNorm producer statistics (Options.sm90_producer_stats_layernorm) as a variant,
 #           7 interleaved rounds                                                         (~180 s)
-#   bias    the sm_90a attention with an additive bias (Options.sm90_attention_bias, off): its GPU
+#   bias    the sm_90a attention with an additive bias (Options.sm90_attention_bias, on): its GPU
 #           tests, then BERT with a padded attention_mask with it on and off, 5 rounds    (~250 s)
 #   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
 #           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
@@ -61,7 +61,7 @@ for s in "$@"; do
     bias) step t_bias 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_attention_sm90.py \
             tests/test_pass_attention_forms.py tests/test_hf_families.py -k "bias"
           step hf_bert 200 python3 tools/bench/bench_hf_prefill.py --family bert --rounds 5 \
-            --variant bias_on=sm90_attention_bias:true --out "$OUT/hf_bert.json" ;;
+            --variant bias_off=sm90_attention_bias:false --out "$OUT/hf_bert.json" ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
     *) echo "unknown step $s (tests ptests lm graph split warps pstats hf bias sdpa)"; exit 2 ;;
   esac

@@ -62,7 +62,7 @@ def _cuda_primfunc(spec: AttentionSpec, target: tvm.target.Target) -> tvm.tirx.P
         cfg = sm90_config(spec, target)
         reason = sm90_check(spec, cfg)
         if reason is None and spec.bias_shape is not None and not current_options().sm90_attention_bias:
-            reason = "an additive bias, with Options.sm90_attention_bias off (not yet run on a GPU)"
+            reason = "an additive bias, with Options.sm90_attention_bias off"
         if reason is None:
             return flash_attention_sm90_primfunc(spec, target, cfg)
         func = flash_attention_primfunc(spec, target)
