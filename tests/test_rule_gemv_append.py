@@ -23,9 +23,10 @@ from tvm.script import tirx as T
 from tests.cuda_tools import kernel_sass, needs_nvcc
 from tests.lm_reference import tiny_llama
 from tvmfuse.kernels.gemm.gemv import RowGather, _block_output, _early_value
+from tvmfuse.kernels.index_eval import value as _value
 from tvmfuse.options import current_options, use_options
 from tvmfuse.rules import gemv as gemv_rule
-from tvmfuse.rules.gemv_append import AppendSite, _value, gather_for
+from tvmfuse.rules.gemv_append import AppendSite, gather_for
 
 pytest.importorskip("transformers")
 

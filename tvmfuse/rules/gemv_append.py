@@ -37,7 +37,12 @@ from tvm import relax, s_tir, tirx
 
 from ..errors import TVM_ERRORS
 from ..kernels.gemm.gemv import RowGather
-from ..kernels.tir_util import BINARY_OPS, Call, Load, dtype_of, rebuild
+from ..kernels.index_eval import Unknown as _Unknown
+from ..kernels.index_eval import children as _children
+from ..kernels.index_eval import is_select as _is_select
+from ..kernels.index_eval import reads as _reads
+from ..kernels.index_eval import select_parts as _select_parts
+from ..kernels.tir_util import Load, dtype_of, rebuild
 from .fold_decode_append import append_store
 
 NAME = "gemv_append"
@@ -52,87 +57,6 @@ class AppendSite:
     call: relax.Call
     qkv: int
     state: int
-
-
-class _Unknown(Exception):
-    """The expression's value depends on data (a buffer load) or is not an integer."""
-
-
-_NP = {tirx.Add: np.add, tirx.Sub: np.subtract, tirx.Mul: np.multiply, tirx.Min: np.minimum,
-       tirx.Max: np.maximum, tirx.FloorDiv: np.floor_divide, tirx.FloorMod: np.mod,
-       tirx.EQ: np.equal, tirx.NE: np.not_equal, tirx.LT: np.less, tirx.LE: np.less_equal,
-       tirx.GT: np.greater, tirx.GE: np.greater_equal, tirx.And: np.logical_and,
-       tirx.Or: np.logical_or}
-
-
-def _is_select(e) -> bool:
-    return isinstance(e, tirx.Select) or (isinstance(e, Call) and isinstance(e.op, tvm.ir.Op)
-                                          and e.op.name == "prim.if_then_else")
-
-
-def _select_parts(e) -> tuple:
-    return (e.condition, e.true_value, e.false_value) if isinstance(e, tirx.Select) else tuple(e.args)
-
-
-def _value(e, env: list) -> np.ndarray:
-    """``e`` (an integer / boolean index expression) over the points of ``env`` ((var, array)
-    pairs, broadcasting); raises :class:`_Unknown` where it reads data or is not an integer."""
-    if isinstance(e, tirx.Var):
-        found = next((a for v, a in env if v.same_as(e)), None)
-        if found is None:
-            raise _Unknown(e.name)
-        return found
-    if isinstance(e, tirx.IntImm):
-        return np.int64(e.value)
-    if type(e) in _NP:
-        return _NP[type(e)](_value(e.a, env), _value(e.b, env))
-    if isinstance(e, (tirx.Div, tirx.Mod)):  # truncated: the sign of the dividend
-        a, b = _value(e.a, env), _value(e.b, env)
-        q = np.sign(a) * np.sign(b) * (np.abs(a) // np.abs(b))
-        return q if isinstance(e, tirx.Div) else a - b * q
-    if isinstance(e, tirx.Not):
-        return np.logical_not(_value(e.a, env))
-    if isinstance(e, tirx.Cast) and (dtype_of(e).startswith(("int", "uint")) or dtype_of(e) == "bool"):
-        v = _value(e.value, env)
-        return v.astype(bool) if dtype_of(e) == "bool" else np.asarray(v).astype(np.int64)
-    if _is_select(e):
-        c, a, b = _select_parts(e)
-        return np.where(_value(c, env), _value(a, env), _value(b, env))
-    raise _Unknown(type(e).__name__)
-
-
-def _children(e) -> list:
-    if isinstance(e, (*BINARY_OPS, tirx.Mod)):
-        return [e.a, e.b]
-    if isinstance(e, tirx.Not):
-        return [e.a]
-    if isinstance(e, tirx.Cast):
-        return [e.value]
-    if isinstance(e, Load):
-        return list(e.indices)
-    if isinstance(e, Call):
-        return list(e.args)
-    return []
-
-
-def _reads(e, buf: tirx.Buffer, env: list, mask: np.ndarray, found: list) -> None:
-    """Append ``(indices, mask)`` for every load of ``buf`` in ``e``: its indices evaluated at the
-    points, ``mask`` the points where the load is evaluated (the branches of a select whose
-    condition is known split it). Raises :class:`_Unknown` for an index that depends on data."""
-    if isinstance(e, Load) and e.source.same_as(buf):
-        found.append(([_value(i, env) for i in e.indices], mask))
-    if _is_select(e):
-        c, a, b = _select_parts(e)
-        _reads(c, buf, env, mask, found)
-        try:
-            taken = np.broadcast_to(_value(c, env), mask.shape)
-        except _Unknown:  # a data-dependent branch: either may be evaluated
-            taken = None
-        _reads(a, buf, env, mask if taken is None else mask & taken, found)
-        _reads(b, buf, env, mask if taken is None else mask & ~taken, found)
-        return
-    for child in _children(e):
-        _reads(child, buf, env, mask, found)
 
 
 @dataclass(frozen=True)
@@ -193,7 +117,7 @@ def gather_for(afunc: tirx.PrimFunc, site: AppendSite, m: int, n: int, rows: int
     point = np.arange(heads).reshape(1, heads, 1) * d + np.arange(d).reshape(1, 1, d)
     for order in _orders(d):
         home = order.kernel_row(point) // rows
-        if all(_closed(idx, mask, strides, m, n, home, order, rows) for idx, mask in reads):
+        if all(_closed(idx, mask, strides, m, n, home, order, rows) for idx, mask, _ in reads):
             return _gather(order, ivs, guard, store, qkv, strides, n, d)
     return (f"a point of the append reads GEMV outputs of another block ({rows} rows a block, "
             f"head_dim {d}, orders tried: {', '.join(o.name for o in _orders(d))})")
