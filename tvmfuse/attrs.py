@@ -36,3 +36,6 @@ REPLACES_ATTR = "tvmfuse.replaces"
 # on a GEMM kernel that also writes row partial sums of squares (gemm_sm90_producer_stats): the
 # statistics PrimFunc they replace
 PARTIALS_ATTR = "tvmfuse.row_partials"
+# on a GEMM PrimFunc merged with the injective kernel reading its output (passes/fold_gemm_tail.py):
+# the name of that kernel's fused function; kernels/gemm/tail.py reads its stores
+GATHER_TAIL_ATTR = "tvmfuse.gather_tail"

@@ -163,6 +163,10 @@ class Options:
     # 33, 5 interleaved rounds): transformers' BERT 4x768 at 8x512 with a padded attention_mask
     # 0.759 ms on, 0.792 off (-4.2 %); its GPU tests pass
     sm90_attention_bias: bool = True
+    # passes/fold_gemm_tail.py: a GEMM and the injective kernel that is its output's only reader
+    # (the LM's RoPE / Q, K, V pack) become one sm_90a kernel that makes the pack's stores in its
+    # epilogue (kernels/gemm/tail.py). Off until its GPU tests have run
+    sm90_gemm_tail: bool = False
     # gemm_sm90: GemmConfig.vector_operands for every kernel (residual / bias as 16-byte loads);
     # the 4-layer LM's prefill 1.538 ms with them vs 1.592 (session 22, interleaved rounds)
     sm90_vector_operands: bool = True

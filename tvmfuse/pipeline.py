@@ -49,6 +49,7 @@ from .passes.unwrap_output import UnwrapSingleOutput
 from .rules import gpu_rules
 from .rules.fallback import ApplyRules
 from .rules.fold_decode_append import FoldDecodeAppend
+from .rules.fold_gemm_tail import FoldGemmTail
 from .rules.gemm_row_stats_simt import SimtGemmRowStats
 from .rules.gemm_sm90 import HYBRID_PIPELINE, Sm90Gemm, uses_tirx
 from .rules.gemm_sm90_producer_stats import Sm90ProducerRowStats
@@ -221,6 +222,9 @@ def lower(mod: tvm.IRModule, spec: TargetSpec, dtype: str | None = None,
             # compile_lm decode (Options.decode_fold_append, off): the append's elementwise body
             # moves into the split-KV attention kernel; needs the append as one unscheduled PrimFunc.
             mod = run("fold_decode_append", FoldDecodeAppend(), mod)
+            # sm_90a: a GEMM and the injective kernel that alone reads its output (RoPE and the
+            # Q, K, V pack) become one PrimFunc; before the GEMM passes, which build its kernel.
+            mod = run("fold_gemm_tail", FoldGemmTail, mod)
             # sm_80+: small-M GEMMs (decode) become weight-streaming kernels (their norm statistics
             # inside, constant weights passed (N, K)); before the wgmma passes below see them.
             mod = run("gemv", SmallMGemm, mod)

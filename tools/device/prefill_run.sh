@@ -24,6 +24,8 @@
 #           7 interleaved rounds                                                         (~180 s)
 #   bias    the sm_90a attention with an additive bias (Options.sm90_attention_bias, on): its GPU
 #           tests, then BERT with a padded attention_mask with it on and off, 5 rounds    (~250 s)
+#   tail    Options.sm90_gemm_tail (off): the QKV GEMM making the RoPE / Q, K, V pack's stores, its
+#           GPU tests, then the LM prefill with it on and off, 7 interleaved rounds        (~250 s)
 #   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
 #           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
@@ -62,7 +64,10 @@ for s in "$@"; do
             tests/test_pass_attention_forms.py tests/test_hf_families.py -k "bias"
           step hf_bert 200 python3 tools/bench/bench_hf_prefill.py --family bert --rounds 5 \
             --variant bias_off=sm90_attention_bias:false --out "$OUT/hf_bert.json" ;;
+    tail) step t_tail 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rule_fold_gemm_tail.py
+          step lm_tail 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm_tail.json" --rounds 7 \
+            --variant tail=sm90_gemm_tail:true ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
-    *) echo "unknown step $s (tests ptests lm graph split warps pstats hf bias sdpa)"; exit 2 ;;
+    *) echo "unknown step $s (tests ptests lm graph split warps pstats hf bias tail sdpa)"; exit 2 ;;
   esac
 done

@@ -128,6 +128,12 @@ def merge(stats: tirx.PrimFunc, stats_call: relax.Call, gemm: tirx.PrimFunc, gem
             y = bb.emit_output(relax.Call(call_tir, [gemm_gv, relax.Tuple(gemm_args)],
                                           gemm_call.attrs, gemm_call.ty_args))
         bb.emit_func_output(y)
+    return fuse_merged(bb, args), args
+
+
+def fuse_merged(bb: relax.BlockBuilder, args: list[relax.Expr]) -> tirx.PrimFunc:
+    """FuseTIR's one PrimFunc for the ``Primitive`` function "merged" in ``bb`` (called once by a
+    ``main`` over ``args``' types)."""
     merged_gv = bb.get().get_global_var("merged")
     outer = [relax.Var(f"a{i}", a.ty) for i, a in enumerate(args)]
     with bb.function("main", outer):
@@ -138,7 +144,7 @@ def merge(stats: tirx.PrimFunc, stats_call: relax.Call, gemm: tirx.PrimFunc, gem
     prims = [f for f in fused.functions.values() if isinstance(f, tirx.PrimFunc)]
     if len(prims) != 1:
         raise ValueError(f"FuseTIR left {len(prims)} PrimFuncs, expected 1")
-    return prims[0].without_attr("global_symbol"), args
+    return prims[0].without_attr("global_symbol")
 
 
 def _plan(mod: tvm.IRModule, func: relax.Function, kept: dict, target) -> list[tuple]:

@@ -40,7 +40,7 @@ from ..attrs import (
 from ..device_props import device_properties
 from ..kernels.gemm.epilogue import FusedGemm, NotHandled, analyze, expr_value, top_blocks
 from ..kernels.gemm.opmath import fast_math16, opmath
-from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, RowStats, check, gemm_kernel
+from ..kernels.gemm.sm90 import GemmConfig, GemmProblem, KernelTail, RowStats, check, gemm_kernel
 from ..kernels.tir_util import Load, dtype_of, strip_cast
 from ..options import current_options
 from ..passes import weight_arrays
@@ -238,6 +238,10 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         if g.layout != "nn":
             raise NotHandled("B is already (N, K)")
         layout = "nt"
+    if g.tail is not None:
+        cfg = cfg or tail_config(g)
+        if cfg is None:
+            raise NotHandled("gather tail: no tile width divides its column ranges")
     if isinstance(g.m, int):
         cfg = cfg or static_config(func, g.m, g.n, layout)  # a record's first
         buckets, rows = [(g.m, cfg)], None
@@ -276,15 +280,20 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
         buffers = [*buffers, tirx.decl_buffer((p_rows, g.m), "float32", name="row_partials",
                                               data_alignment=16)]
         partials_pos = len(buffers) - 1
+    kernel_tail = None
+    if g.tail is not None:
+        if rows is not None or partials_out:
+            raise NotHandled("a gather tail with a symbolic M or row partial sums")
+        kernel_tail = _kernel_tail(g, store_value, buffers, func)
     try:
         kernels = [gemm_kernel(GemmProblem(top, g.n, g.k, g.in_dtype, g.out_dtype, layout), c,
                                buffers, *positions, store_value, pair_value,
                                row_stats=in_loop.stats if in_loop is not None else None, rows=rows,
                                row_partials_in=partials_in, row_partials_out=partials_pos,
-                               partials_centered=partials_centered)
+                               partials_centered=partials_centered, tail=kernel_tail)
                    for top, c in buckets]
     except ValueError as err:
-        if partials_in is None and partials_pos is None:
+        if partials_in is None and partials_pos is None and kernel_tail is None:
             raise
         raise NotHandled(str(err)) from err
     kernel = kernels[-1]
@@ -300,6 +309,44 @@ def build_kernel(func: tirx.PrimFunc, cfg: GemmConfig | None = None,
     if func.attrs is not None and TUNING_ATTR in func.attrs:  # tuned / default label stays
         attrs[TUNING_ATTR] = func.attrs[TUNING_ATTR]
     return kernel.with_attrs(attrs)
+
+
+def tail_config(g: FusedGemm, sms: int | None = None) -> GemmConfig | None:
+    """The tile of a GEMM with a gather tail: 128 or 256 columns (whichever fills the waves
+    better, :func:`_wave_cost`) dividing N and every column range's start, a multiple of the
+    RoPE pair's span 2·half; None when neither does."""
+    sms = sms or device_properties().sms
+    fits = [bn for bn in (256, 128) if g.n % bn == 0 and bn % (2 * max(g.tail.half, 8)) == 0
+            and all(seg.j0 % bn == 0 for seg in g.tail.segments)]
+    if not fits:
+        return None
+    bn = min(fits, key=lambda b: (_wave_cost(g.m, g.n, b, sms), -b))
+    pair = {"cluster_m": 2, "warp_release": True} if g.m > 128 else {}
+    return GemmConfig(bn=bn, stages=6 if bn == 128 else 4, num_sms=sms, **pair)
+
+
+def _kernel_tail(g: FusedGemm, store_value, buffers: list, func: tirx.PrimFunc) -> KernelTail:
+    """The kernel's view of ``g.tail``: each range's value over the accumulators, the GEMM's own
+    epilogue (``store_value``) making C[row, col] and C[row, col ^ half] first."""
+    tail = g.tail
+    pairs = _tail_buffers(func, buffers)
+
+    def value(acc, acc_partner, row, col, stats, k):
+        partner_col = col + tail.half - 2 * tail.half * ((col // max(tail.half, 1)) % 2) \
+            if tail.half else col
+        names = [(tail.own, store_value(acc, row, col, stats)),
+                 (tail.partner, store_value(acc_partner, row, partner_col, stats)),
+                 (g.dims[0], row), (g.dims[1], col)]
+        return expr_value(tail.segments[k].expr, names, pairs)
+
+    return KernelTail(tuple((s.j0, s.width, s.base, s.stride) for s in tail.segments), tail.half,
+                      tail.size, value)
+
+
+def _tail_buffers(func: tirx.PrimFunc, buffers: list) -> list:
+    """``(func parameter, kernel buffer)`` by name (``p<i>``: kernel_signature's renaming)."""
+    params = list(func.params)
+    return [(params[int(b.name[1:])], b) for b in buffers if b.name[1:].isdigit()]
 
 
 def partials_of(func: tirx.PrimFunc, b_transposed: bool = False) -> tuple[int, int]:

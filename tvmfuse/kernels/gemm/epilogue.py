@@ -22,6 +22,7 @@ import tvm.sym
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ...attrs import GATHER_TAIL_ATTR
 from ...errors import TVM_ERRORS
 from ...relax_shapes import same_dim
 from ..tir_util import BINARY_OPS as _BINARY
@@ -31,6 +32,8 @@ from ..tir_util import Load as _Load
 from ..tir_util import Op as _Op
 from ..tir_util import dtype_of as _dt
 from ..tir_util import strip_cast as _strip_cast
+from .tail import GatherTail, gather_tail
+from .tail import NotHandled as TailNotHandled
 
 
 class NotHandled(Exception):
@@ -56,6 +59,9 @@ class FusedGemm:
     dims: list[tirx.Var]  # one per output dimension
     param_names: list[str] = field(default_factory=list)
     acc_odd: tirx.Var | None = None  # pair epilogue: C[i, 2j + 1] (acc is C[i, 2j]); out is N/2 wide
+    # a gather tail (:mod:`.tail`): ``expr`` makes the (M, N) values the tail reads (out_dtype and
+    # out_shape are theirs); the tail's stores go to parameter ``out``
+    tail: GatherTail | None = None
 
 
 def _int(e) -> int:
@@ -229,9 +235,14 @@ def analyze(func: tirx.PrimFunc, symbolic_m: bool = False) -> FusedGemm:
     a_pos, b_pos, layout, c, m, n, k, in_dtype = _matmul(first, params, symbolic_m)
     acc = tirx.Var("acc", "float32")
     dims = [tirx.Var(f"d{i}", "int32") for i in range(2)]
+    n_gemm = len(blocks)  # the GEMM's blocks; after them a gather tail's (GATHER_TAIL_ATTR)
+    if func.attrs is not None and GATHER_TAIL_ATTR in func.attrs:
+        n_gemm = int(func.attrs[GATHER_TAIL_ATTR])
+        if not isinstance(m, int) or not 1 < n_gemm < len(blocks):
+            raise NotHandled("a gather tail after a GEMM of symbolic M or without an epilogue")
     inl = _Inliner(params, acc, c, dims)
     last, last_ivs, last_value = c, None, None
-    for block, _ in blocks[1:]:
+    for block, _ in blocks[1:n_gemm]:
         if any(iv.iter_type != tirx.IterVar.DataPar for iv in block.iter_vars):
             raise NotHandled(f"block {block.name_hint} after the GEMM is not elementwise")
         body = block.body
@@ -255,6 +266,18 @@ def analyze(func: tirx.PrimFunc, symbolic_m: bool = False) -> FusedGemm:
     else:
         raise NotHandled("the epilogue reads the GEMM result not at all or both as C[i, j] and "
                          "as pairs")
+    if n_gemm < len(blocks):
+        if acc_odd is not None or [int(d) for d in last.shape] != [m, n]:
+            raise NotHandled("a gather tail after an epilogue that does not write (M, N)")
+        try:
+            tail, out = gather_tail(func, n_gemm, last, m, n, dims)
+        except TailNotHandled as err:
+            raise NotHandled(f"gather tail: {err}") from err
+        out_pos = next(i for i, p in enumerate(params) if p.same_as(out))
+        if out_pos in (a_pos, b_pos):
+            raise NotHandled("output aliases an input")
+        return FusedGemm(a_pos, b_pos, out_pos, m, n, k, in_dtype, str(last.dtype), layout,
+                         (m, n), expr, acc, dims, [p.name for p in params], None, tail)
     extents = [iv.dom.extent for iv in last_ivs]
     if len(extents) != 2 or not (same_dim(extents[0], m) and same_dim(extents[1], out_n)):
         raise NotHandled(f"the output block does not span the (M, {out_n}) output")
@@ -321,6 +344,8 @@ def expr_value(e, names: list, buffers: list, row_loads: tuple | None = None,
             return T.Select(t(x.condition), t(x.true_value), t(x.false_value))
         if isinstance(x, tirx.Not):
             return T.Not(t(x.a))
+        if isinstance(x, _Call) and x.op.name.endswith("if_then_else"):  # a gather tail's branches
+            return T.if_then_else(*(t(a) for a in x.args))
         if isinstance(x, _Call) and x.op.name == "tirx.call_pure_extern":  # CUDA fast-math calls
             return T.call_pure_extern(_dt(x), str(x.args[0].value), *(t(a) for a in x.args[1:]))
         if isinstance(x, _Call):

@@ -190,6 +190,28 @@ class RowStats:
     partial_cols: int = 0
 
 
+@dataclass(frozen=True)
+class KernelTail:
+    """A gather tail's stores (:mod:`.tail`): ``segments`` ``(j0, width, base, stride)``: columns
+    ``[j0, j0 + width)`` go to ``base + row·stride + col − j0`` of the flat output of ``size``
+    elements; ``value(acc, acc_partner, row, col, stats, k)`` makes the value of range k from the
+    accumulators of column col and of col ^ ``half``."""
+
+    segments: tuple[tuple[int, int, int, int], ...]
+    half: int
+    size: int
+    value: Callable[..., PrimExpr]
+
+
+def _partner_block(jb, half: int):
+    """Fragment block (8 columns) holding column ``col ^ half`` for the columns of block ``jb``
+    (``half`` a multiple of 8; 0: the block itself)."""
+    if half == 0:
+        return jb
+    hb = half // 8
+    return jb + hb - 2 * hb * ((jb // hb) % 2)
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -260,7 +282,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                 row_stats: RowStats | None = None, rows: PrimExpr | None = None,
                 row_partials_in: int | None = None,
                 row_partials_out: int | None = None,
-                partials_centered: bool = False) -> tirx.PrimFunc:
+                partials_centered: bool = False, tail: KernelTail | None = None) -> tirx.PrimFunc:
     """The kernel as a TIRx PrimFunc over ``params`` (the fused function's signature, kept so the
     kernel replaces it in place); A, B, C are the parameters at the given positions.
 
@@ -281,6 +303,10 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     of squares of the values this kernel stores in row r of column tile t (the module doc's
     *producer statistics*); plain 16-bit outputs with the quad store only. ``partials_centered``:
     a (2·⌈N / BN⌉, M) output of the tile rows' mean and M2 instead (LayerNorm).
+
+    ``tail`` (a :class:`KernelTail`): C is a flat output the quad store writes by column range
+    (``kernels/gemm/tail.py``), each value made from the thread's accumulators of its own column
+    and of column ``col ^ half`` (the same fragment: tiles of a multiple of 2·half columns).
     """
     p = problem
     # 0-d parameters (a scalar tensor in the epilogue) are read through one-element views that the
@@ -353,6 +379,8 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     release_count = cfg.release_count + (STATS_THREADS if by_warps else 0)
     eps = row_stats.eps if has_stats else 0.0
     is_pair = pair_value is not None
+    n_ranges = len(tail.segments) if tail is not None else 0
+    range_end = [j0 + w for j0, w, *_ in tail.segments] if tail is not None else []
     # quad_store: groups of 4 fragment column blocks (8 outputs each: plain j-groups of 8 GEMM
     # columns, pair blocks of 16) stored as 16-byte vectors; the blocks past the last full group
     # keep the narrow stores. Needs 16-bit outputs and rows of a 16-byte multiple.
@@ -362,13 +390,19 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     quads = blocks // 4 if quad else 0
     if pout is not None and (is_pair or quads * 4 != blocks):
         raise ValueError("row partial sums need a plain epilogue stored by whole quads")
+    if tail is not None and (is_pair or pout is not None or quads * 4 != blocks
+                             or cfg.bn % (2 * max(tail.half, 8)) or p.n % cfg.bn
+                             or any(j0 % cfg.bn for j0, *_ in tail.segments)
+                             or len(tail.segments) > 4):
+        raise ValueError("a gather tail needs a plain epilogue stored by whole quads, tiles of a "
+                         "multiple of 2 * half columns inside one column range, at most 4 ranges")
     # The plain quad store exchanges the fp32 accumulators and evaluates the epilogue where the
     # 8 outputs land (one row, 8 consecutive columns, inside the store's bounds test): the
     # epilogue's 16-bit operands read there, (M, N) residuals and (N,) biases, load as one 16-byte
     # vector each (`vec_ops`, found by a dry run of ``value``) instead of eight 2-byte loads.
     vec_ops = (_vector_operands(store_value, c_cols, has_stats)
                if quad and not is_pair and store_value is not None and cfg.vector_operands
-               else [])
+               and tail is None else [])
     vec_dtype = str(vec_ops[0].dtype) if vec_ops else in_dtype
     tma_load = T.ptx[_TMA_2D]
     tma_multicast = T.ptx[_TMA_2D + ".multicast::cluster"]
@@ -467,6 +501,7 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
     def kernel():
         T.func_attr({"tirx.noalias": True})
         C2 = T.decl_buffer((m_rows, c_cols), out_dtype, data=c_buf.data)
+        CT = T.decl_buffer((tail.size if tail is not None else 1,), out_dtype, data=c_buf.data)
         # host: tensor maps (dims innermost first, byte strides, box, element strides, interleave,
         # swizzle, L2 promotion 256 B, OOB fill zeros)
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -980,10 +1015,66 @@ def gemm_kernel(problem: GemmProblem, cfg: GemmConfig, params: Sequence[tirx.Buf
                                     finish_quad(row, col, h)
 
                     @T.inline
+                    def tail_quads(u_acc, row0, guarded, k):
+                        # as store_quads' plain path, but the values are made before the exchange
+                        # (from the own and the partner block's accumulators) and stored at
+                        # column range k's place of the flat output
+                        r = t % 4
+                        for g in T.unroll(quads):
+                            for h in T.unroll(2):
+                                row = row0 + h * 8
+                                for c in T.unroll(4):
+                                    for e in T.unroll(2):
+                                        qv[_qi(c, e)] = tail.value(
+                                            acc[_plus(u_acc, (g * 4 + c) * 4) + h * 2 + e],
+                                            acc[_plus(u_acc, _partner_block(g * 4 + c, tail.half)
+                                                      * 4) + h * 2 + e],
+                                            T.min(row, m_dev - 1) if guarded else row,
+                                            n0 + (g * 4 + c) * 8 + r * 2 + e,
+                                            row_stat_loads(rstat, h), k)
+                                quad_exchange(qv)
+                                at = (tail.segments[k][2] - tail.segments[k][0]
+                                      + row * tail.segments[k][3] + n0 + (g * 4 + r) * 8)
+                                if guarded:
+                                    if row < m_dev:
+                                        CT[T.Ramp(at, 1, 8)] = qv[T.Ramp(0, 1, 8)]
+                                else:
+                                    CT[T.Ramp(at, 1, 8)] = qv[T.Ramp(0, 1, 8)]
+
+                    @T.inline
+                    def tail_store(u_acc, row0, guarded):
+                        # the tile's column range (tiles never straddle one): up to 4, by n0
+                        if n_ranges == 1:
+                            tail_quads(u_acc, row0, guarded, 0)
+                        elif n_ranges == 2:
+                            if n0 < range_end[0]:
+                                tail_quads(u_acc, row0, guarded, 0)
+                            else:
+                                tail_quads(u_acc, row0, guarded, 1)
+                        elif n_ranges == 3:
+                            if n0 < range_end[0]:
+                                tail_quads(u_acc, row0, guarded, 0)
+                            elif n0 < range_end[1]:
+                                tail_quads(u_acc, row0, guarded, 1)
+                            else:
+                                tail_quads(u_acc, row0, guarded, 2)
+                        else:
+                            if n0 < range_end[0]:
+                                tail_quads(u_acc, row0, guarded, 0)
+                            elif n0 < range_end[1]:
+                                tail_quads(u_acc, row0, guarded, 1)
+                            elif n0 < range_end[2]:
+                                tail_quads(u_acc, row0, guarded, 2)
+                            else:
+                                tail_quads(u_acc, row0, guarded, 3)
+
+                    @T.inline
                     def store(u_acc, row0, guarded):
-                        if quads > 0:
+                        if tail is not None:
+                            tail_store(u_acc, row0, guarded)
+                        elif quads > 0:
                             store_quads(u_acc, row0, guarded)
-                        if quads * 4 < blocks:
+                        if tail is None and quads * 4 < blocks:
                             if is_pair and cfg.pair_shuffle:
                                 store_pair_shuffle(u_acc, row0, guarded)
                             else:
