@@ -26,6 +26,7 @@ from tvm import relax, tirx
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from ..attrs import GATHER_TAIL_ATTR
+from ..errors import TVM_ERRORS
 from ..kernels.gemm.epilogue import NotHandled, analyze, top_blocks
 from ..options import current_options
 from ..passes._util import rewrite_with_plans
@@ -63,7 +64,7 @@ def _block_count(func: tirx.PrimFunc) -> int:
 def _injective(func: tirx.PrimFunc) -> bool:
     try:
         _, blocks = top_blocks(func)
-    except Exception:  # noqa: BLE001 - TVM refuses a function that is not block-structured
+    except TVM_ERRORS:  # TVM refuses a function that is not block-structured
         return False
     return bool(blocks) and all(iv.iter_type == tirx.IterVar.DataPar
                                 for block, _ in blocks for iv in block.iter_vars)
