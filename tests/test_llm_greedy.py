@@ -78,12 +78,36 @@ def test_cuda_advance_loads_16_byte_vectors(vocab, vectors, tmp_path):
     assert "STL" not in text and "LDL" not in text
 
 
+def _cuda(func: tvm.tirx.PrimFunc) -> str:
+    with codegen_scope():
+        return cuda_source(tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                                       target=get_target("sm90").tvm_target()))
+
+
+def test_cuda_advance_reads_the_state_before_the_wait():
+    """Launched programmatically (``pdl``), thread 0 reads the position and offset before
+    ``griddepcontrol.wait`` and nothing is loaded after the argmax; without it there is no wait.
+    Both reduce over the warps by shuffles (5 rounds of value and index, twice), not a loop."""
+    with_pdl = _cuda(greedy_advance(2, 8192, HIST, "float16", cuda=True, pdl=True))
+    wait = with_pdl.index("griddepcontrol_wait();")
+    assert with_pdl.index("positions_ptr[") < wait and with_pdl.index("offsets_ptr[") < wait
+    after = with_pdl[wait:]
+    assert "= positions_ptr[" not in after and "= ((int64_t)offsets_ptr[" not in after
+    plain = _cuda(greedy_advance(2, 8192, HIST, "float16", cuda=True))
+    assert "griddepcontrol" not in plain
+    for src in (with_pdl, plain):
+        assert src.count("__shfl_xor_sync") == 20
+        assert "for (int w" not in src
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("vocab", [32000, 8192, 1001, 50257, 128256])
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_cuda_advance_on_the_gpu(vocab, dtype):
-    """H200: the CUDA kernel's tokens and state against numpy (first maximum), batch 4."""
+def test_cuda_advance_on_the_gpu(vocab, dtype, pdl):
+    """H200: the CUDA kernel's tokens and state against numpy (first maximum), batch 4 (``pdl``:
+    the state read before the wait; launched here without the attribute, the wait returns)."""
     arrays, want = _case(4, vocab, dtype, seed=vocab % 97)
-    got = _run(greedy_advance(4, vocab, HIST, dtype, cuda=True),
+    got = _run(greedy_advance(4, vocab, HIST, dtype, cuda=True, pdl=pdl),
                get_target("sm90").tvm_target(), tvm.cuda(), arrays)
     _check(got, arrays, want)

@@ -136,7 +136,7 @@ def _lower_rank(sym: relax.Function, entries: dict[str, int], max_batch: int, ma
     decode = combined["decode"]
     logits_dtype = dtype if dtype in ("float16", "bfloat16") else str(decode.ret_ty.dtype)
     for gv, func in advance_module(max_batch, int(decode.ret_ty.shape.values[1]), max_seq + 1,
-                                   logits_dtype, spec.is_cuda).functions.items():
+                                   logits_dtype, spec.is_cuda, pdl).functions.items():
         combined[gv] = func
     # weights external: the entry points fold the same weights (transposes, fused QKV), LiftWeights
     # makes equal constants one parameter, so the file holds each weight once for all of them

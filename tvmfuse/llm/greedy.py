@@ -13,8 +13,13 @@ A decode step is then ``decode`` + ``advance`` on the same device tensors every 
 copy per token, and the pair can be captured once as a CUDA graph and replayed
 (:mod:`tvmfuse.runtime.lm`). CUDA: one block of 1024 threads per sequence; each thread takes
 16-byte vectors of the logits, vector i at index (i·1024 + thread)·vec, loading 8 of them before
-comparing (first maximum within the thread); warp shuffles, then thread 0 over the 32 warps, keep
-(value, first index).
+comparing (first maximum within the thread); warp shuffles, then warp 0 shuffles over the 32 warps'
+results, keep (value, first index).
+
+With ``pdl`` (the kernel launches programmatically after the LM head, sm_90): thread 0 reads the
+sequence's position and offset before ``griddepcontrol.wait``. Only this kernel writes them, and
+the previous step's ``advance`` completed before any kernel of this step passed its wait; so the
+only loads left after the argmax are none, and the state stores follow it directly.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ _GROUP = 8  # rounds of vector loads in flight per thread before their compares
 _ALL = T.uint32(0xFFFFFFFF)
 
 
-def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool) -> tvm.tirx.PrimFunc:
-    """``(ids, positions, offsets, history, logits)``: the in-place step of the module doc."""
+def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool,
+                   pdl: bool = False) -> tvm.tirx.PrimFunc:
+    """``(ids, positions, offsets, history, logits)``: the in-place step of the module doc
+    (``pdl``: the state read before the programmatic-launch wait, CUDA only)."""
     Bm, V, H = batch, vocab, history
     # CUDA: 16-byte loads where V allows; a thread's elements, in index order, come in rounds of
     # _THREADS · vec, _GROUP rounds loaded before any compare (a scan that compared each load
@@ -43,11 +50,11 @@ def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool)
     groups = (rounds + group - 1) // group
 
     @T.macro
-    def finish(ids, positions, offsets, hist, b, tok):
-        hist[b, T.min(offsets[b] + 1, H - 1)] = T.Cast("int64", tok)
+    def finish(ids, positions, offsets, hist, b, tok, position, offset):
+        hist[b, T.min(offset + 1, H - 1)] = T.Cast("int64", tok)
         ids[b, 0] = T.Cast("int64", tok)
-        positions[b, 0] = positions[b, 0] + T.int64(1)
-        offsets[b] = offsets[b] + 1
+        positions[b, 0] = position + T.int64(1)
+        offsets[b] = offset + 1
 
     @T.macro
     def load(vals, logits, b, r, base):
@@ -56,6 +63,16 @@ def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool)
                 vals[T.ramp(r * vec, 1, vec)] = logits[b, T.ramp(base, 1, vec)]
             else:
                 vals[r] = logits[b, base]
+
+    @T.macro
+    def butterfly(best, arg, other, oarg):
+        # (value, first index) over the 32 lanes of a warp: the larger value, on ties the lower index
+        for k in T.unroll(5):
+            other[0] = T.tvm_warp_shuffle_xor(_ALL, best[0], 1 << k, 32, 32)
+            oarg[0] = T.tvm_warp_shuffle_xor(_ALL, arg[0], 1 << k, 32, 32)
+            if other[0] > best[0] or (other[0] == best[0] and oarg[0] < arg[0]):
+                best[0] = other[0]
+                arg[0] = oarg[0]
 
     if cuda:
 
@@ -73,6 +90,13 @@ def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool)
                 oarg = T.alloc_buffer((1,), "int32", scope="local")
                 sv = T.alloc_buffer((_THREADS // 32,), "float32", scope="shared")
                 si = T.alloc_buffer((_THREADS // 32,), "int32", scope="shared")
+                state = T.alloc_buffer((2,), "int64", scope="local")
+                if pdl:
+                    if tx == 0:  # written only by this kernel, whose last run is complete
+                        state[0] = positions[b, 0]
+                        state[1] = T.Cast("int64", offsets[b])
+                    T.ptx.griddepcontrol.wait()
+                    T.ptx.griddepcontrol.launch_dependents()
                 best[0] = T.float32(float("-inf"))
                 arg[0] = V
                 for g in T.serial(groups):
@@ -84,25 +108,21 @@ def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool)
                                 if T.Cast("float32", vals[r * vec + e]) > best[0] or arg[0] == V:
                                     best[0] = T.Cast("float32", vals[r * vec + e])
                                     arg[0] = ((g * group + r) * _THREADS + tx) * vec + e
-                # butterfly over the warp's lanes (value, first index), then thread 0 over the warps
-                for k in T.unroll(5):
-                    other[0] = T.tvm_warp_shuffle_xor(_ALL, best[0], 1 << k, 32, 32)
-                    oarg[0] = T.tvm_warp_shuffle_xor(_ALL, arg[0], 1 << k, 32, 32)
-                    if other[0] > best[0] or (other[0] == best[0] and oarg[0] < arg[0]):
-                        best[0] = other[0]
-                        arg[0] = oarg[0]
+                butterfly(best, arg, other, oarg)  # over the warp's lanes
                 if tx % 32 == 0:
                     sv[tx // 32] = best[0]
                     si[tx // 32] = arg[0]
                 T.tvm_storage_sync("shared")
-                if tx == 0:
-                    for w in T.serial(1, _THREADS // 32):
-                        other[0] = sv[w]
-                        oarg[0] = si[w]
-                        if other[0] > best[0] or (other[0] == best[0] and oarg[0] < arg[0]):
-                            best[0] = other[0]
-                            arg[0] = oarg[0]
-                    finish(ids, positions, offsets, hist, b, T.min(arg[0], V - 1))
+                if tx < 32:  # warp 0 over the warps' (value, first index)
+                    best[0] = sv[tx]
+                    arg[0] = si[tx]
+                    butterfly(best, arg, other, oarg)
+                    if tx == 0:
+                        if not pdl:
+                            state[0] = positions[b, 0]
+                            state[1] = T.Cast("int64", offsets[b])
+                        finish(ids, positions, offsets, hist, b, T.min(arg[0], V - 1), state[0],
+                               T.Cast("int32", state[1]))
 
         return _opaque(advance, cuda)
 
@@ -123,12 +143,13 @@ def greedy_advance(batch: int, vocab: int, history: int, dtype: str, cuda: bool)
                     if T.Cast("float32", logits[b, v]) > best[0]:
                         best[0] = T.Cast("float32", logits[b, v])
                         arg[0] = v
-                finish(ids, positions, offsets, hist, b, arg[0])
+                finish(ids, positions, offsets, hist, b, arg[0], positions[b, 0], offsets[b])
 
     return _opaque(advance, cuda)
 
 
-def advance_module(batch: int, vocab: int, history: int, dtype: str, cuda: bool) -> tvm.IRModule:
+def advance_module(batch: int, vocab: int, history: int, dtype: str, cuda: bool,
+                   pdl: bool = False) -> tvm.IRModule:
     """The Relax entry ``advance`` (module doc) with its kernel ``greedy_advance``."""
     bb = relax.BlockBuilder()
     types = [relax.TensorType([batch, 1], "int64"), relax.TensorType([batch, 1], "int64"),
@@ -136,7 +157,8 @@ def advance_module(batch: int, vocab: int, history: int, dtype: str, cuda: bool)
     logits = relax.Var("logits", relax.TensorType([batch, vocab], dtype))
     state = [relax.Var(n, t) for n, t in zip(("ids", "positions", "offsets", "history"), types)]
     with bb.function("advance", [logits, *state]):
-        kernel = bb.add_func(greedy_advance(batch, vocab, history, dtype, cuda), "greedy_advance")
+        kernel = bb.add_func(greedy_advance(batch, vocab, history, dtype, cuda, pdl),
+                             "greedy_advance")
         out = bb.emit(relax.op.call_tir_inplace(kernel, relax.Tuple([*state, logits]), [0, 1, 2, 3],
                                                 types))
         bb.emit_func_output(out)
