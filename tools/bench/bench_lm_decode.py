@@ -180,26 +180,51 @@ def fp32_verdict(model, seq: torch.Tensor, ctx: int, bad: list[dict[str, Any]]) 
     return out
 
 
-def kernel_us_per_step(lm, steps: int = 8) -> tuple[float, dict[str, float]]:
+def kernel_us_per_step(lm, steps: int = 8) -> tuple[float, dict[str, float], dict[str, Any]]:
     """Summed GPU kernel time of one decode step and its largest kernels (µs per step):
     torch.profiler over ``generate`` with ``steps + 1`` new tokens minus the same with 1
-    (prefill only), divided by ``steps``."""
+    (prefill only), divided by ``steps``; and the step's critical path (:func:`step_increments`)."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile
 
     ids = torch.randint(1, lm.metadata["vocab"], (lm.max_batch, lm.prefill_lengths[0]))
 
-    def kernel_us(new: int) -> Counter:
+    def kernel_us(new: int) -> tuple[Counter, list]:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             lm.generate(ids, max_new_tokens=new)
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)
         return Counter({e.key: e.device_time_total for e in prof.key_averages()
-                        if e.device_type.name == "CUDA"})
+                        if e.device_type.name == "CUDA"}), kernels
 
-    per = kernel_us(steps + 1)
-    per.subtract(kernel_us(1))
+    per, kernels = kernel_us(steps + 1)
+    per.subtract(kernel_us(1)[0])
     top = {k[:80]: round(v / steps, 2) for k, v in per.most_common(16) if v > 0}
-    return sum(per.values()) / steps, top
+    return sum(per.values()) / steps, top, step_increments(kernels, steps)
+
+
+def step_increments(kernels: list[tuple[float, float, str]], steps: int) -> dict[str, Any]:
+    """Where a decode step's wall time goes when kernels overlap (programmatic launch): over the
+    last ≤ ``steps`` whole steps (each ending with the greedy ``advance`` kernel), each kernel's
+    *increment* = its end − the previous kernel's end (µs; the first kernel's includes the gap
+    from the last step), averaged per position in the step. The increments sum to the step's
+    span; a kernel whose blocks waited early for their predecessor shows only what it added."""
+    ends = [i for i, (_, _, name) in enumerate(kernels) if "advance" in name][-steps - 1:]
+    if len(ends) < 2:
+        return {"error": f"{len(ends)} advance kernels: no whole step"}
+    rows: list[list[float]] = []
+    names: list[str] = []
+    for a, b in zip(ends[:-1], ends[1:]):
+        step = kernels[a:b + 1]
+        if names and len(step) - 1 != len(names):
+            return {"error": "steps launch different kernel counts"}
+        names = [name for _, _, name in step[1:]]
+        rows.append([step[i][1] - step[i - 1][1] for i in range(1, len(step))])
+    mean = [statistics.fmean(col) for col in zip(*rows)]
+    order = sorted(range(len(mean)), key=lambda i: -mean[i])
+    return {"span_us": round(sum(mean), 2), "kernels": len(mean),
+            "by_position": [[i, names[i][:60], round(mean[i], 2)] for i in order[:24]]}
 
 
 def prefill_kernels_us(lm, ids: torch.Tensor) -> tuple[float, dict[str, float]]:
@@ -357,8 +382,10 @@ def main() -> None:
         prompt_ids = long_ids if prefill_len != args.ctx else ids
         total, top = prefill_kernels_us(lm, prompt_ids)
         row["tvmfuse"]["prefill_kernel_us"], row["tvmfuse"]["prefill_top_kernels_us"] = total, top
-        total, top = kernel_us_per_step(lm)
+        total, top, path = kernel_us_per_step(lm)
         row["tvmfuse"]["kernel_us_per_step"], row["tvmfuse"]["top_kernels_us"] = total, top
+        row["tvmfuse"]["step_increments"] = path
+        print("step increments", path, flush=True)
     except Exception as err:  # noqa: BLE001 - the profile is extra information
         row["tvmfuse"]["kernel_us_per_step"] = f"profile failed: {err}"[:200]
 
