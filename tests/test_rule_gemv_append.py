@@ -22,10 +22,12 @@ from tvm.script import tirx as T
 
 from tests.cuda_tools import kernel_sass, needs_nvcc
 from tests.lm_reference import tiny_llama
+from tvmfuse.attrs import STEP_INPUTS_ATTR
 from tvmfuse.kernels.gemm.gemv import RowGather, _block_output, _early_value
 from tvmfuse.kernels.index_eval import value as _value
 from tvmfuse.options import current_options, use_options
 from tvmfuse.rules import gemv as gemv_rule
+from tvmfuse.rules import gemv_append
 from tvmfuse.rules.gemv_append import AppendSite, gather_for
 
 pytest.importorskip("transformers")
@@ -166,6 +168,36 @@ def test_a_data_dependent_read_is_refused():
     assert isinstance(why, str) and "depends on data" in why, why
 
 
+def test_step_inputs_are_the_named_parameters_no_call_writes():
+    """The append's loads may go before the wait only from what the step's builder names as its
+    inputs (positions, offsets, ...) and their reshapes: not a named parameter a call writes in
+    place (a cache), nor parameters it does not name (the decode attention's counters)."""
+    from tvm import relax
+
+    @T.prim_func
+    def bump(c: T.Buffer((4,), "float16")):
+        for i in range(4):
+            c[i] = c[i] + T.float16(1)
+
+    bb = relax.BlockBuilder()
+    pos = relax.Var("pos", relax.TensorType([1, 1], "int64"))
+    offsets = relax.Var("offsets", relax.TensorType([1], "int32"))
+    cache = relax.Var("cache", relax.TensorType([4], "float16"))
+    sync = relax.Var("sync", relax.TensorType([4], "int32"))
+    with bb.function("step", [pos, offsets, cache, sync]):
+        with bb.dataflow():
+            view = bb.emit(relax.op.reshape(pos, [1]))
+            bb.emit(relax.op.reshape(sync, [2, 2]))
+            gv = bb.add_func(bump, "bump")
+            out = bb.emit_output(relax.op.call_tir_inplace(gv, relax.Tuple([cache]), [0],
+                                                           relax.TensorType([4], "float16")))
+        bb.emit_func_output(relax.Tuple([view, out]))
+    step = bb.finalize()["step"]
+    assert gemv_append._step_inputs(step) == []  # no attribute: nothing is an input
+    named = step.with_attr(STEP_INPUTS_ATTR, ["pos", "offsets", "cache"])
+    assert [str(v.name) for v in gemv_append._step_inputs(named)] == ["pos", "offsets", str(view.name)]
+
+
 def test_a_dtype_mismatch_is_refused():
     why = gather_for(_append("rotate_half"), _SITE, M, N, 8, "float32")
     assert isinstance(why, str) and "float32" in why, why
@@ -260,6 +292,15 @@ def test_sm90_decode_step_loses_the_append_kernel(tmp_path, max_batch):
     start = re.search(rf"void __launch_bounds__\(\d+\) {next(iter(new))}\([^)]*\) {{", source)
     body = source[start.end():].split("\n}\n")[0]
     assert re.search(r"cache_0_ptr\[[^\]]*\] = ", body), body[-2000:]  # the GEMV writes the state
+    # the append's data loads (offsets, the RoPE tables at the position) read only the step's
+    # inputs and constants: launched programmatically (batch 1) they go before the wait
+    assert captured[0][-1].before_wait
+    wait = body.find("griddepcontrol_wait")
+    assert (wait >= 0) == (max_batch == 1)
+    if wait >= 0:
+        early = set(re.findall(r"(\w+_ptr)\[", body[:wait]))
+        assert {"offsets_ptr", "param_0_ptr", "param_1_ptr", "lv_ptr"} <= early, early
+        assert "cache_0_ptr" not in early and "x_ptr" not in early
     sass = next(iter(kernel_sass(lib.export(tmp_path / "lm.so")).values()))
     text = next(t for name, t in sass.items() if name.endswith("_gemv_append_kernel"))
     assert "STL" not in text and "STG" in text

@@ -39,3 +39,7 @@ PARTIALS_ATTR = "tvmfuse.row_partials"
 # on a GEMM PrimFunc merged with the injective kernel reading its output (passes/fold_gemm_tail.py):
 # the name of that kernel's fused function; kernels/gemm/tail.py reads its stores
 GATHER_TAIL_ATTR = "tvmfuse.gather_tail"
+# Relax function (compile_lm's entry points, DeriveKVCache): the names of its parameters that no
+# kernel of the call writes (ids, positions, offsets, starts): loads of them may go before a
+# programmatic-launch wait (rules/gemv_append.py)
+STEP_INPUTS_ATTR = "tvmfuse.step_inputs"

@@ -42,6 +42,7 @@ import math
 import tvm
 from tvm import relax
 
+from ..attrs import STEP_INPUTS_ATTR
 from ..errors import CompileError
 from ..options import current_options
 from ..passes.attention import attention_decisions
@@ -255,7 +256,8 @@ class DeriveKVCache:
                                    f"FuseAttention recognised: no KV cache to derive{_left(mod)}")
             sync = [rw.sync] if rw.sync is not None else []
             params = [*func.params, rw.offsets, rw.starts, *rw.caches, *sync]
-            new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs)
+            new = relax.Function(params, body, func.ret_ty, func.is_pure, func.attrs).with_attr(
+                STEP_INPUTS_ATTR, [str(p.name) for p in [*func.params, rw.offsets, rw.starts]])
             out = rw.builder_.finalize()
             out[out.get_global_var(gv.name_hint)] = new
         return out

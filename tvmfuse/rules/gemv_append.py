@@ -35,6 +35,7 @@ import tvm
 import tvm_ffi
 from tvm import relax, s_tir, tirx
 
+from ..attrs import STEP_INPUTS_ATTR
 from ..errors import TVM_ERRORS
 from ..kernels.gemm.gemv import RowGather
 from ..kernels.index_eval import Unknown as _Unknown
@@ -57,6 +58,9 @@ class AppendSite:
     call: relax.Call
     qkv: int
     state: int
+    # every other argument is a constant or an input of the step that no call in it writes (or
+    # a reshape of one): the append's data loads may go before the programmatic-launch wait
+    inputs_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,10 @@ def gather_for(afunc: tirx.PrimFunc, site: AppendSite, m: int, n: int, rows: int
         return "no decode append block over the GEMV's outputs"
     ivs, guard, store = found
     heads, d = extents[2:]
+    state = afunc.params[site.state]
+    before_wait = site.inputs_only and not any(
+        isinstance(e, Load) and e.source.same_as(state) for e in _loads_in(
+            [store.value, *store.indices, *([guard] if guard is not None else [])]))
     strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
     env = [(ivs[0].var, np.arange(m).reshape(m, 1, 1)), (ivs[1].var, np.int64(0)),
            (ivs[2].var, np.arange(heads).reshape(1, heads, 1)),
@@ -118,7 +126,7 @@ def gather_for(afunc: tirx.PrimFunc, site: AppendSite, m: int, n: int, rows: int
     for order in _orders(d):
         home = order.kernel_row(point) // rows
         if all(_closed(idx, mask, strides, m, n, home, order, rows) for idx, mask, _ in reads):
-            return _gather(order, ivs, guard, store, qkv, strides, n, d)
+            return _gather(order, ivs, guard, store, qkv, strides, n, d, before_wait)
     return (f"a point of the append reads GEMV outputs of another block ({rows} rows a block, "
             f"head_dim {d}, orders tried: {', '.join(o.name for o in _orders(d))})")
 
@@ -158,11 +166,26 @@ def _early_loads(e, qkv: tirx.Buffer, found: list, path=None) -> None:
         _early_loads(child, qkv, found, path)
 
 
+def _loads_in(exprs: list) -> list:
+    """Every load in ``exprs`` (nested ones included)."""
+    found: list = []
+
+    def visit(e) -> None:
+        if isinstance(e, Load):
+            found.append(e)
+        for child in _children(e):
+            visit(child)
+
+    for e in exprs:
+        visit(e)
+    return found
+
+
 def _gather(order: _Order, ivs: list, guard, store: tirx.BufferStore, qkv: tirx.Buffer,
-            strides: list, n: int, d: int) -> RowGather:
+            strides: list, n: int, d: int, before_wait: bool) -> RowGather:
     """The :class:`RowGather` of ``store`` under ``guard`` with the point (b, h, d) ↔ GEMV output
     (b, h·D + d); the early loads are the value's and the indices' (a load under a select only
-    where the select takes it)."""
+    where the select takes it); ``before_wait``: none reads memory the step writes."""
 
     def at(row, col):
         """(guard, value, indices, early loads) at the point of output (row, col)."""
@@ -216,7 +239,7 @@ def _gather(order: _Order, ivs: list, guard, store: tirx.BufferStore, qkv: tirx.
 
     probe = at(tirx.Var("m", "int32"), tirx.Var("n", "int32"))
     return RowGather(order.row_of, order.kernel_row, lambda row, col: at(row, col)[0],
-                     early_value, (len(probe[3]), len(probe[4])), make)
+                     early_value, (len(probe[3]), len(probe[4])), make, before_wait)
 
 
 def append_sites(mod: tvm.IRModule, func: relax.Function) -> dict:
@@ -227,6 +250,7 @@ def append_sites(mod: tvm.IRModule, func: relax.Function) -> dict:
             uses.setdefault(var, []).append(b.value)
     for var in relax.analysis.free_vars(func.body.body):
         uses.setdefault(var, []).append(None)
+    steady = _step_inputs(func)
     sites = {}
     for b in (b for block in func.body.blocks for b in block.bindings):
         call = b.value
@@ -241,8 +265,34 @@ def append_sites(mod: tvm.IRModule, func: relax.Function) -> dict:
         for i, arg in enumerate(args):
             if (i != inplace[0] and isinstance(arg, relax.Var) and len(uses.get(arg, [])) == 1
                     and sum(a.same_as(arg) for a in args) == 1):
-                sites[arg] = AppendSite(call, i, inplace[0])
+                others = [a for j, a in enumerate(args) if j not in (i, inplace[0])]
+                sites[arg] = AppendSite(call, i, inplace[0], all(
+                    isinstance(a, tvm.ir.expr.Constant) or any(a.same_as(v) for v in steady)
+                    for a in others))
     return sites
+
+
+def _step_inputs(func: relax.Function) -> list:
+    """The parameters of ``func`` its builder names as the call's inputs (``STEP_INPUTS_ATTR``:
+    compile_lm's ids, positions, offsets, starts; not the caches or the attention's counters) and
+    that no call in it writes in place, and the vars bound to a reshape of one (views): memory
+    whose contents the step's kernels do not change."""
+    names = [str(n) for n in (func.attrs or {}).get(STEP_INPUTS_ATTR, [])]
+    written = []
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    for b in bindings:
+        call = b.value
+        if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and \
+                call.op.name == "relax.call_tir_inplace" and isinstance(call.args[1], relax.Tuple):
+            written += [call.args[1].fields[int(i)] for i in call.attrs.inplace_indices]
+    steady = [p for p in func.params
+              if str(p.name) in names and not any(p.same_as(w) for w in written)]
+    for b in bindings:
+        call = b.value
+        if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and \
+                call.op.name == "relax.reshape" and any(call.args[0].same_as(v) for v in steady):
+            steady.append(b.var)
+    return steady
 
 
 def _has_append(func: tirx.PrimFunc) -> bool:

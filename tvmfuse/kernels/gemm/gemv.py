@@ -144,7 +144,9 @@ class RowGather:
     only where the guard holds. ``store(m, n, load, early)`` gives ``(buffer, indices, value)``
     of the store, reading the GEMM's output through ``load(m2, n2)`` (y[m2, n2] after the GEMM's
     own epilogue, in y's dtype, from shared memory) and the early values through ``early(k)``
-    (the float ones first)."""
+    (the float ones first). ``before_wait``: every early load reads memory no kernel of the
+    step writes (constants, inputs of the step), so with ``preload`` they are issued before
+    ``griddepcontrol.wait``, behind the predecessor kernel, instead of after x's loads."""
 
     row_of: Callable[[PrimExpr], PrimExpr]
     kernel_row: Callable[[PrimExpr], PrimExpr]
@@ -152,6 +154,7 @@ class RowGather:
     early: Callable[[PrimExpr, PrimExpr, str, PrimExpr], PrimExpr]
     counts: tuple[int, int]
     store: Callable
+    before_wait: bool = False
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -338,6 +341,8 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
     mma_ty = _MMA_TYPE[in_dtype]
     pf_bytes = l2_prefetch // 16 * 16  # cp.async.bulk sizes are multiples of 16 bytes
     preload = preload and not ring_on
+    # the gather's loads before the wait: only behind a predecessor (preload) and where safe
+    early_first = bool(gather_on and preload and gather.before_wait)
 
     def chunk_k(it, wid, u, lane_off):
         """First K index of this lane's vector in chunk ``u`` of iteration ``it``."""
@@ -480,10 +485,11 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                         bv[T.Ramp((u * rows + r) * VEC, 1, VEC)] = zeros()
 
         @T.inline
-        def gather_early(it):
+        def gather_early(it, first):
             # iteration 0, after its loads are issued: the stores' data loads (RoPE tables,
-            # positions, the guard's) go out while W streams, into ef / ei
-            if gather_on:
+            # positions, the guard's) go out while W streams, into ef / ei; with early_first,
+            # before the wait instead (``first``: that call)
+            if gather_on and first == early_first:
                 if it == 0:
                     for o in T.unroll(out_iters):
                         idx = T.meta_var(o * cfg.threads + tx)
@@ -521,6 +527,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 else:
                     if chunk_k(0, wid, u, lane * VEC) < p.k:
                         w_chunk(0, u)
+        gather_early(0, True)  # early_first: the stores' data loads, none written by the step
         if l2_prefetch > 0 or preload:
             # then wait for the predecessor kernel
             T.ptx.griddepcontrol.wait()
@@ -546,7 +553,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                 T.ptx["cp.async.wait_group"](stages - 1)
                 T.cuda.warp_sync()
                 base = T.meta_var((wid * stages + it % stages) * stage_elems)
-                gather_early(it)
+                gather_early(it, False)
                 for sl in T.unroll(slabs):  # x of every slab first: one L1/L2 round trip a step
                     kx = T.meta_var((it * warps + wid) * chunk + sl * MMA_CHUNK + (lane % 4) * VEC)
                     for j in T.unroll(xt):
@@ -583,7 +590,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                                     i * 16 + h * 8 + lane // 4, T.Ramp(kq, 1, VEC)]
                             else:
                                 av[T.Ramp(((u * mt + i) * 2 + h) * VEC, 1, VEC)] = zeros()
-                gather_early(it)
+                gather_early(it, False)
                 for u in T.unroll(unroll):
                     if has_stats:
                         # after every load of the iteration is issued: summed right after its own
@@ -603,7 +610,7 @@ def gemv_kernel(problem: GemvProblem, cfg: GemvConfig, params: Sequence[tirx.Buf
                         loop_w_chunk(it, u)
                         for m in T.unroll(p.m):
                             av[T.Ramp((u * p.m + m) * VEC, 1, VEC)] = x[m, T.Ramp(kv, 1, VEC)]
-                gather_early(it)
+                gather_early(it, False)
                 for u in T.unroll(unroll):
                     kv = T.meta_var(chunk_k(it, wid, u, lane * VEC))
                     if kv < p.k:
