@@ -26,6 +26,9 @@
 #             statistics, 16- and 32-warp blocks beside pick_config's choice            (~200 s)
 #   b8cluster the 7B shapes with 4 layers at batch 8 (no PDL): decode_cluster_combine "on" vs the
 #             default ("pdl": off there), interleaved                                   (~120 s)
+#   b8pdl     the 7B shapes with 4 layers at batch 8: PDL (and with it the GEMV weight preload)
+#             on vs the default (off above batch 1, session 16, before the preload existed), with
+#             and without the cluster combine that PDL brings along                      (~250 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
 
 for s in "$@"; do
@@ -68,8 +71,11 @@ for s in "$@"; do
                --out "$OUT/cl_lm4.json" ;;
     b8cluster) step b8cluster 200 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
                  --batch 8 --no-compile --ab decode_cluster_combine=on --out "$OUT/b8cluster.json" ;;
+    b8pdl) step b8pdl 260 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
+             --batch 8 --no-compile --ab programmatic_launch_max_batch=8 \
+             --ab programmatic_launch_max_batch=8,decode_cluster_combine=off --out "$OUT/b8pdl.json" ;;
     gappend) step t_gappend 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_llm_compile_lm.py \
-               -k "gemv_append or cluster_without_pdl"
+               tests/test_llm_greedy.py -k "gemv_append or cluster_without_pdl or advance"
              step ga_lm4 300 python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 \
                --no-compile --ab decode_gemv_append=True --out "$OUT/ga_lm4.json" ;;
     ga7b4) step ga7b4_b1 200 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
@@ -83,6 +89,6 @@ for s in "$@"; do
              --configs auto,mma:8:16:4,mma:8:32:2,mma:8:32:4,mma:16:16:4 --out "$OUT/gemv8.json" ;;
     gemv_lm4) step gemv_lm4 200 python3 tools/bench/bench_gemv.py --shapes lm4 --ms 1 \
                 --configs auto,simt:4:8:4,simt:8:4:4,simt:2:8:8,simt:8:8:8 --out "$OUT/gemv_lm4.json" ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster gappend ga7b4 gemv8)"; exit 2 ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster b8pdl gappend ga7b4 gemv8)"; exit 2 ;;
   esac
 done
