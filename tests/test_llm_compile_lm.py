@@ -171,9 +171,9 @@ _PDL_AT_2 = {"programmatic_launch_max_batch": 2}  # max_batch 2 would otherwise 
                                      {"gemv_preload_weights": True, **_PDL_AT_2},
                                      {"decode_cluster_combine": "on"},
                                      {"decode_gemv_append": True, **_PDL_AT_2},
-                                     {"decode_gemv_append": True}],
+                                     {"decode_gemv_append": False}],
                          ids=["default", "prefetch_after_attention", "fold_and_prefetch", "preload",
-                              "cluster_without_pdl", "gemv_append", "gemv_append_without_pdl"])
+                              "cluster_without_pdl", "gemv_append", "append_kernel"])
 def test_sm90_generate_on_the_gpu(tmp_path, options):
     """H200: the sm90 library's greedy tokens against torch's (fp16 model on the CPU), with the
     decode options that change kernels off their defaults too (those that act only on kernels
@@ -226,13 +226,15 @@ def test_sm90_decode_fuses_rope_into_the_cache_append():
     in-place append of the layer's state: per layer one kernel between the QKV projection and the
     attention, and no kernel only copies q, k or v or gathers cos / sin. (With
     ``Options.decode_fold_append`` (off by default) that kernel then moves into the attention:
-    tests/test_rule_fold_decode_append.py.)"""
+    tests/test_rule_fold_decode_append.py; with ``decode_gemv_append`` (on by default) into the
+    QKV GEMV: tests/test_rule_gemv_append.py.)"""
     import dataclasses
 
     from tvmfuse.build.inspect import cuda_source
     from tvmfuse.options import current_options, use_options
 
-    with use_options(dataclasses.replace(current_options(), decode_fold_append=False)):
+    with use_options(dataclasses.replace(current_options(), decode_fold_append=False,
+                                         decode_gemv_append=False)):
         lib = tvmfuse.compile_lm(_llama().half(), target="sm90", max_seq_len=MAX_SEQ, max_batch=2,
                                  prefill_lengths=[16])
     names = re.findall(r"__global__ void (?:__launch_bounds__\(\d+\) )?(\w+)\(", cuda_source(lib.executable))

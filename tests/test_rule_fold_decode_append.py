@@ -36,8 +36,9 @@ def _kernels(lib) -> list[str]:
 
 
 def _compile(fold: bool, cluster: str = "pdl"):
+    # the append kernel as it is without the QKV GEMV making its stores (rules/gemv_append.py)
     opts = dataclasses.replace(current_options(), decode_fold_append=fold,
-                               decode_cluster_combine=cluster)
+                               decode_cluster_combine=cluster, decode_gemv_append=False)
     with use_options(opts):
         return tvmfuse.compile_lm(tiny_llama().half(), target="sm90", max_seq_len=64, max_batch=2,
                                   prefill_lengths=[16])

@@ -116,10 +116,12 @@ class Options:
     decode_fold_append: bool = False
     # compile_lm decode (CUDA): the append (RoPE of q and k, the K/V row into the cache) made by
     # the QKV GEMV's epilogue (rules/gemv_append.py): one launch a layer fewer and no qkv round
-    # trip between kernels. Off: no win on both models (H100, session 30: the 4-layer LM's decode
-    # +0.6 %, the 7B shapes with 4 layers −0.25 % at batch 1 and −0.3 % at batch 8); GPU
-    # generate tests pass
-    decode_gemv_append: bool = False
+    # trip between kernels. On since session 34, where its data loads (positions, offsets, the
+    # RoPE tables) moved before the programmatic-launch wait: H100, 7 interleaved rounds, every
+    # round faster: the 4-layer LM's decode 0.1816 → 0.1811 ms/token (−0.3 %), the 7B shapes with
+    # 4 layers at batch 1 0.6757 → 0.6720 (−0.6 %); at batch 8 (no PDL) −0.3 % (session 30).
+    # Session 30's version (loads after the wait) was +0.6 % at the 4-layer LM
+    decode_gemv_append: bool = True
     # compile_lm decode attention with programmatic launch (sm_90+): a layer's cache of at most
     # this many bytes is prefetched into L2 by the attention kernel before it waits for the append
     # kernel (the old rows load while the append runs); 0: never. Larger caches (the 7B at batch 8:

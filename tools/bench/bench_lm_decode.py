@@ -210,20 +210,21 @@ def step_increments(kernels: list[tuple[float, float, str]], steps: int) -> dict
     *increment* = its end − the previous kernel's end (µs; the first kernel's includes the gap
     from the last step), averaged per position in the step. The increments sum to the step's
     span; a kernel whose blocks waited early for their predecessor shows only what it added."""
+    from collections import Counter
+
     ends = [i for i, (_, _, name) in enumerate(kernels) if "advance" in name][-steps - 1:]
     if len(ends) < 2:
         return {"error": f"{len(ends)} advance kernels: no whole step"}
-    rows: list[list[float]] = []
-    names: list[str] = []
-    for a, b in zip(ends[:-1], ends[1:]):
-        step = kernels[a:b + 1]
-        if names and len(step) - 1 != len(names):
-            return {"error": "steps launch different kernel counts"}
-        names = [name for _, _, name in step[1:]]
-        rows.append([step[i][1] - step[i - 1][1] for i in range(1, len(step))])
+    windows = [kernels[a:b + 1] for a, b in zip(ends[:-1], ends[1:])]
+    counts = Counter(len(w) for w in windows)
+    common = counts.most_common(1)[0][0]  # steps with other counts (a stray event) are left out
+    kept = [w for w in windows if len(w) == common]
+    names = [name for _, _, name in kept[0][1:]]
+    rows = [[w[i][1] - w[i - 1][1] for i in range(1, len(w))] for w in kept]
     mean = [statistics.fmean(col) for col in zip(*rows)]
     order = sorted(range(len(mean)), key=lambda i: -mean[i])
-    return {"span_us": round(sum(mean), 2), "kernels": len(mean),
+    return {"span_us": round(sum(mean), 2), "kernels": len(mean), "steps": len(kept),
+            "events_per_step": dict(counts),
             "by_position": [[i, names[i][:60], round(mean[i], 2)] for i in order[:24]]}
 
 

@@ -21,8 +21,12 @@ copied). Which order holds is checked on every point with the reads' indices eva
 where neither does, or a read's index depends on data, the two kernels stay.
 
 Bytes moved are the same; what goes is a launch and the qkv round trip between two kernels on
-the decode step's critical path. ``Options.decode_gemv_append`` switches it (off: not measured on
-a GPU yet). The built kernel is :func:`.gemv.build_kernel`'s with ``append``.
+the decode step's critical path. Where the append's data loads (positions, offsets, the RoPE tables)
+read only constants and the step's inputs (the parameters compile_lm names in ``STEP_INPUTS_ATTR``,
+which no kernel of the step writes), a kernel launched programmatically issues them before its
+``griddepcontrol.wait``, behind the previous kernel (``RowGather.before_wait``).
+``Options.decode_gemv_append`` switches it (on). The built kernel is :func:`.gemv.build_kernel`'s
+with ``append``.
 """
 
 from __future__ import annotations
