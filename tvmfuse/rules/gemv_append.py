@@ -47,7 +47,8 @@ from ..kernels.index_eval import children as _children
 from ..kernels.index_eval import is_select as _is_select
 from ..kernels.index_eval import reads as _reads
 from ..kernels.index_eval import select_parts as _select_parts
-from ..kernels.tir_util import Load, dtype_of, rebuild
+from ..kernels.tir_util import Load, UnknownExpr, dtype_of, rebuild
+from ..passes._util import is_op
 from .fold_decode_append import append_store
 
 NAME = "gemv_append"
@@ -113,9 +114,8 @@ def gather_for(afunc: tirx.PrimFunc, site: AppendSite, m: int, n: int, rows: int
     ivs, guard, store = found
     heads, d = extents[2:]
     state = afunc.params[site.state]
-    before_wait = site.inputs_only and not any(
-        isinstance(e, Load) and e.source.same_as(state) for e in _loads_in(
-            [store.value, *store.indices, *([guard] if guard is not None else [])]))
+    before_wait = site.inputs_only and not _reads_buffer(
+        [store.value, *store.indices, *([guard] if guard is not None else [])], state)
     strides = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
     env = [(ivs[0].var, np.arange(m).reshape(m, 1, 1)), (ivs[1].var, np.int64(0)),
            (ivs[2].var, np.arange(heads).reshape(1, heads, 1)),
@@ -170,19 +170,22 @@ def _early_loads(e, qkv: tirx.Buffer, found: list, path=None) -> None:
         _early_loads(child, qkv, found, path)
 
 
-def _loads_in(exprs: list) -> list:
-    """Every load in ``exprs`` (nested ones included)."""
-    found: list = []
+def _reads_buffer(exprs: list, buf: tirx.Buffer) -> bool:
+    """Whether any of ``exprs`` loads from ``buf`` (at any depth; True where an expression holds a
+    node :func:`rebuild` does not know)."""
+    hits: list = []
 
-    def visit(e) -> None:
-        if isinstance(e, Load):
-            found.append(e)
-        for child in _children(e):
-            visit(child)
+    def post(node):
+        if isinstance(node, Load) and node.source.same_as(buf):
+            hits.append(node)
+        return node
 
-    for e in exprs:
-        visit(e)
-    return found
+    try:
+        for e in exprs:
+            rebuild(e, post)
+    except UnknownExpr:
+        return True
+    return bool(hits)
 
 
 def _gather(order: _Order, ivs: list, guard, store: tirx.BufferStore, qkv: tirx.Buffer,
@@ -258,8 +261,7 @@ def append_sites(mod: tvm.IRModule, func: relax.Function) -> dict:
     sites = {}
     for b in (b for block in func.body.blocks for b in block.bindings):
         call = b.value
-        if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op)
-                and call.op.name == "relax.call_tir_inplace" and isinstance(call.args[1], relax.Tuple)):
+        if not (is_op(call, "relax.call_tir_inplace") and isinstance(call.args[1], relax.Tuple)):
             continue
         afunc = mod[call.args[0]]
         inplace = [int(i) for i in call.attrs.inplace_indices]
@@ -282,19 +284,14 @@ def _step_inputs(func: relax.Function) -> list:
     that no call in it writes in place, and the vars bound to a reshape of one (views): memory
     whose contents the step's kernels do not change."""
     names = [str(n) for n in (func.attrs or {}).get(STEP_INPUTS_ATTR, [])]
-    written = []
     bindings = [b for block in func.body.blocks for b in block.bindings]
-    for b in bindings:
-        call = b.value
-        if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and \
-                call.op.name == "relax.call_tir_inplace" and isinstance(call.args[1], relax.Tuple):
-            written += [call.args[1].fields[int(i)] for i in call.attrs.inplace_indices]
+    written = [b.value.args[1].fields[int(i)] for b in bindings
+               if is_op(b.value, "relax.call_tir_inplace") and isinstance(b.value.args[1], relax.Tuple)
+               for i in b.value.attrs.inplace_indices]
     steady = [p for p in func.params
               if str(p.name) in names and not any(p.same_as(w) for w in written)]
     for b in bindings:
-        call = b.value
-        if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and \
-                call.op.name == "relax.reshape" and any(call.args[0].same_as(v) for v in steady):
+        if is_op(b.value, "relax.reshape") and any(b.value.args[0].same_as(v) for v in steady):
             steady.append(b.var)
     return steady
 
