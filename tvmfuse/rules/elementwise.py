@@ -39,8 +39,6 @@ from tvm import DataType, s_tir, tirx
 from tvm.ir import Range
 from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import try_inline
-from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
-from tvm.target import Target
 
 from ..attrs import RULE_ATTR
 from ..kernels.gemm.opmath import fast_math16
@@ -48,6 +46,7 @@ from ..kernels.tir_util import BINARY_OPS, Call, Load, UnknownExpr, dtype_of, re
 from ..kernels.tir_util import const_int as _int
 from ..kernels.tir_util import dtype_bytes as _bytes
 from ..options import current_options
+from ._rule import PrimFuncRule
 
 NAME = "elementwise"
 VECTOR_BYTES = 16
@@ -170,7 +169,7 @@ def _reduces(block) -> bool:
         iv.iter_type == tirx.IterVar.CommReduce for iv in block.iter_vars)
 
 
-class Elementwise(GPUScheduleRule):
+class Elementwise(PrimFuncRule):
     """Purely spatial functions: fused loops, 256 threads, 16-byte vector loads and stores."""
 
     def __init__(self, threads: int | None = None, config: ElementwiseConfig | None = None) -> None:
@@ -183,15 +182,6 @@ class Elementwise(GPUScheduleRule):
         if not current_options().elementwise_vector_gathers:
             self.config = replace(self.config, vector_gathers=False)
         self.threads = self.config.threads
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        try:
-            return self._schedule(func)
-        except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
-            # exception is a bug and goes to the fallback point (schedules/fallback.py)
-            return None
 
     def _schedule(self, func: tirx.PrimFunc) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(func)

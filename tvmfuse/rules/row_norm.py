@@ -47,12 +47,11 @@ import math
 import tvm
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight.analysis import normalize_prim_func
-from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
-from tvm.target import Target
 
 from ..attrs import RULE_ATTR
 from ..kernels.tir_util import UnknownExpr, const_int, dtype_bytes, dtype_of, substitute
 from ..passes._util import is_copy
+from ._rule import PrimFuncRule
 from .elementwise import VECTOR_BYTES, vector_copy
 
 NAME = "row_norm"
@@ -427,23 +426,17 @@ def _thread_loops(sch: s_tir.Schedule, loops: list) -> tuple:
     return t, v
 
 
-class RowNorm(GPUScheduleRule):
+class RowNorm(PrimFuncRule):
     """LayerNorm / RMSNorm / softmax-like rows: one read of x into registers, 16-byte vectors."""
 
-    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        try:
-            sch = s_tir.Schedule(func)
-            if inline_copies(sch):
-                func = sch.mod["main"]
-            shape = _analyse(sch)
-            return None if shape is None else self._schedule(func, shape)
-        except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
-            # exception is a bug and goes to the fallback point (schedules/fallback.py)
-            return None
+    def _schedule(self, func: tirx.PrimFunc) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(func)
+        if inline_copies(sch):
+            func = sch.mod["main"]
+        shape = _analyse(sch)
+        return None if shape is None else self._schedule_rows(func, shape)
 
-    def _schedule(self, func: tirx.PrimFunc, shape: _Shape) -> s_tir.Schedule | None:
+    def _schedule_rows(self, func: tirx.PrimFunc, shape: _Shape) -> s_tir.Schedule | None:
         params = set(func.params)
         sch = s_tir.Schedule(func)
         copies = _reindex_tiles(sch, shape, params)

@@ -36,11 +36,10 @@ from __future__ import annotations
 import math
 
 from tvm import s_tir, tirx
-from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
-from tvm.target import Target
 
 from ..attrs import RULE_ATTR
 from ..kernels.tir_util import dtype_bytes
+from ._rule import PrimFuncRule
 from .elementwise import VECTOR_BYTES, vector_copy
 from .row_norm import (
     MAX_TILE_BYTES,
@@ -68,17 +67,8 @@ def _first_thread_only(sch: s_tir.Schedule, block, t_row: int) -> None:
     sch.bind(t, "threadIdx.x")
 
 
-class RowStats(GPUScheduleRule):
+class RowStats(PrimFuncRule):
     """Per-row statistics (mean, rstd): one read of x into registers, reductions from registers."""
-
-    def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        try:
-            return self._schedule(func)
-        except s_tir.ScheduleError:  # a primitive refusing: not this rule's shape; any other
-            # exception is a bug and goes to the fallback point (schedules/fallback.py)
-            return None
 
     def _schedule(self, func: tirx.PrimFunc) -> s_tir.Schedule | None:
         params = set(func.params)
