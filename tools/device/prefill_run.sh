@@ -28,6 +28,9 @@
 #           GPU tests, then the LM prefill with it on and off, 7 interleaved rounds        (~250 s)
 #   sdpa    bench_attention_forms --no-compile, 7 interleaved rounds: hand-written causal and
 #           SDPA from (B, H, S, D) against eager SDPA                                   (~150 s)
+#   onnx    bench_onnx_decoder: the 7B-sized decoder layer from its ONNX export vs from torch, one
+#           process (the patterns issue's "within 10 %" line)                           (~200 s)
+#   atests  ptests' attention group alone: the GPU numerics of the attention forms      (~130 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
 
 for s in "$@"; do
@@ -67,7 +70,10 @@ for s in "$@"; do
     tail) step t_tail 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_rule_fold_gemm_tail.py
           step lm_tail 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm_tail.json" --rounds 7 \
             --variant tail=sm90_gemm_tail:true ;;
+    onnx) step onnx 300 python3 tools/bench/bench_onnx_decoder.py --no-compile --out "$OUT/onnx.json" ;;
+    atests) step t_attention 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pass_attention_forms.py \
+              -k "not sliding_window" ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
-    *) echo "unknown step $s (tests ptests lm graph split warps pstats hf bias tail sdpa)"; exit 2 ;;
+    *) echo "unknown step $s (tests ptests lm graph split warps pstats hf bias tail sdpa onnx atests)"; exit 2 ;;
   esac
 done
