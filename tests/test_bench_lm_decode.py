@@ -58,3 +58,13 @@ def test_a_step_with_a_stray_event_is_left_out():
 def test_no_whole_step():
     out = bench_lm_decode.step_increments([(0.0, 1.0, "greedy_advance_kernel")], steps=4)
     assert "error" in out
+
+
+def test_kernel_time_of_whole_steps():
+    # busy time: durations of the step's kernels, overlapped or not (the leading advance is the
+    # previous step's)
+    events = [(0.0, 1.0, "greedy_advance_kernel"), (1.0, 6.0, "gemv_qkv"),
+              (2.0, 7.0, "attention"), (7.0, 8.0, "greedy_advance_kernel")]
+    out = bench_lm_decode.step_increments(events, steps=1)
+    assert out["kernel_us"] == pytest.approx(11.0)
+    assert bench_lm_decode.step_increments(_timeline([STEP] * 3), steps=3)["kernel_us"] == 12.0
