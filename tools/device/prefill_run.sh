@@ -32,6 +32,7 @@
 #           process (the patterns issue's "within 10 %" line)                           (~200 s)
 #   atests  ptests' attention group alone: the GPU numerics of the attention forms      (~130 s)
 . "$(dirname "$0")/steps.sh"  # $OUT and step()
+attention_tests=(tests/test_pass_attention_forms.py -k "not sliding_window")  # ptests' group, atests
 
 for s in "$@"; do
   case $s in
@@ -43,7 +44,7 @@ for s in "$@"; do
             gpu_test t_stats_warps tests/test_schedule_gemm_sm90_stats.py -k stats_warps
             gpu_test t_stats tests/test_schedule_gemm_sm90_stats.py -k "not stats_warps"
             gpu_test t_gemm tests/test_schedule_gemm_sm90.py tests/test_schedule_gemm_sm90_buckets.py
-            gpu_test t_attention tests/test_pass_attention_forms.py -k "not sliding_window"
+            gpu_test t_attention "${attention_tests[@]}"
             gpu_test t_memory tests/test_gpu_memory_bound.py -k "rope_pack or matches_torch"
             gpu_test t_llm tests/test_llm_compile_lm.py tests/test_llm_greedy.py
             gpu_test t_models tests/test_vit_onnx.py tests/test_hf_families.py tests/test_pass_permute_rows.py
@@ -71,8 +72,7 @@ for s in "$@"; do
           step lm_tail 300 python3 tools/bench/bench_llama_lm.py --out "$OUT/lm_tail.json" --rounds 7 \
             --variant tail=sm90_gemm_tail:true ;;
     onnx) step onnx 300 python3 tools/bench/bench_onnx_decoder.py --no-compile --out "$OUT/onnx.json" ;;
-    atests) step t_attention 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pass_attention_forms.py \
-              -k "not sliding_window" ;;
+    atests) step t_attention 330 python3 -m pytest -q -m gpu -p no:cacheprovider "${attention_tests[@]}" ;;
     sdpa) step sdpa 300 python3 tools/bench/bench_attention_forms.py --no-compile --rounds 7 --out "$OUT/sdpa.json" ;;
     *) echo "unknown step $s (tests ptests lm graph split warps pstats hf bias tail sdpa onnx atests)"; exit 2 ;;
   esac
