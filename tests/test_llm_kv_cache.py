@@ -24,11 +24,14 @@ from tests.cuda_tools import kernel_bodies, needs_nvcc
 from tests.relax_util import apply_pass, run_llvm
 from tvmfuse.build.inspect import cuda_source, fatbin_sass
 from tvmfuse.build.nvcc import compile_fatbin
+from tvmfuse.device_props import device_properties
 from tvmfuse.errors import CompileError
 from tvmfuse.kernels.attention.flash_decode import (
+    TRACE_SLOTS,
     DecodeConfig,
     flash_decode_cache_primfunc,
     pick_config,
+    trace_shape,
 )
 from tvmfuse.kernels.attention.spec import AttentionSpec
 from tvmfuse.llm.kernels import CacheSpec, cache_attention, decode_append, kv_append
@@ -421,6 +424,30 @@ def test_decode_preload_stays_out_of_the_folded_kernel():
 
     assert src(DecodeConfig(l2_prefetch=True, preload=True)) != src(DecodeConfig(l2_prefetch=True))
     assert src(DecodeConfig(preload=True)).count("griddepcontrol_wait();") == 1
+
+
+def test_decode_trace_records_each_stage_in_its_own_buffer():
+    """``DecodeConfig.trace`` adds a sixth parameter that thread 0 of each block writes: one
+    stamp a slot of ``TRACE_SLOTS`` (the cluster config has every stage), a row per block; without
+    it the kernel keeps its five parameters and no stamp."""
+    spec = DECODE.attention_spec()
+    cfg = DecodeConfig(cluster=True, threads=256, trace=True)
+    traced = flash_decode_cache_primfunc(spec, config=cfg)
+    assert [p.name for p in traced.params][-1] == "trace"
+    assert len(traced.params) == 6
+    trace = traced.params[-1]
+    sms = device_properties(None).sms
+    assert (trace.dtype, tuple(trace.shape)) == ("uint64", trace_shape(spec, cfg, sms))
+    with codegen_scope():
+        src = cuda_source(tvm.compile(tvm.IRModule({"main": traced.with_attr("global_symbol", "main")}),
+                                      target=get_target("sm90").tvm_target()))
+    stores = re.findall(r"trace_ptr\[[^\]]*\] = (\w+)\(\);", src)
+    assert stores == ["tvmfuse_globaltimer", "tvmfuse_smid"] + ["tvm_builtin_clock64"] * 8 + [
+        "tvmfuse_globaltimer"]
+    assert len(stores) == len(TRACE_SLOTS)
+    plain = flash_decode_cache_primfunc(spec, config=dataclasses.replace(cfg, trace=False))
+    assert len(plain.params) == 5
+    assert "trace" not in plain.script()
 
 
 MHA_DECODE = dataclasses.replace(DECODE, q_heads=8, kv_heads=8)  # one query head a block (GC = 1)

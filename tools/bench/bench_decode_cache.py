@@ -22,6 +22,13 @@ with 2064 visible slots, as its decode steps after a 2048-token prompt see 2049 
     python3 tools/bench/bench_decode_cache.py --case 7b --case 7b_b8 --pipeline off,on
     python3 tools/bench/bench_decode_cache.py --case lm4 --combine kernel,cluster --threads 128,256
     python3 tools/bench/bench_decode_cache.py --build-only      # nvcc builds only (any machine)
+    python3 tools/bench/bench_decode_cache.py --case lm4_step --combine cluster --threads 256 \
+        --unroll 9 --trace
+
+``--trace`` builds each config with ``DecodeConfig.trace`` and, instead of timing, launches it
+alone ``--iters`` times (the K/V in L2 from the launch before, or ``cold``: a 256 MB write evicts
+them first) and reports, over blocks and launches, the median and max cycles each stage took
+(``TRACE_SLOTS``), the spread of the blocks' start times and the kernel's span in ns.
 """
 
 from __future__ import annotations
@@ -100,6 +107,57 @@ def row(name: str, case: tuple[int, ...], cfg: Any, path: Path,
             "floor_us": round(kv_bytes / common.H200_HBM_BYTES_PER_S * 1e6, 2)}
 
 
+def trace_row(name: str, case: tuple[int, ...], cfg: Any, path: Path,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """Per-stage cycles of the traced kernel (module doc), K/V warm in L2 and cold."""
+    import numpy as np
+    import tvm
+
+    from tvmfuse.device_props import device_properties
+    from tvmfuse.kernels.attention.flash_decode import TRACE_SLOTS, state_rows, sync_shape, trace_shape
+    from tvmfuse.kernels.attention.spec import AttentionSpec
+
+    b, hq, hkv, d, ctx, m = case
+    spec = AttentionSpec(b, 1, m, hq, hkv, d, "float16", d ** -0.5)
+    torch.manual_seed(0)
+    state = torch.randn(b, state_rows(hkv, m, hq)[3], d, device="cuda", dtype=torch.float16)
+    offsets = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
+    starts = torch.zeros(b, device="cuda", dtype=torch.int32)
+    sync = torch.zeros(sync_shape(spec), device="cuda", dtype=torch.int32)
+    out = torch.empty(b, 1, hq, d, device="cuda", dtype=torch.float16)
+    trace = torch.zeros(trace_shape(spec, cfg, device_properties(None).sms), device="cuda",
+                        dtype=torch.uint64)
+    lib = tvm.runtime.load_module(str(path))
+    targs = [tvm.runtime.from_dlpack(x) for x in (state, offsets, starts, sync, out, trace)]
+    evict = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
+    result: dict[str, Any] = {"workload": f"decode_cache_trace_{name}", "config": dataclasses.asdict(cfg),
+                              "shape": f"B={b} Hq={hq} Hkv={hkv} D={d} ctx={ctx} M={m}"}
+    for mode in ("warm", "cold"):
+        runs = []
+        for i in range(args.warmup + args.iters):
+            if mode == "cold":
+                evict.fill_(i & 0xFF)
+            trace.zero_()
+            lib["main"](*targs)
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                runs.append(trace.view(torch.int64).cpu().numpy().copy())
+        t = np.stack(runs)  # (launches, blocks, slots)
+        cyc = t[..., 2:-1].astype(np.float64)
+        present = [j for j in range(cyc.shape[-1]) if (cyc[..., j] != 0).all()]
+        stages = {}
+        for prev, cur in zip(present, present[1:], strict=False):
+            delta = cyc[..., cur] - cyc[..., prev]
+            stages[TRACE_SLOTS[cur + 2]] = {"median": float(np.median(delta)), "max": float(delta.max())}
+        start, end = t[..., 0].astype(np.float64), t[..., -1].astype(np.float64)
+        result[mode] = {"stage_cycles": stages,
+                        "start_spread_ns": float(np.median(start.max(1) - start.min(1))),
+                        "span_ns": float(np.median(end.max(1) - start.min(1))),
+                        "block_ns": float(np.median(end - start)),
+                        "sms": int(len(np.unique(t[-1, :, 1])))}
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=list(CASES), action="append")
@@ -109,6 +167,7 @@ def main() -> None:
     p.add_argument("--pipeline", default="off", help="comma-separated: off, on")
     p.add_argument("--threads", default="128", help="comma-separated DecodeConfig.threads values")
     p.add_argument("--build-only", action="store_true", help="nvcc builds only (no GPU needed)")
+    p.add_argument("--trace", action="store_true", help="per-stage cycles instead of timings (doc)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--out")
@@ -123,13 +182,14 @@ def main() -> None:
                 args.combine.split(","), args.pipeline.split(","),
                 [int(t) for t in args.threads.split(",")]):
             cfg = DecodeConfig(unroll=unroll, splits=splits, fused_combine=combine == "fused",
-                               pipeline=pipe == "on", cluster=combine == "cluster", threads=threads)
+                               pipeline=pipe == "on", cluster=combine == "cluster", threads=threads,
+                               trace=args.trace)
             tag = f"{name}_{unroll}_{splits}_{combine}_{pipe}_{threads}"
             path = build(CASES[name], cfg, work / f"{tag}.so")
             if args.build_only:
                 print(f"built {tag}: {path}", flush=True)
                 continue
-            rows.append(row(name, CASES[name], cfg, path, args))
+            rows.append((trace_row if args.trace else row)(name, CASES[name], cfg, path, args))
             print(rows[-1], flush=True)
     if args.out and rows:
         common.write_results(args.out, rows, common.command_line(), append=True)

@@ -80,6 +80,18 @@ _VEC = 8  # elements per 16-byte load
 _MAX_GC = 8  # query heads per block (registers: 2·GC·8 floats of q and acc per thread)
 _MAX_SPLITS = 128  # the combine unrolls its loops over the chunks
 _MAX_CLUSTER = 16  # CTAs of a cluster on sm_90 (above 8 the runtime allows the non-portable size)
+# DecodeConfig.trace: what thread 0 of a block records, in order (globaltimer ns, SM id, clock64
+# cycles at the end of each stage; a stage the config does not have stays as it was)
+TRACE_SLOTS = ("start_ns", "smid", "start", "wait", "loop", "merge_sync", "merged", "cluster_sync",
+               "cluster_out", "exit_barrier", "end_ns")
+_GLOBALTIMER = """
+__forceinline__ __device__ unsigned long long tvmfuse_globaltimer() {
+  unsigned long long t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t;
+}"""
+_SMID = """
+__forceinline__ __device__ unsigned long long tvmfuse_smid() {
+  unsigned int s; asm volatile("mov.u32 %0, %%smid;" : "=r"(s)); return s;
+}"""
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,10 @@ class DecodeConfig:
     ``cluster`` (over a cache, sm_90, not with ``fused_combine``): the chunks of one block row are
     one thread-block cluster (≤ 16 chunks) and combine through distributed shared memory, one
     launch, no partials in global memory (module doc); ``threads`` per block (a multiple of the
-    lanes one key row takes; more threads: more keys per iteration, fewer chunks for the cluster).
+    lanes one key row takes; more threads: more keys per iteration, fewer chunks for the cluster);
+    ``trace`` (over a cache, CUDA; a diagnostic for ``bench_decode_cache.py --trace``): the kernel
+    takes a sixth buffer ``trace`` (:func:`trace_shape`, uint64) where thread 0 of each block
+    records when it ran each stage (:data:`TRACE_SLOTS`).
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -110,6 +125,7 @@ class DecodeConfig:
     preload: bool = False
     cluster: bool = False
     threads: int = _THREADS
+    trace: bool = False
 
 
 @dataclass(frozen=True)
@@ -280,6 +296,12 @@ def sync_shape(spec: AttentionSpec) -> tuple[int]:
     return (spec.batch * spec.kv_heads * _head_chunks(spec)[1],)
 
 
+def trace_shape(spec: AttentionSpec, config: DecodeConfig, sms: int) -> tuple[int, int]:
+    """``DecodeConfig.trace``'s buffer: one row of :data:`TRACE_SLOTS` per block, block
+    ``(b·Hkv·HC + y)·n_split + chunk``."""
+    return (sync_shape(spec)[0] * _chunks(spec, config, sms)[0], len(TRACE_SLOTS))
+
+
 def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: DecodeConfig | None,
               cache: bool, new_token: NewToken | None = None) -> tvm.tirx.PrimFunc:
     reason = check(spec)
@@ -302,6 +324,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     folded = new_token is not None
     preload = cache and cfg.preload and not folded  # iteration 0 in registers before the wait
     self_wait = prefetch or (cache and cfg.preload)  # the kernel places griddepcontrol.wait
+    traced = cache and cfg.trace
     new = new_token.value if folded else None
     row_bytes = D * tvm.DataType(dt).bits // 8
     k0, v0, q0, rows = state_rows(Hkv, Skv, Hq)
@@ -467,7 +490,20 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
             store(out, c, b, h0 + hh, idx % D)
 
     @T.macro
-    def body(q, k, v, bias, out, offsets, starts, sync):
+    def stamp(trace, blk, slot, tx):
+        """Thread 0 records ``TRACE_SLOTS[slot]`` of block ``blk`` (``DecodeConfig.trace``)."""
+        if traced and tx == 0:
+            if TRACE_SLOTS[slot].endswith("_ns"):
+                trace[blk, slot] = T.cuda.func_call("tvmfuse_globaltimer", source_code=_GLOBALTIMER,
+                                                    return_type="uint64")
+            elif TRACE_SLOTS[slot] == "smid":
+                trace[blk, slot] = T.cuda.func_call("tvmfuse_smid", source_code=_SMID,
+                                                    return_type="uint64")
+            else:
+                trace[blk, slot] = T.cuda.clock64()
+
+    @T.macro
+    def body(q, k, v, bias, out, offsets, starts, sync, trace):
         if not cluster:
             part_o = T.alloc_buffer((B * Hq * n_split * D,), "float32", scope="global")
             part_ml = T.alloc_buffer((B * Hq * n_split * 2,), "float32", scope="global")
@@ -494,6 +530,10 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 cl = T.alloc_buffer((GC * D + GC * 2,), "float32", scope="shared")
             if folded:
                 sm_q = T.alloc_buffer((GC * D,), "float32", scope="shared")
+            blk: T.let[T.int32] = (b * (Hkv * HC) + yb) * n_split + sp
+            stamp(trace, blk, 0, tx)
+            stamp(trace, blk, 1, tx)
+            stamp(trace, blk, 2, tx)
             kvh: T.let[T.int32] = yb // HC
             h0: T.let[T.int32] = kvh * G + (yb % HC) * GC
             grp: T.let[T.int32] = tx // LPR
@@ -524,6 +564,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 T.ptx.griddepcontrol.launch_dependents()
                 if preload:  # the newest slot, written by the append, loaded again
                     reload_newest(k, v, kr, vr, b, kvh, kb, ke, j0, grp, d0)
+            stamp(trace, blk, 3, tx)
             if folded:  # the decode append inside (module doc)
                 # keys of the first iteration in flight during the RoPE work, except in the block
                 # whose chunk holds the newest slot p: it writes that slot first
@@ -574,6 +615,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 for it in T.serial(Lc // per_iter):
                     load_keys(k, v, kr, vr, it, b, kvh, kb, ke, j0, grp, d0)
                     attend(kr, vr, it, s, qr, m, lsum, st, acc, bias, b, h0, ke, j0, Lc, grp)
+            stamp(trace, blk, 4, tx)
             # merge the NG lane groups of this block
             for hh in T.unroll(GC):
                 for e in T.unroll(vec):
@@ -582,6 +624,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     sm_ml[(grp * GC + hh) * 2] = m[hh]
                     sm_ml[(grp * GC + hh) * 2 + 1] = lsum[hh]
             T.tvm_storage_sync("shared")
+            stamp(trace, blk, 5, tx)
             for it2 in T.serial((GC * D + NT - 1) // NT):
                 idx: T.let[T.int32] = it2 * NT + tx
                 if idx < GC * D:
@@ -608,6 +651,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                         if dd == 0:
                             part_ml[pbase * 2] = st[0]
                             part_ml[pbase * 2 + 1] = acc[1]
+            stamp(trace, blk, 6, tx)
             if cluster:  # every chunk's partial is in its block's shared memory: merge (module doc)
                 cc2 = T.alloc_buffer((4,), "float32", scope="local")
                 mc2 = T.alloc_buffer((n_split,), "float32", scope="local")
@@ -618,13 +662,16 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     T.ptx.mapa.shared__cluster.u32(pb[p2], T.cuda.cvta_generic_to_shared(
                         T.address_of(cl[0])), T.uint32(p2))
                 T.cuda.cluster_sync()  # release/acquire: the peers' shared writes are visible
+                stamp(trace, blk, 7, tx)
                 for it5 in T.serial((CE + NT - 1) // NT):
                     if it5 * NT + tx < CE:
                         cluster_output(pb, cc2, mc2, lc2, oc2, out, b, h0, sp * CE + it5 * NT + tx)
+                stamp(trace, blk, 8, tx)
                 # no block leaves while a peer still reads its shared memory (execution only: this
                 # block's reads have returned, its output is its own)
                 T.ptx.barrier.cluster.arrive.relaxed.aligned()
                 T.ptx.barrier.cluster.wait.aligned()
+                stamp(trace, blk, 9, tx)
             if fused_combine:  # the block that counts last combines its GC heads (module doc)
                 last_in = T.alloc_buffer((1,), "int32", scope="shared")
                 arrived = T.alloc_buffer((1,), "int32", scope="local")  # (no shared load in an if)
@@ -655,6 +702,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                             tail_output(part_o, sm_o, out, cc, b, h0, it3 * NT + tx)
                     if tx == 0:
                         sync[b * (Hkv * HC) + yb] = 0
+            stamp(trace, blk, len(TRACE_SLOTS) - 1, tx)
         if not fused_combine and not cluster:
             with T.launch_thread("blockIdx.x", B * Hq) as bh:
                 t2 = T.launch_thread("threadIdx.x", D)
@@ -662,7 +710,18 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 mc = T.alloc_buffer((n_split,), "float32", scope="local")
                 combine(part_o, part_ml, out, c, mc, bh, t2)
 
-    if cache:
+    if cache and traced:
+
+        @T.prim_func(check_well_formed=False)
+        def flash_decode(state: T.Buffer((B, rows, D), dt), offsets: T.Buffer((B,), "int32"),
+                         starts: T.Buffer((B,), "int32"), sync: T.Buffer(sync_shape(spec), "int32"),
+                         out: T.Buffer(out_shape, odt),
+                         trace: T.Buffer(trace_shape(spec, cfg, device_properties(target).sms),
+                                         "uint64")):
+            T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
+            body(state, state, state, state, out, offsets, starts, sync, trace)
+
+    elif cache:
 
         # with new_token the buffers its expression reads are free until the caller binds them
         # (checked below otherwise)
@@ -671,10 +730,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                          starts: T.Buffer((B,), "int32"), sync: T.Buffer(sync_shape(spec), "int32"),
                          out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(state, state, state, state, out, offsets, starts, sync)
-
-        if not folded:
-            tvm.tirx.analysis.verify_well_formed(flash_decode)
+            body(state, state, state, state, out, offsets, starts, sync, state)
 
     elif has_bias:
 
@@ -683,7 +739,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                          v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
                          out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, bias, out, q, q, q)
+            body(q, k, v, bias, out, q, q, q, q)
 
     else:
 
@@ -691,6 +747,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         def flash_decode(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
                          v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
-            body(q, k, v, q, out, q, q, q)
+            body(q, k, v, q, out, q, q, q, q)
 
+    if cache and not folded:
+        tvm.tirx.analysis.verify_well_formed(flash_decode)
     return flash_decode
