@@ -450,6 +450,21 @@ def test_decode_trace_records_each_stage_in_its_own_buffer():
     assert "trace" not in plain.script()
 
 
+def _thread_extent(prim: tvm.tirx.PrimFunc, tag: str) -> int:
+    return int(re.search(rf'launch_thread\("{re.escape(tag)}", (\d+)\)', prim.script()).group(1))
+
+
+@pytest.mark.parametrize("heads, rows", [(0, 2), (4, 2), (3, 4), (2, 4), (1, 8)])
+def test_decode_heads_split_a_kv_head_over_more_blocks(heads, rows):
+    """``DecodeConfig.heads``: a block takes the largest divisor of G (4 here) up to ``heads``
+    query heads, so a KV head's chunks run in G / that block rows (blockIdx.y = Hkv · HC); the
+    fused combine's counters are allocated for the most rows any config has (B · Hq)."""
+    spec = DECODE.attention_spec()
+    prim = flash_decode_cache_primfunc(spec, config=DecodeConfig(heads=heads, fused_combine=True))
+    assert _thread_extent(prim, "blockIdx.y") == rows
+    assert [int(d) for d in prim.params[3].shape] == [DECODE.batch * DECODE.q_heads]
+
+
 MHA_DECODE = dataclasses.replace(DECODE, q_heads=8, kv_heads=8)  # one query head a block (GC = 1)
 
 
@@ -712,6 +727,18 @@ def test_cuda_decode_preload_numerics_on_the_gpu(l2, piped):
     plainly: its wait returns at once, so this checks the indexing of the preload and reload (the
     ordering against the append is the sm90 ``generate`` test's, under PDL)."""
     _check_on_gpu(_preloaded(DECODE, l2, piped), DECODE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["kernel", "fused", "cluster"])
+@pytest.mark.parametrize("heads", [1, 2])
+def test_cuda_decode_head_split_numerics_on_the_gpu(combine, heads):
+    """Fewer query heads a block (``DecodeConfig.heads``) against float64 numpy with each
+    combine (offsets 0, 700, 999, past the end), launched plainly."""
+    config = DecodeConfig(heads=heads, fused_combine=combine == "fused",
+                          cluster=combine == "cluster", threads=256 if combine == "cluster" else 128)
+    prim = flash_decode_cache_primfunc(DECODE.attention_spec(), config=config)
+    _check_on_gpu(prim.with_attr("global_symbol", "main"), DECODE, seeds=(8,))
 
 
 @pytest.mark.gpu

@@ -147,6 +147,10 @@ class Options:
     # row at head_dim 128: 128 threads take 8 rows at a time, 256 take 16); 0: 256 with the
     # cluster combine where a block merges ≤ 4 query heads, else 128 (flash_decode.pick_config)
     decode_attention_threads: int = 0
+    # compile_lm decode attention (CUDA): query heads of one KV head a block of the split-KV
+    # kernel takes; 0: all of them (at most 8). Fewer spread a layer over more SMs (the 4-layer
+    # LM: 60 blocks on 132 SMs at 4, 120 at 2); each K/V row is then read by more blocks from L2
+    decode_attention_heads: int = 0
     # CUDA targets: TVM's RewriteCUDAGraph captures the kernels between static allocations into a
     # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel).
     # Off: no faster on the H200 (session 19, same process each): the 4-layer LM's prefill 1.660

@@ -244,7 +244,7 @@ def _row_macro(spec: CacheSpec, scope: str):
 
 def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = False,
                     l2_prefetch: bool = False, preload: bool = False, cluster: bool = False,
-                    threads: int = 0) -> tvm.tirx.PrimFunc:
+                    threads: int = 0, heads: int = 0) -> tvm.tirx.PrimFunc:
     """``(state, offsets, starts, out)``: decode attention (S = 1) over the cache, this step's
     query from the state (module doc). CUDA takes ``sync`` (``spec.sync_shape`` int32, zero
     before the first call, left zero) before ``out``: the split-KV flash-decoding kernel reading
@@ -255,14 +255,14 @@ def cache_attention(spec: CacheSpec, cuda: bool = False, fused_combine: bool = F
     first keys and values load into registers before that wait (``DecodeConfig.preload``);
     ``cluster`` (sm_90): the chunks of a head row combine inside a thread-block cluster, one
     launch (``DecodeConfig.cluster``); ``threads`` per block of the split-KV kernel (0: its
-    ``pick_config`` rule)."""
+    ``pick_config`` rule); ``heads``: query heads a block takes (``DecodeConfig.heads``)."""
     Bm, Hq = spec.batch, spec.q_heads
     if spec.seq != 1:
         raise ValueError(f"cache_attention: one query per sequence (decode), not S = {spec.seq}")
     if cuda and decode_check(spec.attention_spec()) is None:
         attn = spec.attention_spec()
         config = pick_decode_config(attn, device_properties().sms, fused_combine, l2_prefetch,
-                                    preload, cluster and not fused_combine, threads)
+                                    preload, cluster and not fused_combine, threads, heads)
         # the spec and config, for the pass that rebuilds it with the append inside
         meta = json.dumps({"spec": dataclasses.asdict(attn), "config": dataclasses.asdict(config)})
         return _opaque(flash_decode_cache_primfunc(attn, config=config), cuda).with_attr(

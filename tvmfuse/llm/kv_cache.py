@@ -123,7 +123,8 @@ class _Rewrite(relax.PyExprMutator):
                 try:
                     attention = cache_attention(spec, self.cuda, opts.decode_fused_combine,
                                                 prefetch, preload, cluster,
-                                                opts.decode_attention_threads)
+                                                opts.decode_attention_threads,
+                                                opts.decode_attention_heads)
                 except ValueError as err:  # a thread count the kernel cannot take
                     raise CompileError(f"compile_lm: decode attention {name!r} ({spec.q_heads} q / "
                                        f"{spec.kv_heads} KV heads, head_dim {spec.head_dim}) with "

@@ -109,6 +109,8 @@ class DecodeConfig:
     one thread-block cluster (≤ 16 chunks) and combine through distributed shared memory, one
     launch, no partials in global memory (module doc); ``threads`` per block (a multiple of the
     lanes one key row takes; more threads: more keys per iteration, fewer chunks for the cluster);
+    ``heads``: query heads of one KV head a block takes (0: all of them, at most 8; fewer: the
+    same chunks over G/heads times the blocks, each K/V row read by that many blocks from L2);
     ``trace`` (over a cache, CUDA; a diagnostic for ``bench_decode_cache.py --trace``): the kernel
     takes a sixth buffer ``trace`` (:func:`trace_shape`, uint64) where thread 0 of each block
     records when it ran each stage (:data:`TRACE_SLOTS`).
@@ -125,6 +127,7 @@ class DecodeConfig:
     preload: bool = False
     cluster: bool = False
     threads: int = _THREADS
+    heads: int = 0
     trace: bool = False
 
 
@@ -176,7 +179,7 @@ def _chunks(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> tuple[int, int,
     takes, ``per_iter`` = 8 lane groups × ``unroll`` at 16 lanes a row)."""
     per_iter = _lane_groups(spec, cfg.threads) * cfg.unroll
     _, kv_eff = _visible(spec)
-    n_split = _split_count(spec, cfg, spec.batch * spec.kv_heads * _head_chunks(spec)[1], kv_eff,
+    n_split = _split_count(spec, cfg, spec.batch * spec.kv_heads * _head_chunks(spec, cfg)[1], kv_eff,
                            per_iter, sms)
     L = (kv_eff + n_split - 1) // n_split
     L = (L + per_iter - 1) // per_iter * per_iter
@@ -196,7 +199,7 @@ _CLUSTER_MAX_SERIAL = 1.25
 
 def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
                 l2_prefetch: bool = False, preload: bool = False, cluster: bool = False,
-                threads: int = 0) -> DecodeConfig:
+                threads: int = 0, heads: int = 0) -> DecodeConfig:
     """Unroll 8, or unroll 4 with the pipeline where each block loops ≥ 8 iterations (few
     splits: many sequences × KV heads fill the SMs). H200, ``bench_decode_cache.py`` (session 16,
     kernel alone): the 7B cache at batch 8, ctx 1024 (16 iterations a block at unroll 4)
@@ -212,11 +215,11 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     two-kernel config spreads over up to 128); else the two-kernel config is returned. H100
     (session 28, kernel alone, 256 threads, 2064 of 2081 slots visible as in the 4-layer LM's
     decode): unroll 9 (one iteration) 6.00 µs vs unroll 8 (two) 7.18."""
-    GC = _head_chunks(spec)[0]
+    GC = _head_chunks(spec, DecodeConfig(heads=heads))[0]
     explicit = threads
     threads = threads or (256 if cluster and GC <= 4 else _THREADS)
     flags = {"fused_combine": fused_combine, "l2_prefetch": l2_prefetch,
-             "preload": preload, "cluster": cluster, "threads": threads}
+             "preload": preload, "cluster": cluster, "threads": threads, "heads": heads}
     base = DecodeConfig(**flags)
     if cluster:  # one iteration a block where ≤ _MAX_UNROLL rows a lane group cover every slot
         rows = _MAX_CLUSTER * _lane_groups(spec, threads)
@@ -227,7 +230,8 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     _, L, per_iter = _chunks(spec, piped, sms)
     picked = piped if L // per_iter >= _PIPELINE_MIN_ITERS else base
     if cluster:  # ≤ 16 chunks must not lengthen each lane group's serial work much (doc)
-        plain = pick_config(spec, sms, fused_combine, l2_prefetch, preload, threads=explicit)
+        plain = pick_config(spec, sms, fused_combine, l2_prefetch, preload, threads=explicit,
+                            heads=heads)
         if _serial_rows(spec, picked, sms) > _CLUSTER_MAX_SERIAL * _serial_rows(spec, plain, sms):
             return plain
     return picked
@@ -284,22 +288,26 @@ def flash_decode_cache_primfunc(spec: AttentionSpec, target: tvm.target.Target |
     return _primfunc(spec, target, config, cache=True, new_token=new_token)
 
 
-def _head_chunks(spec: AttentionSpec) -> tuple[int, int]:
-    """(GC, HC): GC query heads of one KV head per block, HC blocks per KV head."""
+def _head_chunks(spec: AttentionSpec, cfg: DecodeConfig | None = None) -> tuple[int, int]:
+    """(GC, HC): GC query heads of one KV head per block (the largest divisor of G up to
+    ``cfg.heads`` or 8), HC blocks per KV head."""
     G = spec.group
-    GC = max(d for d in range(1, min(G, _MAX_GC) + 1) if G % d == 0)
+    cap = min(G, _MAX_GC, cfg.heads if cfg is not None and cfg.heads > 0 else _MAX_GC)
+    GC = max(d for d in range(1, cap + 1) if G % d == 0)
     return GC, G // GC
 
 
 def sync_shape(spec: AttentionSpec) -> tuple[int]:
-    """The fused combine's counters: one per (sequence, block row) = B · Hkv · HC."""
-    return (spec.batch * spec.kv_heads * _head_chunks(spec)[1],)
+    """The fused combine's counters: one per (sequence, block row) = B · Hkv · HC, allocated for
+    the most block rows any config has (HC = G: B · Hq)."""
+    return (spec.batch * spec.q_heads,)
 
 
 def trace_shape(spec: AttentionSpec, config: DecodeConfig, sms: int) -> tuple[int, int]:
     """``DecodeConfig.trace``'s buffer: one row of :data:`TRACE_SLOTS` per block, block
     ``(b·Hkv·HC + y)·n_split + chunk``."""
-    return (sync_shape(spec)[0] * _chunks(spec, config, sms)[0], len(TRACE_SLOTS))
+    blocks = spec.batch * spec.kv_heads * _head_chunks(spec, config)[1]
+    return (blocks * _chunks(spec, config, sms)[0], len(TRACE_SLOTS))
 
 
 def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: DecodeConfig | None,
@@ -311,7 +319,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     cfg = config or DecodeConfig()
     B, Skv, Hq, Hkv, D = spec.batch, spec.kv_len, spec.q_heads, spec.kv_heads, spec.head_dim
     G = spec.group
-    GC, HC = _head_chunks(spec)
+    GC, HC = _head_chunks(spec, cfg)
     dt, odt = spec.dtype, spec.result_dtype
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
     q_shape, kv_shape, out_shape = spec.q_shape, at(QKV_L, B, Skv, Hkv, D), spec.out_shape
