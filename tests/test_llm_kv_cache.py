@@ -730,13 +730,15 @@ def test_cuda_decode_preload_numerics_on_the_gpu(l2, piped):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("combine", ["kernel", "fused", "cluster"])
+@pytest.mark.parametrize("combine, threads", [("kernel", 128), ("fused", 128), ("cluster", 256),
+                                             ("cluster", 512)])
 @pytest.mark.parametrize("heads", [1, 2])
-def test_cuda_decode_head_split_numerics_on_the_gpu(combine, heads):
+def test_cuda_decode_head_split_numerics_on_the_gpu(combine, threads, heads):
     """Fewer query heads a block (``DecodeConfig.heads``) against float64 numpy with each
-    combine (offsets 0, 700, 999, past the end), launched plainly."""
+    combine (offsets 0, 700, 999, past the end), launched plainly; 512 threads (32 lane groups,
+    whose shared merge buffer fits only at ≤ 2 heads a block) with the cluster."""
     config = DecodeConfig(heads=heads, fused_combine=combine == "fused",
-                          cluster=combine == "cluster", threads=256 if combine == "cluster" else 128)
+                          cluster=combine == "cluster", threads=threads)
     prim = flash_decode_cache_primfunc(DECODE.attention_spec(), config=config)
     _check_on_gpu(prim.with_attr("global_symbol", "main"), DECODE, seeds=(8,))
 

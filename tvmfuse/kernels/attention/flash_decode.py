@@ -224,7 +224,9 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     if cluster:  # one iteration a block where ≤ _MAX_UNROLL rows a lane group cover every slot
         rows = _MAX_CLUSTER * _lane_groups(spec, threads)
         unroll = -(-_visible(spec)[1] // rows)
-        if base.unroll < unroll <= _MAX_UNROLL and unroll * GC <= _MAX_SCORES:
+        # above 256 threads a smaller unroll too (512 at lm4: 5 rows instead of 8, half unused)
+        grow = base.unroll < unroll or threads > 256
+        if grow and unroll <= _MAX_UNROLL and unroll * GC <= _MAX_SCORES:
             base = DecodeConfig(unroll=unroll, **flags)
     piped = DecodeConfig(unroll=4, pipeline=True, **flags)
     _, L, per_iter = _chunks(spec, piped, sms)
