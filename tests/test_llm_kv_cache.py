@@ -539,22 +539,23 @@ def test_decode_cluster_keeps_its_chunks_within_one_cluster():
 
 
 @pytest.mark.parametrize("batch, slots, q_heads, kv_heads, cluster, want", [
-    (1, 2081, 16, 4, True, (True, 256, 9)),  # lm4: 16 chunks x 16 rows x 9 cover 2081 slots at once
-    (1, 2081, 16, 4, False, (False, 128, 8)),
-    (4, 1000, 16, 2, True, (True, 128, 8)),  # GC = 8: 256 threads would need 64 KiB to merge
-    # GC = 8 at 2081 slots: 16 chunks of 128 threads serialise 24 rows a lane group against 8
-    (1, 2081, 32, 4, True, (False, 128, 8)),
-    (1, 4096, 8, 1, True, (False, 128, 8)),  # one KV head: 64 chunks without the cluster
+    (1, 2081, 16, 4, True, (True, 256, 9, 2)),  # lm4: 16 chunks x 16 rows x 9 cover 2081 slots
+    (1, 2081, 16, 4, False, (False, 128, 8, 0)),
+    # G = 8 spread to 4 heads a block (4 heads: 32 KiB of merge buffer at 256 threads)
+    (4, 1000, 16, 2, True, (True, 256, 8, 4)),
+    (1, 2081, 32, 4, True, (True, 256, 9, 4)),
+    (1, 4096, 8, 1, True, (False, 128, 8, 0)),  # one KV head: 64 chunks without the cluster
 ])
 def test_decode_config_threads_and_unroll_follow_the_cluster(batch, slots, q_heads, kv_heads,
                                                              cluster, want):
     """``pick_config`` with ``threads`` 0: 256 threads with the cluster where a block merges ≤ 4
     query heads, else 128; with the cluster the unroll rises to one iteration a block where that
-    is ≤ 10 rows a lane group and ≤ 40 scores a lane; and the cluster is dropped where its ≤ 16
-    chunks would give each lane group more than 1.25× the rows of the two-kernel config."""
+    is ≤ 10 rows a lane group and ≤ 40 scores a lane; the cluster is dropped where its ≤ 16
+    chunks would give each lane group more than 1.25× the rows of the two-kernel config; and with
+    the cluster a block's query heads halve while twice the blocks still fit on the 132 SMs."""
     spec = AttentionSpec(batch, 1, slots, q_heads, kv_heads, 128, "float16", 128 ** -0.5)
     cfg = pick_config(spec, 132, l2_prefetch=True, cluster=cluster)
-    assert (cfg.cluster, cfg.threads, cfg.unroll, cfg.pipeline) == (*want, False)
+    assert (cfg.cluster, cfg.threads, cfg.unroll, cfg.heads, cfg.pipeline) == (*want, False)
     assert pick_config(spec, 132, cluster=cluster, threads=64).threads == 64  # an explicit count
 
 
@@ -653,11 +654,13 @@ def test_decode_preload_follows_the_option_under_programmatic_launch(pdl, option
                          ids=["not_whole_warps", "shared_memory"])
 def test_decode_attention_threads_it_cannot_take_name_the_option(threads, cluster):
     """A thread count the split-KV kernel cannot take (not whole warps; a merge buffer past 48 KiB
-    of shared memory) stops compile_lm's cache derivation with a CompileError that names the
-    decode attention, its heads and ``Options.decode_attention_threads``."""
+    of shared memory: 512 threads with all 4 query heads of a KV head a block) stops compile_lm's
+    cache derivation with a CompileError that names the decode attention, its heads and
+    ``Options.decode_attention_threads``."""
     with pytest.raises(CompileError, match=r"decode attention 'main_cache_attention0' \(8 q / 2 KV "
                        r"heads, head_dim 128\) with Options.decode_attention_threads=" + str(threads)):
-        _decode_config(True, True, decode_attention_threads=threads, decode_cluster_combine=cluster)
+        _decode_config(True, True, decode_attention_threads=threads, decode_cluster_combine=cluster,
+                       decode_attention_heads=4)
 
 
 @pytest.mark.parametrize("mode, pdl, clusters, want, threads", [

@@ -148,8 +148,10 @@ class Options:
     # cluster combine where a block merges ≤ 4 query heads, else 128 (flash_decode.pick_config)
     decode_attention_threads: int = 0
     # compile_lm decode attention (CUDA): query heads of one KV head a block of the split-KV
-    # kernel takes; 0: all of them (at most 8). Fewer spread a layer over more SMs (the 4-layer
-    # LM: 60 blocks on 132 SMs at 4, 120 at 2); each K/V row is then read by more blocks from L2
+    # kernel takes. 0: with the cluster combine, all of them (at most 8) halved while twice the
+    # blocks still fit on the SMs (flash_decode._spread_heads: the 4-layer LM 2 of 4, 120 blocks
+    # instead of 60; H100, session 36, 7 interleaved rounds in two calls: −1.2 % decode time);
+    # without it all of them. Each K/V row is read by G / heads blocks (from L2)
     decode_attention_heads: int = 0
     # CUDA targets: TVM's RewriteCUDAGraph captures the kernels between static allocations into a
     # CUDA graph on the first call and replays it (host launch cost once per call, not per kernel).

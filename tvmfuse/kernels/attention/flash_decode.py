@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import tvm
 from tvm.script import tirx as T
@@ -214,7 +215,12 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     without (few KV heads at long contexts, e.g. one KV head: 16 chunks would serialise what the
     two-kernel config spreads over up to 128); else the two-kernel config is returned. H100
     (session 28, kernel alone, 256 threads, 2064 of 2081 slots visible as in the 4-layer LM's
-    decode): unroll 9 (one iteration) 6.00 µs vs unroll 8 (two) 7.18."""
+    decode): unroll 9 (one iteration) 6.00 µs vs unroll 8 (two) 7.18.
+
+    ``heads`` 0 with ``cluster``: half the query heads a block while twice the blocks still fit
+    on the SMs (:func:`_spread_heads`; lm4: 2 of 4, 120 blocks instead of 60)."""
+    if cluster and not heads:
+        heads = _spread_heads(spec, sms, fused_combine, l2_prefetch, preload, True, threads)
     GC = _head_chunks(spec, DecodeConfig(heads=heads))[0]
     explicit = threads
     threads = threads or (256 if cluster and GC <= 4 else _THREADS)
@@ -224,9 +230,7 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     if cluster:  # one iteration a block where ≤ _MAX_UNROLL rows a lane group cover every slot
         rows = _MAX_CLUSTER * _lane_groups(spec, threads)
         unroll = -(-_visible(spec)[1] // rows)
-        # above 256 threads a smaller unroll too (512 at lm4: 5 rows instead of 8, half unused)
-        grow = base.unroll < unroll or threads > 256
-        if grow and unroll <= _MAX_UNROLL and unroll * GC <= _MAX_SCORES:
+        if base.unroll < unroll <= _MAX_UNROLL and unroll * GC <= _MAX_SCORES:
             base = DecodeConfig(unroll=unroll, **flags)
     piped = DecodeConfig(unroll=4, pipeline=True, **flags)
     _, L, per_iter = _chunks(spec, piped, sms)
@@ -237,6 +241,25 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
         if _serial_rows(spec, picked, sms) > _CLUSTER_MAX_SERIAL * _serial_rows(spec, plain, sms):
             return plain
     return picked
+
+
+def _spread_heads(spec: AttentionSpec, sms: int, *flags: Any) -> int:
+    """Query heads a cluster block takes by default (0: all, at most 8), halved while the grid of the
+    half, B · Hkv · (G / heads) · n_split blocks, still fits on ``sms``. The block's loop is bound
+    by its instructions (scores reduced across 16 lanes, the softmax kept by each of them), not
+    by its loads, so spreading a layer over more SMs shortens it. H100 (session 36, 2064 of 2081
+    slots, K/V in L2; ``bench_decode_cache.py --trace``): 4 heads a block, 60 blocks, loop 5439
+    cycles, kernel 5.97 µs; 2 heads, 120 blocks: 4349 cycles, 5.69 µs; the 4-layer LM's decode
+    −1.2 % (7 interleaved rounds, two calls: 0.1795 → 0.1774 and 0.1800 → 0.1779 ms/token). 1 head
+    (240 blocks, more than the SMs) took as long as 2 alone."""
+    gc = _head_chunks(spec)[0]
+    while gc % 2 == 0:
+        half = pick_config(spec, sms, *flags, heads=gc // 2)
+        blocks = spec.batch * spec.kv_heads * _head_chunks(spec, half)[1] * _chunks(spec, half, sms)[0]
+        if not half.cluster or blocks > sms:
+            break
+        gc //= 2
+    return 0 if gc == _head_chunks(spec)[0] else gc
 
 
 def _serial_rows(spec: AttentionSpec, cfg: DecodeConfig, sms: int) -> float:
