@@ -96,3 +96,9 @@ def test_options_reject_a_wrongly_typed_switch():
     with pytest.raises(InputSpecError, match="gemv_max_m must be int"):
         dataclasses.replace(Options(), gemv_max_m="64")
     assert Options(programmatic_launch="all", device="h200").device == "h200"
+
+
+def test_options_reject_a_negative_head_count():
+    with pytest.raises(InputSpecError, match="decode_attention_heads must be 0 .* not -2"):
+        Options(decode_attention_heads=-2)
+    assert Options(decode_attention_heads=2).decode_attention_heads == 2

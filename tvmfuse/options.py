@@ -209,6 +209,9 @@ class Options:
             if not ok:
                 raise InputSpecError(f"Options.{f.name} must be {f.type}, not {value!r} "
                                      f"({type(value).__name__})")
+        if self.decode_attention_heads < 0:
+            raise InputSpecError("Options.decode_attention_heads must be 0 (the kernel's rule) or a "
+                                 f"number of query heads, not {self.decode_attention_heads}")
         if self.decode_cluster_combine not in ("pdl", "on", "off"):
             raise InputSpecError("Options.decode_cluster_combine must be 'pdl', 'on' or 'off', "
                                  f"not {self.decode_cluster_combine!r}")

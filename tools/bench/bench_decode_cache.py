@@ -69,8 +69,9 @@ def build(case: tuple[int, ...], cfg: Any, path: Path, target: str = "sm90") -> 
     return path
 
 
-def row(name: str, case: tuple[int, ...], cfg: Any, path: Path,
-        args: argparse.Namespace) -> dict[str, Any]:
+def inputs(case: tuple[int, ...], path: Path, *extra: torch.Tensor) -> tuple[Any, list, dict]:
+    """The exported kernel at ``path``, its arguments (state of random rows, offsets at ctx − 1,
+    starts 0, zero counters, out, then ``extra``) as TVM tensors, and the torch tensors by name."""
     import tvm
 
     from tvmfuse.kernels.attention.flash_decode import state_rows, sync_shape
@@ -78,17 +79,27 @@ def row(name: str, case: tuple[int, ...], cfg: Any, path: Path,
 
     b, hq, hkv, d, ctx, m = case
     torch.manual_seed(0)
-    k0, v0, q0, rows = state_rows(hkv, m, hq)
-    state = torch.randn(b, rows, d, device="cuda", dtype=torch.float16)
+    state = torch.randn(b, state_rows(hkv, m, hq)[3], d, device="cuda", dtype=torch.float16)
+    t = {"state": state,
+         "offsets": torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32),  # p = ctx − 1
+         "starts": torch.zeros(b, device="cuda", dtype=torch.int32),
+         "sync": torch.zeros(sync_shape(AttentionSpec(b, 1, m, hq, hkv, d, "float16", 1.0)),
+                             device="cuda", dtype=torch.int32),
+         "out": torch.empty(b, 1, hq, d, device="cuda", dtype=torch.float16)}
+    targs = [tvm.runtime.from_dlpack(x) for x in (*t.values(), *extra)]
+    return tvm.runtime.load_module(str(path)), targs, t
+
+
+def row(name: str, case: tuple[int, ...], cfg: Any, path: Path,
+        args: argparse.Namespace) -> dict[str, Any]:
+    from tvmfuse.kernels.attention.flash_decode import state_rows
+
+    b, hq, hkv, d, ctx, m = case
+    lib, targs, t = inputs(case, path)
+    k0, v0, q0, _ = state_rows(hkv, m, hq)
+    state, out = t["state"], t["out"]
     q = state[:, q0:].view(b, 1, hq, d)
     kc, vc = (state[:, r0:r0 + hkv * m].view(b, hkv, m, d) for r0 in (k0, v0))
-    offsets = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)  # p = ctx − 1
-    starts = torch.zeros(b, device="cuda", dtype=torch.int32)
-    sync = torch.zeros(sync_shape(AttentionSpec(b, 1, m, hq, hkv, d, "float16", 1.0)), device="cuda",
-                       dtype=torch.int32)
-    out = torch.empty_like(q)
-    lib = tvm.runtime.load_module(str(path))
-    targs = [tvm.runtime.from_dlpack(x) for x in (state, offsets, starts, sync, out)]
     lib["main"](*targs)
     qh = q.transpose(1, 2)  # (B, Hq, 1, D)
     k, v = kc[:, :, :ctx], vc[:, :, :ctx]
@@ -111,24 +122,16 @@ def trace_row(name: str, case: tuple[int, ...], cfg: Any, path: Path,
               args: argparse.Namespace) -> dict[str, Any]:
     """Per-stage cycles of the traced kernel (module doc), K/V warm in L2 and cold."""
     import numpy as np
-    import tvm
 
     from tvmfuse.device_props import device_properties
-    from tvmfuse.kernels.attention.flash_decode import TRACE_SLOTS, state_rows, sync_shape, trace_shape
+    from tvmfuse.kernels.attention.flash_decode import TRACE_SLOTS, trace_shape
     from tvmfuse.kernels.attention.spec import AttentionSpec
 
     b, hq, hkv, d, ctx, m = case
     spec = AttentionSpec(b, 1, m, hq, hkv, d, "float16", d ** -0.5)
-    torch.manual_seed(0)
-    state = torch.randn(b, state_rows(hkv, m, hq)[3], d, device="cuda", dtype=torch.float16)
-    offsets = torch.full((b,), ctx - 1, device="cuda", dtype=torch.int32)
-    starts = torch.zeros(b, device="cuda", dtype=torch.int32)
-    sync = torch.zeros(sync_shape(spec), device="cuda", dtype=torch.int32)
-    out = torch.empty(b, 1, hq, d, device="cuda", dtype=torch.float16)
     trace = torch.zeros(trace_shape(spec, cfg, device_properties(None).sms), device="cuda",
                         dtype=torch.uint64)
-    lib = tvm.runtime.load_module(str(path))
-    targs = [tvm.runtime.from_dlpack(x) for x in (state, offsets, starts, sync, out, trace)]
+    lib, targs, _ = inputs(case, path, trace)
     evict = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
     result: dict[str, Any] = {"workload": f"decode_cache_trace_{name}", "config": dataclasses.asdict(cfg),
                               "shape": f"B={b} Hq={hq} Hkv={hkv} D={d} ctx={ctx} M={m}"}

@@ -125,11 +125,12 @@ class _Rewrite(relax.PyExprMutator):
                                                 prefetch, preload, cluster,
                                                 opts.decode_attention_threads,
                                                 opts.decode_attention_heads)
-                except ValueError as err:  # a thread count the kernel cannot take
+                except ValueError as err:  # a thread count (for its heads) the kernel cannot take
                     raise CompileError(f"compile_lm: decode attention {name!r} ({spec.q_heads} q / "
                                        f"{spec.kv_heads} KV heads, head_dim {spec.head_dim}) with "
                                        f"Options.decode_attention_threads="
-                                       f"{opts.decode_attention_threads}: {err}") from err
+                                       f"{opts.decode_attention_threads}, decode_attention_heads="
+                                       f"{opts.decode_attention_heads}: {err}") from err
                 pair = (add(decode_append(spec), f"{self.prefix}decode_append{n}"),
                         add(attention, name))
             else:

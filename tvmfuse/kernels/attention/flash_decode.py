@@ -220,7 +220,8 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     ``heads`` 0 with ``cluster``: half the query heads a block while twice the blocks still fit
     on the SMs (:func:`_spread_heads`; lm4: 2 of 4, 120 blocks instead of 60)."""
     if cluster and not heads:
-        heads = _spread_heads(spec, sms, fused_combine, l2_prefetch, preload, True, threads)
+        heads = _spread_heads(spec, sms, fused_combine=fused_combine, l2_prefetch=l2_prefetch,
+                              preload=preload, cluster=True, threads=threads)
     GC = _head_chunks(spec, DecodeConfig(heads=heads))[0]
     explicit = threads
     threads = threads or (256 if cluster and GC <= 4 else _THREADS)
@@ -243,7 +244,7 @@ def pick_config(spec: AttentionSpec, sms: int, fused_combine: bool = False,
     return picked
 
 
-def _spread_heads(spec: AttentionSpec, sms: int, *flags: Any) -> int:
+def _spread_heads(spec: AttentionSpec, sms: int, **flags: Any) -> int:
     """Query heads a cluster block takes by default (0: all, at most 8), halved while the grid of the
     half, B · Hkv · (G / heads) · n_split blocks, still fits on ``sms``. The block's loop is bound
     by its instructions (scores reduced across 16 lanes, the softmax kept by each of them), not
@@ -254,7 +255,7 @@ def _spread_heads(spec: AttentionSpec, sms: int, *flags: Any) -> int:
     (240 blocks, more than the SMs) took as long as 2 alone."""
     gc = _head_chunks(spec)[0]
     while gc % 2 == 0:
-        half = pick_config(spec, sms, *flags, heads=gc // 2)
+        half = pick_config(spec, sms, **flags, heads=gc // 2)
         blocks = spec.batch * spec.kv_heads * _head_chunks(spec, half)[1] * _chunks(spec, half, sms)[0]
         if not half.cluster or blocks > sms:
             break
