@@ -580,29 +580,6 @@ def test_cuda_decode_pipelined_builds_without_spills(spec, tmp_path):
     assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
 
 
-@needs_nvcc
-@pytest.mark.parametrize("combine", ["kernel", "cluster"])
-def test_cuda_decode_merge_weights_take_one_exp2_a_group(combine, tmp_path):
-    """``DecodeConfig.merge_weights``: the merge of the 16 lane groups (256 threads, 2 heads a
-    block, the lm4 default) computes 2^(m_g − M) once per (head, group) — one exp2 in the source
-    where the plain merge unrolls 16 per output element — and nvcc builds it for sm_90a without
-    spills."""
-    spec = DECODE.attention_spec()
-    target = get_target("sm90")
-    sources = {}
-    for weights in (False, True):
-        config = DecodeConfig(heads=2, threads=256, cluster=combine == "cluster",
-                              merge_weights=weights)
-        with codegen_scope():
-            sources[weights] = cuda_source(tvm.compile(tvm.IRModule({"main": flash_decode_cache_primfunc(
-                spec, config=config).with_attr("global_symbol", "main")}), target=target.tvm_target()))
-    assert sources[False].count("exp2f(") - sources[True].count("exp2f(") == 16 - 1
-    assert "sm_w" in sources[True] and "sm_w" not in sources[False]
-    compile_fatbin(sources[True], target, tmp_path)
-    log = (tmp_path / "kernels.ptxas.log").read_text()
-    assert all(n == "0" for n in re.findall(r"(\d+) bytes spill stores", log)), log
-
-
 @pytest.mark.parametrize("batch, q_heads, kv_heads, slots, piped", [
     (8, 32, 32, 1057, True),  # the 7B at batch 8: 2 chunks, 17 iterations a block
     (1, 32, 32, 1057, False),  # batch 1: 9 chunks, 4 iterations
@@ -759,14 +736,12 @@ def test_cuda_decode_preload_numerics_on_the_gpu(l2, piped):
 @pytest.mark.parametrize("combine, threads", [("kernel", 128), ("fused", 128), ("cluster", 256),
                                              ("cluster", 512)])
 @pytest.mark.parametrize("heads", [1, 2])
-@pytest.mark.parametrize("weights", [False, True], ids=["merge", "merge_weights"])
-def test_cuda_decode_head_split_numerics_on_the_gpu(combine, threads, heads, weights):
+def test_cuda_decode_head_split_numerics_on_the_gpu(combine, threads, heads):
     """Fewer query heads a block (``DecodeConfig.heads``) against float64 numpy with each
     combine (offsets 0, 700, 999, past the end), launched plainly; 512 threads (32 lane groups,
-    whose shared merge buffer fits only at ≤ 2 heads a block) with the cluster; the lane groups'
-    merge with and without ``merge_weights``."""
+    whose shared merge buffer fits only at ≤ 2 heads a block) with the cluster."""
     config = DecodeConfig(heads=heads, fused_combine=combine == "fused",
-                          cluster=combine == "cluster", threads=threads, merge_weights=weights)
+                          cluster=combine == "cluster", threads=threads)
     prim = flash_decode_cache_primfunc(DECODE.attention_spec(), config=config)
     _check_on_gpu(prim.with_attr("global_symbol", "main"), DECODE, seeds=(8,))
 

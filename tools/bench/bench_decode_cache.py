@@ -4,12 +4,11 @@
     j over the visible slots 0 .. p (p = ctx − 1), M ≥ ctx slots; K, V and q are rows of the
     layer's state (B, 2·Hkv·M + Hq, D) as ``compile_lm`` lays it out (``state_rows``).
 
-Each ``DecodeConfig(unroll, splits, fused_combine, pipeline, cluster, threads, heads, merge_weights)`` of
+Each ``DecodeConfig(unroll, splits, fused_combine, pipeline, cluster, threads, heads)`` of
 ``--unroll`` × ``--splits`` × ``--combine`` (``kernel``: a second kernel, ``fused``: in the partial kernel,
 ``cluster``: the chunks of a head row one thread-block cluster, combined through distributed
 shared memory) × ``--pipeline`` (``off``; ``on``: a second register set, the next iteration's K/V
-loads in flight) × ``--threads`` (per block) × ``--heads`` (query heads a block) × ``--merge-weights``
-(``off``, ``on``: the lane groups' weights once per head) is built
+loads in flight) × ``--threads`` (per block) × ``--heads`` (query heads a block) is built
 (``flash_decode_cache_primfunc``), exported and loaded (kernels built in-process cannot launch
 on the device), checked against a float32 torch reference on random inputs and timed with CUDA
 events; the anchor is torch's SDPA on the visible slice (GQA by ``enable_gqa``). Rate: TB/s over
@@ -171,7 +170,6 @@ def main() -> None:
     p.add_argument("--pipeline", default="off", help="comma-separated: off, on")
     p.add_argument("--threads", default="128", help="comma-separated DecodeConfig.threads values")
     p.add_argument("--heads", default="0", help="comma-separated DecodeConfig.heads values (0: all)")
-    p.add_argument("--merge-weights", default="off", help="comma-separated: off, on (DecodeConfig)")
     p.add_argument("--build-only", action="store_true", help="nvcc builds only (no GPU needed)")
     p.add_argument("--trace", action="store_true", help="per-stage cycles instead of timings (doc)")
     p.add_argument("--warmup", type=int, default=20)
@@ -183,15 +181,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="decode-cache-"))
     rows = []
     for name in args.case or ["lm4"]:
-        for unroll, splits, combine, pipe, threads, heads, mw in itertools.product(
+        for unroll, splits, combine, pipe, threads, heads in itertools.product(
                 [int(u) for u in args.unroll.split(",")], [int(s) for s in args.splits.split(",")],
                 args.combine.split(","), args.pipeline.split(","),
-                [int(t) for t in args.threads.split(",")], [int(h) for h in args.heads.split(",")],
-                args.merge_weights.split(",")):
+                [int(t) for t in args.threads.split(",")], [int(h) for h in args.heads.split(",")]):
             cfg = DecodeConfig(unroll=unroll, splits=splits, fused_combine=combine == "fused",
                                pipeline=pipe == "on", cluster=combine == "cluster", threads=threads,
-                               heads=heads, trace=args.trace, merge_weights=mw == "on")
-            tag = f"{name}_{unroll}_{splits}_{combine}_{pipe}_{threads}_{heads}_{mw}"
+                               heads=heads, trace=args.trace)
+            tag = f"{name}_{unroll}_{splits}_{combine}_{pipe}_{threads}_{heads}"
             path = build(CASES[name], cfg, work / f"{tag}.so")
             if args.build_only:
                 print(f"built {tag}: {path}", flush=True)

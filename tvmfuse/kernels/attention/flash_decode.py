@@ -114,10 +114,7 @@ class DecodeConfig:
     same chunks over G/heads times the blocks, each K/V row read by that many blocks from L2);
     ``trace`` (over a cache, CUDA; a diagnostic for ``bench_decode_cache.py --trace``): the kernel
     takes a sixth buffer ``trace`` (:func:`trace_shape`, uint64) where thread 0 of each block
-    records when it ran each stage (:data:`TRACE_SLOTS`); ``merge_weights``: the merge of a
-    block's lane groups takes each group's weight 2^(m_g − M) once per head (one thread a
-    (head, group), then a barrier) instead of once per output element, and their l sum only
-    where an element writes it.
+    records when it ran each stage (:data:`TRACE_SLOTS`).
 
     unroll 8 (was 4): the kernel alone on the H200 (``bench_decode_cache.py``, session 12, correct
     against SDPA in fp32 for every config), default splits: the 4-layer LM's cache (ctx 2048, 16 q /
@@ -133,7 +130,6 @@ class DecodeConfig:
     threads: int = _THREADS
     heads: int = 0
     trace: bool = False
-    merge_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -381,9 +377,7 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         raise ValueError(f"flash decode: {NT} threads a block: need whole warps (a multiple of 32, at "
                          f"most 1024) holding whole key rows of {LPR} lanes")
     NG = NT // LPR  # key rows in flight per unroll step
-    weights = cfg.merge_weights
-    smem = 4 * (NG * GC * (D + 2) + (GC * (D + 2) if cluster else 0) + (GC * D if folded else 0)
-                + (GC * (2 * NG + 1) if weights else 0))
+    smem = 4 * (NG * GC * (D + 2) + (GC * (D + 2) if cluster else 0) + (GC * D if folded else 0))
     if smem > _MAX_STATIC_SMEM:
         raise ValueError(f"flash decode: {NT} threads a block merging {GC} query heads need {smem} "
                          f"bytes of shared memory (at most {_MAX_STATIC_SMEM}): fewer threads")
@@ -412,15 +406,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
         for sp2 in T.unroll(n_split):
             c[2] = c[2] + T.exp2(m_at(sp2) - c[1]) * o_at(sp2)
             c[3] = c[3] + T.exp2(m_at(sp2) - c[1]) * l_at(sp2)
-
-    @T.macro
-    def group_max(st, sm_ml, hh):
-        """``st[0]`` = M = max_g m_g over the block's lane groups for head ``hh`` (``sm_ml``:
-        [group, head, (m, l)]); ``st[1]``: M, or 0 where every group is empty."""
-        st[0] = T.float32(_NEG_INF)
-        for gi in T.unroll(NG):
-            st[0] = T.max(st[0], sm_ml[(gi * GC + hh) * 2])
-        st[1] = T.if_then_else(st[0] == T.float32(_NEG_INF), T.float32(0), st[0])
 
     @T.macro
     def store(out, c, b, h, d):
@@ -579,8 +564,6 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 cl = T.alloc_buffer((GC * D + GC * 2,), "float32", scope="shared")
             if folded:
                 sm_q = T.alloc_buffer((GC * D,), "float32", scope="shared")
-            if weights:  # [head, group] weights w_g = 2^(m_g − M), then w_g·l_g, then each head's M
-                sm_w = T.alloc_buffer((GC * (2 * NG + 1),), "float32", scope="shared")
             blk: T.let[T.int32] = (b * (Hkv * HC) + yb) * n_split + sp
             stamp(trace, blk, 0, tx)
             stamp(trace, blk, 1, tx)
@@ -676,39 +659,21 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                     sm_ml[(grp * GC + hh) * 2 + 1] = lsum[hh]
             T.tvm_storage_sync("shared")
             stamp(trace, blk, 5, tx)
-            if weights:  # thread (head, group): the group's weight and its weighted l
-                for i7 in T.serial((GC * NG + NT - 1) // NT):
-                    iw: T.let[T.int32] = i7 * NT + tx
-                    if iw < GC * NG:
-                        hw: T.let[T.int32] = iw // NG
-                        gw: T.let[T.int32] = iw % NG
-                        group_max(st, sm_ml, hw)
-                        acc[2] = T.exp2(sm_ml[(gw * GC + hw) * 2] - st[1])
-                        sm_w[iw] = acc[2]
-                        sm_w[GC * NG + iw] = acc[2] * sm_ml[(gw * GC + hw) * 2 + 1]
-                        if gw == 0:
-                            sm_w[2 * GC * NG + hw] = st[0]
-                T.tvm_storage_sync("shared")
             for it2 in T.serial((GC * D + NT - 1) // NT):
                 idx: T.let[T.int32] = it2 * NT + tx
                 if idx < GC * D:
                     hh2: T.let[T.int32] = idx // D
                     dd: T.let[T.int32] = idx % D
+                    st[0] = T.float32(_NEG_INF)
+                    for gi in T.unroll(NG):
+                        st[0] = T.max(st[0], sm_ml[(gi * GC + hh2) * 2])
+                    st[1] = T.if_then_else(st[0] == T.float32(_NEG_INF), T.float32(0), st[0])
                     acc[0] = T.float32(0)
                     acc[1] = T.float32(0)
-                    if weights:  # l only where this element writes it
-                        st[0] = sm_w[2 * GC * NG + hh2]
-                        for gi in T.unroll(NG):
-                            acc[0] = acc[0] + sm_w[hh2 * NG + gi] * sm_o[(gi * GC + hh2) * D + dd]
-                        if dd == 0:
-                            for gi in T.unroll(NG):
-                                acc[1] = acc[1] + sm_w[GC * NG + hh2 * NG + gi]
-                    else:
-                        group_max(st, sm_ml, hh2)
-                        for gi in T.unroll(NG):
-                            acc[2] = T.exp2(sm_ml[(gi * GC + hh2) * 2] - st[1])
-                            acc[0] = acc[0] + acc[2] * sm_o[(gi * GC + hh2) * D + dd]
-                            acc[1] = acc[1] + acc[2] * sm_ml[(gi * GC + hh2) * 2 + 1]
+                    for gi in T.unroll(NG):
+                        acc[2] = T.exp2(sm_ml[(gi * GC + hh2) * 2] - st[1])
+                        acc[0] = acc[0] + acc[2] * sm_o[(gi * GC + hh2) * D + dd]
+                        acc[1] = acc[1] + acc[2] * sm_ml[(gi * GC + hh2) * 2 + 1]
                     if cluster:  # this chunk's (o, m, l) stay in shared memory for the cluster
                         cl[idx] = acc[0]
                         if dd == 0:
