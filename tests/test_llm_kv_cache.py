@@ -760,12 +760,14 @@ def test_cuda_decode_cluster_numerics_on_the_gpu(spec, threads, l2, piped):
 
 
 @pytest.mark.gpu
-def test_cuda_decode_cluster_numerics_eight_heads_a_block():
-    """The cluster kernel as ``pick_config`` builds it for 8 query heads a KV head (GC = 8: 128
-    threads, unroll 8; ptxas spills a few bytes there, as the two-kernel default does)."""
+@pytest.mark.parametrize("heads, want", [(0, (True, 256, 8, 4)), (8, (True, 128, 8, 8))])
+def test_cuda_decode_cluster_numerics_eight_heads_a_kv_head(heads, want):
+    """The cluster kernel as ``pick_config`` builds it for 8 query heads a KV head: by default
+    4 of them a block (``_spread_heads``) at 256 threads; with all 8 (GC = 8) 128 threads, unroll
+    8 (ptxas spills a few bytes there, as the two-kernel default does)."""
     spec = dataclasses.replace(DECODE, q_heads=16, kv_heads=2)
-    config = pick_config(spec.attention_spec(), 132, l2_prefetch=True, cluster=True)
-    assert (config.cluster, config.threads, config.unroll) == (True, 128, 8)
+    config = pick_config(spec.attention_spec(), 132, l2_prefetch=True, cluster=True, heads=heads)
+    assert (config.cluster, config.threads, config.unroll, config.heads) == want
     _check_on_gpu(flash_decode_cache_primfunc(spec.attention_spec(), config=config).with_attr(
         "global_symbol", "main"), spec)
 
