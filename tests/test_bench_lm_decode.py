@@ -1,6 +1,7 @@
 """``bench_lm_decode.step_increments``: a decode step's span split into each kernel's increment
 (its end − the previous kernel's end), averaged over the whole steps between greedy ``advance``
-kernels; steps with a stray event (another count) are left out and reported."""
+kernels; steps with a stray event (another count) are left out and reported. The interleaved
+rounds of ``ab_rounds`` and ``batch_ratio`` (the 7B batch-8 / batch-1 ratio) on fake libraries."""
 
 from __future__ import annotations
 
@@ -68,3 +69,62 @@ def test_kernel_time_of_whole_steps():
     out = bench_lm_decode.step_increments(events, steps=1)
     assert out["kernel_us"] == pytest.approx(11.0)
     assert bench_lm_decode.step_increments(_timeline([STEP] * 3), steps=3)["kernel_us"] == 12.0
+
+
+class _FakeLM:
+    """A loaded library's surface the rounds use: ``generate`` logs the call order and returns
+    the prompt with ``new`` copies of ``token``; ``timings`` gives the next of ``times``."""
+
+    def __init__(self, name: str, times: list[float], token: int, log: list[str]):
+        self.name, self.times, self.token, self.log = name, iter(times), token, log
+        self.timings: dict[str, float] = {}
+        self.metadata = {"vocab": 50}
+
+    def generate(self, ids, max_new_tokens: int):
+        import torch
+
+        self.log.append(self.name)
+        self.timings = {"decode_ms_per_token": next(self.times)}
+        return torch.cat([ids, torch.full((ids.shape[0], max_new_tokens), self.token)], dim=1)
+
+
+def test_batch_ratio_takes_turns_and_medians(monkeypatch):
+    """Warm-ups first, then one generate each per round in turn; the batch ratio is the median of
+    batch N's times over batch 1's, and batch N's prompts start with batch 1's (seed 1)."""
+    import torch
+
+    log: list[str] = []
+    one = _FakeLM("1", [9.0, 1.0, 3.0, 2.0], 7, log)  # warm-up, then 3 rounds: median 2
+    eight = _FakeLM("8", [9.0, 3.0, 2.5, 30.0], 7, log)  # median 3
+    torch.manual_seed(1)
+    ids = torch.randint(1, 50, (1, 6))
+    import tvmfuse
+
+    monkeypatch.setattr(tvmfuse, "load", lambda path, device=None: eight)
+    entry, ids_n, got_n = bench_lm_decode.batch_ratio(one, ids, {"library": "x", "compile_s": 1.0},
+                                                      8, new=4, rounds=3)
+    assert log == ["1", "8"] * 4
+    assert entry["median_ms_per_token"] == {"1": 2.0, "8": 3.0}
+    assert entry["ratio"] == 1.5
+    assert entry["tokens_same_every_round"]
+    assert ids_n.shape == (8, 6) and torch.equal(ids_n[:1], ids)
+    assert got_n.shape == (8, 10)
+
+
+def test_batch_ratio_passes_a_failed_compile_on():
+    failed = {"error": "the batch compile exited with 1: ..."}
+    assert bench_lm_decode.batch_ratio(None, None, failed, 8, 4, 3) == (failed, None, None)
+
+
+def test_ab_rounds_flags_other_tokens():
+    import torch
+
+    log: list[str] = []
+    base = _FakeLM("base", [1.0] * 5, 7, log)
+    same = _FakeLM("same", [2.0] * 4, 7, log)
+    other = _FakeLM("other", [0.5] * 4, 8, log)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    out = bench_lm_decode.ab_rounds(base, {"same": same, "other": other}, ids, 4, 3,
+                                    base.generate(ids, 4))
+    assert out["over_base"] == {"same": 2.0, "other": 0.5}
+    assert out["tokens_equal"] == {"same": True, "other": False}

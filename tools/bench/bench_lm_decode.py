@@ -22,16 +22,27 @@ they differ, the step counts as a tie when torch's top-2 logits (teacher-forced 
 sequence) differ by < 1e-3 relative and the chosen token's logit is within 2e-2 relative of the
 top. Weight-read floor = weight bytes / 4.21 TB/s.
 
+``--ratio-batch N`` (the LLM issue's "batch 8 ≤ 1.4× its batch-1 step time"): a second process
+compiles the model at ``max_batch=N`` (same options, same ``max_seq_len``) while this one compiles
+the main library, so one device call measures every 7B line; the two libraries' decode is then
+timed in interleaved rounds and batch N's tokens get the tie-aware check too. Each compile time is
+taken with the other running beside it (an upper bound on the compile alone).
+
     python3 tools/bench/bench_lm_decode.py --size lm4 --ctx 2048 --new 32 --out results.json
     python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 32 --batch 8 --no-compile
     python3 tools/bench/bench_lm_decode.py --size lm4 --no-compile --ab gemv_preload_weights=False
+    python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --no-compile --prefill-len 2048 \
+        --compile-prefill --ratio-batch 8
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,7 +75,46 @@ def build(size: str, max_pos: int):
     torch.manual_seed(0)
     with torch.device("cuda" if size in _BUILD_ON_GPU else "cpu"):
         model = transformers.LlamaForCausalLM(cfg).eval().half()
-    return model.cpu()
+    model = model.cpu()
+    if size in _BUILD_ON_GPU:
+        torch.cuda.empty_cache()  # a --ratio-batch compile builds its own copy on the GPU next
+    return model
+
+
+def compile_library(model, options, *, target: str, max_seq: int, batch: int, lengths: list[int],
+                    out_dir: str | Path) -> Path:
+    """``compile_lm`` under ``options`` → the exported library's path (weights beside it)."""
+    import tvmfuse
+    from tvmfuse.options import use_options
+
+    with use_options(options):
+        lib = tvmfuse.compile_lm(model, target=target, max_seq_len=max_seq, max_batch=batch,
+                                 prefill_lengths=lengths)
+    return lib.export(Path(out_dir) / "lm.so")
+
+
+def start_batch_compile(args: argparse.Namespace, options, batch: int, max_seq: int
+                        ) -> tuple[subprocess.Popen, Path]:
+    """This script in a second process (``--compile-only``): the same model and options at
+    ``max_batch=batch``, compiled while the caller compiles its own library; its log and
+    ``compile.json`` land in the returned folder."""
+    out = Path(tempfile.mkdtemp(prefix=f"lm-decode-b{batch}-"))
+    cmd = [sys.executable, __file__, "--size", args.size, "--ctx", str(args.ctx), "--new", str(args.new),
+           "--batch", str(batch), "--target", args.target, "--max-seq", str(max_seq),
+           "--options-json", json.dumps(dataclasses.asdict(options)), "--compile-only", str(out)]
+    with open(out / "compile.log", "w") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out
+
+
+def finish_batch_compile(proc: subprocess.Popen, out: Path) -> dict[str, Any]:
+    """Wait for :func:`start_batch_compile`'s process: ``compile.json`` (library path, compile_s)
+    or, where it failed, the tail of its log under ``error``."""
+    rc = proc.wait()
+    done = out / "compile.json"
+    if rc == 0 and done.exists():
+        return json.loads(done.read_text())
+    tail = (out / "compile.log").read_text()[-1500:]
+    return {"error": f"the batch compile exited with {rc}: {tail}"}
 
 
 def compiled_prefill_ms(model, ids: torch.Tensor) -> float:
@@ -248,26 +298,55 @@ def prefill_kernels_us(lm, ids: torch.Tensor) -> tuple[float, dict[str, float]]:
     return sum(t for t, _ in times), {k[:80]: round(t, 1) for t, k in times[:12]}
 
 
+def interleaved_decode(runs: dict[str, tuple[Any, torch.Tensor]], new: int, rounds: int
+                       ) -> tuple[dict[str, list[float]], dict[str, list[torch.Tensor]]]:
+    """Decode ms/token of loaded libraries, each on its own prompts (``name → (lm, ids)``), timed
+    in turn for ``rounds`` rounds after a warm-up: a drift of the GPU over the run reaches all
+    alike. Returns each library's times and tokens per round."""
+    for lm, ids in runs.values():
+        lm.generate(ids, max_new_tokens=4)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    tokens: dict[str, list[torch.Tensor]] = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, (lm, ids) in runs.items():
+            tokens[name].append(lm.generate(ids, max_new_tokens=new))
+            times[name].append(lm.timings["decode_ms_per_token"])
+    return times, tokens
+
+
 def ab_rounds(base, others: dict[str, Any], ids: torch.Tensor, new: int, rounds: int,
               base_tokens: torch.Tensor) -> dict[str, Any]:
-    """Decode ms/token of loaded libraries timed in turn (base, each other, base, …) for
-    ``rounds`` rounds: a drift of the GPU over the run reaches all alike. The others' tokens
-    must equal ``base``'s (the same model; only kernels differ)."""
-    for lm in others.values():
-        lm.generate(ids, max_new_tokens=4)  # warm-up
-    libs = {"base": base, **others}
-    times: dict[str, list[float]] = {name: [] for name in libs}
-    tokens_equal = {name: True for name in others}
-    for _ in range(rounds):
-        for name, lm in libs.items():
-            out = lm.generate(ids, max_new_tokens=new)
-            times[name].append(lm.timings["decode_ms_per_token"])
-            if name != "base":
-                tokens_equal[name] &= bool(torch.equal(out, base_tokens))
+    """:func:`interleaved_decode` of ``base`` and each other library on the same prompts. The
+    others' tokens must equal ``base``'s (the same model; only kernels differ)."""
+    times, tokens = interleaved_decode({name: (lm, ids) for name, lm in {"base": base, **others}.items()},
+                                       new, rounds)
     medians = {k: statistics.median(v) for k, v in times.items()}
     return {"rounds_ms_per_token": times, "median_ms_per_token": medians,
             "over_base": {k: medians[k] / medians["base"] for k in others},
-            "tokens_equal": tokens_equal}
+            "tokens_equal": {k: all(torch.equal(t, base_tokens) for t in tokens[k]) for k in others}}
+
+
+def batch_ratio(lm, ids: torch.Tensor, compiled: dict[str, Any], batch: int, new: int,
+                rounds: int) -> tuple[dict[str, Any], torch.Tensor | None, torch.Tensor | None]:
+    """Batch ``batch``'s decode step time over batch 1's (``lm`` on ``ids``): the library
+    :func:`finish_batch_compile` reported, loaded and timed with ``lm`` by
+    :func:`interleaved_decode` on ``batch`` prompts (seed 1; row 0 is ``ids``' prompt). Returns
+    the row's ``ratio`` entry, batch ``batch``'s prompts and tokens (None where its compile
+    failed)."""
+    import tvmfuse
+
+    if "error" in compiled:
+        return compiled, None, None
+    torch.manual_seed(1)
+    ids_n = torch.randint(1, lm.metadata["vocab"], (batch, ids.shape[1]))
+    lm_n = tvmfuse.load(compiled["library"], device="cuda")
+    times, tokens = interleaved_decode({"1": (lm, ids), str(batch): (lm_n, ids_n)}, new, rounds)
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    got = tokens[str(batch)][-1]
+    return {"batch": batch, "compile_s": compiled["compile_s"], "rounds_ms_per_token": times,
+            "median_ms_per_token": medians, "ratio": medians[str(batch)] / medians["1"],
+            "timings": dict(lm_n.timings),
+            "tokens_same_every_round": all(torch.equal(t, got) for t in tokens[str(batch)])}, ids_n, got
 
 
 def parse_variant(text: str) -> dict[str, Any]:
@@ -324,11 +403,31 @@ def main() -> None:
     p.add_argument("--options", metavar="FIELD[=VALUE][,FIELD[=VALUE]]", default=None,
                    help="Options fields of the main library (as --ab spells them): its tokens get "
                         "the tie-aware check against eager")
+    p.add_argument("--ratio-batch", type=int, default=None, metavar="N",
+                   help="also compile at max_batch=N in a second process (beside the main compile) "
+                        "and time both libraries' decode in interleaved rounds: the batch-N / "
+                        "batch-1 step-time ratio (needs --batch 1)")
+    p.add_argument("--max-seq", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--options-json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--compile-only", metavar="DIR", default=None, help=argparse.SUPPRESS)
     p.add_argument("--out")
     args = p.parse_args()
+    if args.ratio_batch is not None and (args.batch != 1 or args.ratio_batch < 2):
+        p.error("--ratio-batch N needs --batch 1 and N >= 2")
 
     import tvmfuse
-    from tvmfuse.options import Options, use_options
+    from tvmfuse.options import Options
+
+    if args.compile_only:  # start_batch_compile's process: the library and its compile time
+        max_seq = args.max_seq
+        model = build(args.size, max_seq + 8)
+        t0 = time.perf_counter()
+        path = compile_library(model, Options(**json.loads(args.options_json)), target=args.target,
+                               max_seq=max_seq, batch=args.batch, lengths=[args.ctx],
+                               out_dir=args.compile_only)
+        done = {"library": str(path), "compile_s": round(time.perf_counter() - t0, 1)}
+        (Path(args.compile_only) / "compile.json").write_text(json.dumps(done))
+        return
 
     prefill_len = args.prefill_len or args.ctx
     max_seq = max(args.ctx + args.new, prefill_len) + 1
@@ -361,12 +460,13 @@ def main() -> None:
         row["options"] = parse_variant(args.options)
 
     def compiled(options: Options):
-        with use_options(options):
-            lib = tvmfuse.compile_lm(model, target=args.target, max_seq_len=max_seq,
-                                     max_batch=args.batch, prefill_lengths=sorted({args.ctx, prefill_len}))
-        return tvmfuse.load(lib.export(Path(tempfile.mkdtemp(prefix="lm-decode-")) / "lm.so"),
-                            device="cuda")
+        path = compile_library(model, options, target=args.target, max_seq=max_seq, batch=args.batch,
+                               lengths=sorted({args.ctx, prefill_len}),
+                               out_dir=tempfile.mkdtemp(prefix="lm-decode-"))
+        return tvmfuse.load(path, device="cuda")
 
+    batch_compile = None if args.ratio_batch is None else start_batch_compile(
+        args, opts, args.ratio_batch, max_seq)
     lm = compiled(opts)
     row["compile_s"] = round(time.perf_counter() - t0, 1)
     print("compile_s", row["compile_s"], flush=True)
@@ -398,6 +498,11 @@ def main() -> None:
         print("step increments", path, flush=True)
     except Exception as err:  # noqa: BLE001 - the profile is extra information
         row["tvmfuse"]["kernel_us_per_step"] = f"profile failed: {err}"[:200]
+    if batch_compile is not None:
+        row["ratio"], ids_n, got_n = batch_ratio(lm, ids, finish_batch_compile(*batch_compile),
+                                                 args.ratio_batch, args.new, args.ab_rounds)
+        row["ratio"]["max_seq"] = max_seq
+        print("ratio", row["ratio"], flush=True)
 
     gpu = model.cuda()
     ids_gpu = ids.cuda()
@@ -406,6 +511,11 @@ def main() -> None:
     row["tokens"] = tie_check(gpu, got.cuda(), args.ctx, ref)
     row["tokens"]["equal"] = bool(torch.equal(got.cuda(), ref))
     print("eager", eager_ms, row["tokens"], flush=True)
+    if batch_compile is not None and got_n is not None:  # batch N's tokens: the same rule
+        row["ratio"]["eager_ms_per_token"], ref_n = torch_ms_per_token(gpu, ids_n.cuda(), args.new)
+        row["ratio"]["tokens"] = tie_check(gpu, got_n.cuda(), args.ctx, ref_n)
+        row["ratio"]["tokens"]["equal"] = bool(torch.equal(got_n.cuda(), ref_n))
+        print("ratio tokens", row["ratio"]["tokens"], flush=True)
     if args.compile_prefill:
         try:
             prompt = ids_gpu if prefill_len == args.ctx else long_ids.cuda()

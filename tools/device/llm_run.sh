@@ -7,10 +7,11 @@
 #   tests     pytest -m gpu: compile_lm generate, the cache kernels, PDL, GEMV, buckets  (~350 s)
 #   lm4       bench_lm_decode lm4, ctx 2048: decode ms/token, tokens, torch.compile anchor  (~250 s)
 #   attn      bench_decode_cache: the split-KV kernel over unroll x splits, lm4 and 7b     (~120 s)
-#   7b        bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor, prefill 2048 vs compile (~500 s)
+#   7b        every 7B line in one call: bench_lm_decode 7b, ctx 1024: decode vs the 3.2 ms floor,
+#             prefill 2048 vs torch.compile, compile time, and batch 8 compiled in a second process
+#             beside it, its decode interleaved with batch 1's (the ratio)                 (~450 s)
 #   7b_b8     bench_lm_decode 7b, batch 8, ctx 1024                                         (~300 s)
 #   7b4       the 7B shapes with 4 layers, ctx 2048: prefill kernel split vs torch.compile   (~150 s)
-#   ratio     the batch-8 ratio in one call: 7b at batch 8, then at batch 1                  (~440 s)
 #   split     PDL-off kernel splits of the 7B shapes with 4 layers at batch 1 and 8          (~125 s)
 #   gemv      bench_gemv: M = 1, 4, 16, 64 x the 7B shapes against cuBLAS                   (~200 s)
 #   lm4ab     lm4 decode with and without Options.gemv_prefetch_after_attention, same call   (~150 s)
@@ -41,16 +42,12 @@ for s in "$@"; do
     attn) step attn 300 python3 tools/bench/bench_decode_cache.py --case lm4 --case 7b --case 7b_b8 --combine kernel,fused \
             --unroll 2,4 --splits 0,16,33,66,128 --out "$OUT/attn.json" ;;
     7b) step 7b 560 env TVMFUSE_TIME_STAGES=1 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 \
-          --new 32 --no-compile --prefill-len 2048 --compile-prefill --out "$OUT/7b.json" ;;
+          --new 32 --no-compile --prefill-len 2048 --compile-prefill --ratio-batch 8 --out "$OUT/7b.json" ;;
     7b_b8) step 7b_b8 560 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 16 --batch 8 \
              --no-compile --out "$OUT/7b_b8.json" ;;
     7b4) step 7b4 300 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 2048 --new 16 --no-compile \
            --compile-prefill --out "$OUT/7b4.json" ;;
     gemv) step gemv 400 python3 tools/bench/bench_gemv.py --out "$OUT/gemv.json" ;;
-    ratio) step 7b_b8 300 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 16 --batch 8 \
-             --no-compile --out "$OUT/7b_b8.json"
-           step 7b_b1 280 python3 tools/bench/bench_lm_decode.py --size 7b --ctx 1024 --new 32 \
-             --no-compile --out "$OUT/7b_b1.json" ;;
     split) for b in 8 1; do
              step "7b4_b${b}_off" 90 python3 tools/bench/bench_lm_decode.py --size 7b4 --ctx 1024 --new 16 \
                --batch "$b" --no-compile --programmatic-launch off --out "$OUT/7b4_b${b}_off.json"
@@ -89,6 +86,6 @@ for s in "$@"; do
              --configs auto,mma:8:16:4,mma:8:32:2,mma:8:32:4,mma:16:16:4 --out "$OUT/gemv8.json" ;;
     gemv_lm4) step gemv_lm4 200 python3 tools/bench/bench_gemv.py --shapes lm4 --ms 1 \
                 --configs auto,simt:4:8:4,simt:8:4:4,simt:2:8:8,simt:8:8:8 --out "$OUT/gemv_lm4.json" ;;
-    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv ratio split lm4ab preload gemv_lm4 cluster b8cluster b8pdl gappend ga7b4 gemv8)"; exit 2 ;;
+    *) echo "unknown step $s (tests lm4 attn 7b 7b_b8 7b4 gemv split lm4ab preload gemv_lm4 cluster b8cluster b8pdl gappend ga7b4 gemv8)"; exit 2 ;;
   esac
 done
