@@ -118,6 +118,31 @@ def test_llama_lm_keeps_only_the_embedding_norms_kernel():
     assert sum(name.startswith("rms_norm_stats") for name in off) == 1  # one function, 5 calls
 
 
+def test_each_kernel_is_built_once_for_every_layer(monkeypatch):
+    """The layers call the same fused PrimFuncs: each (PrimFunc, arguments) kernel is built once
+    a pass, not once per statistics call (two layers: four plans over two producer kernels)."""
+    import tvm_ffi
+
+    from models import llama_lm
+    from tvmfuse.rules import gemm_sm90_producer_stats as rule
+
+    built = []
+
+    def counting(func, **kwargs):
+        built.append((tvm_ffi.structural_hash(func), tuple(sorted(kwargs.items()))))
+        return real(func, **kwargs)
+
+    real = rule.build_kernel
+    monkeypatch.setattr(rule, "build_kernel", counting)
+    module, inputs = llama_lm.build(vocab=512, hidden=1024, n_layers=2, n_heads=8, n_kv_heads=2,
+                                    ffn=2816, seq=2048)
+    funcs = _kernels(module, inputs)
+    assert sum(name.endswith("_partials") for name in funcs) == 2, sorted(funcs)
+    producers = [k for k in built if ("partials_out", True) in k[1]]
+    assert len(producers) == 2, producers  # O-proj and down, for both layers
+    assert len(built) == len(set(built)), built
+
+
 def test_report_names_the_merged_statistics():
     """``tvmfuse report``: the producer lists its fused function's ops under this rule; the GEMM
     after the norm lists the statistics first (they are formed there); no boundary leads from the
