@@ -531,10 +531,17 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - report, keep the row
             row["compile_ms_per_token"] = f"failed: {type(err).__name__}: {err}"[:300]
         print("compile", row["compile_ms_per_token"], flush=True)
-    if row["tokens"]["differing_steps"]:  # fp16 torch and tvmfuse differ: what fp32 says (last: casts)
-        row["tokens"]["fp32_reference"] = fp32_verdict(gpu, got.cuda(), args.ctx,
-                                                       row["tokens"]["differing_steps"])
-        print("fp32 reference", row["tokens"]["fp32_reference"], flush=True)
+    checked = [(row["tokens"], got)]
+    if batch_compile is not None and got_n is not None:
+        checked.append((row["ratio"]["tokens"], got_n))
+    for tokens, seq in checked:  # fp16 torch and tvmfuse differ: what fp32 says (last: casts)
+        if tokens["differing_steps"]:
+            try:
+                tokens["fp32_reference"] = fp32_verdict(gpu, seq.cuda(), args.ctx,
+                                                        tokens["differing_steps"])
+            except Exception as err:  # noqa: BLE001 - report, keep the row
+                tokens["fp32_reference"] = f"failed: {type(err).__name__}: {err}"[:300]
+            print("fp32 reference", tokens["fp32_reference"], flush=True)
     print(row, flush=True)
     if args.out:
         common.write_results(args.out, [row], common.command_line(), append=True)
