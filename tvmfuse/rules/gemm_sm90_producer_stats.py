@@ -89,7 +89,7 @@ class _Kernels:
                 self._built[key] = err
         got = self._built[key]
         if isinstance(got, NotHandled):
-            raise NotHandled(str(got))
+            raise got
         return got
 
 
