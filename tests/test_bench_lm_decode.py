@@ -1,7 +1,8 @@
 """``bench_lm_decode.step_increments``: a decode step's span split into each kernel's increment
 (its end − the previous kernel's end), averaged over the whole steps between greedy ``advance``
 kernels; steps with a stray event (another count) are left out and reported. The interleaved
-rounds of ``ab_rounds`` and ``batch_ratio`` (the 7B batch-8 / batch-1 ratio) on fake libraries."""
+rounds of ``ab_rounds`` and ``batch_ratio`` (the 7B batch-8 / batch-1 ratio) on fake libraries.
+``tie_check``, the issue's token rule, on a fake model."""
 
 from __future__ import annotations
 
@@ -128,3 +129,64 @@ def test_ab_rounds_flags_other_tokens():
                                     base.generate(ids, 4))
     assert out["over_base"] == {"same": 2.0, "other": 0.5}
     assert out["tokens_equal"] == {"same": True, "other": False}
+
+
+class _FakeModel:
+    """A causal LM whose logits after each prefix come from ``table[prefix]``: (top token,
+    runner-up, gap), the top at 10.0 and the runner-up ``gap`` below it, 1.0 elsewhere. A prefix
+    not in the table picks the sequence's own next token by a clear margin."""
+
+    def __init__(self, table: dict[tuple[int, ...], tuple[int, int, float]], vocab: int = 8):
+        self.table, self.vocab = table, vocab
+
+    def __call__(self, seq):
+        import types
+
+        import torch
+
+        toks = seq[0].tolist()
+        logits = torch.ones(1, len(toks), self.vocab)
+        for n in range(1, len(toks) + 1):
+            own = toks[n] if n < len(toks) else 0
+            top, second, gap = self.table.get(tuple(toks[:n]), (own, (own + 1) % self.vocab, 0.5))
+            logits[0, n - 1, top], logits[0, n - 1, second] = 10.0, 10.0 - gap
+        return types.SimpleNamespace(logits=logits)
+
+
+def _tie_check(table, seq, ref, ctx=2):
+    import torch
+
+    return bench_lm_decode.tie_check(_FakeModel(table), torch.tensor([seq]), ctx, torch.tensor([ref]))
+
+
+def test_tie_check_equal_tokens_pass_when_torchs_one_pass_forward_disagrees():
+    """tvmfuse's tokens are torch's greedy ones; torch's teacher-forced forward picks another
+    token at step 1 (its own two paths disagree): listed, not judged."""
+    out = _tie_check({(1, 2, 3): (5, 4, 0.5)}, seq=[1, 2, 3, 4, 0], ref=[1, 2, 3, 4, 0])
+    assert out["equal"] and out["ok"] and out["differing_steps"] == []
+    assert [(b["step"], b["tie"]) for b in out["teacher_forced_only"]] == [(1, False)]
+    assert out["first_step_parting_from_eager"] is None
+
+
+def test_tie_check_parting_at_a_clear_choice_fails():
+    """tvmfuse parts from torch's greedy tokens at step 1 where torch's top-2 gap is 5e-2."""
+    out = _tie_check({(1, 2, 3): (5, 4, 0.5)}, seq=[1, 2, 3, 4, 0], ref=[1, 2, 3, 5, 0])
+    assert not out["ok"] and out["first_step_parting_from_eager"] == 1
+    assert [(b["step"], b["tie"], b["within_2e-2"]) for b in out["differing_steps"]] == [(1, False, False)]
+
+
+def test_tie_check_parting_at_a_tie_passes_and_later_steps_are_judged():
+    """Parting at a tie (top-2 gap 1e-4 relative) is allowed; a later non-tie mismatch on
+    tvmfuse's prefix fails."""
+    table = {(1, 2, 3): (5, 4, 1e-3)}
+    assert _tie_check(table, seq=[1, 2, 3, 4, 0], ref=[1, 2, 3, 5, 0])["ok"]
+    later = {**table, (1, 2, 3, 4): (6, 1, 0.5)}
+    out = _tie_check(later, seq=[1, 2, 3, 4, 0], ref=[1, 2, 3, 5, 0])
+    assert not out["ok"] and [b["step"] for b in out["differing_steps"]] == [1, 2]
+
+
+def test_tie_check_parting_where_torchs_forward_agrees_is_still_judged():
+    """At the parting step torch's teacher-forced argmax is tvmfuse's token but by a clear margin
+    over the greedy reference's: the parting step needs a tie all the same."""
+    out = _tie_check({(1, 2, 3): (4, 5, 0.5)}, seq=[1, 2, 3, 4, 0], ref=[1, 2, 3, 5, 0])
+    assert not out["ok"] and [b["step"] for b in out["differing_steps"]] == [1]
