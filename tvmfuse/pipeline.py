@@ -79,7 +79,8 @@ def _with_cuda_graph(inner: tvm.transform.Pass) -> tvm.transform.Pass:
 
 class _Stages:
     """Runs named stages in order, dumping IR after each when ``TVMFUSE_DUMP_IR`` is set and
-    printing each stage's seconds to stderr when ``TVMFUSE_TIME_STAGES`` is."""
+    printing each stage's seconds and the process's resident memory after it to stderr when
+    ``TVMFUSE_TIME_STAGES`` is."""
 
     def __init__(self, on_stage: Callable[[str, tvm.IRModule], None] | None = None) -> None:
         self.on_stage = on_stage
@@ -100,12 +101,25 @@ class _Stages:
             raise _stage_error(name, pass_, mod, err) from err
         self.count += 1
         if self.timed:
-            print(f"tvmfuse: stage {name} {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+            print(f"tvmfuse: stage {name} {time.perf_counter() - start:.2f} s, rss {_rss_gb():.2f} GB",
+                  file=sys.stderr, flush=True)
         if self.on_stage:
             self.on_stage(name, mod)
         if self.dump_dir:
             (self.dump_dir / f"{self.count:02d}_{name}.py").write_text(mod.script(show_meta=False))
         return mod
+
+
+def _rss_gb() -> float:
+    """The process's resident memory now (Linux ``/proc``), else its peak (``getrusage``), GB."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+    except OSError:
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB elsewhere
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9
 
 
 _DETAIL_LINES = 12
