@@ -206,10 +206,10 @@ def tie_check(model, seq: torch.Tensor, ctx: int, ref: torch.Tensor) -> dict[str
         with torch.no_grad():  # the logits that chose each new token
             logits = model(seq[row:row + 1]).logits[0, ctx - 1:-1].float()
         got, want = seq[row, ctx:], logits.argmax(-1)
-        parted = (seq[row, ctx:] != ref[row, ctx:]).nonzero().flatten().tolist()
+        parted = (got != ref[row, ctx:]).nonzero().flatten().tolist()
         first = parted[0] if parted else None
         parted_at.append(first)
-        steps = set((got != want).nonzero().flatten().tolist()) | ({first} - {None})
+        steps = set((got != want).nonzero().flatten().tolist() + parted[:1])
         for i in sorted(steps):
             top2 = logits[i].topk(2).values
             gap = float((top2[0] - top2[1]).abs() / top2[0].abs())
