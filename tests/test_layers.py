@@ -98,3 +98,31 @@ def test_every_module_is_in_a_layer(graph):
                and not any(m == d or m.startswith(d + ".") for d in declared)
                and m != "tvmfuse.rules"]  # the rules' package: its __init__ is the rule list
     assert not missing, f"modules in no layer of pyproject.toml [tool.importlinter]: {missing}"
+
+
+# decorators that make a TVM object class of a Python class (tvm.ir.utils.derived_object and the
+# relax expression functors built on it)
+_DERIVED = {"mutator", "visitor", "derived_object"}
+
+
+def _decorator_name(node: ast.expr) -> str:
+    node = node.func if isinstance(node, ast.Call) else node
+    return node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+
+
+def test_tvm_derived_classes_sit_at_module_level():
+    """tvm_ffi keeps every Python type passed to an FFI call alive for the process
+    (``_DISPATCH_TYPE_KEEP_ALIVE`` in its ``function.pxi``). A ``@mutator`` class defined inside a
+    function is a new type per call, kept with its closure: session 41 found a compiled LM's
+    derived weights (3.3x the model) resident after the library was dropped. Such classes sit at
+    module level and take their state in ``__init__``."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            found += [f"{rel}:{node.lineno} class {node.name} in {fn.name}()" for node in ast.walk(fn)
+                      if isinstance(node, ast.ClassDef)
+                      and any(_decorator_name(d) in _DERIVED for d in node.decorator_list)]
+    assert not found, "TVM-derived classes defined per call (move them to module level):\n" + "\n".join(found)

@@ -237,44 +237,44 @@ def tuning_target(spec: TargetSpec) -> tvm.target.Target:
         host={"kind": "llvm"})
 
 
-def _in_process_builder():
-    @derived_object
-    class InProcessBuilder(ms.builder.PyBuilder):
-        """MetaSchedule's default build + export, run in this process (no worker start-up)."""
+# MetaSchedule's Py* objects as module-level classes, their state on the instance: TVM keeps every
+# derived class alive, so a class made per call would keep what its closure captured.
+@derived_object
+class _InProcessBuilder(ms.builder.PyBuilder):
+    """MetaSchedule's default build + export, run in this process (no worker start-up)."""
 
-        def build(self, build_inputs):
-            results = []
-            for inp in build_inputs:
-                try:
-                    path = default_export(build_candidate(inp.mod, inp.target))
-                    results.append(ms.builder.BuilderResult(path, None))
-                except Exception as err:  # one failed candidate is a result, not a crash
-                    results.append(ms.builder.BuilderResult(None, f"build failed: {err}"))
-            return results
-
-    return InProcessBuilder()
+    def build(self, build_inputs):
+        results = []
+        for inp in build_inputs:
+            try:
+                path = default_export(build_candidate(inp.mod, inp.target))
+                results.append(ms.builder.BuilderResult(path, None))
+            except Exception as err:  # one failed candidate is a result, not a crash
+                results.append(ms.builder.BuilderResult(None, f"build failed: {err}"))
+        return results
 
 
-def _in_process_runner(config):
-    @derived_object
-    class InProcessRunner(ms.runner.PyRunner):
-        """MetaSchedule's default allocation + time evaluator, run in this process."""
+@derived_object
+class _InProcessRunner(ms.runner.PyRunner):
+    """MetaSchedule's default allocation + time evaluator, run in this process."""
 
-        def run(self, runner_inputs):
-            futures = []
-            for inp in runner_inputs:
-                try:
-                    kind = str(inp.device_type)
-                    dev = tvm.runtime.device("cpu" if kind == "llvm" else kind, 0)
-                    rt_mod = tvm.runtime.load_module(str(inp.artifact_path))
-                    args = default_alloc_argument(dev, [a.as_json() for a in inp.args_info], 1)
-                    secs = default_run_evaluator(rt_mod, dev, config, args)
-                    futures.append(LocalRunnerFuture(res=secs, error_message=None))
-                except Exception as err:  # noqa: BLE001 - reported as a failed candidate
-                    futures.append(LocalRunnerFuture(res=None, error_message=f"run failed: {err}"))
-            return futures
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
 
-    return InProcessRunner()
+    def run(self, runner_inputs):
+        futures = []
+        for inp in runner_inputs:
+            try:
+                kind = str(inp.device_type)
+                dev = tvm.runtime.device("cpu" if kind == "llvm" else kind, 0)
+                rt_mod = tvm.runtime.load_module(str(inp.artifact_path))
+                args = default_alloc_argument(dev, [a.as_json() for a in inp.args_info], 1)
+                secs = default_run_evaluator(rt_mod, dev, self.config, args)
+                futures.append(LocalRunnerFuture(res=secs, error_message=None))
+            except Exception as err:  # noqa: BLE001 - reported as a failed candidate
+                futures.append(LocalRunnerFuture(res=None, error_message=f"run failed: {err}"))
+        return futures
 
 
 def parse_rpc(rpc: str) -> tuple[str, int, str]:
@@ -349,7 +349,7 @@ def _measure_setup(spec: TargetSpec, rpc: str | None, isolate: bool):
                                        enable_cpu_cache_flush=False)
     builder = (ms.builder.LocalBuilder(max_workers=cpu_count(logical=True), timeout_sec=120.0,
                                        f_build=build_candidate)
-               if isolate else _in_process_builder())
+               if isolate else _InProcessBuilder())
     if rpc:
         host, port, key = parse_rpc(rpc)
         rpc_config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=key,
@@ -358,7 +358,7 @@ def _measure_setup(spec: TargetSpec, rpc: str | None, isolate: bool):
         return builder, ms.runner.RPCRunner(rpc_config, config, max_workers=slots), slots
     if isolate:
         return builder, ms.runner.LocalRunner(timeout_sec=120.0, evaluator_config=config), 1
-    return builder, _in_process_runner(config), 1
+    return builder, _InProcessRunner(config), 1
 
 
 def device_type(target) -> str:
@@ -553,19 +553,21 @@ class _Progress:
             self.bar.close()
 
 
-def _progress_callback(progress: _Progress, name: str):
-    best: list[float] = []
+@derived_object
+class _ProgressCallback(ms.measure_callback.PyMeasureCallback):
+    """Each measured batch: the task's best time so far and its failures, on the progress bar."""
 
-    @derived_object
-    class ProgressCallback(ms.measure_callback.PyMeasureCallback):
-        def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
-            ok = [r for r in runner_results if not r.error_msg and r.run_secs]
-            best.extend(1e3 * sum(float(s) for s in r.run_secs) / len(r.run_secs) for r in ok)
-            failed = len(runner_results) - len(ok)
-            progress.step(len(runner_results), f"{name} best {min(best):.4f} ms, {failed} failed"
-                          if best else f"{name}, {failed} failed")
+    def __init__(self, progress: _Progress, name: str) -> None:
+        super().__init__()
+        self.progress, self.name = progress, name
+        self.best: list[float] = []
 
-    return ProgressCallback()
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+        ok = [r for r in runner_results if not r.error_msg and r.run_secs]
+        self.best.extend(1e3 * sum(float(s) for s in r.run_secs) / len(r.run_secs) for r in ok)
+        failed = len(runner_results) - len(ok)
+        self.progress.step(len(runner_results), f"{self.name} best {min(self.best):.4f} ms, {failed} failed"
+                           if self.best else f"{self.name}, {failed} failed")
 
 
 def _tune_task(task: Task, spec: TargetSpec, target, trials: int, builder, runner, slots: int,
@@ -580,7 +582,7 @@ def _tune_task(task: Task, spec: TargetSpec, target, trials: int, builder, runne
                          num_threads=max(1, os.cpu_count() or 1))
     database = ms.database.MemoryDatabase()
     callbacks = ms.measure_callback.MeasureCallback.create("default") + [
-        _progress_callback(progress, task.name)]
+        _ProgressCallback(progress, task.name)]
     with tempfile.TemporaryDirectory(prefix="tvmfuse-tune-") as work_dir:
         ms.tune_tasks(tasks=[ctx], task_weights=[1.0], work_dir=work_dir, max_trials_global=trials,
                       num_trials_per_iter=per_iter, builder=builder, runner=runner,

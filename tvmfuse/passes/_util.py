@@ -177,25 +177,35 @@ def weight_constants(func: relax.Function) -> set[int]:
     return found
 
 
+@mutator
+class _Lift(PyExprMutator):
+    """Large constants (only those hashed in ``weights``, if given) → one new Var each, in
+    ``lifted`` ({hash: (var, constant)}). Mutators live at module level with their state on the
+    instance: TVM keeps every derived class alive, so a class made per call would keep what its
+    closure captured (here: the model's weights) for the rest of the process."""
+
+    def __init__(self, weights: set | None) -> None:
+        super().__init__()
+        self.weights = weights
+        self.lifted: dict = {}
+
+    def visit_generic_const_(self, const) -> relax.Expr:
+        if not is_large_constant(const) or (self.weights is not None and hash(const) not in self.weights):
+            return const
+        key = hash(const)
+        if key not in self.lifted:
+            self.lifted[key] = (relax.Var(f"lifted_weight_{len(self.lifted)}", const.ty), const)
+        return self.lifted[key][0]
+
+
 def lift_large_constants(func: relax.Function, weights_only: bool = False
                          ) -> tuple[relax.Function, dict[relax.Var, relax.Expr]]:
     """``func`` with every constant of ``LARGE_CONSTANT_BYTES`` or more (``weights_only``: only
     :func:`weight_constants`) replaced by a new trailing parameter, and ``{parameter: constant}``
     to bind them back (``Function.bind_params``)."""
-    lifted: dict = {}
-    weights = weight_constants(func) if weights_only else None
-
-    @mutator
-    class _Lift(PyExprMutator):
-        def visit_generic_const_(self, const) -> relax.Expr:
-            if not is_large_constant(const) or (weights is not None and hash(const) not in weights):
-                return const
-            key = hash(const)
-            if key not in lifted:
-                lifted[key] = (relax.Var(f"lifted_weight_{len(lifted)}", const.ty), const)
-            return lifted[key][0]
-
-    body = _Lift().visit_expr(func.body)
+    lift = _Lift(weight_constants(func) if weights_only else None)
+    body = lift.visit_expr(func.body)
+    lifted = lift.lifted
     if not lifted:
         return func, {}
     params = [v for v, _ in lifted.values()]

@@ -377,6 +377,61 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
             and all(a.same_as(b) for a, b in zip(v.indices, ivs[::-1])))
 
 
+@mutator
+class _DropTransposes(PyExprMutator):
+    """:func:`_drop_weight_transposes`' mutator. At module level, its state on the instance: TVM
+    keeps every derived class alive, so a class made per call would keep its twins (every weight
+    of the module) for the rest of the process."""
+
+    def __init__(self, mod: tvm.IRModule, kernels: dict, ranges: dict[str, tuple[int, int]],
+                 prefer_nt: set) -> None:
+        super().__init__(mod)
+        self.kernels, self.ranges, self.prefer_nt = kernels, ranges, prefer_nt
+        self.made: dict = {}
+        self.twins = TransposedTwins(mod)
+
+    def visit_call_(self, call):
+        call_tir = tvm.ir.Op.get("relax.call_tir")
+        call = super().visit_call_(call)
+        if call.op != call_tir or call.args[0] not in self.kernels:
+            return call
+        gv = call.args[0]
+        b_pos = self.kernels[gv]
+        args = list(call.args[1].fields)
+        if b_pos is None:
+            return call
+        if isinstance(args[b_pos], tvm.ir.expr.Constant):  # the decode GEMV's (N, K) copy
+            source = self.twins.of(args[b_pos])
+            if source is None and gv in self.prefer_nt and self.twins.uses.get(hash(args[b_pos])) == 1:
+                w = const_array(args[b_pos])  # read by this call alone: its transpose replaces it
+                source = None if w is None else weight_arrays.constant(weight_arrays.transpose(w))
+        else:
+            producer = self.lookup_binding(args[b_pos]) if isinstance(args[b_pos], relax.Var) else None
+            source = producer.args[1].fields[0] if (
+                isinstance(producer, relax.Call) and producer.op == call_tir
+                and isinstance(self.builder_.get()[producer.args[0]], tirx.PrimFunc)
+                and _is_transpose(self.builder_.get()[producer.args[0]])) else None
+        if source is None:
+            return call
+        if gv not in self.made:
+            try:
+                kernel = build_kernel(self.builder_.get()[gv], b_transposed=True,
+                                      ranges=self.ranges)
+            except NotHandled:
+                self.made[gv] = None
+                return call
+            # the report finds the fused function's ops through the name it replaces
+            old_attrs = self.builder_.get()[gv].attrs
+            replaces = (str(old_attrs[REPLACES_ATTR]) if old_attrs and REPLACES_ATTR in old_attrs
+                        else gv.name_hint)
+            self.made[gv] = self.builder_.add_func(kernel.with_attr(REPLACES_ATTR, replaces),
+                                                   f"{gv.name_hint}_nt")
+        if self.made[gv] is None:
+            return call
+        args[b_pos] = source
+        return relax.Call(call_tir, [self.made[gv], relax.Tuple(args)], call.attrs, call.ty_args)
+
+
 def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
                             ranges: dict[str, tuple[int, int]], prefer_nt: set) -> tvm.IRModule:
     """``gemm(.., transpose(w), ..)`` → ``gemm_nt(.., w, ..)`` for the kernels just generated.
@@ -388,58 +443,12 @@ def _drop_weight_transposes(mod: tvm.IRModule, kernels: dict,
     (whose (N, K) B gets a better tile, :func:`select_config`) a constant (K, N) B that nothing
     else reads is replaced by its transpose, made at compile time.
     """
-    call_tir = tvm.ir.Op.get("relax.call_tir")
-    made: dict = {}
-    twins = TransposedTwins(mod)
-
-    @mutator
-    class _Rewrite(PyExprMutator):
-        def visit_call_(self, call):
-            call = super().visit_call_(call)
-            if call.op != call_tir or call.args[0] not in kernels:
-                return call
-            gv = call.args[0]
-            b_pos = kernels[gv]
-            args = list(call.args[1].fields)
-            if b_pos is None:
-                return call
-            if isinstance(args[b_pos], tvm.ir.expr.Constant):  # the decode GEMV's (N, K) copy
-                source = twins.of(args[b_pos])
-                if source is None and gv in prefer_nt and twins.uses.get(hash(args[b_pos])) == 1:
-                    w = const_array(args[b_pos])  # read by this call alone: its transpose replaces it
-                    source = None if w is None else weight_arrays.constant(weight_arrays.transpose(w))
-            else:
-                producer = self.lookup_binding(args[b_pos]) if isinstance(args[b_pos], relax.Var) else None
-                source = producer.args[1].fields[0] if (
-                    isinstance(producer, relax.Call) and producer.op == call_tir
-                    and isinstance(self.builder_.get()[producer.args[0]], tirx.PrimFunc)
-                    and _is_transpose(self.builder_.get()[producer.args[0]])) else None
-            if source is None:
-                return call
-            if gv not in made:
-                try:
-                    kernel = build_kernel(self.builder_.get()[gv], b_transposed=True,
-                                          ranges=ranges)
-                except NotHandled:
-                    made[gv] = None
-                    return call
-                # the report finds the fused function's ops through the name it replaces
-                old_attrs = self.builder_.get()[gv].attrs
-                replaces = (str(old_attrs[REPLACES_ATTR]) if old_attrs and REPLACES_ATTR in old_attrs
-                            else gv.name_hint)
-                made[gv] = self.builder_.add_func(kernel.with_attr(REPLACES_ATTR, replaces),
-                                                  f"{gv.name_hint}_nt")
-            if made[gv] is None:
-                return call
-            args[b_pos] = source
-            return relax.Call(call_tir, [made[gv], relax.Tuple(args)], call.attrs, call.ty_args)
-
-    rewriter = _Rewrite(mod)
+    rewriter = _DropTransposes(mod, kernels, ranges, prefer_nt)
     for gv, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
     mod = rewriter.builder_.get()
-    if any(v is not None for v in made.values()):
+    if any(v is not None for v in rewriter.made.values()):
         mod = relax.transform.DeadCodeElimination()(mod)
     return mod
 

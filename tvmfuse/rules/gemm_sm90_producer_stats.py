@@ -220,49 +220,47 @@ def Sm90ProducerRowStats(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802
 def _rewrite(mod: tvm.IRModule, plans: list[_Plan]) -> tvm.IRModule:
     """Producers return ``(h, P)``; consumers read P where they read rstd; the statistics calls
     are left unused and removed with their PrimFuncs."""
-    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    return mutate_functions(_Rewrite(mod, plans))
 
-    def producer_of(call) -> _Plan | None:
-        return next((p for p in plans if p.producer.same_as(call)), None)
 
-    def consumer_of(call) -> tuple | None:
-        return next(((p, c) for p in plans for c in p.consumers if c[0].same_as(call)), None)
+@mutator
+class _Rewrite(PyExprMutator):
+    """:func:`_rewrite`'s mutator. At module level, its state on the instance: TVM keeps every
+    derived class alive, so a class made per call would keep the plans (and the weights their
+    calls read) for the rest of the process."""
 
-    @mutator
-    class _Rewrite(PyExprMutator):
-        def __init__(self, mod):
-            super().__init__(mod)
-            self.partials: dict = {}  # id(plan) → the P var
+    def __init__(self, mod: tvm.IRModule, plans: list[_Plan]) -> None:
+        super().__init__(mod)
+        self.plans = plans
+        self.partials: dict = {}  # id(plan) → the P var
 
-        def _args(self, call, swap) -> list:
-            args = [self.visit_expr(a) for a in call.args[1].fields]
-            if swap is not None:
-                args[swap[0]] = swap[1]
-            return args
+    def _args(self, call, swap) -> list:
+        args = [self.visit_expr(a) for a in call.args[1].fields]
+        if swap is not None:
+            args[swap[0]] = swap[1]
+        return args
 
-        def visit_call_(self, call):
-            plan = producer_of(call)
-            if plan is not None:
-                gv = self.builder_.add_func(plan.producer_kernel,
-                                            f"{call.args[0].name_hint}_partials")
-                out_ty = call.ty_args[0]
-                m = out_ty.shape.values[0]
-                both = self.builder_.emit(relax.call_tir(
-                    gv, relax.Tuple(self._args(call, plan.producer_b)),
-                    [out_ty, relax.TensorType([plan.rows, m], "float32")]))
-                self.partials[id(plan)] = self.builder_.emit(relax.TupleGetItem(both, 1))
-                return relax.TupleGetItem(both, 0)
-            found = consumer_of(call)
-            if found is None:
-                return super().visit_call_(call)
-            plan, (_user, kernel, in_loop, swap) = found
-            args = self._args(call, swap)
-            args[in_loop.rstd] = self.partials[id(plan)]  # mean's argument goes (LayerNorm)
-            args = [a for i, a in enumerate(args) if i != in_loop.mean]
-            gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_partial_stats")
-            return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
-
-    return mutate_functions(_Rewrite(mod))
+    def visit_call_(self, call):
+        plan = next((p for p in self.plans if p.producer.same_as(call)), None)
+        if plan is not None:
+            gv = self.builder_.add_func(plan.producer_kernel, f"{call.args[0].name_hint}_partials")
+            out_ty = call.ty_args[0]
+            m = out_ty.shape.values[0]
+            both = self.builder_.emit(relax.call_tir(
+                gv, relax.Tuple(self._args(call, plan.producer_b)),
+                [out_ty, relax.TensorType([plan.rows, m], "float32")]))
+            self.partials[id(plan)] = self.builder_.emit(relax.TupleGetItem(both, 1))
+            return relax.TupleGetItem(both, 0)
+        found = next(((p, c) for p in self.plans for c in p.consumers if c[0].same_as(call)), None)
+        if found is None:
+            return super().visit_call_(call)
+        plan, (_user, kernel, in_loop, swap) = found
+        args = self._args(call, swap)
+        args[in_loop.rstd] = self.partials[id(plan)]  # mean's argument goes (LayerNorm)
+        args = [a for i, a in enumerate(args) if i != in_loop.mean]
+        gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_partial_stats")
+        return relax.Call(tvm.ir.Op.get(_CALL_TIR), [gv, relax.Tuple(args)], call.attrs,
+                          call.ty_args)
 
 
 __all__ = ["NAME", "Sm90ProducerRowStats"]

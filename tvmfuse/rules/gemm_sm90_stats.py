@@ -233,17 +233,25 @@ def swap_gemm_calls(mod: tvm.IRModule, swaps: list[tuple]) -> tvm.IRModule:
     """Each ``(call, kernel, args)``: the GEMM ``call_tir`` becomes ``call_tir(kernel, args)``
     (the kernel added as ``<old name>_stats``); the statistics calls this leaves unused, and
     their PrimFuncs, are removed as dead code."""
-    call_tir = tvm.ir.Op.get(_CALL_TIR)
+    return mutate_functions(_SwapGemms(mod, swaps))
 
-    @mutator
-    class _Rewrite(PyExprMutator):
-        def visit_call_(self, call):
-            match = next(((k, a) for g, k, a in swaps if g.same_as(call)), None)
-            if match is None:
-                return super().visit_call_(call)
-            kernel, args = match
-            gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_stats")
-            return relax.Call(call_tir, [gv, relax.Tuple(args)], call.attrs, call.ty_args)
 
-    return mutate_functions(_Rewrite(mod))
+@mutator
+class _SwapGemms(PyExprMutator):
+    """:func:`swap_gemm_calls`' mutator. At module level, its state on the instance: TVM keeps
+    every derived class alive, so a class made per call would keep the swaps (and the weights
+    their arguments hold) for the rest of the process."""
+
+    def __init__(self, mod: tvm.IRModule, swaps: list[tuple]) -> None:
+        super().__init__(mod)
+        self.swaps = swaps
+
+    def visit_call_(self, call):
+        match = next(((k, a) for g, k, a in self.swaps if g.same_as(call)), None)
+        if match is None:
+            return super().visit_call_(call)
+        kernel, args = match
+        gv = self.builder_.add_func(kernel, f"{call.args[0].name_hint}_stats")
+        return relax.Call(tvm.ir.Op.get(_CALL_TIR), [gv, relax.Tuple(args)], call.attrs,
+                          call.ty_args)
 

@@ -310,6 +310,42 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
         plan.stats_names[key] = stats_name
 
 
+@mutator
+class _Rewrite(PyExprMutator):
+    """The planned calls → their kernels (added once per key). At module level, its state on the
+    instance: TVM keeps every derived class alive, so a class made per call would keep the plan
+    (and the weights its calls read) for the rest of the process."""
+
+    def __init__(self, mod: tvm.IRModule, plan: _Plan) -> None:
+        super().__init__(mod)
+        self.plan = plan
+        self.added: dict = {}
+
+    def kernel(self, key) -> tvm.ir.GlobalVar:
+        if key not in self.added:
+            plan = self.plan
+            gv, in_loop, site = key[0], key[2], key[5]
+            kernel = plan.kernels[key].with_attr(REPLACES_ATTR, gv.name_hint)
+            if in_loop is not None:  # the report counts the statistics in this kernel
+                kernel = kernel.with_attr(IN_LOOP_ATTR, [gv.name_hint, plan.stats_names[key]])
+            suffix = "gemv" if site is None else APPEND_NAME
+            self.added[key] = self.builder_.add_func(kernel, f"{gv.name_hint}_{suffix}")
+        return self.added[key]
+
+    def visit_call_(self, call):
+        appended = next(((k, a, i) for c, k, a, i in self.plan.appends if c.same_as(call)), None)
+        if appended is not None:
+            key, args, inplace = appended
+            return relax.op.call_tir_inplace(self.kernel(key), relax.Tuple(args), [inplace],
+                                             call.ty_args[0])
+        found = next(((k, a) for c, k, a in self.plan.calls if c.same_as(call)), None)
+        if found is None:
+            return super().visit_call_(call)
+        key, args = found
+        return relax.Call(tvm.ir.Op.get(_CALL_TIR), [self.kernel(key), relax.Tuple(args)],
+                          call.attrs, call.ty_args)
+
+
 @tvm.transform.module_pass(opt_level=0, name="SmallMGemm")
 def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass names are CamelCase
     """Small-M GEMM calls → weight-streaming kernels (module docstring); on a copy of ``mod``."""
@@ -324,36 +360,7 @@ def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass na
         mod[gv] = mod[gv].with_attr(FALLBACK_ATTR, f"{NAME}: {why}")
     if not plan.calls and not plan.appends:
         return mod
-    call_tir = tvm.ir.Op.get(_CALL_TIR)
-    added: dict = {}
-
-    @mutator
-    class _Rewrite(PyExprMutator):
-        def kernel(self, key) -> tvm.ir.GlobalVar:
-            if key not in added:
-                gv, in_loop, site = key[0], key[2], key[5]
-                kernel = plan.kernels[key].with_attr(REPLACES_ATTR, gv.name_hint)
-                if in_loop is not None:  # the report counts the statistics in this kernel
-                    kernel = kernel.with_attr(IN_LOOP_ATTR,
-                                              [gv.name_hint, plan.stats_names[key]])
-                suffix = "gemv" if site is None else APPEND_NAME
-                added[key] = self.builder_.add_func(kernel, f"{gv.name_hint}_{suffix}")
-            return added[key]
-
-        def visit_call_(self, call):
-            appended = next(((k, a, i) for c, k, a, i in plan.appends if c.same_as(call)), None)
-            if appended is not None:
-                key, args, inplace = appended
-                return relax.op.call_tir_inplace(self.kernel(key), relax.Tuple(args), [inplace],
-                                                 call.ty_args[0])
-            found = next(((k, a) for c, k, a in plan.calls if c.same_as(call)), None)
-            if found is None:
-                return super().visit_call_(call)
-            key, args = found
-            return relax.Call(call_tir, [self.kernel(key), relax.Tuple(args)], call.attrs,
-                              call.ty_args)
-
-    rewriter = _Rewrite(mod)
+    rewriter = _Rewrite(mod, plan)
     for gv, func in list(mod.functions_items()):
         if isinstance(func, relax.Function):
             rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
