@@ -48,7 +48,7 @@ from ..kernels.gemm.gemv import MAX_M, GemvConfig, GemvProblem, check, gemv_kern
 from ..kernels.gemm.opmath import opmath
 from ..options import current_options
 from ..passes import weight_arrays
-from ..passes._util import const_array
+from ..passes._util import const_array, mutate_functions
 from .gemm_sm80 import _sm
 from .gemm_sm90 import InLoopStats, _looks_like_gemm, kernel_signature
 from .gemm_sm90_stats import stats_calls
@@ -360,8 +360,4 @@ def SmallMGemm(mod: tvm.IRModule, _ctx) -> tvm.IRModule:  # noqa: N802 - pass na
         mod[gv] = mod[gv].with_attr(FALLBACK_ATTR, f"{NAME}: {why}")
     if not plan.calls and not plan.appends:
         return mod
-    rewriter = _Rewrite(mod, plan)
-    for gv, func in list(mod.functions_items()):
-        if isinstance(func, relax.Function):
-            rewriter.builder_.update_func(gv, rewriter.visit_expr(func))
-    return relax.transform.DeadCodeElimination()(rewriter.builder_.get())
+    return mutate_functions(_Rewrite(mod, plan))
