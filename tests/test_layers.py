@@ -115,7 +115,8 @@ def test_tvm_derived_classes_sit_at_module_level():
     (``_DISPATCH_TYPE_KEEP_ALIVE`` in its ``function.pxi``). A ``@mutator`` class defined inside a
     function is a new type per call, kept with its closure: session 41 found a compiled LM's
     derived weights (3.3x the model) resident after the library was dropped. Such classes sit at
-    module level and take their state in ``__init__``."""
+    module level and take their state in ``__init__`` (their one type is kept; each instance, with
+    its state, is freed)."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()

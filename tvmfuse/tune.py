@@ -237,8 +237,6 @@ def tuning_target(spec: TargetSpec) -> tvm.target.Target:
         host={"kind": "llvm"})
 
 
-# MetaSchedule's Py* objects as module-level classes, their state on the instance: TVM keeps every
-# derived class alive, so a class made per call would keep what its closure captured.
 @derived_object
 class _InProcessBuilder(ms.builder.PyBuilder):
     """MetaSchedule's default build + export, run in this process (no worker start-up)."""

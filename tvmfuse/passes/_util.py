@@ -180,9 +180,8 @@ def weight_constants(func: relax.Function) -> set[int]:
 @mutator
 class _Lift(PyExprMutator):
     """Large constants (only those hashed in ``weights``, if given) → one new Var each, in
-    ``lifted`` ({hash: (var, constant)}). Mutators live at module level with their state on the
-    instance: TVM keeps every derived class alive, so a class made per call would keep what its
-    closure captured (here: the model's weights) for the rest of the process."""
+    ``lifted`` ({hash: (var, constant)}). Module level, state on the instance: see
+    ``tests/test_layers.py::test_tvm_derived_classes_sit_at_module_level``."""
 
     def __init__(self, weights: set | None) -> None:
         super().__init__()

@@ -379,9 +379,7 @@ def _is_transpose(func: tirx.PrimFunc) -> bool:
 
 @mutator
 class _DropTransposes(PyExprMutator):
-    """:func:`_drop_weight_transposes`' mutator. At module level, its state on the instance: TVM
-    keeps every derived class alive, so a class made per call would keep its twins (every weight
-    of the module) for the rest of the process."""
+    """:func:`_drop_weight_transposes`' mutator."""
 
     def __init__(self, mod: tvm.IRModule, kernels: dict, ranges: dict[str, tuple[int, int]],
                  prefer_nt: set) -> None:

@@ -225,9 +225,7 @@ def _rewrite(mod: tvm.IRModule, plans: list[_Plan]) -> tvm.IRModule:
 
 @mutator
 class _Rewrite(PyExprMutator):
-    """:func:`_rewrite`'s mutator. At module level, its state on the instance: TVM keeps every
-    derived class alive, so a class made per call would keep the plans (and the weights their
-    calls read) for the rest of the process."""
+    """:func:`_rewrite`'s mutator."""
 
     def __init__(self, mod: tvm.IRModule, plans: list[_Plan]) -> None:
         super().__init__(mod)

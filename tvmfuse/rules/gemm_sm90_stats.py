@@ -238,9 +238,7 @@ def swap_gemm_calls(mod: tvm.IRModule, swaps: list[tuple]) -> tvm.IRModule:
 
 @mutator
 class _SwapGemms(PyExprMutator):
-    """:func:`swap_gemm_calls`' mutator. At module level, its state on the instance: TVM keeps
-    every derived class alive, so a class made per call would keep the swaps (and the weights
-    their arguments hold) for the rest of the process."""
+    """:func:`swap_gemm_calls`' mutator."""
 
     def __init__(self, mod: tvm.IRModule, swaps: list[tuple]) -> None:
         super().__init__(mod)

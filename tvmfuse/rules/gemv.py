@@ -312,9 +312,7 @@ def _plan_calls(mod: tvm.IRModule, func: relax.Function, plan: _Plan, refused: d
 
 @mutator
 class _Rewrite(PyExprMutator):
-    """The planned calls → their kernels (added once per key). At module level, its state on the
-    instance: TVM keeps every derived class alive, so a class made per call would keep the plan
-    (and the weights its calls read) for the rest of the process."""
+    """The planned calls → their kernels (added once per key)."""
 
     def __init__(self, mod: tvm.IRModule, plan: _Plan) -> None:
         super().__init__(mod)
