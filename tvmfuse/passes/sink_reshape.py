@@ -33,6 +33,9 @@ from ._util import rewrite_functions, shape_expr, split_bounds, without_large_co
 UNARY = ["relax.nn.relu", "relax.nn.gelu", "relax.nn.gelu_tanh", "relax.nn.silu", "relax.sigmoid",
          "relax.tanh", "relax.exp", "relax.erf", "relax.negative", "relax.astype", "relax.sqrt",
          "relax.rsqrt", "relax.abs", "relax.square", "relax.log"]
+# TVM's matcher tries add and multiply both ways round; the side of the reshape is checked only
+# where the result depends on it
+COMMUTATIVE = ("relax.add", "relax.multiply", "relax.maximum", "relax.minimum")
 BINARY = ["relax.add", "relax.subtract", "relax.multiply", "relax.divide", "relax.power",
           "relax.maximum", "relax.minimum"]
 
@@ -48,6 +51,11 @@ def last_axis_broadcast(b_shape: list, n) -> bool:
 
 def _is_call(expr: relax.Expr, op: str) -> bool:
     return isinstance(expr, relax.Call) and expr.op.same_as(tvm.ir.Op.get(op))
+
+
+def _is(arg: relax.Expr, value: relax.Expr, table: dict) -> bool:
+    """``arg`` is ``value`` or a var bound to it."""
+    return arg.same_as(value) or (arg in table and table[arg].same_as(value))
 
 
 def _bindings(func: relax.Function) -> dict:
@@ -91,6 +99,17 @@ def _sink(func: relax.Function) -> relax.Function:
 
     def rewrite_binary(expr, m):
         inner, other, target = m[a], m[b], m[reshaped]
+        if expr.op.name in COMMUTATIVE:
+            # either order computes the same: an operand the match returns as it stands in the
+            # call (a parameter, a constant) keeps its place, else the reshape's operand goes first
+            other_first = expr.args[0].same_as(other)
+        else:  # subtract, divide, power: the side the reshape stands on, looked through its var
+            other_first = not _is(expr.args[0], target, table)
+            if other_first and not _is(expr.args[1], target, table):
+                return expr  # rewritten earlier in this round (not in ``table``): the next round
+
+        def ordered(x, y):  # x: the reshaped operand's replacement, y: the other's
+            return [y, x] if other_first else [x, y]
         # shapes with symbolic dims (--dynamic) compare structurally
         a_shape, s, o_shape = known_shape(inner), known_shape(target), known_shape(other)
         if any(x is None for x in (a_shape, s, o_shape)) or str(inner.ty.dtype) != str(other.ty.dtype):
@@ -102,8 +121,8 @@ def _sink(func: relax.Function) -> relax.Function:
             same = same_shape(o_shape, s) and same_shape(known_shape(source), a_shape)
             if same and str(source.ty.dtype) == str(inner.ty.dtype):
                 # both sides reshaped from one shape: the op runs on the originals
-                args = [source, inner] if expr.args[0].same_as(other) else [inner, source]
-                return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])
+                return relax.op.reshape(relax.Call(expr.op, ordered(inner, source), expr.attrs),
+                                        target.args[1])
             return expr  # different origins: moving one reshape would move it back and forth
         if same_shape(o_shape, s):
             # Full-shape operand: only for a GEMM(-epilogue) output meeting a non-GEMM tensor; the reverse
@@ -116,8 +135,8 @@ def _sink(func: relax.Function) -> relax.Function:
             other_new = other if len(o_shape) <= 1 else relax.op.reshape(other, shape_expr([o_shape[-1]]))
         else:
             return expr
-        args = [other_new, inner] if expr.args[0].same_as(other) else [inner, other_new]
-        return relax.op.reshape(relax.Call(expr.op, args, expr.attrs), target.args[1])
+        return relax.op.reshape(relax.Call(expr.op, ordered(inner, other_new), expr.attrs),
+                                target.args[1])
 
     # a slice along the last axis of a reshape that keeps that axis: the slice goes first (a gate/up
     # GEMM's halves, HF Phi-3's ``gate_up.chunk(2, -1)``, then meet PairGemm in the GEMM's 2-D form)
