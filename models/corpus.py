@@ -343,6 +343,11 @@ class NormLinear(nn.Module):
             return (self.weight.to(torch.float32) * h).to(x.dtype)
         if f == "f_rms_norm":
             return F.rms_norm(x, (HIDDEN,), self.weight, eps)
+        if f == "f_rms_norm_no_weight":  # NanoChat's norm
+            return F.rms_norm(x, (HIDDEN,), eps=eps)
+        if f == "llama_no_weight":  # LlamaRMSNorm's body without w
+            h = x.to(torch.float32)
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
         if f == "f_layer_norm":
             return F.layer_norm(x, (HIDDEN,), self.weight, self.bias, eps)
         return self.norm(x)
@@ -524,6 +529,8 @@ FORMULATIONS: list[Formulation] = [
     _f("rmsnorm_t5_linear", "norm", _mod(NormLinear("t5"))),
     _f("rmsnorm_functional_linear", "norm", _mod(NormLinear("f_rms_norm"))),
     _f("rmsnorm_module_linear", "norm", _mod(NormLinear("nn_rmsnorm"))),
+    _f("rmsnorm_no_weight_functional_linear", "norm", _mod(NormLinear("f_rms_norm_no_weight"))),
+    _f("rmsnorm_no_weight_llama_linear", "norm", _mod(NormLinear("llama_no_weight"))),
     _f("rmsnorm_residual_linear", "norm", _mod(NormLinear("issue", residual=True))),
     _f("layernorm_functional_linear", "norm", _mod(NormLinear("f_layer_norm"))),
     _f("layernorm_module_linear", "norm", _mod(NormLinear("nn_layernorm"))),

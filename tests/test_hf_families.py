@@ -43,6 +43,8 @@ def _model(name: str) -> torch.nn.Module:
         return T.Gemma3ForCausalLM(T.Gemma3TextConfig(head_dim=16, sliding_window=16, **COMMON))
     if name == "apertus":  # xIELU MLP (no gate): expm1(min(x, eps)) − x on the up GEMM's output
         return T.ApertusForCausalLM(T.ApertusConfig(**COMMON))
+    if name == "nanochat":  # RMSNorms without a weight (F.rms_norm(x, (n,))), q / k norms after RoPE
+        return T.NanoChatForCausalLM(T.NanoChatConfig(**COMMON))
     if name == "gptj":
         return T.GPTJForCausalLM(T.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
                                               n_inner=128, n_positions=256, rotary_dim=8))
@@ -54,9 +56,10 @@ def _model(name: str) -> torch.nn.Module:
 
 # kernels on sm90 (fp16) today; stock TVM's counts for the same graphs were 57, 50, 46, 44.
 # Qwen3 / OLMo2 / Gemma-3: each q / k norm fused with the slice it reads
-# (passes/norm_input_copies.py; 22, 26 and 26 before)
-KERNELS = {"apertus": 20, "cohere": 14, "starcoder2": 14, "gptj": 16, "opt": 15, "qwen3": 18, "olmo2": 22,
-           "gemma3": 22}
+# (passes/norm_input_copies.py; 22, 26 and 26 before). NanoChat: 46 before the weightless RMSNorm
+# rewrite (session 43), each norm 3–4 kernels.
+KERNELS = {"apertus": 20, "nanochat": 23, "cohere": 14, "starcoder2": 14, "gptj": 16, "opt": 15,
+           "qwen3": 18, "olmo2": 22, "gemma3": 22}
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -120,10 +123,11 @@ def test_onnx_dynamo_export(name, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
-def test_gpu_qk_norm_families(name, tmp_path):
-    """On the H200: Qwen3 / OLMo2 in fp16 (head dim 64, the q / k norms fused with their slices
-    of the QKV GEMM's output) against the float64 model."""
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "apertus", "nanochat"])
+def test_gpu_norm_families(name, tmp_path):
+    """On the GPU: Qwen3 / OLMo2 in fp16 (head dim 64, the q / k norms fused with their slices
+    of the QKV GEMM's output), Apertus (xIELU across SinkReshape) and NanoChat (weightless
+    RMSNorms) against the float64 model."""
     from tests.cuda_tools import check_vs_float64
 
     config = dict(COMMON, hidden_size=256, intermediate_size=512)
@@ -131,6 +135,10 @@ def test_gpu_qk_norm_families(name, tmp_path):
     torch.manual_seed(0)
     if name == "qwen3":
         model = T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=64, **config))
+    elif name == "apertus":
+        model = T.ApertusForCausalLM(T.ApertusConfig(**config))
+    elif name == "nanochat":
+        model = T.NanoChatForCausalLM(T.NanoChatConfig(**config))
     else:
         model = T.Olmo2ForCausalLM(T.Olmo2Config(**config, pad_token_id=0, eos_token_id=1,
                                                  bos_token_id=1))

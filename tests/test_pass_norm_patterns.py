@@ -330,3 +330,78 @@ def test_layer_norm_without_bias_onnx_reciprocal():
     after = apply_pass(FuseDecomposedNorms(), LayerNormNoBiasOnnx)
     tvm.ir.assert_structural_equal(after, LayerNormNoBiasOnnxExpected)
     assert_same_numerics(LayerNormNoBiasOnnx, after)
+
+
+@I.ir_module
+class RMSNoWeightHalf:
+    """``F.rms_norm(x, (n,))`` (NanoChat) / LlamaRMSNorm without w in fp16: upcast, x̂, cast back."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float16")) -> R.Tensor((4, 64), "float16"):
+        with R.dataflow():
+            xf = R.astype(x, "float32")
+            sq = R.power(xf, R.const(2.0, "float32"))
+            ms = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(ms, R.const(0.0009765625, "float32"))
+            r = R.rsqrt(ve)
+            n = R.multiply(xf, r)
+            y = R.astype(n, "float16")
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSNoWeightHalfExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float16")) -> R.Tensor((4, 64), "float16"):
+        with R.dataflow():
+            xf = R.astype(x, "float32")
+            n = R.nn.rms_norm(xf, R.const(np.ones(64, "float32")), axes=[-1], epsilon=0.0009765625)
+            y = R.astype(n, "float16")
+            R.output(y)
+        return y
+
+
+def test_rms_norm_without_weight():
+    """No weight to multiply by: the match ends at x̂, whose weight is ones (was 4 sm90 kernels
+    before the Linear that reads it, now 1 with the norm folded into it: the corpus' no-weight
+    forms)."""
+    after = apply_pass(FuseDecomposedNorms(), RMSNoWeightHalf)
+    tvm.ir.assert_structural_equal(after, RMSNoWeightHalfExpected)
+    assert_same_numerics(RMSNoWeightHalf, after, rtol=2e-3)
+
+
+@I.ir_module
+class LayerNormNoWeight:
+    """LayerNorm without γ and β (``elementwise_affine=False`` spelled out)."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            mu = R.mean(x, axis=[-1], keepdims=True)
+            d = R.subtract(x, mu)
+            sq = R.multiply(d, d)
+            var = R.mean(sq, axis=[-1], keepdims=True)
+            ve = R.add(var, R.const(0.0009765625, "float32"))
+            r = R.rsqrt(ve)
+            y = R.multiply(d, r)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class LayerNormNoWeightExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            y = R.nn.layer_norm(x, R.const(np.ones(64, "float32")), R.const(np.zeros(64, "float32")),
+                                axes=[-1], epsilon=0.0009765625)
+            R.output(y)
+        return y
+
+
+def test_layer_norm_without_weight():
+    """Not the weightless RMS rewrite of its centred half (``mean, subtract`` + ``rms_norm``)."""
+    after = apply_pass(FuseDecomposedNorms(), LayerNormNoWeight)
+    tvm.ir.assert_structural_equal(after, LayerNormNoWeightExpected)
+    assert_same_numerics(LayerNormNoWeight, after)

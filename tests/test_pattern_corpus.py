@@ -73,6 +73,8 @@ KERNELS: dict[str, int] = {
     "rmsnorm_t5_linear": 1,
     "rmsnorm_functional_linear": 1,
     "rmsnorm_module_linear": 1,
+    "rmsnorm_no_weight_functional_linear": 1,
+    "rmsnorm_no_weight_llama_linear": 1,
     "rmsnorm_residual_linear": 2,
     "layernorm_functional_linear": 1,
     "layernorm_module_linear": 1,

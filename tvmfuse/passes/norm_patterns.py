@@ -11,6 +11,8 @@ Sits before LegalizeOps (it matches high-level Relax ops).
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import tvm
 from tvm import relax
@@ -42,10 +44,11 @@ def _over_sqrt(x, var_eps):
     return _commutative("relax.multiply", x, inv) | is_op("relax.divide")(x, sqrt), one
 
 
-def _rms_norm_pattern():
+def _rms_norm_pattern(weighted: bool = True):
     # In fp16/bf16, HF upcasts first (torch.export may spell ``x.float()`` twice: one cast for the
     # square, one for the product) and multiplies by the weight after the cast back (Llama, T5) or
-    # in fp32 before it (Gemma's ``1 + w``, F.rms_norm, nn.RMSNorm).
+    # in fp32 before it (Gemma's ``1 + w``, F.rms_norm, nn.RMSNorm). Without a weight (NanoChat's
+    # ``F.rms_norm(x, (n,))``) the pattern ends at x̂: a cast back stays after the norm.
     x0, w, eps, two = wildcard(), wildcard(), is_const(), is_const()
     up_sq, up_mul = is_op("relax.astype")(x0), is_op("relax.astype")(x0)
     xs, xm = up_sq | x0, up_mul | x0
@@ -53,14 +56,15 @@ def _rms_norm_pattern():
     mean = is_op("relax.mean")(square)
     normed, one = _over_sqrt(xm, _commutative("relax.add", mean, eps))
     down = is_op("relax.astype")(normed)
-    out = _commutative("relax.multiply", down | normed, w)
+    out = _commutative("relax.multiply", down | normed, w) if weighted else normed
     return out, dict(x=x0, up_sq=up_sq, up_mul=up_mul, down=down, w=w, eps=eps, two=two, mean=mean,
                      one=one, square=square)
 
 
-def _layer_norm_pattern():
-    # Also without β (Cohere's and OLMo's LayerNorm: ``w · (x − μ) · rsqrt(var + eps)``), and in
-    # fp16/bf16 modules on the fp32 upcast of x (the cast back, if any, stays after the norm).
+def _layer_norm_pattern(weighted: bool = True):
+    # Also without β (Cohere's and OLMo's LayerNorm: ``w · (x − μ) · rsqrt(var + eps)``), without γ
+    # and β (``weighted=False``), and in fp16/bf16 modules on the fp32 upcast of x (the cast back,
+    # if any, stays after the norm).
     x, gamma, beta, eps, two = wildcard(), wildcard(), wildcard(), is_const(), is_const()
     mu = is_op("relax.mean")(x)
     # ``x − μ`` once, or twice (torch.export keeps the two ``h - mean`` of Cohere's code apart)
@@ -69,7 +73,7 @@ def _layer_norm_pattern():
     var = is_op("relax.mean")(square)
     normed, one = _over_sqrt(again, _commutative("relax.add", var, eps))
     scaled = _commutative("relax.multiply", normed, gamma)
-    out = _commutative("relax.add", scaled, beta) | scaled
+    out = (_commutative("relax.add", scaled, beta) | scaled) if weighted else normed
     return out, dict(x=x, gamma=gamma, beta=beta, eps=eps, two=two, mu=mu, var=var, square=square,
                      one=one)
 
@@ -118,14 +122,21 @@ def _rms_input(m: dict, p: dict) -> relax.Expr | None:
     return m[p["up_mul"]] if casts[0] else x
 
 
-def _rewrite_rms(func: relax.Function) -> relax.Function:
-    pattern, p = _rms_norm_pattern()
+def _ones(n: int, dtype: str) -> relax.Constant:
+    return relax.const(np.ones(n, dtype), dtype)
+
+
+def _rewrite_rms(func: relax.Function, weighted: bool = True) -> relax.Function:
+    pattern, p = _rms_norm_pattern(weighted)
     bound, _ = dataflow_bindings(func)
 
     def rewriter(expr, m):
-        data, w = _rms_input(m, p), m[p["w"]]
+        data = _rms_input(m, p)
         shape = None if data is None else known_shape(data)  # leading dims may be symbolic
-        if shape is None or not isinstance(shape[-1], int) or not _row_vector(w, shape[-1]):
+        if shape is None or not isinstance(shape[-1], int):
+            return expr
+        w = m[p["w"]] if weighted else _ones(shape[-1], str(data.ty.dtype))
+        if not _row_vector(w, shape[-1]):
             return expr
         if not _reduces_last_keepdims(m[p["mean"]], len(shape)):
             return expr
@@ -142,14 +153,15 @@ def _rewrite_rms(func: relax.Function) -> relax.Function:
     return rewrite_call(pattern, rewriter, func)
 
 
-def _rewrite_layer_norm(func: relax.Function) -> relax.Function:
-    pattern, p = _layer_norm_pattern()
+def _rewrite_layer_norm(func: relax.Function, weighted: bool = True) -> relax.Function:
+    pattern, p = _layer_norm_pattern(weighted)
 
     def rewriter(expr, m):
-        x, gamma = m[p["x"]], m[p["gamma"]]
+        x = m[p["x"]]
         shape = known_shape(x)
         if shape is None or not isinstance(shape[-1], int):
             return expr
+        gamma = m[p["gamma"]] if weighted else _ones(shape[-1], str(x.ty.dtype))
         # no β: zeros of γ's dtype (the kernel adds it; NormGemmPrologue folds it into the bias)
         beta = m[p["beta"]] if p["beta"] in m else relax.const(
             np.zeros(shape[-1], str(gamma.ty.dtype)), str(gamma.ty.dtype))
@@ -191,10 +203,13 @@ def _rewrite_softmax(func: relax.Function) -> relax.Function:
 
 @tvm.transform.module_pass(opt_level=0, name="tvmfuse.FuseDecomposedNorms")
 class FuseDecomposedNorms:
-    """Decomposed RMSNorm, LayerNorm and softmax → ``R.nn.rms_norm/layer_norm/softmax``."""
+    """Decomposed RMSNorm, LayerNorm (with or without a weight) and softmax →
+    ``R.nn.rms_norm/layer_norm/softmax`` (ones for a missing weight, zeros for a missing β)."""
 
     def transform_module(self, mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        # LayerNorm first: its centred half is itself an RMSNorm and would be taken apart.
-        for rewrite in (_rewrite_layer_norm, _rewrite_rms, _rewrite_softmax):
+        # LayerNorm first: its centred half is itself an RMSNorm and would be taken apart. The
+        # weightless forms after the weighted ones: their x̂ is inside every weighted match.
+        for rewrite in (_rewrite_layer_norm, _rewrite_rms, partial(_rewrite_layer_norm, weighted=False),
+                        partial(_rewrite_rms, weighted=False), _rewrite_softmax):
             mod = rewrite_functions(mod, without_large_constants(rewrite))  # γ, β, eps are small
         return mod
