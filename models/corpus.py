@@ -348,6 +348,11 @@ class NormLinear(nn.Module):
         if f == "llama_no_weight":  # LlamaRMSNorm's body without w
             h = x.to(torch.float32)
             return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        if f == "layer_norm_no_weight":  # elementwise_affine=False written out, on the fp32 upcast
+            h = x.float()
+            mu = h.mean(-1, keepdim=True)
+            var = ((h - mu) ** 2).mean(-1, keepdim=True)
+            return ((h - mu) / torch.sqrt(var + eps)).to(x.dtype)
         if f == "f_layer_norm":
             return F.layer_norm(x, (HIDDEN,), self.weight, self.bias, eps)
         return self.norm(x)
@@ -536,6 +541,7 @@ FORMULATIONS: list[Formulation] = [
     _f("layernorm_module_linear", "norm", _mod(NormLinear("nn_layernorm"))),
     _f("layernorm_fp32_linear", "norm", _mod(NormLinear("nn_layernorm"), torch.float32)),
     _f("layernorm_no_bias_upcast_linear", "norm", _mod(NormLinear("cohere"))),
+    _f("layernorm_no_weight_upcast_linear", "norm", _mod(NormLinear("layer_norm_no_weight"))),
     _f("rmsnorm_per_head_qk", "norm", _mod(QKNorm())),
     _f("rmsnorm_fp32_module_as_fp16", "norm", _mod(NormLinear("llama"), torch.float32), dtype="float16"),
     _f("onnx_dynamo_rmsnorm_linear", "norm", _mod(NormLinear("llama")), frontend="onnx-dynamo"),

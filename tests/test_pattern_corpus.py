@@ -80,6 +80,7 @@ KERNELS: dict[str, int] = {
     "layernorm_module_linear": 1,
     "layernorm_fp32_linear": 1,
     "layernorm_no_bias_upcast_linear": 1,
+    "layernorm_no_weight_upcast_linear": 1,
     "rmsnorm_per_head_qk": 4,  # QKV GEMM, the q and k norms (each with its slice), the pack
     "rmsnorm_fp32_module_as_fp16": 3,
     "onnx_dynamo_rmsnorm_linear": 1,
