@@ -165,6 +165,56 @@ class BaddbmmAlibi(nn.Module):
         return torch.bmm(p.view(B * H, S, S), v3).reshape(B, H, S, D)
 
 
+class ClampedHeadsFolded(nn.Module):
+    """XGLM's (the BART family's) form on (B, S, H·D) projections: heads folded for ``bmm``, the
+    scores viewed 4-D for an additive finfo.min causal mask, clamped by ``torch.max(s,
+    finfo.min)`` (the fp16 add may overflow to -inf), back to 3-D for a softmax in fp32."""
+
+    def __init__(self, s: int = S, heads: int = H) -> None:
+        super().__init__()
+        self.heads = heads
+        mask = torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1),
+                                             torch.finfo(HALF).min)
+        self.register_buffer("mask", mask[None, None], persistent=False)
+
+    def forward(self, q, k, v):
+        b, s, e = q.shape
+        h, d = self.heads, e // self.heads
+
+        def fold(t: torch.Tensor) -> torch.Tensor:
+            return t.view(b, s, h, d).transpose(1, 2).reshape(b * h, s, d)
+
+        w = torch.bmm(fold(q * d**-0.5), fold(k).transpose(1, 2))
+        w = w.view(b, h, s, s) + self.mask.to(w.dtype)
+        # XGLM's fp32 0-d floor (float64 for a float64 reference run)
+        w = torch.max(w, torch.full((), torch.finfo(w.dtype).min,
+                                    dtype=torch.promote_types(w.dtype, torch.float32)))
+        p = F.softmax(w.view(b * h, s, s), dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.bmm(p, fold(v)).view(b, h, s, d)
+
+
+def _projections(dtype: torch.dtype = HALF) -> tuple[torch.Tensor, ...]:
+    return tuple(t.reshape(B, S, H * D) for t in _qkv(dtype, bshd=True))
+
+
+class Fp32Alibi(nn.Module):
+    """MPT's form: fp16 ``q·kᵀ · scale`` plus an fp32 ALiBi bias (slope_h · key position, built
+    in fp32 as MPT builds it each call), so the scores are fp32; causal by masked_fill with
+    ``finfo(float16).min``, softmax of the fp32 scores."""
+
+    def __init__(self, s: int = S, heads: int = H) -> None:
+        super().__init__()
+        slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
+        self.register_buffer("alibi", slopes[:, None, None] * torch.arange(s)[None, None, :],
+                             persistent=False)
+        self.register_buffer("mask", torch.ones(s, s, dtype=torch.bool).triu(1), persistent=False)
+
+    def forward(self, q, k, v):
+        w = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + self.alibi.float()
+        w = w.masked_fill(self.mask, torch.finfo(q.dtype).min)
+        return torch.matmul(torch.softmax(w.float(), -1).to(v.dtype), v)
+
+
 class RelativeBias(nn.Module):
     """T5's form: unscaled ``q·kᵀ + bias`` with a learned per-head bias of the relative position
     (``table[h, j - i + S - 1]``, a (1, H, S, S) term varying along queries and keys), fp32
@@ -501,6 +551,9 @@ FORMULATIONS: list[Formulation] = [
     _f("attn_einsum", "attention", _attn(Einsum()), attention=1),
     _f("attn_baddbmm", "attention", _attn(Baddbmm()), attention=1),
     _f("attn_baddbmm_alibi", "attention", _attn(BaddbmmAlibi()), attention=1),
+    _f("attn_clamped_heads_folded", "attention", lambda: (ClampedHeadsFolded().half().eval(),
+                                                          _projections()), attention=1),
+    _f("attn_alibi_fp32_bias", "attention", _attn(Fp32Alibi()), attention=1),
     _f("attn_relative_position_bias", "attention", _attn(RelativeBias()), attention=1),
     _f("attn_padding_bitwise_and", "attention",
        lambda: (PaddingBitwiseAnd().eval(), _padding_inputs()), attention=1),

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.corpus import ClampedHeadsFolded, Fp32Alibi
+
 B, H, KVH, S, D = 2, 4, 2, 24, 16
 WINDOW = 6  # sliding-window band: key j visible from query i when i - WINDOW < j <= i
 
@@ -273,6 +275,10 @@ FORMS: dict[str, tuple] = {
     # fp16, reshaped to 4-D only before the mask (LiftFoldedBatch)
     "einsum": (Einsum, H, "bhsd", False),
     "baddbmm": (Baddbmm, H, "bhsd", False),
+    # XGLM / the BART family (heads folded from (B, S, H·D) projections, max(s + mask, finfo.min));
+    # MPT (an fp32 ALiBi bias on fp16 scores, masked_fill(finfo(float16).min)): models/corpus.py
+    "clamped_heads_folded": (lambda: ClampedHeadsFolded(S, H), H, "proj", False),
+    "alibi_fp32_bias": (lambda: Fp32Alibi(S, H), H, "bhsd", False),
 }
 
 
@@ -285,7 +291,8 @@ def build(name: str, dtype: torch.dtype = torch.float16, seed: int = 0, head_dim
     g = torch.Generator().manual_seed(seed)
 
     def qkv(heads: int) -> torch.Tensor:
-        shape = (B, heads, S, head_dim) if layout == "bhsd" else (B, S, heads, head_dim)
+        shape = {"bhsd": (B, heads, S, head_dim), "bshd": (B, S, heads, head_dim),
+                 "proj": (B, S, heads * head_dim)}[layout]
         return torch.randn(*shape, generator=g).to(dtype)
 
     inputs = [qkv(H), qkv(kvh), qkv(kvh)]

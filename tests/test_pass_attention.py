@@ -486,6 +486,46 @@ def _add_const(values: np.ndarray):
     return build
 
 
+def _clamped(mask_builder, floor: float):
+    """``max(mask(s), floor)``: XGLM's / the BART family's clamp after the mask."""
+
+    def build(bb, s, m):
+        s = mask_builder(bb, s, m)
+        return bb.emit(relax.op.maximum(s, relax.const(floor, "float32")))
+
+    return build
+
+
+def _padding_bias(bb, s, m):
+    row = bb.emit(relax.op.strided_slice(m, axes=[2], begin=[0], end=[1]))  # (B, 1, 1, S)
+    return bb.emit(relax.op.add(s, row))
+
+
+def test_clamp_after_a_causal_mask_is_dropped():
+    """``max(s + causal, finfo.min)`` is s on the visible scores and keeps masked ones masked."""
+    causal = np.triu(np.full((8, 8), np.finfo("float32").min, "float32"), 1)
+    before = _scores_module(_clamped(_add_const(causal), float(np.finfo("float32").min)))
+    after = fuse(before)
+    (d,) = decisions(after)
+    assert d["status"] == "fused" and d["causal"] == "TopLeft", d
+    assert "maximum" not in after.script()
+    assert_same_numerics(before, after)
+
+
+def test_clamp_left_with_a_padding_mask():
+    """A row the padding masks whole is uniform after the clamp, not what the kernel gives."""
+    (unclamped,) = decisions(fuse(_scores_module(_padding_bias, extra_param=True)))
+    assert unclamped["status"] == "fused", unclamped
+    before = _scores_module(_clamped(_padding_bias, float(np.finfo("float32").min)), extra_param=True)
+    assert_left(before, "maximum(scores, c) with a data-dependent mask")
+
+
+def test_clamp_above_the_masking_floor_left():
+    """``max(s, -10)`` changes visible scores below -10: no mask, a real op."""
+    causal = np.triu(np.full((8, 8), -np.inf, "float32"), 1)
+    assert_left(_scores_module(_clamped(_add_const(causal), -10.0)), "clamps more than masked scores")
+
+
 def test_left_alone_non_causal_constant_mask():
     """A two-sided band |i - j| < 3 is neither causal nor a causal sliding window."""
     i = np.arange(8)

@@ -265,9 +265,11 @@ def test_sliding_window_gpu_matches_torch(how: str, target: str, tmp_path):
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
     _check_numerics(module, inputs, got, torch.float16)
 
-BIAS_FORMS = ["padding_masked_fill"]  # a data-dependent padding mask: an additive bias operand
+BIAS_FORMS = ["padding_masked_fill",  # a data-dependent padding mask: an additive bias operand
+              "alibi_fp32_bias"]  # a constant fp32 one
 GPU_FORMS = ["hand_written", "additive_finfo_min", "padding_masked_fill", "gqa_expand_reshape",
-             "bshd_inputs", "sdpa_enable_gqa", "einsum", "baddbmm"]
+             "bshd_inputs", "sdpa_enable_gqa", "einsum", "baddbmm", "clamped_heads_folded",
+             "alibi_fp32_bias"]
 
 
 @pytest.mark.gpu

@@ -44,6 +44,8 @@ KERNELS: dict[str, int] = {
     "attn_einsum": 1,
     "attn_baddbmm": 1,
     "attn_baddbmm_alibi": 1,  # Bloom: the per-head ALiBi bias rides in the kernel
+    "attn_clamped_heads_folded": 2,  # XGLM at batch 1: the q, k, v pack (q · scale in it)
+    "attn_alibi_fp32_bias": 1,
     "attn_relative_position_bias": 1,  # T5: the constant (1, H, S, S) bias rides in the kernel
     "attn_padding_bitwise_and": 2,  # the mask (a view since ConstantIndexTensor; was 4), the attention
     "attn_dropout_eval": 1,

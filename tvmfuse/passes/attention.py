@@ -191,7 +191,7 @@ class _Function:
 
 # ops between Q·Kᵀ and the softmax that the score walk passes through (scales, masks, casts)
 _SCORE_PATH = ("relax.add", "relax.multiply", "relax.divide", "relax.where", "relax.astype",
-               "relax.subtract")
+               "relax.subtract", "relax.maximum")
 
 
 class _Matcher:
@@ -201,6 +201,7 @@ class _Matcher:
         self.fn = fn
         self.score_extra_uses = 0
         self.rounded: str | None = None  # the fp32 → half rounding of the scores the kernel skips
+        self.fp16_product = False  # Q·Kᵀ of fp16 operands: masks are judged by fp16's floor
 
     # --- 3-D (B·H, S, D) batched form of torch.export --------------------------------------------
 
@@ -430,6 +431,7 @@ class _Matcher:
         factor = 1.0
         terms: list[tuple[relax.Expr, float]] = []
         fills: list[tuple[relax.Expr, float, bool, str]] = []  # (cond, fill·factor, visible-when-true)
+        clamps: list[tuple[float, str]] = []  # maximum(s, c): (c·factor, dtype)
         extra = self.score_extra_uses  # uses of softmax's input by a guard matched in probabilities
         while True:
             mm = self.matmul4(expr)
@@ -468,6 +470,11 @@ class _Matcher:
                     expr = b
                 else:
                     raise _Reject("where() between QKᵀ and softmax does not fill with a constant")
+            elif op == "relax.maximum" and any(_is_scalar_const(a) for a in args) and factor > 0:
+                # XGLM / the BART family: ``max(s + mask, finfo.min)`` keeps masked scores finite
+                x, c = (args[1], args[0]) if _is_scalar_const(args[0]) else args
+                clamps.append((scalar_value(c) * factor, dtype))
+                expr = x
             elif op == "relax.astype" and str(value.ty.dtype) == "float32":
                 expr = args[0]  # upcast before softmax; the kernel accumulates in fp32 anyway
                 dtype = str(expr.ty.dtype)  # masks before it apply to (and are judged in) this dtype
@@ -481,8 +488,21 @@ class _Matcher:
                 raise _Reject(f"{name} between QKᵀ and softmax is not a scale or a mask")
         if factor <= 0:
             raise _Reject(f"scores scaled by {factor} <= 0 (a mask would change meaning)")
+        self.fp16_product = str(mm[0].ty.dtype) == "float16"
         masks = self.masks(terms, fills, static_shape(expr))
+        for c, dt in clamps:  # identity on visible scores, masked ones stay masked: dropped
+            if not (c == -math.inf or c <= self._floor(dt)):
+                raise _Reject(f"maximum(scores, {c}) clamps more than masked scores")
+            if masks.masking_biases:
+                raise _Reject("maximum(scores, c) with a data-dependent mask: fully masked rows "
+                              "(uniform after the clamp) would differ")
         return mm, factor, masks
+
+    def _floor(self, dtype: str) -> float:
+        """The masking floor for scores of ``dtype``. Those of an fp16 Q·Kᵀ by fp16's even when
+        upcast to fp32 (MPT adds its fp32 ALiBi, XGLM clamps in fp32): such models write
+        ``finfo(float16).min`` as their mask value."""
+        return _masked_floor("float16" if self.fp16_product else dtype)
 
     # --- masks ----------------------------------------------------------------------------------
 
@@ -492,7 +512,7 @@ class _Matcher:
             raise _Reject(f"{what} has rank {arr.ndim} > 4")
         arr = np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape)
         vis = arr == 0
-        masked = arr <= _masked_floor(dtype)
+        masked = arr <= self._floor(dtype)
         if not np.all(vis | masked):
             i = np.argwhere(~(vis | masked))[0]
             raise _Reject(f"{what} holds {arr[tuple(i)]!r} at {tuple(int(x) for x in i)}: neither 0 "
@@ -513,7 +533,7 @@ class _Matcher:
         if a4.shape[2] not in (1, shape[2]) or a4.shape[3] != shape[3] \
                 or a4.shape[0] not in (1, shape[0]) or a4.shape[1] not in (1, shape[1]):
             return False
-        return not np.all((a4 == 0) | (a4 <= _masked_floor(dtype)))
+        return not np.all((a4 == 0) | (a4 <= self._floor(dtype)))
 
     def _bool_visible(self, arr: np.ndarray, shape: list[int], what: str) -> np.ndarray:
         arr = np.broadcast_to(arr.reshape((1,) * (4 - arr.ndim) + arr.shape), shape).astype(bool)
@@ -591,7 +611,7 @@ class _Matcher:
             if arr is not None:  # a constant bias (ALiBi, T5): finite, masking only if it says so
                 if factor != 1.0:
                     bias = relax.op.multiply(bias, relax.const(factor, dtype))
-                out.masking_biases |= bool(np.any(arr * factor <= _masked_floor(dtype)))
+                out.masking_biases |= bool(np.any(arr * factor <= self._floor(dtype)))
                 out.biases.append(bias)
                 continue
             out.masking_biases = True
@@ -608,7 +628,7 @@ class _Matcher:
             out.finite_biases = out.finite_biases and self._finite(mask)
             out.biases.append(bias)
         for cond, fill, when, dtype in fills:
-            if not (fill == -math.inf or fill <= _masked_floor(dtype)):
+            if not (fill == -math.inf or fill <= self._floor(dtype)):
                 raise _Reject(f"masked_fill value {fill} (after scaling) is not a masking value")
             arr = self.fn.constant(cond)
             if arr is not None:

@@ -15,10 +15,12 @@ unary / binary ops and ``where``. Their other operands must broadcast the same w
 as over (G, a, b): scalars, rank ≤ 2, rank 3 with a leading 1, or ``full`` / ``zeros`` / ``ones`` /
 ``broadcast_to`` of such a value to (G, a, b) (rebuilt with shape (*bd, a, b)); or, in an
 elementwise op, a per-batch tensor (G, a', b') (Bloom's ALiBi bias (B·H, 1, S)), which is reshaped
-to (*bd, a', b'). Each folded value
-becomes the same op on the unfolded operands, and ``reshape(folded, (*bd, a, b))`` becomes the
-unfolded value. Every value lifted must have only lifted users or such reshapes (nothing is
-computed twice), and the region must hold a batched product; the rewrite moves no data, it
+to (*bd, a', b'). Each folded value becomes the same op on the unfolded operands, and
+``reshape(folded, (*bd, a, b))`` becomes the unfolded value. At batch 1 exporters also fold
+without a reshape: XGLM's ``(S, H, D)`` view transposed to ``(H, S, D)`` (``permute_dims(r,
+[1, 0, 2])``) is taken as folded from the ``(1, H, S, D)`` tensor ``permute_dims(reshape(r,
+(1, S, H, D)), [0, 2, 1, 3])``. Every value lifted must have only lifted users or such reshapes
+(nothing is computed twice), and the region must hold a batched product; the rewrite moves no data, it
 only names the batch axes (so the attention pattern sees (B, H, S, S) scores).
 
 Runs in the canonicalisation stage, after :class:`CanonicalizeBatchedMatmul` (which handles a
@@ -86,7 +88,8 @@ class _Lift:
                     self.users.setdefault(var, []).append(user)
         for var in relax.analysis.free_vars(func.body.body):
             self.users.setdefault(var, []).append(None)
-        self.seeds: dict[relax.Var, tuple[relax.Expr, tuple[int, ...]]] = {}  # var → (x, bd)
+        self.seeds: dict[relax.Var, tuple[relax.Expr | None, tuple[int, ...]]] = {}  # var → (x, bd)
+        self.head_views: dict[relax.Var, relax.Expr] = {}  # seed → the (S, H, D) tensor it transposes
         # var → its batch dims bd, or None while it is free (computed from fills and broadcasts
         # only; its bd comes from its users)
         self.region: dict[relax.Var, tuple[int, ...] | None] = {}
@@ -137,6 +140,11 @@ class _Lift:
                 self.sinks[var] = arg
             return
         if len(out) != 3:
+            return
+        if (op == "relax.permute_dims" and value.attrs.axes is not None
+                and [int(a) for a in value.attrs.axes] == [1, 0, 2]
+                and arg not in self.seeds and arg not in self.region):
+            self.seeds[var], self.head_views[var] = (None, (1, out[0])), arg  # batch 1, squeezed
             return
         if op in _FILLS or (op == "relax.broadcast_to" and _unbatched(static_shape(arg))):
             self.region[var] = None
@@ -217,14 +225,18 @@ class _Lift:
         if not any(_op(self.table[v]) == "relax.matmul" for v in self.region):
             return self.func
         bb = relax.BlockBuilder()
-        remap: dict[relax.Var, relax.Expr] = {v: x for v, (x, _) in self.seeds.items()}
+        remap: dict[relax.Var, relax.Expr] = {v: x for v, (x, _) in self.seeds.items() if x is not None}
         blocks = []
         for block in self.func.body.blocks:
             bindings: list[relax.Binding] = []
             emit = functools.partial(_emit, bb, bindings)
             for binding in block.bindings:
                 var = binding.var
-                if var in self.region:
+                if var in self.head_views:  # (S, H, D) → (1, S, H, D) → (1, H, S, D)
+                    s_, h, d = static_shape(self.head_views[var])
+                    x4 = emit(relax.op.reshape(self.head_views[var], shape_expr([1, s_, h, d])))
+                    remap[var] = emit(relax.op.permute_dims(x4, [0, 2, 1, 3]))
+                elif var in self.region:
                     value = bb.normalize(self._new_value(var, remap, emit))
                     new = relax.DataflowVar(str(var.name), value.ty)
                     remap[var] = new
