@@ -129,11 +129,11 @@ def test_onnx_dynamo_export(name, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["qwen3", "olmo2", "apertus", "nanochat"])
-def test_gpu_norm_families(name, tmp_path):
-    """On the GPU: Qwen3 / OLMo2 in fp16 (head dim 64, the q / k norms fused with their slices
-    of the QKV GEMM's output), Apertus (xIELU across SinkReshape) and NanoChat (weightless
-    RMSNorms) against the float64 model."""
+@pytest.mark.parametrize("name", ["qwen3", "olmo2", "apertus", "nanochat", "xglm", "mpt"])
+def test_gpu_families(name, tmp_path):
+    """On the GPU, in fp16 at head dim 64, against the float64 model: Qwen3 / OLMo2 (the q / k
+    norms fused with their slices of the QKV GEMM's output), Apertus (xIELU across SinkReshape),
+    NanoChat (weightless RMSNorms), XGLM (batch-1 head views, the clamp) and MPT (fp32 ALiBi)."""
     from tests.cuda_tools import check_vs_float64
 
     config = dict(COMMON, hidden_size=256, intermediate_size=512)
@@ -145,6 +145,11 @@ def test_gpu_norm_families(name, tmp_path):
         model = T.ApertusForCausalLM(T.ApertusConfig(**config))
     elif name == "nanochat":
         model = T.NanoChatForCausalLM(T.NanoChatConfig(**config))
+    elif name == "xglm":
+        model = T.XGLMForCausalLM(T.XGLMConfig(vocab_size=128, d_model=256, ffn_dim=512, num_layers=2,
+                                               attention_heads=4, max_position_embeddings=512))
+    elif name == "mpt":
+        model = T.MptForCausalLM(T.MptConfig(vocab_size=128, d_model=256, n_heads=4, n_layers=2))
     else:
         model = T.Olmo2ForCausalLM(T.Olmo2Config(**config, pad_token_id=0, eos_token_id=1,
                                                  bos_token_id=1))
