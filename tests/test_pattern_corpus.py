@@ -46,6 +46,8 @@ KERNELS: dict[str, int] = {
     "attn_baddbmm_alibi": 1,  # Bloom: the per-head ALiBi bias rides in the kernel
     "attn_clamped_heads_folded": 2,  # XGLM at batch 1: the q, k, v pack (q · scale in it)
     "attn_alibi_fp32_bias": 1,
+    "onnx_dynamo_attn_clamped_heads_folded": 2,  # ONNX Max as max(stack), kᵀ 3-D beside a 4-D q
+    "onnx_legacy_attn_clamped_heads_folded": 2,
     "attn_relative_position_bias": 1,  # T5: the constant (1, H, S, S) bias rides in the kernel
     "attn_padding_bitwise_and": 2,  # the mask (a view since ConstantIndexTensor; was 4), the attention
     "attn_dropout_eval": 1,

@@ -18,8 +18,10 @@ from .empty_pieces import EmptyPieces
 from .fold_leading_dims import FoldMatmulLeadingDims
 from .half_accumulate import HalfMatmulAccumulate
 from .lift_folded_batch import LiftFoldedBatch
+from .matmul_ranks import MatmulRanks
 from .negative_indices import NegativeIndices
 from .share_casts import ShareCasts
+from .stacked_extrema import StackedExtrema
 from .tuple_output import TupleOutput
 from .upcast_matmul import UpcastMatmul
 from .view_chain import CollapseViewChains
@@ -30,8 +32,10 @@ PASSES = [
     ConstantGatherND,  # constant-index gather_nd (ONNX GatherND of index grids) → a view or a take
     ConstantIndexTensor,  # index_tensor on arange grids (torch's mask[batch_idx, kv_idx]) likewise
     EmptyPieces,  # zero-size split pieces / concat operands: nothing may fuse a loop of extent 0
+    StackedExtrema,  # ONNX Max / Min imported as max(stack(...)): one elementwise op, as torch's
     BoundedSlices,  # symbolic lengths: a slice the ranges prove in bounds keeps exact shapes
     CollapseViewChains,  # einsum's 5-D expand_dims/permute views around a bmm → one permute + reshape
+    MatmulRanks,  # a 3-D operand beside a 4-D one (dynamo ONNX at batch 1) gets its unit axis
     CanonicalizeBatchedMatmul,  # torch.export's N-D `@` (reshape → 3-D matmul → reshape) is one product
     LiftFoldedBatch,  # heads-folded (B·H, S, ·) products (baddbmm/bmm) get their (B, H) axes back
     ShareCasts,  # one astype per (value, dtype): the passes below compare operands by identity
@@ -49,5 +53,5 @@ def Canonicalize() -> tvm.transform.Pass:  # noqa: N802 - pass constructors are 
 
 __all__ = ["PASSES", "BoundedSlices", "Canonicalize", "CanonicalizeBatchedMatmul", "CollapseViewChains",
            "ConstantGatherND", "ConstantIndexTensor", "EmptyPieces", "FoldMatmulLeadingDims",
-           "HalfMatmulAccumulate", "LiftFoldedBatch", "NegativeIndices", "ShareCasts",
-           "TupleOutput", "UpcastMatmul"]
+           "HalfMatmulAccumulate", "LiftFoldedBatch", "MatmulRanks", "NegativeIndices", "ShareCasts",
+           "StackedExtrema", "TupleOutput", "UpcastMatmul"]
