@@ -56,8 +56,12 @@ def _qkv(dtype: torch.dtype = HALF, hkv: int = H, bshd: bool = False) -> tuple[t
     return tuple(_rand(*shape, dtype=dtype, seed=i) for i, shape in enumerate(shapes))
 
 
-def _causal_bool() -> torch.Tensor:
-    return torch.ones(S, S, dtype=torch.bool).triu(1)
+def _causal_bool(s: int = S) -> torch.Tensor:
+    return torch.ones(s, s, dtype=torch.bool).triu(1)
+
+
+def _alibi_slopes(heads: int = H) -> torch.Tensor:
+    return 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
 
 
 # --- attention ------------------------------------------------------------------------------------
@@ -152,7 +156,7 @@ class BaddbmmAlibi(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1) / H)
+        slopes = _alibi_slopes()
         alibi = slopes[:, None, None] * torch.arange(S)[None, None, :]
         self.register_buffer("alibi", alibi.repeat(B, 1, 1), persistent=False)
         self.register_buffer("mask", _causal_bool(), persistent=False)
@@ -173,8 +177,7 @@ class ClampedHeadsFolded(nn.Module):
     def __init__(self, s: int = S, heads: int = H) -> None:
         super().__init__()
         self.heads = heads
-        mask = torch.zeros(s, s).masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1),
-                                             torch.finfo(HALF).min)
+        mask = torch.zeros(s, s).masked_fill(_causal_bool(s), torch.finfo(HALF).min)
         self.register_buffer("mask", mask[None, None], persistent=False)
 
     def forward(self, q, k, v):
@@ -204,10 +207,9 @@ class Fp32Alibi(nn.Module):
 
     def __init__(self, s: int = S, heads: int = H) -> None:
         super().__init__()
-        slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1) / heads)
-        self.register_buffer("alibi", slopes[:, None, None] * torch.arange(s)[None, None, :],
-                             persistent=False)
-        self.register_buffer("mask", torch.ones(s, s, dtype=torch.bool).triu(1), persistent=False)
+        alibi = _alibi_slopes(heads)[:, None, None] * torch.arange(s)[None, None, :]
+        self.register_buffer("alibi", alibi, persistent=False)
+        self.register_buffer("mask", _causal_bool(s), persistent=False)
 
     def forward(self, q, k, v):
         w = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + self.alibi.float()

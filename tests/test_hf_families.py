@@ -27,29 +27,33 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-def _model(name: str) -> torch.nn.Module:
+def _model(name: str, hidden: int = 64) -> torch.nn.Module:
+    """Family ``name`` at random init: 2 layers, 4 heads of ``hidden // 4``, FFN ``2 · hidden``
+    (GPT-J and OPT: hidden 64 only)."""
     T = transformers
     torch.manual_seed(0)
+    config = dict(COMMON, hidden_size=hidden, intermediate_size=2 * hidden)
     if name == "cohere":
-        return T.CohereForCausalLM(T.CohereConfig(**COMMON))
+        return T.CohereForCausalLM(T.CohereConfig(**config))
     if name == "starcoder2":
-        return T.Starcoder2ForCausalLM(T.Starcoder2Config(**COMMON))
+        return T.Starcoder2ForCausalLM(T.Starcoder2Config(**config))
     if name == "qwen3":  # per-head q / k RMSNorms of the QKV GEMM's output
-        return T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=16, **COMMON))
+        return T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=hidden // 4, **config))
     if name == "olmo2":  # q / k RMSNorms over all heads, norms after attention and MLP
-        return T.Olmo2ForCausalLM(T.Olmo2Config(**COMMON, pad_token_id=0, eos_token_id=1,
+        return T.Olmo2ForCausalLM(T.Olmo2Config(**config, pad_token_id=0, eos_token_id=1,
                                                 bos_token_id=1))
     if name == "gemma3":  # q / k norms after the head transpose, (1 + w) norms, sliding layers
-        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(head_dim=16, sliding_window=16, **COMMON))
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(head_dim=hidden // 4, sliding_window=16, **config))
     if name == "apertus":  # xIELU MLP (no gate): expm1(min(x, eps)) − x on the up GEMM's output
-        return T.ApertusForCausalLM(T.ApertusConfig(**COMMON))
+        return T.ApertusForCausalLM(T.ApertusConfig(**config))
     if name == "nanochat":  # RMSNorms without a weight (F.rms_norm(x, (n,))), q / k norms after RoPE
-        return T.NanoChatForCausalLM(T.NanoChatConfig(**COMMON))
+        return T.NanoChatForCausalLM(T.NanoChatConfig(**config))
     if name == "xglm":  # heads folded at batch 1 with no reshape from 4-D, max(s + mask, finfo.min)
-        return T.XGLMForCausalLM(T.XGLMConfig(vocab_size=128, d_model=64, ffn_dim=128, num_layers=2,
-                                              attention_heads=4, max_position_embeddings=256))
+        return T.XGLMForCausalLM(T.XGLMConfig(vocab_size=128, d_model=hidden, ffn_dim=2 * hidden,
+                                              num_layers=2, attention_heads=4,
+                                              max_position_embeddings=max(256, 2 * hidden)))
     if name == "mpt":  # fp32 ALiBi on fp16 scores, masked_fill(finfo(float16).min)
-        return T.MptForCausalLM(T.MptConfig(vocab_size=128, d_model=64, n_heads=4, n_layers=2))
+        return T.MptForCausalLM(T.MptConfig(vocab_size=128, d_model=hidden, n_heads=4, n_layers=2))
     if name == "gptj":
         return T.GPTJForCausalLM(T.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
                                               n_inner=128, n_positions=256, rotary_dim=8))
@@ -136,23 +140,7 @@ def test_gpu_families(name, tmp_path):
     NanoChat (weightless RMSNorms), XGLM (batch-1 head views, the clamp) and MPT (fp32 ALiBi)."""
     from tests.cuda_tools import check_vs_float64
 
-    config = dict(COMMON, hidden_size=256, intermediate_size=512)
-    T = transformers
-    torch.manual_seed(0)
-    if name == "qwen3":
-        model = T.Qwen3ForCausalLM(T.Qwen3Config(head_dim=64, **config))
-    elif name == "apertus":
-        model = T.ApertusForCausalLM(T.ApertusConfig(**config))
-    elif name == "nanochat":
-        model = T.NanoChatForCausalLM(T.NanoChatConfig(**config))
-    elif name == "xglm":
-        model = T.XGLMForCausalLM(T.XGLMConfig(vocab_size=128, d_model=256, ffn_dim=512, num_layers=2,
-                                               attention_heads=4, max_position_embeddings=512))
-    elif name == "mpt":
-        model = T.MptForCausalLM(T.MptConfig(vocab_size=128, d_model=256, n_heads=4, n_layers=2))
-    else:
-        model = T.Olmo2ForCausalLM(T.Olmo2Config(**config, pad_token_id=0, eos_token_id=1,
-                                                 bos_token_id=1))
+    model = _model(name, hidden=256)
     ids = torch.randint(0, 128, (1, 256))
     check_vs_float64(Logits(model.eval().half()), (ids,), "sm90", tmp_path, 1e-2)
 

@@ -19,6 +19,7 @@ from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from .._util import dataflow_bindings, rewrite_functions, static_shape
+from .._util import is_op as _is_call
 
 _ELEMENTWISE = {"relax.max": relax.op.maximum, "relax.min": relax.op.minimum}
 
@@ -30,8 +31,7 @@ def _rewrite(func: relax.Function) -> relax.Function:
 
     def unbroadcast(x: relax.Expr, shape: list[int]) -> relax.Expr:
         value = bound.get(x, x)
-        if isinstance(value, relax.Call) and value.op.name == "relax.broadcast_to" \
-                and static_shape(value) == shape:
+        if _is_call(value, "relax.broadcast_to") and static_shape(value) == shape:
             return value.args[0]
         return x
 
