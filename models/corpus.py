@@ -217,6 +217,22 @@ class Fp32Alibi(nn.Module):
         return torch.matmul(torch.softmax(w.float(), -1).to(v.dtype), v)
 
 
+class Differential(nn.Module):
+    """DiffLlama's differential attention written once: one causal softmax read by two P·V
+    products, each over half the value heads tiled back to all (``v.repeat(1, 2, 1, 1)``),
+    combined as ``o1 - λ·o2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", _causal_bool(), persistent=False)
+
+    def forward(self, q, k, v):
+        s = (q @ k.transpose(-1, -2)) * D**-0.5
+        p = torch.softmax(s.masked_fill(self.mask, float("-inf")).float(), -1).to(q.dtype)
+        v1, v2 = (x.repeat(1, 2, 1, 1) for x in v.chunk(2, dim=1))
+        return p @ v1 - 0.8 * (p @ v2)
+
+
 class RelativeBias(nn.Module):
     """T5's form: unscaled ``q·kᵀ + bias`` with a learned per-head bias of the relative position
     (``table[h, j - i + S - 1]``, a (1, H, S, S) term varying along queries and keys), fp32
@@ -561,6 +577,7 @@ FORMULATIONS: list[Formulation] = [
     _f("onnx_legacy_attn_clamped_heads_folded", "attention",
        lambda: (ClampedHeadsFolded().half().eval(), _projections()), attention=1, frontend="onnx-legacy"),
     _f("attn_relative_position_bias", "attention", _attn(RelativeBias()), attention=1),
+    _f("attn_differential_shared_softmax", "attention", _attn(Differential()), attention=2),
     _f("attn_padding_bitwise_and", "attention",
        lambda: (PaddingBitwiseAnd().eval(), _padding_inputs()), attention=1),
     _f("attn_dropout_eval", "attention", _attn(DropoutEval(float("-inf"))), attention=1),

@@ -646,6 +646,103 @@ def test_left_alone_probabilities_used_elsewhere():
     assert_left(bb.get(), "probabilities have other users")
 
 
+# --- one softmax, two P·V products (DiffLlama: the two value halves after CSE) -------------------
+
+
+@I.ir_module
+class SharedProbabilities:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 2, 8, 16), "float32"),
+             v: R.Tensor((2, 1, 8, 16), "float32"), w: R.Tensor((2, 2, 8, 16), "float32")
+             ) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            kr = R.repeat(k, 2, axis=1)
+            kt = R.permute_dims(kr, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            p = R.nn.softmax(s2, axis=-1)
+            vt = R.tile(v, repeats=[1, 2, 1, 1])  # DiffLlama's v.repeat(1, 2, 1, 1): the operand
+            vr = R.repeat(vt, 2, axis=1)
+            o1 = R.matmul(p, vr)
+            wr = R.repeat(w, 2, axis=1)
+            o2 = R.matmul(p, wr)
+            o = R.subtract(o1, o2)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class SharedProbabilitiesExpected:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 2, 8, 16), "float32"),
+             v: R.Tensor((2, 1, 8, 16), "float32"), w: R.Tensor((2, 2, 8, 16), "float32")
+             ) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            vt = R.tile(v, repeats=[1, 2, 1, 1])
+            q1 = R.permute_dims(q, axes=[0, 2, 1, 3])
+            k1 = R.permute_dims(k, axes=[0, 2, 1, 3])
+            v1 = R.permute_dims(vt, axes=[0, 2, 1, 3])
+            a1 = R.nn.attention(q1, k1, v1, scale=T.float32(0.25))
+            o1 = R.permute_dims(a1, axes=[0, 2, 1, 3])
+            w1 = R.permute_dims(w, axes=[0, 2, 1, 3])
+            a2 = R.nn.attention(q1, k1, w1, scale=T.float32(0.25))
+            o2 = R.permute_dims(a2, axes=[0, 2, 1, 3])
+            o = R.subtract(o1, o2)
+            R.output(o)
+        return o
+
+
+def test_shared_probabilities_become_one_attention_per_product():
+    """Both readers of P are P·V products: each is its own attention (the scores are recomputed
+    in the second kernel instead of stored), the tiled values materialised as they are."""
+    after = fuse(SharedProbabilities)
+    tvm.ir.assert_structural_equal(after.without_attr("tvmfuse.attention_decisions"),
+                                   SharedProbabilitiesExpected)
+    assert [(d["status"], d["group"]) for d in decisions(after)] == [("fused", "2")] * 2
+    assert_same_numerics(SharedProbabilities, after)
+
+
+# --- keys and values repeated by different factors (DiffLlama's ONNX export) -----------------------
+
+
+@I.ir_module
+class UnequalGroups:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 2, 8, 16), "float32"),
+             v: R.Tensor((2, 1, 8, 16), "float32")) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            kr = R.repeat(k, 2, axis=1)  # keys 2x
+            kt = R.permute_dims(kr, axes=[0, 1, 3, 2])
+            s = R.matmul(q, kt)
+            s2 = R.multiply(s, R.const(0.25, "float32"))
+            p = R.nn.softmax(s2, axis=-1)
+            vb = R.broadcast_to(v, R.shape([2, 4, 8, 16]))  # values 4x
+            o = R.matmul(p, vb)
+            R.output(o)
+        return o
+
+
+@I.ir_module
+class UnequalGroupsExpected:
+    @R.function
+    def main(q: R.Tensor((2, 4, 8, 16), "float32"), k: R.Tensor((2, 2, 8, 16), "float32"),
+             v: R.Tensor((2, 1, 8, 16), "float32")) -> R.Tensor((2, 4, 8, 16), "float32"):
+        with R.dataflow():
+            q1 = R.permute_dims(q, axes=[0, 2, 1, 3])
+            k1 = R.permute_dims(k, axes=[0, 2, 1, 3])
+            vr = R.repeat(v, 2, axis=1)  # the extra 2x materialised: both grouped 2x
+            v1 = R.permute_dims(vr, axes=[0, 2, 1, 3])
+            a = R.nn.attention(q1, k1, v1, scale=T.float32(0.25))
+            o = R.permute_dims(a, axes=[0, 2, 1, 3])
+            R.output(o)
+        return o
+
+
+def test_unequal_kv_groups_share_the_smaller():
+    after = assert_fused(UnequalGroups, UnequalGroupsExpected, group="2")
+    assert_same_numerics(UnequalGroups, after)
+
+
 def test_left_alone_tiled_kv_repetition():
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType((1, 4, 8, 16), "float32"))

@@ -49,6 +49,10 @@ KERNELS: dict[str, int] = {
     "onnx_dynamo_attn_clamped_heads_folded": 2,  # ONNX Max as max(stack), kᵀ 3-D beside a 4-D q
     "onnx_legacy_attn_clamped_heads_folded": 2,
     "attn_relative_position_bias": 1,  # T5: the constant (1, H, S, S) bias rides in the kernel
+    # DiffLlama: one softmax, two P·V products → two attentions; the chunk (split) and each tile
+    # of the value halves stay copy kernels (q, k are inputs: nothing to pack them with), and
+    # o1 - λ·o2 (8 before session 44, the S×S scores in HBM; stock TVM 13)
+    "attn_differential_shared_softmax": 6,
     "attn_padding_bitwise_and": 2,  # the mask (a view since ConstantIndexTensor; was 4), the attention
     "attn_dropout_eval": 1,
     "attn_gqa_repeat_interleave": 1,

@@ -130,6 +130,7 @@ class _Function:
         self.var_of: dict[relax.Expr, relax.Var] = {v: k for k, v in self.table.items()}
         self.uses: dict[relax.Var, int] = {}
         self.params = set(func.params)
+        self._result = func.body.body
         # uses: how many bindings (and the function result) read each var
         for value in [*self.table.values(), func.body.body]:
             for var in relax.analysis.free_vars(value):
@@ -183,6 +184,18 @@ class _Function:
 
     def single_use(self, expr: relax.Expr) -> bool:
         return not isinstance(expr, relax.Var) or self.uses.get(expr, 0) <= 1
+
+    def only_left_operand(self, var: relax.Expr) -> bool:
+        """Every reader of ``var`` is a ``matmul(var, ·)``: probabilities shared by several P·V
+        products (DiffLlama's two value halves over one softmax), each then its own attention."""
+        if not isinstance(var, relax.Var):
+            return False
+        readers = [v for v in self.table.values() if any(x.same_as(var) for x in
+                                                         relax.analysis.free_vars(v))]
+        return (len(readers) == self.uses.get(var, 0) and not any(
+            x.same_as(var) for x in relax.analysis.free_vars(self._result))
+            and all(_op(v) == "relax.matmul" and v.args[0].same_as(var)
+                    and not v.args[1].same_as(var) for v in readers))
 
     def constant(self, expr: relax.Expr) -> np.ndarray | None:
         """The value of ``expr`` when it depends on constants only (built and run on llvm)."""
@@ -311,10 +324,9 @@ class _Matcher:
                     break
                 expr, labels, n = found
                 group *= n
-            elif op == "relax.tile":
-                raise _Reject(f"{what}: heads repeated by tiling (head h reads KV head h % Hkv); the "
-                              "attention op groups query heads as h // group")
             else:
+                # anything else (a tile of heads: head h reads h % Hkv, no h // group) is the
+                # operand as it is, materialised by the pack
                 break
         axes = [labels.index(c) for c in ("B", labels_pos(labels), "H", "D")]
         return _Operand(expr, axes, group, scale, upcast)
@@ -668,15 +680,17 @@ class _Matcher:
         """
         guard, p_uses = None, 1
         fn = self.fn
+        shared = fn.only_left_operand(expr)  # P itself may feed several P·V products
         while True:
             value = fn.value(expr)
             op = _op(value)
             if op == "relax.nn.softmax":
-                if isinstance(expr, relax.Var) and fn.uses.get(expr, 0) > p_uses:
+                if isinstance(expr, relax.Var) and fn.uses.get(expr, 0) > p_uses and not shared:
                     raise _Reject("the attention probabilities have other users (e.g. output_attentions)")
                 return value, guard
-            if not fn.single_use(expr):
+            if not (fn.single_use(expr) or shared):
                 raise _Reject("the attention probabilities have other users (e.g. output_attentions)")
+            shared = False
             if op == "relax.astype":
                 expr = value.args[0]
             elif op == "relax.where" and guard is None:
@@ -776,7 +790,7 @@ class _Matcher:
         if q.group != 1:
             raise _Reject("query heads are repeated")
         if k.group != v.group:
-            raise _Reject(f"keys repeated {k.group}x but values {v.group}x")
+            k, v = _common_group(k, v)
         qs, ks, vs = (static_shape(x.expr) for x in (q, k, v))
         qs, ks, vs = ([s[a] for a in x.axes] for s, x in ((qs, q), (ks, k), (vs, v)))
         if ks != vs:
@@ -826,6 +840,22 @@ class _Matcher:
         return result, {"causal": causal, "bias": "yes" if bias is not None else "no",
                         "group": str(k.group), "scale": repr(scale),
                         "isnan_guard": str(guard == "isnan"), **info}
+
+
+def _common_group(k: _Operand, v: _Operand) -> tuple[_Operand, _Operand]:
+    """K and V with one KV-head repetition factor: the more repeated operand's extra factor m is
+    materialised (``repeat(x, m)`` on its head axis; query head h reads head h // g of either).
+
+    The dynamo ONNX export of DiffLlama's ``v.repeat(1, 2, 1, 1)`` of a one-head half is a
+    broadcast over heads: values repeated 4x beside keys repeated 2x.
+    """
+    lo, hi = sorted((k, v), key=lambda x: x.group)
+    if hi.group % lo.group:
+        raise _Reject(f"keys repeated {k.group}x but values {v.group}x")
+    rep = relax.BlockBuilder().normalize(relax.op.repeat(hi.expr, hi.group // lo.group,
+                                                         axis=hi.axes[2]))  # typed: shapes read
+    wide = _Operand(rep, hi.axes, lo.group, hi.scale, hi.upcast)
+    return (lo, wide) if lo is k else (wide, lo)
 
 
 def labels_pos(labels: list[str]) -> str:
