@@ -255,3 +255,21 @@ def test_cat_skips_legacy_empty_operands():
     x = torch.randn(1, 2, 3, 4)
     out, ref = tvmfuse.compile(module, (x,), target="cpu").load()(x), module(x)
     torch.testing.assert_close(out, ref)
+
+
+def test_div_rounding_modes_in_torch_dtypes():
+    """``div`` with a rounding mode takes torch's result dtype: an int64 tensor by a Python int
+    (transformers' MoE ``perm // top_k``; TVM 0.27 made the 2 an int32 constant and failed),
+    trunc toward zero on negative integers, true division of integers in float."""
+    def divs(m, i, x):
+        return (torch.div(i, 2, rounding_mode="floor"), torch.div(i, 3, rounding_mode="trunc"),
+                torch.div(i, i.abs() + 1), torch.div(x, 0.7, rounding_mode="trunc"),
+                torch.div(x, 0.7, rounding_mode="floor"))
+
+    module = Fn(divs).eval()
+    i = torch.arange(-7, 8, dtype=torch.int64)
+    x = torch.randn(15, generator=torch.Generator().manual_seed(0))
+    outs, refs = tvmfuse.compile(module, (i, x), target="cpu").load()(i, x), module(i, x)
+    for out, ref in zip(outs, refs):
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref)

@@ -37,6 +37,13 @@ and its clip truncates. Here x is cast to the result dtype torch.export recorded
 bounds (``clamp.Tensor``), 0.27 compares x with the bounds in their own dtypes: T5's fp16 clamp by
 a 0-d fp32 ``torch.where`` failed ("Binary operators must have the same datatype"). Here bounds
 are cast to torch's result dtype too.
+
+``div`` (``.Tensor``, ``.Scalar`` and their ``_mode`` forms): 0.27 makes a Python scalar an int32 /
+float32 constant whatever the tensor's dtype (transformers' MoE ``perm // top_k`` on int64 failed:
+"Binary operators must have the same datatype") and divides integers without rounding mode as
+integers.
+Here both operands take torch's result dtype (true division of integers is a float division),
+``floor`` floors and ``trunc`` rounds toward zero in integers as in floats.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from collections.abc import Callable
 
 import tvm_ffi
 from tvm import relax, tirx
+
+from .torch_moe import moe_convert_map
 
 _ACCUMULATE = {"float16": "float32", "bfloat16": "float32", "float32": "float32"}
 
@@ -225,11 +234,40 @@ def _clamp_tensor(node, importer) -> relax.Var:
     return x
 
 
+def _div_mode(node, importer) -> relax.Var:
+    """``aten.div(a, b, rounding_mode=None | "floor" | "trunc")`` in torch's result dtype."""
+    args = importer.retrieve_args(node)
+    a, b = args[0], args[1]
+    mode = args[2] if len(args) > 2 else node.kwargs.get("rounding_mode")
+    val = node.meta.get("val")
+    dtype = importer._convert_data_type(val.dtype) if val is not None else str(a.ty.dtype)
+    bb = importer.block_builder
+
+    def as_dtype(v):
+        if isinstance(v, relax.Expr):
+            return v if str(v.ty.dtype) == dtype else bb.emit(relax.op.astype(v, dtype))
+        return relax.const(v, dtype)
+
+    a, b = as_dtype(a), as_dtype(b)
+    if mode is None:
+        return bb.emit(relax.op.divide(a, b))
+    if mode == "floor":
+        return bb.emit(relax.op.floor_divide(a, b))
+    if mode != "trunc":
+        raise ValueError(f"{node.name}: div rounding_mode {mode!r} (torch has None, floor, trunc)")
+    if dtype.startswith(("int", "uint")):  # |a| // |b| with the sign of a·b
+        q = bb.emit(relax.op.floor_divide(relax.op.abs(a), relax.op.abs(b)))
+        return bb.emit(relax.op.multiply(q, relax.op.multiply(relax.op.sign(a), relax.op.sign(b))))
+    return bb.emit(relax.op.trunc(relax.op.divide(a, b)))
+
+
 def custom_convert_map() -> dict[str, Callable]:
     """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
     plain = _product(with_bias=False)
-    return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
+    return {**moe_convert_map(),"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
+            "div.Tensor": _div_mode, "div.Scalar": _div_mode, "div.Tensor_mode": _div_mode,
+            "div.Scalar_mode": _div_mode,
             "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp,
             "clamp.Tensor": _clamp_tensor, "cat.default": _cat, "concat.default": _cat,
             "conv1d.default": _conv("conv"), "conv2d.default": _conv("conv"),

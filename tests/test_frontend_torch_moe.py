@@ -1,0 +1,98 @@
+"""The mixture-of-experts converters (``tvmfuse/frontend/torch_moe.py``): ``histc`` and the grouped
+product of transformers' MoE layers, op by op against torch on the cpu target, and transformers'
+MoE families at random init as a user brings them (each failed to import before session 44:
+"unsupported operators (grouped_mm_fallback.default, histc.default)")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tvmfuse
+from tests.test_frontend_torch import Fn
+from tests.test_llm_import_lm import Logits
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")  # registers transformers::grouped_mm_fallback
+grouped_mm = torch.ops.transformers.grouped_mm_fallback
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_histc_fixed_bounds(dtype):
+    """Edges: x = max is in the last bin, values outside [min, max] are not counted."""
+    module = Fn(lambda m, x: torch.histc(x, bins=5, min=-1.0, max=2.0)).eval()
+    x = torch.cat([torch.randn(40, generator=torch.Generator().manual_seed(0)),
+                   torch.tensor([-1.0, 2.0, 2.5, -3.0, 0.2, 0.8])]).to(dtype)
+    out, ref = tvmfuse.compile(module, (x,), target="cpu").load()(x), module(x.float()).to(dtype)
+    assert out.dtype == ref.dtype and torch.equal(out, ref)
+    assert float(ref.sum()) == int(((x >= -1) & (x <= 2)).sum()) < len(x)  # outside: dropped
+
+
+def test_histc_of_expert_ids():
+    """The MoE form: integer-valued expert ids as floats, bins = E over [0, E - 1]."""
+    module = Fn(lambda m, ids: torch.histc(ids.float(), bins=4, min=0, max=3)).eval()
+    ids = torch.tensor([0, 3, 3, 1, 0, 3, 2, 3])
+    out = tvmfuse.compile(module, (ids,), target="cpu").load()(ids)
+    assert out.tolist() == [2.0, 1.0, 1.0, 4.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_grouped_mm_rows_by_offsets(dtype):
+    """Rows [offs[e-1], offs[e]) times w[e]; an empty group (expert 1) and rows past the last
+    offset (zero, as the fallback's zero-filled output) included. The offsets come from the
+    data (a cumsum of counts), as in the MoE layer."""
+    def grouped(m, x, counts):
+        return grouped_mm(x, m["w"].weight, torch.cumsum(counts, 0, dtype=torch.int32))
+
+    class W(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(4, 16, 24, generator=torch.Generator()
+                                                         .manual_seed(1)))
+
+    module = Fn(grouped, w=W()).to(dtype).eval()
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    counts = torch.tensor([3, 0, 5, 1])  # 9 of 11 rows; the last two are past the last offset
+    out = tvmfuse.compile(module, (x, counts), target="cpu").load()(x, counts)
+    ref = module(x.float(), counts) if dtype == torch.float32 else Fn(grouped, w=W()).eval()(
+        x.float(), counts)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2 if dtype == torch.float16 else 1e-5,
+                               atol=2e-2 if dtype == torch.float16 else 1e-5)
+    assert torch.count_nonzero(out[9:]) == 0 and torch.count_nonzero(ref[3:8]) > 0
+
+
+def _moe(name: str) -> torch.nn.Module:
+    """Family ``name`` at random init: 2 layers, hidden 64, 4 experts, 2 per token."""
+    T = transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if name == "mixtral":
+        return T.MixtralForCausalLM(T.MixtralConfig(**common, num_local_experts=4,
+                                                    num_experts_per_tok=2))
+    if name == "qwen2_moe":  # routed experts beside a gated shared expert
+        return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
+                                                      moe_intermediate_size=64,
+                                                      shared_expert_intermediate_size=64))
+    return T.OlmoeForCausalLM(T.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2))
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+def test_moe_family_cpu_logits_and_report(name):
+    """The cpu build equals torch's logits; on sm90 (fp16) each layer keeps one attention."""
+    from tvmfuse.frontend import import_model
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    model = Logits(_moe(name).eval())
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    got = np.asarray(tvmfuse.compile(model, (ids,), target="cpu").load()(ids))
+    with torch.no_grad():
+        want = model(ids).numpy()
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    report = analyze(import_model(Logits(_moe(name).eval().half()), (ids,)).mod,
+                     get_target("sm90"), "float16", stock=False)
+    names = [k["name"] for k in report["kernels"]]
+    assert sum(n == "attention" for n in names) == 2, names
