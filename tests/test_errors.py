@@ -198,13 +198,3 @@ def test_fast_and_checked_call_paths_agree(cpu_lib):
         model(x.double())
     with pytest.raises(InputError, match="shape"):
         model(torch.randn(3, 8))
-
-
-def test_unsupported_moe_ops_come_with_a_hint():
-    """transformers' default MoE path (grouped_mm, histc) names the config switch that exports."""
-    err = UnsupportedOpError("PyTorch (nn.Module Logits)", [("histc", "histc.default"),
-                                                            ("mm", "grouped_mm_fallback.default")])
-    text = str(err)
-    assert "node 'histc': op histc.default" in text
-    assert 'experts_implementation="batched_mm"' in text
-    assert "hint" not in str(UnsupportedOpError("ONNX", [("n", "Foo")]))

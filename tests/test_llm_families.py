@@ -12,10 +12,11 @@ layer, final-logit soft-capping), StableLM (LayerNorm, rotary over a quarter of 
 GPT-NeoX (parallel residual, rotary over a quarter), OPT (learned positions offset by 2, ReLU),
 OLMo (LayerNorm without parameters), Cohere (parallel attention and MLP, logit scale),
 Granite (embedding, residual, attention and logit multipliers) and Mixtral (4 experts, top 2,
-built with ``experts_implementation="batched_mm"`` as the import error's hint asks); also
+built with ``experts_implementation="batched_mm"``, as compile_lm's error asks for
+transformers' default grouped experts); also
 Gemma-3 (q/k norms, sliding windows), Starcoder2, GPT-J (interleaved rotary), Phi (partial
 rotary), SmolLM3 and Llama with Llama-3's rope scaling. Gemma-2 with its default
-attention soft-capping and Bloom's ALiBi are refused with the reason."""
+attention soft-capping, Bloom's ALiBi and the grouped experts are refused with the reason."""
 
 from __future__ import annotations
 
@@ -87,6 +88,9 @@ def _more(name: str, common: dict) -> torch.nn.Module:
         "mixtral": lambda: T.MixtralForCausalLM._from_config(
             T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
             experts_implementation="batched_mm"),
+        # transformers' default experts (grouped_mm): tvmfuse.compile takes them, compile_lm not
+        "mixtral_grouped": lambda: T.MixtralForCausalLM(
+            T.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)),
         "bloom": lambda: T.BloomForCausalLM(T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=2,
                                                           n_head=4, initializer_range=0.3)),
     }
@@ -123,11 +127,13 @@ def test_phi3_mlp_is_one_pair_gemm():
 @pytest.mark.parametrize("name, why", [
     ("gemma2_softcap", r"left alone because: the scores pass through tanh \(logit soft-capping"),
     ("bloom", r"cannot derive per-sequence positions: .*ALiBi"),
+    ("mixtral_grouped", r"grouped experts .*experts_implementation=\"batched_mm\""),
 ])
 def test_refused_with_the_reason(name, why):
-    """What compile_lm cannot take yet is a CompileError that says why: Gemma-2's attention
-    soft-capping (FuseAttention's own reason, not "see the report"), Bloom's ALiBi bias."""
-    from tvmfuse.errors import CompileError
+    """What compile_lm cannot take yet is an error that says why: Gemma-2's attention
+    soft-capping (FuseAttention's own reason, not "see the report"), Bloom's ALiBi bias,
+    transformers' grouped experts (with the config switch that exports batched matmuls)."""
+    from tvmfuse.errors import TvmfuseError
 
-    with pytest.raises(CompileError, match=why):
+    with pytest.raises(TvmfuseError, match=why):
         tvmfuse.compile_lm(_model(name), target="cpu", max_seq_len=64, prefill_lengths=[16])

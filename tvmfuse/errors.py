@@ -22,21 +22,10 @@ class UnsupportedOpError(ModelError):
         self.unsupported = unsupported
         ops = sorted({op for _, op in unsupported})
         lines = [f"  node {name!r}: op {op}" for name, op in unsupported]
-        hints = sorted({hint for key, hint in _OP_HINTS.items() if any(key in op for op in ops)})
         super().__init__(
             f"{frontend} model has {len(unsupported)} node(s) with unsupported operators "
-            f"({', '.join(ops)}):\n" + "\n".join(lines + [f"hint: {h}" for h in hints])
+            f"({', '.join(ops)}):\n" + "\n".join(lines)
         )
-
-
-# What a user can do about operators that come from a known source (substring of the op name).
-_OP_HINTS = {
-    "grouped_mm": ("transformers' mixture-of-experts layers run their experts through grouped_mm "
-                   "by default; build the model with experts_implementation=\"batched_mm\" "
-                   "(config or from_pretrained), which exports to batched matmuls"),
-    "histc": ("transformers' mixture-of-experts layers count tokens per expert with histc; build "
-              "the model with experts_implementation=\"batched_mm\""),
-}
 
 
 class InputSpecError(TvmfuseError):

@@ -38,6 +38,10 @@ bounds (``clamp.Tensor``), 0.27 compares x with the bounds in their own dtypes: 
 a 0-d fp32 ``torch.where`` failed ("Binary operators must have the same datatype"). Here bounds
 are cast to torch's result dtype too.
 
+``empty`` / ``empty_permuted`` with a symbolic size (``compile_lm``'s sequence length: the inverse
+permutation of transformers' MoE layers) failed: 0.27 passes the size's fx nodes on as they are.
+Here they are the symbolic dims they stand for.
+
 ``div`` (``.Tensor``, ``.Scalar`` and their ``_mode`` forms): 0.27 makes a Python scalar an int32 /
 float32 constant whatever the tensor's dtype (transformers' MoE ``perm // top_k`` on int64 failed:
 "Binary operators must have the same datatype") and divides integers without rounding mode as
@@ -261,13 +265,24 @@ def _div_mode(node, importer) -> relax.Var:
     return bb.emit(relax.op.trunc(relax.op.divide(a, b)))
 
 
+def _empty(node, importer) -> relax.Var:
+    """``aten.empty`` / ``empty_permuted(size, ...)`` as zeros; sizes may be symbolic (fx nodes)."""
+    import torch
+
+    shape = [importer.env[d] if isinstance(d, torch.fx.Node) else d for d in node.args[0]]
+    dtype = importer._convert_data_type(node.kwargs.get("dtype") or torch.get_default_dtype(),
+                                        importer.env)
+    return importer.block_builder.emit(relax.op.zeros(shape, dtype))
+
+
 def custom_convert_map() -> dict[str, Callable]:
     """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
     plain = _product(with_bias=False)
     return {**moe_convert_map(),"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
             "div.Tensor": _div_mode, "div.Scalar": _div_mode, "div.Tensor_mode": _div_mode,
-            "div.Scalar_mode": _div_mode,
+            "div.Scalar_mode": _div_mode, "empty.default": _empty, "empty.memory_format": _empty,
+            "empty_permuted.default": _empty,
             "view.default": _reshape, "reshape.default": _reshape, "clamp.default": _clamp,
             "clamp.Tensor": _clamp_tensor, "cat.default": _cat, "concat.default": _cat,
             "conv1d.default": _conv("conv"), "conv2d.default": _conv("conv"),

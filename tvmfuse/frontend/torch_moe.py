@@ -66,7 +66,7 @@ def _grouped_mm(node, importer) -> relax.Var:
     if offs is None or extra or len(xs) != 2 or len(ws) != 3:
         raise ValueError(f"{node.name}: grouped_mm is supported for a 2-D input, 3-D weights and "
                          f"offsets, no bias or out_dtype (got input {list(xs)}, weight {list(ws)})")
-    (s, k), (e, _, n) = ([int(d) for d in xs], [int(d) for d in ws])
+    s, (k, e, n) = xs[0], (int(ws[1]), int(ws[0]), int(ws[2]))  # S may be symbolic (compile_lm)
     bb = importer.block_builder
     dtype = str(x.ty.dtype)
     acc = _ACCUMULATE.get(dtype, dtype)

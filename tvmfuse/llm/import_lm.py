@@ -51,6 +51,12 @@ def _from_exported(ep, source: str) -> tvm.IRModule:
     unsupported = scan_unsupported(ep)
     if unsupported:
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)
+    grouped = [n.name for n in ep.graph.nodes if "grouped_mm" in str(n.target)]
+    if grouped:  # tvmfuse.compile takes them (frontend/torch_moe.py); positions could not follow
+        raise ModelError(f"{source}: compile_lm does not take transformers' grouped experts "
+                         f"(nodes {grouped}: rows of all positions sorted by expert); build the "
+                         "model with experts_implementation=\"batched_mm\" (config or "
+                         "from_pretrained)")
     try:
         with quiet_torch_internals():
             return from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
