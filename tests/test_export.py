@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,10 +133,15 @@ def test_failed_export_keeps_existing_library(libs, tmp_path, monkeypatch):
     (tmp_path / "false-nvcc").chmod(0o755)
     torch.manual_seed(0)
     lib = tvmfuse.compile(Tiny().eval(), (torch.randn(4, 32),), target="sm90")
-    with pytest.raises(CompileError, match="nvcc failed for target sm90"):
+    with pytest.raises(CompileError, match="nvcc failed for target sm90") as info:
         lib.export(dest)
     assert dest.read_bytes() == before
     assert not list(tmp_path.glob(".keep.so.*"))
+    # the CUDA source the message names is there to read (the temporary folder was removed
+    # before session 44, so "source kept at" named a file that did not exist)
+    kept = Path(re.search(r"source kept at (\S+?)\)", str(info.value)).group(1))
+    assert kept.is_file() and "__global__" in kept.read_text()
+    shutil.rmtree(kept.parent)
 
 
 def test_bool_mask_graph_builds_for_sm90(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import tvmfuse
+from tests.cuda_tools import needs_nvcc
 from tests.test_frontend_torch import Fn
 from tests.test_llm_import_lm import Logits
 
@@ -96,3 +97,33 @@ def test_moe_family_cpu_logits_and_report(name):
                      get_target("sm90"), "float16", stock=False)
     names = [k["name"] for k in report["kernels"]]
     assert sum(n == "attention" for n in names) == 2, names
+
+
+@needs_nvcc
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+def test_moe_family_builds_with_nvcc(target, tmp_path):
+    """Mixtral in fp16 builds to a CUDA library: the gathered expert columns times the row
+    factor (a where() on the bool row mask vectorised to half4 was emitted as make_ushort4 into a
+    half4, which nvcc refused)."""
+    model = Logits(_moe("mixtral").eval().half())
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
+    path = tvmfuse.compile(model, (ids,), target=target).export(tmp_path / "mixtral.so")
+    assert path.stat().st_size > 0
+
+
+def test_pt2_of_a_moe_model_loads_in_a_fresh_process(tmp_path):
+    """A saved program names ``transformers::grouped_mm_fallback``, which torch.export.load cannot
+    resolve until transformers registers it; the loader registers it and loads again (a fresh
+    interpreter: this one registered it at import)."""
+    import subprocess
+    import sys
+
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "mixtral.pt2"
+    torch.export.save(torch.export.export(Logits(_moe("mixtral").eval()), (ids,)), str(path))
+    code = ("import sys; from tvmfuse.frontend import import_model; "
+            "m = import_model(sys.argv[1]); print(m.inputs)")
+    proc = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "input" in proc.stdout

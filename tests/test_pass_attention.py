@@ -743,6 +743,23 @@ def test_unequal_kv_groups_share_the_smaller():
     assert_same_numerics(UnequalGroups, after)
 
 
+def test_left_alone_attention_sinks():
+    """GPT-OSS: a per-head sink logit joins each score row and is sliced off after the softmax."""
+    bb = relax.BlockBuilder()
+    q, k, v = (relax.Var(n, relax.TensorType((1, 4, 8, 16), "float32")) for n in "qkv")
+    sink = relax.Var("sink", relax.TensorType((1, 4, 1, 1), "float32"))
+    with bb.function("main", [q, k, v, sink]):
+        with bb.dataflow():
+            kt = bb.emit(relax.op.permute_dims(k, [0, 1, 3, 2]))
+            s = bb.emit(relax.op.multiply(relax.op.matmul(q, kt), relax.const(0.25, "float32")))
+            sinks = bb.emit(relax.op.broadcast_to(sink, relax.ShapeExpr([1, 4, 8, 1])))
+            p = bb.emit(relax.op.nn.softmax(relax.op.concat([s, sinks], axis=-1), axis=-1))
+            ps = bb.emit(relax.op.strided_slice(p, [3], [0], [8]))
+            o = bb.emit_output(relax.op.matmul(ps, v))
+        bb.emit_func_output(o)
+    assert_left(bb.get(), "attention sinks")
+
+
 def test_left_alone_tiled_kv_repetition():
     bb = relax.BlockBuilder()
     q = relax.Var("q", relax.TensorType((1, 4, 8, 16), "float32"))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import tempfile
 from collections.abc import Callable
@@ -172,8 +173,9 @@ def export_library(executable, path: str | os.PathLike, spec: TargetSpec,
         if workdir is not None:
             _export(executable, tmp, path, spec, metadata, workdir)
         else:
-            with tempfile.TemporaryDirectory(prefix="tvmfuse-export-") as wdir:
-                _export(executable, tmp, path, spec, metadata, wdir)
+            wdir = tempfile.mkdtemp(prefix="tvmfuse-export-")
+            _export(executable, tmp, path, spec, metadata, wdir)
+            shutil.rmtree(wdir, ignore_errors=True)  # kept on failure: nvcc's error names its source
         os.chmod(tmp, 0o755)  # mkstemp made it 0600; a library is read by whoever loads it
         for (wpath, _), wtmp in zip(files, temps):
             os.chmod(wtmp, 0o644)

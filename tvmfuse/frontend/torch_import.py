@@ -318,9 +318,29 @@ def import_pt2(path: str, overrides: dict[str, InputOverride],
         with quiet_torch_internals():
             ep = torch.export.load(path)
     except Exception as err:
-        why = f"{type(err).__name__}: {err}"
-        raise ModelError(f"{path}: not a readable torch.export .pt2 file ({why})") from err
+        ep = _load_with_transformers_ops(path)
+        if ep is None:
+            why = f"{type(err).__name__}: {err}"
+            raise ModelError(f"{path}: not a readable torch.export .pt2 file ({why})") from err
     return import_exported(ep, overrides, path, dynamic=dynamic)
+
+
+def _load_with_transformers_ops(path: str):
+    """``torch.export.load`` again once transformers' custom ops are registered (a MoE model's
+    ``transformers::grouped_mm_fallback``: the program names an op the loader cannot resolve
+    otherwise); None when transformers is absent or the load still fails."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("transformers") is None:
+        return None
+    try:
+        importlib.import_module("transformers.integrations.moe")
+        with quiet_torch_internals():
+            return torch.export.load(path)
+    except Exception:  # noqa: BLE001 - the first error is the one reported
+        return None
 
 
 def load_factory(spec: str):

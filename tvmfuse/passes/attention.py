@@ -708,6 +708,10 @@ class _Matcher:
                     raise _Reject("where() on the probabilities is neither HF's IsNaN guard nor "
                                   "torch's _safe_softmax guard (0 where a whole score row is -inf)")
                 guard, p_uses, expr = "safe_softmax", 1 + zeros, b
+            elif op == "relax.strided_slice" and fn.call(value.args[0], "relax.nn.softmax") is not None:
+                raise _Reject("the softmax runs over the scores and more columns that are sliced "
+                              "off after it (attention sinks, GPT-OSS): no attention kernel "
+                              "takes sinks yet")
             else:
                 return None
 
