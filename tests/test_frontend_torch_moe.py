@@ -102,9 +102,10 @@ def test_moe_family_cpu_logits_and_report(name):
 @needs_nvcc
 @pytest.mark.parametrize("target", ["sm90", "sm80"])
 def test_moe_family_builds_with_nvcc(target, tmp_path):
-    """Mixtral in fp16 builds to a CUDA library: the gathered expert columns times the row
-    factor (a where() on the bool row mask vectorised to half4 was emitted as make_ushort4 into a
-    half4, which nvcc refused)."""
+    """Mixtral in fp16 builds to a CUDA library. The kernel gathering each row's expert columns
+    under ``where(row kept, ·, 0)`` was vectorised with the condition loaded from a bool buffer,
+    and TVM's CUDA codegen declared it ``half4 c = make_ushort4(...)``, which nvcc refused; the
+    elementwise rule now keeps conditions that load memory scalar."""
     model = Logits(_moe("mixtral").eval().half())
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(0))
     path = tvmfuse.compile(model, (ids,), target=target).export(tmp_path / "mixtral.so")

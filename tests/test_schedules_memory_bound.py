@@ -569,6 +569,34 @@ def test_gathers_become_vector_loads(shift, gathers, want, tmp_path):
     assert set(re.findall(r"(\d+) bytes spill", log)) <= {"0"}, log
 
 
+@needs_nvcc
+def test_gather_under_a_loaded_condition_builds(tmp_path):
+    """``where(kept[r], y[r, N + j], 0)`` (transformers' MoE rows: a slice of the all-experts GEMM
+    output under a bool row mask): the condition is the same for a vector's lanes but loads a
+    bool buffer. Vectorised, TVM's CUDA codegen declared it ``half4 c = make_ushort4(...)`` and
+    nvcc refused the kernel; the rule keeps such a kernel per element (semantics unchanged)."""
+    bb = relax.BlockBuilder()
+    y = relax.Var("y", relax.TensorType((64, 256), "float16"))
+    kept = relax.Var("kept", relax.TensorType((64, 1), "bool"))
+    with bb.function("main", [y, kept]):
+        with bb.dataflow():
+            part = relax.op.strided_slice(y, [1], [128], [256])
+            out = bb.emit_output(relax.op.where(kept, part, relax.const(0, "float16")))
+        bb.emit_func_output(out)
+    (func,) = prim_funcs(pipeline.lower(bb.get(), CPU)).values()
+    target = SM90.tvm_target()
+    with target:
+        sch = Elementwise(config=ew_rule.VARIANTS["v2_rows"]).apply(func, target, False)
+    kernel = sch.mod["main"].with_attr("global_symbol", "main").with_attr("target", target)
+    source = tvm.tirx.build(tvm.IRModule({"main": kernel}), target=target).imports[0].inspect_source()
+    assert "make_ushort4" not in source
+    compile_fatbin(source, SM90, tmp_path)
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal((64, 256)).astype("float16"), rng.random((64, 1)) < 0.5,
+            np.zeros((), "float16"), np.ones((64, 128), "float16")]  # where()'s 0; the output
+    np.testing.assert_array_equal(_run_llvm(_serial(sch.mod["main"]), args), _run_llvm(func, args))
+
+
 def test_gathers_option():
     assert Elementwise().config.vector_gathers
     with use_options(Options(elementwise_vector_gathers=False)):

@@ -13,12 +13,11 @@ not counted; ``x``'s dtype. The counts are a (N, bins) comparison summed over N.
 
 ``grouped_mm(x, w, offs)``, x (S, K), w (E, K, N), offs (E,) ascending → (S, N):
 ``out[r] = x[r] · w[e(r)]`` with ``e(r) = #{e : offs[e] ≤ r}``; rows past ``offs[E−1]`` are 0 (the
-fallback's zero-filled output; they exist only with expert parallelism's sentinels, and are
-multiplied by 0, so an inf there would give NaN). Shapes stay static: every row is multiplied by
-every expert as one 2-D GEMM ``x · W'``, ``W' = w`` laid out (K, E·N) (a constant for weights,
-folded at compile time), and row r keeps its expert's N columns (``gather_elements``). That is
-E× the FLOPs of a grouped GEMM and reads every expert's weights: correct on every target, not yet
-a grouped-GEMM kernel.
+fallback's zero-filled output; they exist only with expert parallelism's sentinels). Shapes
+stay static: every row is multiplied by every expert as one 2-D GEMM ``x · W'``, ``W' = w`` laid
+out (K, E·N) (a constant for weights, folded at compile time), and row r keeps its expert's N
+columns (``gather_elements``). That is E× the FLOPs of a grouped GEMM and reads every expert's
+weights: correct on every target, not yet a grouped-GEMM kernel.
 """
 
 from __future__ import annotations
@@ -84,10 +83,8 @@ def _grouped_mm(node, importer) -> relax.Var:
         relax.op.reshape(relax.op.minimum(expert, relax.const(e - 1, "int64")), (s, 1, 1)), (s, 1, n))
     out = bb.emit(relax.op.reshape(
         relax.op.gather_elements(relax.op.reshape(y, (s, e, n)), pick, axis=1), (s, n)))
-    # rows past the last offset are 0: a 0/1 factor, not where() (CUDA codegen of a half4 where
-    # on a bool buffer emits make_ushort4 into a half4, which nvcc refuses)
-    kept = relax.op.astype(relax.op.less(expert, relax.const(e, "int64")), dtype)
-    return bb.emit(relax.op.multiply(out, relax.op.reshape(kept, (s, 1))))
+    kept = relax.op.reshape(relax.op.less(expert, relax.const(e, "int64")), (s, 1))
+    return bb.emit(relax.op.where(kept, out, relax.const(0, dtype)))
 
 
 def moe_convert_map() -> dict[str, Callable]:

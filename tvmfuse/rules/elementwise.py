@@ -335,7 +335,13 @@ def _vector_value(block: s_tir.SBlock, lanes: int, params: set) -> tirx.PrimExpr
         return analyzer.simplify(e) if DataType(dtype_of(e)).is_bool else e
 
     def lane_free(cond) -> bool:
-        return not _uses(analyzer.simplify(rebuild(substitute(cond, split), in_lt_form)), lane)
+        # a condition that loads memory stays scalar: TVM's CUDA codegen of a Select over vectors
+        # whose condition reads a buffer (MoE's row mask) declared the broadcast condition with the
+        # value's vector type (``half4 c = make_ushort4(...)``), which nvcc refuses
+        loads = []
+        tvm_ffi.structural_walk(cond, (Load, loads.append), order="post")
+        return not loads and not _uses(
+            analyzer.simplify(rebuild(substitute(cond, split), in_lt_form)), lane)
 
     def load(e):
         flat = tirx.const(0, dt)
