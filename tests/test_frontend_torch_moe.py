@@ -128,3 +128,17 @@ def test_pt2_of_a_moe_model_loads_in_a_fresh_process(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "input" in proc.stdout
+
+
+def test_bf16_experts_through_aten_grouped_mm():
+    """bf16 weights take torch's own ``aten._grouped_mm`` (not transformers' fallback op): the same
+    converter; the cpu logits are within bf16 rounding of the fp32 model's."""
+    model = Logits(_moe("mixtral").eval())
+    half = Logits(_moe("mixtral").eval().to(torch.bfloat16))
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    targets = {str(n.target) for n in torch.export.export(half, (ids,)).graph.nodes}
+    assert "aten._grouped_mm.default" in targets
+    got = tvmfuse.compile(half, (ids,), target="cpu").load()(ids).float().numpy()
+    with torch.no_grad():
+        want = model(ids).numpy()
+    assert np.linalg.norm(got - want) <= 2e-2 * np.linalg.norm(want)
