@@ -215,14 +215,11 @@ def _clamp(node, importer) -> relax.Var:
     return bb.emit(relax.op.clip(x, -math.inf if lo is None else lo, math.inf if hi is None else hi))
 
 
-def _clamp_tensor(node, importer) -> relax.Var:
-    """``aten.clamp.Tensor(x, min=None, max=None)``: x and tensor bounds in torch's result dtype."""
-    args = importer.retrieve_args(node)
-    x = args[0]
-    lo = args[1] if len(args) > 1 else node.kwargs.get("min")
-    hi = args[2] if len(args) > 2 else node.kwargs.get("max")
+def _in_result_dtype(node, importer, first: relax.Expr) -> tuple[str, Callable]:
+    """torch's result dtype of ``node`` (``first``'s without a recorded value) and a function
+    that casts an operand (a Relax tensor or a Python scalar) to it."""
     val = node.meta.get("val")
-    dtype = importer._convert_data_type(val.dtype) if val is not None else str(x.ty.dtype)
+    dtype = importer._convert_data_type(val.dtype) if val is not None else str(first.ty.dtype)
     bb = importer.block_builder
 
     def as_dtype(v):
@@ -230,6 +227,17 @@ def _clamp_tensor(node, importer) -> relax.Var:
             return v if str(v.ty.dtype) == dtype else bb.emit(relax.op.astype(v, dtype))
         return relax.const(v, dtype)
 
+    return dtype, as_dtype
+
+
+def _clamp_tensor(node, importer) -> relax.Var:
+    """``aten.clamp.Tensor(x, min=None, max=None)``: x and tensor bounds in torch's result dtype."""
+    args = importer.retrieve_args(node)
+    x = args[0]
+    lo = args[1] if len(args) > 1 else node.kwargs.get("min")
+    hi = args[2] if len(args) > 2 else node.kwargs.get("max")
+    bb = importer.block_builder
+    _, as_dtype = _in_result_dtype(node, importer, x)
     x = as_dtype(x)
     if lo is not None:
         x = bb.emit(relax.op.maximum(x, as_dtype(lo)))
@@ -243,15 +251,8 @@ def _div_mode(node, importer) -> relax.Var:
     args = importer.retrieve_args(node)
     a, b = args[0], args[1]
     mode = args[2] if len(args) > 2 else node.kwargs.get("rounding_mode")
-    val = node.meta.get("val")
-    dtype = importer._convert_data_type(val.dtype) if val is not None else str(a.ty.dtype)
     bb = importer.block_builder
-
-    def as_dtype(v):
-        if isinstance(v, relax.Expr):
-            return v if str(v.ty.dtype) == dtype else bb.emit(relax.op.astype(v, dtype))
-        return relax.const(v, dtype)
-
+    dtype, as_dtype = _in_result_dtype(node, importer, a)
     a, b = as_dtype(a), as_dtype(b)
     if mode is None:
         return bb.emit(relax.op.divide(a, b))
