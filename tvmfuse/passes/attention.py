@@ -129,12 +129,13 @@ class _Function:
         self.table = function_bindings(func)
         self.var_of: dict[relax.Expr, relax.Var] = {v: k for k, v in self.table.items()}
         self.uses: dict[relax.Var, int] = {}
+        self.readers: dict[relax.Var, list[relax.Expr]] = {}
         self.params = set(func.params)
-        self._result = func.body.body
-        # uses: how many bindings (and the function result) read each var
+        # uses: how many bindings (and the function result) read each var; readers: which
         for value in [*self.table.values(), func.body.body]:
             for var in relax.analysis.free_vars(value):
                 self.uses[var] = self.uses.get(var, 0) + 1
+                self.readers.setdefault(var, []).append(value)
         self._constants = ConstantValues(self.table)
         # fp16/bf16 products spelled matmul(a, b, out_dtype=float32) → astype(·, half): the matmuls
         self.accumulated = {self.table[x] for x in (self._accumulated(v) for v in self.table.values())
@@ -190,12 +191,8 @@ class _Function:
         products (DiffLlama's two value halves over one softmax), each then its own attention."""
         if not isinstance(var, relax.Var):
             return False
-        readers = [v for v in self.table.values() if any(x.same_as(var) for x in
-                                                         relax.analysis.free_vars(v))]
-        return (len(readers) == self.uses.get(var, 0) and not any(
-            x.same_as(var) for x in relax.analysis.free_vars(self._result))
-            and all(_op(v) == "relax.matmul" and v.args[0].same_as(var)
-                    and not v.args[1].same_as(var) for v in readers))
+        return all(_op(v) == "relax.matmul" and v.args[0].same_as(var) and not v.args[1].same_as(var)
+                   for v in self.readers.get(var, [None]))
 
     def constant(self, expr: relax.Expr) -> np.ndarray | None:
         """The value of ``expr`` when it depends on constants only (built and run on llvm)."""
