@@ -22,9 +22,11 @@ needs_nvcc = pytest.mark.skipif(not (has_tool(find_nvcc) and has_tool(find_cuobj
                                 reason="needs nvcc and cuobjdump")
 
 
-def check_vs_float64(module, inputs, target: str, tmp_path, tol: float) -> float:
+def check_vs_float64(module, inputs, target: str, tmp_path, tol: float,
+                     ref_dtype: str = "float64") -> float:
     """GPU: ``module`` through tvmfuse.compile → export → load on ``target`` against its float64
-    torch run on the same inputs; asserts rel err ≤ ``tol`` and returns it."""
+    torch run on the same inputs (``ref_dtype="float32"`` for models torch cannot run in float64);
+    asserts rel err ≤ ``tol`` and returns it."""
     import torch
 
     import tvmfuse
@@ -34,7 +36,8 @@ def check_vs_float64(module, inputs, target: str, tmp_path, tol: float) -> float
     run = tvmfuse.load(lib.export(tmp_path / "m.so"), device="cuda")
     out = run(*(x.cuda() for x in inputs))
     with torch.no_grad():
-        ref = module.double()(*(x.double() if x.is_floating_point() else x for x in inputs))
+        dt = getattr(torch, ref_dtype)
+        ref = module.to(dt)(*(x.to(dt) if x.is_floating_point() else x for x in inputs))
     err = rel_err(out, ref)
     print(f"rel_err {err:.2e}")
     assert err <= tol
