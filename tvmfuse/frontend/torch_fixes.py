@@ -58,9 +58,12 @@ from collections.abc import Callable
 import tvm_ffi
 from tvm import relax, tirx
 
-from .torch_moe import moe_convert_map
-
 _ACCUMULATE = {"float16": "float32", "bfloat16": "float32", "float32": "float32"}
+
+
+def accumulate_dtype(dtype: str) -> str:
+    """The dtype a product of ``dtype`` operands accumulates in (fp32 for half types, as torch)."""
+    return _ACCUMULATE.get(dtype, dtype)
 
 
 def _product(with_bias: bool) -> Callable:
@@ -72,7 +75,7 @@ def _product(with_bias: bool) -> Callable:
         else:
             (a, b), bias, alpha, beta = (env[arg] for arg in node.args[:2]), None, 1, 0
         dtype = str(a.ty.dtype)
-        acc = _ACCUMULATE.get(dtype, dtype)
+        acc = accumulate_dtype(dtype)
         res = bb.emit(relax.op.matmul(a, b, out_dtype=acc))
         if alpha != 1:
             res = bb.emit(relax.op.multiply(res, relax.const(alpha, acc)))
@@ -279,7 +282,7 @@ def _empty(node, importer) -> relax.Var:
 def custom_convert_map() -> dict[str, Callable]:
     """Converter overrides for ``from_exported_program(custom_convert_map=...)``."""
     plain = _product(with_bias=False)
-    return {**moe_convert_map(),"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
+    return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
             "div.Tensor": _div_mode, "div.Scalar": _div_mode, "div.Tensor_mode": _div_mode,
             "div.Scalar_mode": _div_mode, "empty.default": _empty, "empty.memory_format": _empty,

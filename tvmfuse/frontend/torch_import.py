@@ -16,6 +16,7 @@ from ..errors import InputSpecError, ModelError, UnsupportedOpError
 from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
 from .symbolic import bound_symbols
 from .torch_fixes import custom_convert_map
+from .torch_moe import moe_convert_map
 
 
 @contextlib.contextmanager
@@ -33,11 +34,17 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def converters() -> dict:
+    """tvmfuse's converters for ``from_exported_program``: TVM's with torch's dtypes
+    (torch_fixes.py) and the mixture-of-experts ops TVM lacks (torch_moe.py)."""
+    return {**custom_convert_map(), **moe_convert_map()}
+
+
 def scan_unsupported(ep) -> list[tuple[str, str]]:
     """Every call_function node whose ATen op has no Relax converter, as (node, op)."""
     from tvm.relax.frontend.torch.exported_program_translator import ExportedProgramImporter
 
-    supported = {**ExportedProgramImporter().convert_map, **custom_convert_map()}
+    supported = {**ExportedProgramImporter().convert_map, **converters()}
     found = []
     for node in ep.graph.nodes:
         if node.op == "call_function":
@@ -172,7 +179,7 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     specs, binding = _user_inputs(ep, source, overrides, dynamic)
     try:
         mod = from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
-                                    custom_convert_map=custom_convert_map())
+                                    custom_convert_map=converters())
     except Exception as err:
         raise ModelError(f"{source}: torch import failed: {type(err).__name__}: {err}") from err
     mod = bound_symbols(mod, dynamic, binding)

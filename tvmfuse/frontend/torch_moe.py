@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from tvm import relax
 
-_ACCUMULATE = {"float16": "float32", "bfloat16": "float32"}
+from .torch_fixes import accumulate_dtype
 
 
 def _histc(node, importer) -> relax.Var:
@@ -70,7 +70,7 @@ def _grouped_mm(node, importer) -> relax.Var:
     s, (k, e, n) = xs[0], (int(ws[1]), int(ws[0]), int(ws[2]))  # S may be symbolic (compile_lm)
     bb = importer.block_builder
     dtype = str(x.ty.dtype)
-    acc = _ACCUMULATE.get(dtype, dtype)
+    acc = accumulate_dtype(dtype)
     # e(r) = #{e : offs[e] <= r}: the expert of row r (E for the rows past the last offset)
     rows = relax.op.reshape(relax.op.arange(0, s, 1, "int64"), (s, 1))
     ends = relax.op.reshape(relax.op.astype(offs, "int64"), (1, e))

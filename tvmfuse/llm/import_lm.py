@@ -21,8 +21,13 @@ from tvm import relax
 from ..errors import ModelError, UnsupportedOpError
 from ..frontend.onnx_import import import_onnx, load_onnx
 from ..frontend.spec import InputOverride
-from ..frontend.torch_fixes import custom_convert_map
-from ..frontend.torch_import import decompose, export_with_dims, quiet_torch_internals, scan_unsupported
+from ..frontend.torch_import import (
+    converters,
+    decompose,
+    export_with_dims,
+    quiet_torch_internals,
+    scan_unsupported,
+)
 
 
 def _logits_module(model):
@@ -60,7 +65,7 @@ def _from_exported(ep, source: str) -> tvm.IRModule:
     try:
         with quiet_torch_internals():
             return from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
-                                         custom_convert_map=custom_convert_map())
+                                         custom_convert_map=converters())
     except Exception as err:
         raise ModelError(f"{source}: torch import failed: {type(err).__name__}: {err}") from err
 

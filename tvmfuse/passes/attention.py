@@ -128,14 +128,13 @@ class _Function:
     def __init__(self, func: relax.Function) -> None:
         self.table = function_bindings(func)
         self.var_of: dict[relax.Expr, relax.Var] = {v: k for k, v in self.table.items()}
-        self.uses: dict[relax.Var, int] = {}
         self.readers: dict[relax.Var, list[relax.Expr]] = {}
         self.params = set(func.params)
-        # uses: how many bindings (and the function result) read each var; readers: which
+        # readers: the bindings (and the function result) that read each var; uses: how many
         for value in [*self.table.values(), func.body.body]:
             for var in relax.analysis.free_vars(value):
-                self.uses[var] = self.uses.get(var, 0) + 1
                 self.readers.setdefault(var, []).append(value)
+        self.uses: dict[relax.Var, int] = {var: len(r) for var, r in self.readers.items()}
         self._constants = ConstantValues(self.table)
         # fp16/bf16 products spelled matmul(a, b, out_dtype=float32) → astype(·, half): the matmuls
         self.accumulated = {self.table[x] for x in (self._accumulated(v) for v in self.table.values())
