@@ -79,6 +79,24 @@ class AdditiveMask(nn.Module):
         return F.softmax(s, dim=-1, dtype=torch.float32).type_as(q) @ v
 
 
+class SoftCapped(nn.Module):
+    """Gemma-2's eager attention: ``s · scaling``, then ``/ cap → tanh → · cap`` (logit
+    soft-capping, in the module's dtype), then the additive causal mask, fp32 softmax, cast back.
+    ``cap`` = 2 with the forms' unit-normal inputs: most scores are bent (Gemma-2's 50 bends only
+    large ones)."""
+
+    def __init__(self, cap: float = 2.0) -> None:
+        super().__init__()
+        self.cap = cap
+        self.register_buffer("mask", torch.full((S, S), float("-inf")).triu(1), persistent=False)
+
+    def forward(self, q, k, v):
+        s = torch.matmul(q, k.transpose(2, 3)) * D**-0.5
+        s = torch.tanh(s / self.cap) * self.cap
+        s = s + self.mask.to(s.dtype)
+        return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 class SlidingWindow(nn.Module):
     """A causal band of width ``WINDOW`` (Mistral's sliding window), spelled ``how``:
 
@@ -279,6 +297,7 @@ FORMS: dict[str, tuple] = {
     # MPT (an fp32 ALiBi bias on fp16 scores, masked_fill(finfo(float16).min)): models/corpus.py
     "clamped_heads_folded": (lambda: ClampedHeadsFolded(S, H), H, "proj", False),
     "alibi_fp32_bias": (lambda: Fp32Alibi(S, H), H, "bhsd", False),
+    "soft_capped": (SoftCapped, H, "bhsd", False),  # Gemma-2: the kernels' softcap
 }
 
 

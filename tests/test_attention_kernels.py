@@ -27,6 +27,8 @@ def reference(q, k, v, bias, spec: AttentionSpec) -> np.ndarray:
     k = np.repeat(k, spec.group, axis=2)
     v = np.repeat(v, spec.group, axis=2)
     s = np.einsum("bihd,bjhd->bhij", q, k) * spec.scale
+    if spec.softcap is not None:  # logit soft-capping, before bias and mask
+        s = spec.softcap * np.tanh(s / spec.softcap)
     if bias is not None:
         s = s + np.asarray(bias, dtype=np.float64)
     if spec.causal != "none":
@@ -59,10 +61,12 @@ def random_inputs(spec: AttentionSpec, seed: int = 0):
 
 
 def _spec(b, sq, skv, hq, hkv, d, dtype="float32", causal="none", bias=None, bias_dtype=None,
-          layouts=("BSHD", "BSHD")):
+          layouts=("BSHD", "BSHD"), softcap=None):
+    """``softcap``: the random inputs' scores (unit-normal q, k at scale 1/√d) are about unit
+    normal, so a cap of 1–2 bends most of them."""
     return AttentionSpec(b, sq, skv, hq, hkv, d, dtype, 1.0 / np.sqrt(d), causal, bias,
                          bias_dtype or (dtype if bias else None), qkv_layout=layouts[0],
-                         out_layout=layouts[1])
+                         out_layout=layouts[1], softcap=softcap)
 
 
 def in_layout(x, layout: str):
@@ -95,6 +99,10 @@ CPU_CASES = {
     "fp16": _spec(1, 35, 35, 4, 2, 128, "float16", causal="TopLeft", bias=(1, 1, 1, 35),
                   bias_dtype="float32"),
     "bf16": _spec(1, 35, 35, 4, 2, 64, "bfloat16", bias=(1, 1, 35, 35)),
+    # logit soft-capping (Gemma-2): c · tanh(s / c) before the bias and the mask
+    "softcap_causal_gqa": _spec(1, 40, 40, 4, 2, 64, causal="TopLeft", softcap=1.5),
+    "softcap_bias_fp16": _spec(2, 31, 31, 4, 4, 64, "float16", bias=(2, 1, 1, 31), softcap=2.0),
+    "softcap_decode": _spec(3, 1, 100, 8, 2, 128, softcap=1.0),
 }
 
 
@@ -232,6 +240,8 @@ FLASH_BUILDS = {
                                              layouts=LAYOUTS["bhsd"]), "sm80"),
     "sbhd_out_causal_gqa_d32_fp16_sm80": (_spec(3, 300, 300, 8, 2, 32, "float16", causal="TopLeft",
                                                 layouts=LAYOUTS["sbhd_out"]), "sm80"),
+    "softcap_causal_gqa_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
+                                                softcap=50.0), "sm80"),
 }
 
 
@@ -253,19 +263,23 @@ def test_flash_attention_builds_with_tensor_cores(name, tmp_path):
         for instr in ("HMMA.16816.F32", "LDSM.16.M88.4", "LDSM.16.MT88.4", "LDGSTS"):
             assert instr in sass[arch], f"{name}: no {instr} in {arch} SASS"
         assert "MUFU.EX2" in sass[arch]
+        assert ("MUFU.TANH" in sass[arch]) == (spec.softcap is not None), name
 
 
 @needs_nvcc
-@pytest.mark.parametrize("layouts", ["bshd", "bhsd"])
+@pytest.mark.parametrize("layouts", ["bshd", "bhsd", "bshd_softcap"])
 def test_flash_decode_builds(layouts, tmp_path):
+    softcap = 50.0 if layouts.endswith("softcap") else None
     spec = _spec(4, 1, 1000, 32, 8, 128, "float16", causal="BottomRight",
-                 layouts=LAYOUTS.get(layouts, ("BSHD", "BSHD")))
+                 layouts=LAYOUTS.get(layouts, ("BSHD", "BSHD")), softcap=softcap)
     func = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
+    assert str(func.attrs["global_symbol"]) == "flash_decode"
     fatbin, report = _cuda_fatbin(func, "sm80", tmp_path)
     _assert_no_spills(report)
     assert report.count("Compiling entry function") >= 2 or "flash_decode_kernel_1" in report
     sass = _sass(fatbin)
     assert "SHFL.BFLY" in sass["sm_80"] and "LDG.E.128" in sass["sm_80"]
+    assert ("MUFU.TANH" in sass["sm_80"]) == (softcap is not None)
 
 
 def test_flash_rejects_unsupported():
@@ -338,6 +352,13 @@ GPU_CASES = {
                                       layouts=LAYOUTS["bhsd"]),
     "generic_bhsd_fp16_d48_causal_gqa": _spec(2, 70, 70, 4, 2, 48, "float16", "TopLeft",
                                               layouts=LAYOUTS["bhsd"]),
+    # logit soft-capping (tanh.approx.f32 in the flash and split-KV kernels, tanhf in the row
+    # fallback)
+    "softcap_causal_gqa_d128_fp16": _spec(2, 200, 200, 8, 2, 128, "float16", "TopLeft", softcap=1.5),
+    "softcap_bias_d64_bf16": _spec(2, 130, 130, 4, 4, 64, "bfloat16", bias=(2, 1, 1, 130),
+                                   softcap=2.0),
+    "decode_softcap_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16", softcap=1.0),
+    "generic_softcap_fp16_d48_causal": _spec(1, 50, 50, 2, 2, 48, "float16", "TopLeft", softcap=1.0),
 }
 # the kernel each case must run (``global_symbol`` of the dispatched PrimFunc) and whether its
 # CUDA source issues tensor-core mma.sync: decode_* the split-KV kernel, generic_* the fallback

@@ -75,6 +75,9 @@ BUILDS = {
     "bias_heads_rows_d64_bf16_persistent": (
         _spec(1, 200, 333, 4, 4, 64, "bfloat16", bias=(1, 4, 200, 333)),
         Sm90FlashConfig(persistent_ctas=5), (128, 64)),
+    # logit soft-capping: one MUFU.TANH per score beside the MUFU.EX2
+    "softcap_causal_gqa_d128_fp16": (
+        _spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft", softcap=50.0), None, (128, 128)),
 }
 
 
@@ -92,6 +95,7 @@ def test_builds_to_hgmma_and_tma_without_spills(name, tmp_path, monkeypatch):
     tma_store = (cfg or Sm90FlashConfig()).tma_store
     assert ("UTMASTG.4D" in sass) == tma_store, "O is stored by TMA exactly when configured"
     assert "MUFU.EX2" in sass
+    assert ("MUFU.TANH" in sass) == (spec.softcap is not None)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(s == ("0", "0") for s in spills), report
 
@@ -240,6 +244,12 @@ GPU_CASES = {
               layouts=LAYOUTS["bhsd"]), Sm90FlashConfig(persistent_ctas=5)),
     "bias_padding_serial_direct_store_bf16": (
         _spec(2, 200, 200, 2, 2, 128, "bfloat16", bias=(2, 1, 1, 200)),
+        Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False)),
+    # logit soft-capping (cap 1.5: most unit-normal scores bent), with a bias and serial
+    "softcap_causal_ragged_gqa_d128_fp16": (
+        _spec(2, 300, 300, 8, 2, 128, "float16", "TopLeft", softcap=1.5), None),
+    "softcap_bias_padding_serial_d64_bf16": (
+        _spec(2, 200, 200, 2, 2, 64, "bfloat16", bias=(2, 1, 1, 200), softcap=2.0),
         Sm90FlashConfig(overlap=False, pingpong=False, tma_store=False)),
 }
 

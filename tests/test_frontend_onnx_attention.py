@@ -1,7 +1,7 @@
 """The standard ONNX ``Attention`` op (opsets 23–25) and the dynamo exporter's scalar-axes ``Unsqueeze``.
 
 Graphs built with ``onnx.helper``, imported by tvmfuse (one ``R.nn.attention``, no softmax, for the
-forms the kernels take; plain Relax ops for softcap, ``qk_matmul_output`` and the rest), compiled
+forms the kernels take, soft cap included; plain Relax ops for ``qk_matmul_output`` and the rest), compiled
 for the cpu target and compared with onnxruntime (which runs opset-23 Attention on the CPU) or the
 ONNX reference implementation on random inputs; what the converter does not handle is refused by
 name before conversion. ``F.scaled_dot_product_attention`` exported by the dynamo exporter at
@@ -219,13 +219,22 @@ def test_local_window(attrs: dict, window: str | None, tmp_path):
     _check(model, tmp_path, ort=False)
 
 
+@pytest.mark.parametrize("attrs", [{"softcap": 2.0}, {"softcap": 3.0, "is_causal": 1}],
+                         ids=["mask", "causal"])
+def test_softcap_is_the_kernels(attrs: dict, tmp_path):
+    """``softcap`` alone (with a past and a mask, or causal): one ``R.nn.attention`` carrying the
+    soft cap (plain Relax ops before session 45)."""
+    inputs = {**_qkv(), "mask": ((B, 1, SQ, PAST + SKV), "bool"), **_past()}
+    _check(_model(inputs, ["y", "present_key", "present_value"], attrs), tmp_path, ort=False)
+
+
 @pytest.mark.parametrize("attrs", [
-    {"softcap": 2.0}, {"qk_matmul_output_mode": 0}, {"qk_matmul_output_mode": 1, "softcap": 3.0},
+    {"qk_matmul_output_mode": 0}, {"qk_matmul_output_mode": 1, "softcap": 3.0},
     {"qk_matmul_output_mode": 2, "is_causal": 1}, {"qk_matmul_output_mode": 3},
     {"softmax_precision": TensorProto.DOUBLE, "softcap": 5.0}],
-    ids=["softcap", "qk0", "qk1_softcap", "qk2_causal", "qk3", "fp64_softmax"])
+    ids=["qk0", "qk1_softcap", "qk2_causal", "qk3", "fp64_softmax"])
 def test_decomposed(attrs: dict, tmp_path):
-    """softcap / qk_matmul_output / an fp64 softmax: plain Relax ops, with a past and a mask."""
+    """qk_matmul_output / an fp64 softmax: plain Relax ops, with a past and a mask."""
     inputs = {**_qkv(), "mask": ((B, 1, SQ, PAST + SKV), "bool"), **_past()}
     outputs = _QK if "qk_matmul_output_mode" in attrs else ["y", "present_key", "present_value"]
     _check(_model(inputs, outputs, attrs), tmp_path, ort=False, fused=False)

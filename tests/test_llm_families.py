@@ -15,16 +15,19 @@ Granite (embedding, residual, attention and logit multipliers) and Mixtral (4 ex
 built with ``experts_implementation="batched_mm"``, as compile_lm's error asks for
 transformers' default grouped experts); also
 Gemma-3 (q/k norms, sliding windows), Starcoder2, GPT-J (interleaved rotary), Phi (partial
-rotary), SmolLM3 and Llama with Llama-3's rope scaling. Gemma-2 with its default
-attention soft-capping, Bloom's ALiBi and the grouped experts are refused with the reason."""
+rotary), SmolLM3 and Llama with Llama-3's rope scaling. Bloom's ALiBi and the grouped experts
+are refused with the reason. Session 45: Gemma-2 with its default attention soft-capping (was
+refused) through the kernels' soft cap, prefill and decode."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import tvmfuse
-from tests.lm_reference import greedy_matches_torch
+from tests.cuda_tools import needs_nvcc
+from tests.lm_reference import _rel, greedy_matches_torch, torch_greedy
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -98,7 +101,8 @@ def _more(name: str, common: dict) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("name", ["phi3", "qwen3", "gpt_bigcode", "falcon", "qwen2", "gemma",
-                                  "gemma2", "stablelm", "gpt_neox", "opt", "olmo", "cohere",
+                                  "gemma2", "gemma2_softcap", "stablelm", "gpt_neox", "opt", "olmo",
+                                  "cohere",
                                   "granite", "mixtral", "gemma3", "starcoder2", "gptj",
                                   "llama3_rope", "phi", "smollm3"])
 def test_greedy_tokens(name):
@@ -125,15 +129,72 @@ def test_phi3_mlp_is_one_pair_gemm():
 
 
 @pytest.mark.parametrize("name, why", [
-    ("gemma2_softcap", r"left alone because: the scores pass through tanh \(logit soft-capping"),
     ("bloom", r"cannot derive per-sequence positions: .*ALiBi"),
     ("mixtral_grouped", r"grouped experts .*experts_implementation=\"batched_mm\""),
 ])
 def test_refused_with_the_reason(name, why):
-    """What compile_lm cannot take yet is an error that says why: Gemma-2's attention
-    soft-capping (FuseAttention's own reason, not "see the report"), Bloom's ALiBi bias,
+    """What compile_lm cannot take yet is an error that says why: Bloom's ALiBi bias,
     transformers' grouped experts (with the config switch that exports batched matmuls)."""
     from tvmfuse.errors import TvmfuseError
 
     with pytest.raises(TvmfuseError, match=why):
         tvmfuse.compile_lm(_model(name), target="cpu", max_seq_len=64, prefill_lengths=[16])
+
+
+def _soft_capped_gemma2(hidden: int = 64) -> torch.nn.Module:
+    """Gemma-2 at random init whose attention soft cap bends: cap 1, init spread 0.3 (without the
+    cap the logits move by 24 % of their norm; at the default cap of 50 nothing bends)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    return T.Gemma2ForCausalLM(T.Gemma2Config(
+        vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        head_dim=hidden // 4, attn_logit_softcapping=1.0, initializer_range=0.3)).eval()
+
+
+def _forced_logits(lm, model: torch.nn.Module, steps: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(library, torch) logits of a 13-token prompt's prefill and ``steps − 1`` decode steps fed
+    torch's greedy tokens."""
+    ids = torch.randint(0, 128, (1, 13), generator=torch.Generator().manual_seed(0))
+    ref_tokens, ref_logits = torch_greedy(model, ids, steps)
+    forced = [lm.prefill(ids.numpy(), None)]
+    forced += [lm.decode(ref_tokens[:, s]) for s in range(steps - 1)]
+    return [(np.asarray(g.float().cpu() if hasattr(g, "cpu") else g), w)
+            for g, w in zip(forced, ref_logits)]
+
+
+def test_soft_capped_prefill_and_decode_logits():
+    """Gemma-2 with a cap that bends its scores (:func:`_soft_capped_gemma2`; the greedy test
+    above cannot tell at the default cap): compile_lm's prefill (the cpu attention kernel with the
+    cap) and its decode steps (the cache kernel with the cap), fed the reference tokens, give
+    torch's logits."""
+    model = _soft_capped_gemma2()
+    lm = tvmfuse.compile_lm(model, target="cpu", max_seq_len=64, prefill_lengths=[16]).load()
+    for step, (got, want) in enumerate(_forced_logits(lm, model, 6)):
+        assert _rel(got, want) < 1e-4, f"step {step}: rel {_rel(got, want)}"
+
+
+@needs_nvcc
+def test_soft_capped_sm90_library_has_tanh_in_both_attentions(tmp_path):
+    """fp16 for sm90 at head dim 64: the prefill's wgmma flash kernel and the decode's split-KV
+    kernel each hold MUFU.TANH (the cap inside the attention kernel, no score tensor)."""
+    from tests.cuda_tools import kernel_sass
+
+    model = _soft_capped_gemma2(256).half()
+    lib = tvmfuse.compile_lm(model, target="sm90", max_seq_len=64, max_batch=1, prefill_lengths=[16])
+    (kernels,) = kernel_sass(lib.export(tmp_path / "lm.so")).values()
+    tanh = sorted(n for n, body in kernels.items() if "MUFU.TANH" in body)
+    assert tanh == ["attention_kernel", "decode_cache_attention0_kernel"], tanh
+
+
+@pytest.mark.gpu
+def test_gpu_soft_capped_prefill_and_decode_logits(tmp_path):
+    """The same on the GPU: fp16 sm90 library (tanh.approx.f32 in both kernels) against torch in
+    fp32, teacher-forced, within the LLM issue's 2e-2."""
+    model = _soft_capped_gemma2(256)
+    lib = tvmfuse.compile_lm(model.half(), target="sm90", max_seq_len=64, max_batch=1,
+                             prefill_lengths=[16])
+    lm = tvmfuse.load(lib.export(tmp_path / "lm.so"), device="cuda")
+    for step, (got, want) in enumerate(_forced_logits(lm, model.float(), 6)):
+        assert _rel(got, want) < 2e-2, f"step {step}: rel {_rel(got, want)}"

@@ -97,7 +97,8 @@ def test_form_torch_export_fp16(name: str):
     _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
 
 
-@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape", "padding_additive"])
+@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape", "padding_additive",
+                                  "soft_capped"])
 def test_form_torch_export_bf16(name: str):
     module, inputs = forms.build(name, torch.bfloat16)
     lowered, stages, exe = _compile(module, inputs)
@@ -106,7 +107,7 @@ def test_form_torch_export_bf16(name: str):
 
 
 @pytest.mark.parametrize("name", ["hand_written", "additive_finfo_min", "gqa_repeat_interleave",
-                                  "sdpa_is_causal"])
+                                  "sdpa_is_causal", "soft_capped"])
 def test_form_fp32_module_as_float16(name: str):
     """An fp32 module compiled with ``--dtype float16``: attention is found before the conversion."""
     module, inputs = forms.build(name, torch.float32)
@@ -199,7 +200,8 @@ def test_sliding_window_one_kernel_sm90():
     assert json.loads(str(kernels[0].attrs["tvmfuse.attention_spec"]))["window"] == forms.WINDOW
 
 
-ONNX_FORMS = ["hand_written", "padding_masked_fill", "gqa_repeat_interleave", "sdpa_is_causal"]
+ONNX_FORMS = ["hand_written", "padding_masked_fill", "gqa_repeat_interleave", "sdpa_is_causal",
+              "soft_capped"]
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
@@ -228,7 +230,8 @@ def test_decoder_layer_fp16():
     _check_numerics(module, inputs, _run(exe, inputs), torch.float16)
 
 
-@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape", "einsum", "baddbmm"])
+@pytest.mark.parametrize("name", ["hand_written", "gqa_expand_reshape", "einsum", "baddbmm",
+                                  "soft_capped"])
 def test_form_one_kernel_sm90(name: str):
     """On sm90 the scores of item 1 never leave the wgmma flash-attention kernel.
 
@@ -269,7 +272,7 @@ BIAS_FORMS = ["padding_masked_fill",  # a data-dependent padding mask: an additi
               "alibi_fp32_bias"]  # a constant fp32 one
 GPU_FORMS = ["hand_written", "additive_finfo_min", "padding_masked_fill", "gqa_expand_reshape",
              "bshd_inputs", "sdpa_enable_gqa", "einsum", "baddbmm", "clamped_heads_folded",
-             "alibi_fp32_bias"]
+             "alibi_fp32_bias", "soft_capped"]
 
 
 @pytest.mark.gpu
@@ -302,26 +305,47 @@ def test_form_gpu_matches_torch(name: str, target: str, tmp_path):
     _check_numerics(module, inputs, got, torch.float16)
 
 
-class _SoftCapped(torch.nn.Module):
-    """Gemma-2's attention: ``tanh(s / cap) · cap`` on the scores before the causal mask."""
+class _MaskUnderTheCap(torch.nn.Module):
+    """The causal mask added *before* the soft cap: ``tanh(-inf) · cap = -cap`` hides nothing."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-        s = torch.tanh(s / 50.0) * 50.0
-        mask = torch.full((q.shape[2], q.shape[2]), float("-inf")).triu(1)
-        return torch.softmax(s + mask, dim=-1) @ v
+        s = s + torch.full((q.shape[2], q.shape[2]), float("-inf")).triu(1)
+        return torch.softmax(torch.tanh(s / 2.0) * 2.0, dim=-1) @ v
 
 
-def test_soft_capped_scores_say_why():
-    """Gemma-2's soft cap stops the match, and the decision says so (was "cannot tell the scores
-    from the mask in an add", which suggested an ambiguity that was not there)."""
-    module, words = _SoftCapped(), "soft-capping"
+def test_soft_cap_is_the_kernels_softcap():
+    """Gemma-2's ``tanh(s / cap) · cap`` (left unfused before session 45: "no attention kernel
+    takes a soft cap") is the spec's ``softcap``: recorded in the decision, carried in
+    ``causal_mask`` and read back into the sm90a kernel's spec with the scale outside the tanh."""
+    import json
+
+    from tvmfuse.attrs import parse_causal_attr
+
+    module, inputs = forms.build("soft_capped", head_dim=64)
+    _, stages, _ = _compile(module, inputs, target="sm90")
+    (decision,) = attention_decisions(stages["fuse_attention"])
+    assert decision["status"] == "fused" and decision["softcap"] == "2.0", decision
+    (call,) = [b.value for b in stages["fuse_attention"]["main"].body.blocks[0].bindings
+               if getattr(getattr(b.value, "op", None), "name", "") == "relax.nn.attention"]
+    assert parse_causal_attr(call.attrs.causal_mask) == ("TopLeft", 2.0)
+    (kernel,) = [f for f in stages["legalize"].functions.values()
+                 if isinstance(f, tvm.tirx.PrimFunc) and "tvmfuse.attention_spec" in f.attrs]
+    spec = json.loads(str(kernel.attrs["tvmfuse.attention_spec"]))
+    assert (spec["softcap"], spec["causal"]) == (2.0, "TopLeft")
+    assert spec["scale"] == pytest.approx(forms.D ** -0.5)
+
+
+def test_mask_under_the_soft_cap_is_left():
+    """A mask inside the tanh is no mask (the kernels mask after the cap): left, with the reason,
+    and the unfused graph still computes torch's numbers."""
+    module = _MaskUnderTheCap()
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     _, stages, executable = _compile(module, (q, k, v))
     (decision,) = attention_decisions(stages["fuse_attention"])
-    assert decision["status"] == "left" and words in decision["reason"], decision
+    assert decision["status"] == "left" and "inside the soft cap" in decision["reason"], decision
     np.testing.assert_allclose(_run(executable, (q, k, v)), module(q, k, v).numpy(), rtol=1e-4,
-                               atol=1e-5)  # still the right numbers, unfused
+                               atol=1e-5)
 
 
 def _bloom():

@@ -2,6 +2,8 @@
 
 Rules and generators write them, the pipeline, ``tvmfuse report`` and ``tvmfuse tune`` read them.
 Defined here, in the base layer, so a reader needs no import of the writer (and no import cycle).
+Also the one extension tvmfuse makes to a Relax attribute: the soft cap carried in
+``R.nn.attention``'s ``causal_mask`` (:func:`causal_attr`).
 """
 
 # which tvmfuse rule scheduled the function (elementwise, row_norm, gemm_sm80, gemm_sm90, ...)
@@ -43,3 +45,22 @@ GATHER_TAIL_ATTR = "tvmfuse.gather_tail"
 # kernel of the call writes (ids, positions, offsets, starts): loads of them may go before a
 # programmatic-launch wait (rules/gemv_append.py)
 STEP_INPUTS_ATTR = "tvmfuse.step_inputs"
+
+
+_SOFTCAP = ";softcap="
+
+
+def causal_attr(causal: str, softcap: float | None = None) -> str | None:
+    """``R.nn.attention``'s ``causal_mask`` attribute for the causal kind and soft cap (None for
+    plain non-causal attention, as TVM spells it)."""
+    if softcap is None:
+        return None if causal == "none" else causal
+    return f"{causal}{_SOFTCAP}{float(softcap)!r}"
+
+
+def parse_causal_attr(attr) -> tuple[str, float | None]:
+    """``(causal kind, softcap or None)`` of a ``causal_mask`` attribute :func:`causal_attr` wrote
+    (or TVM's own: None, "TopLeft", "BottomRight")."""
+    text = "none" if attr is None else str(attr)
+    causal, _, cap = text.partition(_SOFTCAP)
+    return causal, float(cap) if cap else None

@@ -64,6 +64,7 @@ class CacheSpec:
     dtype: str  # q/k/v and cache dtype
     scale: float
     window: int | None = None  # sliding window: a query sees its last `window` keys (itself included)
+    softcap: float | None = None  # logit soft-capping (AttentionSpec.softcap)
 
     @property
     def rows(self) -> tuple[int, int, int, int]:
@@ -90,7 +91,7 @@ class CacheSpec:
     def attention_spec(self) -> AttentionSpec:
         """The decode step's attention (one query) over the whole cache."""
         return AttentionSpec(self.batch, 1, self.max_seq, self.q_heads, self.kv_heads,
-                             self.head_dim, self.dtype, self.scale)
+                             self.head_dim, self.dtype, self.scale, softcap=self.softcap)
 
     @property
     def sync_shape(self) -> tuple[int]:
@@ -206,7 +207,8 @@ def _row_macro(spec: CacheSpec, scope: str):
     D, M, G = spec.head_dim, spec.max_seq, spec.q_heads // spec.kv_heads
     k0, v0, q0, _ = spec.rows
     dt = spec.dtype
-    sc = float(spec.scale * _LOG2E)
+    sc = float((spec.softcap or spec.scale) * _LOG2E)
+    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
     w = spec.window or M  # no window: p − (M − 1) ≤ 0
 
     @T.macro
@@ -229,6 +231,8 @@ def _row_macro(spec: CacheSpec, scope: str):
                 for d in T.serial(D):
                     st[2] += T.Cast("float32", state[b, q0 + h, d]) * T.Cast(
                         "float32", state[b, k0 + g * M + j, d])
+                if cap_in is not None:  # soft cap: tanh(scale · q·k / c) · c
+                    st[2] = T.tanh(st[2] * T.float32(cap_in))
                 st[2] = st[2] * sc
                 st[3] = T.exp2(st[0] - T.max(st[0], st[2]))  # rescale of what was summed so far
                 st[0] = T.max(st[0], st[2])

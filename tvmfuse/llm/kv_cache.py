@@ -42,7 +42,7 @@ import math
 import tvm
 from tvm import relax
 
-from ..attrs import STEP_INPUTS_ATTR
+from ..attrs import STEP_INPUTS_ATTR, causal_attr, parse_causal_attr
 from ..errors import CompileError
 from ..options import current_options
 from ..passes.attention import attention_decisions
@@ -72,7 +72,7 @@ def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int, cuda: bool =
                            f"{max_seq}: the CUDA decode kernels do not take a window yet (the cpu "
                            "target does; or compile with max_seq_len ≤ the window)")
     qs, ks, vs = ([int(d) for d in x.ty.shape.values] for x in (q, k, v))
-    causal = str(call.attrs.causal_mask) if call.attrs.causal_mask is not None else "none"
+    causal, softcap = parse_causal_attr(call.attrs.causal_mask)
     # one query sees its single key under any mask: decode is causal when the prefills were
     if (causal not in ("TopLeft", "BottomRight") and qs[1] != 1) or qs[1] != ks[1]:
         raise CompileError(f"{where} is not causal self-attention (mask {causal}, q {qs}, k {ks}): "
@@ -82,7 +82,8 @@ def _attention_spec(var: relax.Var, call: relax.Call, max_seq: int, cuda: bool =
     scale = call.attrs.scale
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(qs[3])
     return CacheSpec(batch=qs[0], seq=qs[1], q_heads=qs[2], kv_heads=ks[2], head_dim=qs[3],
-                     max_seq=max_seq, dtype=str(q.ty.dtype), scale=scale, window=window)
+                     max_seq=max_seq, dtype=str(q.ty.dtype), scale=scale, window=window,
+                     softcap=softcap)
 
 
 @relax.expr_functor.mutator
@@ -181,7 +182,8 @@ class _Rewrite(relax.PyExprMutator):
                                  [B, Hkv, M, D]), [2], [0], [spec.seq]), [0, 2, 1, 3]))
                 for row0 in spec.rows[:2])
             out = self.builder_.emit(relax.op.nn.attention(
-                q, k_new, v_new, scale=spec.scale, causal_mask="TopLeft", window_size=spec.window),
+                q, k_new, v_new, scale=spec.scale, causal_mask=causal_attr("TopLeft", spec.softcap),
+                window_size=spec.window),
                 name_hint=var_name(binding.var))
         else:
             qkv = self.builder_.emit(relax.op.concat([q, k, v], axis=2), name_hint=f"qkv_{layer}")

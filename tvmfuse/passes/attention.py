@@ -5,6 +5,7 @@ Exporters write attention as separate ops; this pass finds
     O = P · V,   P = softmax(S, axis=-1) [→ where(isnan(P), 0, P) | where(all(S == -inf), 0, P)]
                  [→ astype],
     S = (Q · Kᵀ) [· c | / c] [+ mask | where(cond, ·, fill)] ...   (any order of scale and mask)
+        [→ c · tanh(S / c) before the masks: logit soft-capping, the call's ``softcap``]
 
 and rewrites ``O`` (heads-major, (B, H, Sq, D)) into
 ``permute_dims(R.nn.attention(q, k, v, bias?, scale, causal_mask, window_size?), [0, 2, 1, 3])``
@@ -61,6 +62,7 @@ import tvm
 from tvm import relax
 from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
+from ..attrs import causal_attr
 from ._util import last_axis_only, scalar_value, shape_expr, static_shape, without_large_constants
 from .attention_lower import gpu_window_gate
 from .constant_values import ConstantValues, function_bindings
@@ -200,7 +202,7 @@ class _Function:
 
 # ops between Q·Kᵀ and the softmax that the score walk passes through (scales, masks, casts)
 _SCORE_PATH = ("relax.add", "relax.multiply", "relax.divide", "relax.where", "relax.astype",
-               "relax.subtract", "relax.maximum")
+               "relax.subtract", "relax.maximum", "relax.tanh")
 
 
 class _Matcher:
@@ -424,9 +426,6 @@ class _Matcher:
     def _no_scores_reason(self, args: list) -> str:
         """Why neither operand of an add before the softmax is the scores."""
         blockers = [b for b in (self._blocker(a) for a in args) if b is not None]
-        if "relax.tanh" in blockers:
-            return ("the scores pass through tanh (logit soft-capping, Gemma-2 / Grok): no "
-                    "attention kernel takes a soft cap yet")
         if blockers:
             return (f"neither operand of the add before the softmax reaches a 4-D Q·Kᵀ through "
                     f"scales and masks ({blockers[0].removeprefix('relax.')} is in the way; "
@@ -434,9 +433,14 @@ class _Matcher:
         return "neither operand of the add before the softmax reaches a 4-D Q·Kᵀ"
 
     def scores(self, expr: relax.Expr, dtype: str):
-        """Walk softmax's input back to Q·Kᵀ: returns (q·kᵀ operands, scale factor, masks)."""
+        """Walk softmax's input back to Q·Kᵀ: returns (q·kᵀ operands, scale factor, masks).
+
+        A ``c_out · tanh(c_in · S)`` on the way (logit soft-capping: Gemma-2's ``S / cap → tanh →
+        · cap``) sets ``self.softcap = c_out`` and the factor ``c_out · c_in``: the spec's
+        ``softcap · tanh(scale · S / softcap)``. Masks must come after the tanh."""
         fn = self.fn
         factor = 1.0
+        self.softcap = None
         terms: list[tuple[relax.Expr, float]] = []
         fills: list[tuple[relax.Expr, float, bool, str]] = []  # (cond, fill·factor, visible-when-true)
         clamps: list[tuple[float, str]] = []  # maximum(s, c): (c·factor, dtype)
@@ -458,6 +462,16 @@ class _Matcher:
                 c = scalar_value(c)
                 factor = factor * c if op == "relax.multiply" else factor / c
                 expr = x
+            elif op == "relax.tanh":
+                if self.softcap is not None:
+                    raise _Reject("two tanh between QKᵀ and softmax")
+                if factor <= 0:
+                    raise _Reject(f"tanh(scores) scaled by {factor} <= 0 is no soft cap")
+                self.softcap = factor
+                expr = args[0]
+            elif op in ("relax.add", "relax.where", "relax.maximum") and self.softcap is not None:
+                raise _Reject(f"a mask inside the soft cap's tanh ({op.removeprefix('relax.')} "
+                              "before the tanh): the kernels mask after it")
             elif op == "relax.add":
                 lead = [self._leads_to_scores(a) for a in args]
                 if lead.count(True) == 2:
@@ -829,10 +843,12 @@ class _Matcher:
             bias = b if bias is None else relax.op.add(bias, b)
         scale = factor * q.scale * k.scale
         attn = relax.op.nn.attention(q.bshd(), k.bshd(), v.bshd(), bias, scale=scale,
-                                     causal_mask=None if causal == "none" else causal,
+                                     causal_mask=causal_attr(causal, self.softcap),
                                      window_size=window)
         if window is not None:
             info["window"] = str(window)
+        if self.softcap is not None:
+            info["softcap"] = repr(self.softcap)
         result = relax.op.permute_dims(attn, [0, 2, 1, 3])
         out_dtype = str(out.ty.dtype)
         if out_dtype != dtypes.pop():

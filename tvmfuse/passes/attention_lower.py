@@ -33,6 +33,7 @@ import tvm
 from tvm import relax
 from tvm.relax.transform.legalize_ops import nn as stock
 
+from ..attrs import parse_causal_attr
 from ..errors import CompileError
 from ..kernels.attention.spec import AttentionSpec
 from ..options import current_options
@@ -49,7 +50,7 @@ def attention_spec(call: relax.Call):
     if None in (q, k, v) or (len(call.args) > 3 and bias is None) or v[3] != q[3]:
         return None
     window = call.attrs.window_size
-    causal = call.attrs.causal_mask or "none"
+    causal, softcap = parse_causal_attr(call.attrs.causal_mask)
     if window is not None and (causal == "none" or int(window) < 1):
         raise CompileError(f"{call.op.name}: window_size {window} needs causal_mask TopLeft or "
                            f"BottomRight and a window >= 1 (causal_mask is {causal!r}), q {q}")
@@ -60,7 +61,8 @@ def attention_spec(call: relax.Call):
         dtype=str(call.args[0].ty.dtype), scale=scale, causal=causal,
         bias_shape=tuple(bias) if bias is not None else None,
         bias_dtype=str(call.args[3].ty.dtype) if bias is not None else None,
-        out_dtype=str(call.ty.dtype), window=int(window) if window is not None else None)
+        out_dtype=str(call.ty.dtype), window=int(window) if window is not None else None,
+        softcap=softcap)
 
 
 def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
@@ -70,6 +72,9 @@ def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         if call.attrs.window_size is not None:  # the stock rule asserts on windows
             raise CompileError(f"sliding-window attention (window {call.attrs.window_size}) needs "
                                f"static shapes: {call.op.name} with q {call.args[0].ty}")
+        if parse_causal_attr(call.attrs.causal_mask)[1] is not None:  # the stock rule has no cap
+            raise CompileError(f"soft-capped attention needs static shapes: {call.op.name} with "
+                               f"q {call.args[0].ty}")
         rule = stock._nn_attention_bias if len(call.args) > 3 else stock._nn_attention
         return rule(bb, call)
     func = None if gpu_window_gate(spec.window) else attention_kernel(spec)
@@ -103,7 +108,8 @@ def attention_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc | None:
 
 
 def _decomposed(call: relax.Call, spec) -> relax.Expr:
-    """softmax(scale·Q·Kᵀ + bias, causal) · V in plain Relax ops (fp32 scores), GQA by repeat.
+    """softmax(scale·Q·Kᵀ [soft-capped] + bias, causal) · V in plain Relax ops (fp32 scores), GQA
+    by repeat.
 
     A row whose scores are all −inf gives 0, as the kernels do (contract in schedules/attention_spec.py).
     """
@@ -112,6 +118,9 @@ def _decomposed(call: relax.Call, spec) -> relax.Expr:
         k, v = (relax.op.repeat(a, spec.group, axis=1) for a in (k, v))
     s = relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]), out_dtype="float32")
     s = relax.op.multiply(s, relax.const(spec.scale, "float32"))
+    if spec.softcap is not None:
+        cap = relax.const(spec.softcap, "float32")
+        s = relax.op.multiply(relax.op.tanh(relax.op.divide(s, cap)), cap)
     if spec.bias_shape is not None:
         s = relax.op.add(s, relax.op.astype(call.args[3], "float32"))
     if spec.causal != "none":

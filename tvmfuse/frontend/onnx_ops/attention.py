@@ -21,13 +21,14 @@ GQA when Hkv < Hq (query head h reads KV head h // (Hq/Hkv), as ONNX repeats KV 
 
 Two lowerings:
 
-* the plain forms → one ``R.nn.attention`` (BSNH; the flash / cpu kernels): no softcap, no
-  ``qk_matmul_output``, softmax in fp32 / fp16 / bf16, Dv == D under GQA (the kernels need
-  Dv == D; TVM's own lowering, used otherwise, has no GQA). A causal band (upper bound ``j ≤ p + U``
+* the plain forms → one ``R.nn.attention`` (BSNH; the flash / cpu kernels; a ``softcap`` is the
+  kernels' own, :mod:`tvmfuse.kernels.attention.spec`): no ``qk_matmul_output``, softmax in
+  fp32 / fp16 / bf16, Dv == D under GQA (the kernels need Dv == D; TVM's own lowering, used
+  otherwise, has no GQA). A causal band (upper bound ``j ≤ p + U``
   meeting TopLeft (0) or BottomRight (Skv − Sq) alignment) is the call's ``causal_mask`` and a
   lower bound its ``window_size`` (when Dv == D); any other structure is a −inf bias built from the static
   shapes (a constant) or from ``nonpad_kv_seqlen`` (Relax ops at run time);
-* otherwise (``softcap``, a ``qk_matmul_output`` output, ``softmax_precision`` DOUBLE): the formula above
+* otherwise (a ``qk_matmul_output`` output, ``softmax_precision`` DOUBLE): the formula above
   in Relax ops (:func:`_decomposed`): fp32 scores (fp64 for DOUBLE), the fully-masked-row guard
   decided on the bias as the ONNX reference does, ``qk_matmul_output`` per
   ``qk_matmul_output_mode`` (0 / 1: S after softcap, 2: S + bias, 3: the softmax), all
@@ -47,6 +48,7 @@ import numpy as np
 from tvm import relax
 from tvm.relax.frontend.onnx import onnx_frontend as stock
 
+from ...attrs import causal_attr
 from ...relax_shapes import shape_expr, static_shape
 
 _INPUTS = ["Q", "K", "V", "attn_mask", "past_key", "past_value", "nonpad_kv_seqlen"]
@@ -253,7 +255,7 @@ class Attention(stock.OnnxOpConverter):
         scale = attr.get("scale", 1.0 / math.sqrt(d))
         outputs = attr["tvm_custom"]["num_outputs"]
         dv = static_shape(v4)[3]
-        decompose = (attr.get("softcap", 0.0) > 0 or outputs > 3
+        decompose = (outputs > 3
                      or attr.get("softmax_precision", 1) not in _KERNEL_SOFTMAX
                      or (hq != hkv and dv != d))  # no kernel; TVM's own lowering has no GQA
         band = _Band(attr)
@@ -273,7 +275,9 @@ class Attention(stock.OnnxOpConverter):
             kv = (k, v) if past_k is None else (k4, v4)  # the graph's, or the concatenated (BHSD)
             heads = (attr.get("q_num_heads"), attr.get("kv_num_heads"), attr.get("kv_num_heads"))
             operands = [_bshd(bb, x, h) for x, h in zip((q, *kv), heads)]
-            y = bb.normalize(relax.op.nn.attention(*operands, bias, scale=scale, causal_mask=causal,
-                                                   window_size=window))
+            cap = attr.get("softcap", 0.0)
+            y = bb.normalize(relax.op.nn.attention(
+                *operands, bias, scale=scale, window_size=window,
+                causal_mask=causal_attr(causal or "none", cap if cap > 0 else None)))
             results = [_from_bshd(bb, y, ndim), k4, v4]
         return results[0] if outputs == 1 else relax.Tuple(results[:max(outputs, 3)])

@@ -5,6 +5,7 @@ right of the diagonal masked) or, with a sliding window, only the tiles from the
 row's first visible key to its diagonal's (:func:`.spec.band_tiles`)::
 
     s_j   = (scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · log2 e      j in tile, visible(i, j)
+            (soft-capped: c · tanh(scale · q·k / c) in place of scale · q·k)
     m'    = max(m, max_j s_j);   α = 2^(m − m');   l = α·l + Σ_j 2^(s_j − m')
     acc   = α·acc + Σ_j 2^(s_j − m') · v[b,j,g]                          (g = h // group)
     out   = acc / l
@@ -61,9 +62,10 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     off = off or 0
     TK = min(_KV_TILE, Skv)
     n_tiles = (Skv + TK - 1) // TK
-    sc = float(spec.scale * _LOG2E)
+    sc = float(spec.score_unit * _LOG2E)  # S·log2e = t·sc, t the raw product or its tanh
     l2e = float(_LOG2E)
     neg_inf = float("-inf")
+    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
 
     def keep(i, j):
@@ -105,6 +107,8 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                         for d in T.serial(D):
                             s[jj] += T.Cast("float32", q[at(QKV_L, b, i, h, d)]) * T.Cast(
                                 "float32", k[at(QKV_L, b, j, g, d)])
+                        if cap_in is not None:  # t = tanh(scale · q·k / c)
+                            s[jj] = T.tanh(s[jj] * T.float32(cap_in))
                         s[jj] = s[jj] * sc
                         if has_bias:
                             s[jj] += T.Cast("float32", bias[b * fb, h * fh, i * fi, j]) * l2e

@@ -7,6 +7,7 @@
              16 lanes cover one key row (8 elements = one 16-byte load each); 8 lane groups take
              keys j ≡ group (mod 8), ``unroll`` keys ahead. Per head, fp32, log2 domain:
                s_j = q·k_j·scale·log2e (+ bias·log2e);  m, l, acc: running max / sum / Σ 2^(s−m)·v
+               (soft-capped: tanh(q·k_j·scale/cap)·cap·log2e, q pre-scaled by scale/cap)
              the 8 groups merge through shared memory into (m, l, acc[D]) per head and chunk,
              written to a float32 workspace allocated inside the PrimFunc.
     combine  grid (B·Hq), D threads:  M = max_c m_c;  out = Σ_c 2^(m_c−M)·acc_c / Σ_c 2^(m_c−M)·l_c
@@ -388,7 +389,9 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     fb, fh, _ = bias_strides(spec) if has_bias else (0, 0, 0)
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
     bdt = spec.bias_dtype or dt
-    sc = float(spec.scale * _LOG2E)
+    # q is pre-scaled: s = q·k·scale·log2e, or soft-capped s = tanh(q·k·scale/cap)·cap·log2e
+    sc = float(spec.scale * _LOG2E if spec.softcap is None else spec.scale / spec.softcap)
+    cap_out = float(spec.softcap * _LOG2E) if spec.softcap is not None else None
     l2e = float(_LOG2E)
     full = T.uint32(0xFFFFFFFF)
 
@@ -481,6 +484,11 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
                 for x in T.unroll(LPR.bit_length() - 1):
                     s[u * GC + hh] = s[u * GC + hh] + T.tvm_warp_shuffle_xor(
                         full, s[u * GC + hh], 1 << x, 32, 32)
+        if cap_out is not None:  # soft cap: one MUFU.TANH per score
+            for u in T.unroll(U):
+                for hh in T.unroll(GC):
+                    T.ptx["tanh.approx.f32"](s[u * GC + hh], s[u * GC + hh])
+                    s[u * GC + hh] = s[u * GC + hh] * T.float32(cap_out)
         for u in T.unroll(U):
             j: T.let[T.int32] = j0 + it * per_iter + u * NG + grp
             for hh in T.unroll(GC):

@@ -8,6 +8,8 @@ One thread block per (query tile of ``BM`` rows, query head, batch); ``NW`` warp
                         tile of the first key in the band, tiles left of it never loaded):
         K_n, V_n  → shared, NS-stage cp.async ring (tile n+NS−1 loads while n computes)
         S  = Q·K_nᵀ                      mma.sync m16n8k16, fp32 accumulators in registers
+        [S = tanh(S·scale/c)]            soft-capped (spec.softcap c): tanh.approx.f32, then c in
+                                         place of scale below (spec.score_unit)
         S  = S·scale·log2e (+ bias·log2e), −inf where masked (diagonal/ragged/window-edge tiles only)
         m' = max(m, rowmax S);  α = 2^(m − m');  P = 2^(S − m');  l = α·l + rowsum P
         O  = α·O + P·V_n                 P re-packed to fp16/bf16 as the A operand in registers
@@ -105,7 +107,8 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
     bdt = spec.bias_dtype or dt
     causal = causal_offset(spec) is not None
-    sc = float(spec.scale * _LOG2E)
+    sc = float(spec.score_unit * _LOG2E)
+    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
     # with a bias S is scaled before the max; otherwise the scale rides the exp2's FFMA
     s_mul = 1.0 if has_bias else sc
     l2e = float(_LOG2E)
@@ -173,7 +176,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                             s_acc[(mt * NN + nt2 * 2 + half) * 4 + 1],
                             s_acc[(mt * NN + nt2 * 2 + half) * 4 + 2],
                             s_acc[(mt * NN + nt2 * 2 + half) * 4 + 3])
-        # scale, bias, mask
+        # (soft cap,) scale, bias, mask
         for mt in T.unroll(MT):
             for nt in T.unroll(NN):
                 for e in T.unroll(4):
@@ -181,6 +184,8 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                                            + (e // 2) * 8)
                     col: T.let[T.int32] = j * BN + nt * 8 + (lane % 4) * 2 + e % 2
                     si: T.let[T.int32] = (mt * NN + nt) * 4 + e
+                    if cap_in is not None:  # soft cap: t = tanh(scale · q·k / c), one MUFU.TANH
+                        T.ptx["tanh.approx.f32"](s_acc[si], s_acc[si] * T.float32(cap_in))
                     if has_bias:
                         s_acc[si] = s_acc[si] * sc + T.Cast("float32", bias[
                             b * fb, h * fh, T.min(row, Sq - 1) * fi, T.min(col, Skv - 1)]) * l2e

@@ -12,6 +12,8 @@ warpgroups (warp specialisation)::
                                          loop starts at the tile of the tile's first visible
                                          key, tiles left of the band are never loaded):
         S  = Q·K_jᵀ                      wgmma m64n{BN}k16, A and B from shared (SS), fp32
+        [S = tanh(S·scale/cap)]          soft-capped (spec.softcap): tanh.approx.f32, and ``cap``
+                                         in place of ``scale`` below (spec.score_unit)
         S  masked (−inf) on diagonal / ragged / window-edge tiles only; with an additive bias
                                          S += bias / scale (so that S·c adds bias·log2e)
         m' = max(m, rowmax S·c);  α = 2^(m − m');  P = 2^(S·c − m');  l = α·l + rowsum P
@@ -153,12 +155,13 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     DC = D // 64  # 64-element (128-byte) chunks per row: one TMA box / swizzle atom column each
     n_m = _cdiv(Sq, BM)
     causal = causal_offset(spec) is not None
-    c_log2 = float(spec.scale * _LOG2E)
+    c_log2 = float(spec.score_unit * _LOG2E)
+    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
     has_bias = spec.bias_shape is not None
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
     bdt = spec.bias_dtype or in_dt
-    inv_scale = tirx.const(1.0 / spec.scale, "float32")
+    inv_scale = tirx.const(1.0 / spec.score_unit, "float32")
     # shared layout (elements): Q [DC][BM][64] | K [NS][DC][BN][64] | V [NS][DC][BN][64]
     q_chunk, kv_chunk = BM * 64, BN * 64
     kv_tile = DC * kv_chunk
@@ -394,7 +397,8 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
 
             @T.inline
             def add_bias(j, row0, b, h):
-                # S += bias / scale: the softmax's S·c (c = scale·log2e) then adds bias·log2e.
+                # S += bias / u: the softmax's S·c (c = u·log2e, u = spec.score_unit) then adds
+                # bias·log2e.
                 # Columns past Skv are masked already (−inf) and read nothing; rows past Sq read
                 # the last row's bias (their results are never stored).
                 for jn in T.unroll(BN // 8):
@@ -418,7 +422,16 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
                             b * fb, h * fh, T.min(row0 + r * 8, Sq - 1), col]) * inv_scale
 
             @T.inline
+            def soft_cap():
+                # S = tanh(S · scale / cap): one MUFU.TANH per score; c_log2 and the bias then
+                # scale by cap (spec.score_unit)
+                for i in T.unroll(s_n):
+                    T.ptx["tanh.approx.f32"](s_acc[i], s_acc[i] * T.float32(cap_in))
+
+            @T.inline
             def mask_and_bias(jj, j, row0, n_mask, n_edge, b, h):
+                if cap_in is not None:
+                    soft_cap()
                 mask(jj, j, row0, n_mask, n_edge)
                 if has_bias:
                     add_bias(j, row0, b, h)

@@ -21,6 +21,16 @@ above), each query sees its last ``window`` keys up to its diagonal. That is Fla
 the attribute, and ``topi.testing.attention_python``'s ``triu(·, 1 − window)`` when Sq == Skv.
 Kernels skip the KV tiles wholly outside the band (:func:`band_tiles`).
 
+``softcap`` (logit soft-capping, Gemma-2's ``attn_logit_softcapping``, FlashAttention's
+``softcap``): the scores pass through ``c · tanh(S / c)`` before the bias and the causal mask::
+
+    S = c · tanh(scale · q·k / c) + bias[..] + causal(i, j)
+
+``R.nn.attention`` has no attribute for it, so tvmfuse carries it in the ``causal_mask`` string
+(:func:`tvmfuse.attrs.causal_attr` / :func:`tvmfuse.attrs.parse_causal_attr`:
+``"TopLeft;softcap=50.0"``); only tvmfuse's
+legalisation reads that attribute (TVM's stock rule would reject the string, never run it wrongly).
+
 Fully masked rows: a query row whose every score is −inf (it sees no key: BottomRight with
 Sq > Skv, or a −inf bias on every visible key) yields ``out = 0``, not NaN, in every
 implementation (cpu, flash sm80 / sm90a, split-KV decode, the CUDA-core fallback and the
@@ -79,8 +89,11 @@ class AttentionSpec:
     qkv_layout: str = "BSHD"  # memory layout of q, k and v: one of LAYOUTS
     out_layout: str = "BSHD"  # memory layout of out
     window: int | None = None  # sliding window: each query sees its last ``window`` keys
+    softcap: float | None = None  # S = softcap · tanh(scale · q·k / softcap) before bias and mask
 
     def __post_init__(self) -> None:
+        if self.softcap is not None and not self.softcap > 0:
+            raise ValueError(f"softcap must be positive, not {self.softcap}")
         if self.causal not in CAUSAL_KINDS:
             raise ValueError(f"causal must be one of {CAUSAL_KINDS}, not {self.causal!r}")
         if self.window is not None and (self.causal == "none" or self.window < 1):
@@ -97,6 +110,14 @@ class AttentionSpec:
         """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V (:func:`visible_pairs`)."""
         pairs = visible_pairs(self.q_len, self.kv_len, self.causal, self.window)
         return 4 * self.batch * self.q_heads * self.head_dim * pairs
+
+    @property
+    def score_unit(self) -> float:
+        """``u`` with scores ``S = u · t``, where ``t`` is what a kernel keeps of the product: the
+        raw ``q·k`` (``u = scale``) or, soft-capped, ``tanh(scale · q·k / softcap)``
+        (``u = softcap``). A kernel scales by ``u · log2 e`` inside the exp2 and adds a bias as
+        ``bias / u``, whichever ``t`` it holds."""
+        return self.softcap if self.softcap is not None else self.scale
 
     @property
     def group(self) -> int:
@@ -143,8 +164,9 @@ def spec_json(spec: AttentionSpec) -> str:
     for name in ("qkv_layout", "out_layout"):  # the default is left out: older records stay valid
         if fields[name] == "BSHD":
             del fields[name]
-    if fields["window"] is None:
-        del fields["window"]
+    for name in ("window", "softcap"):  # left out when unset, as above
+        if fields[name] is None:
+            del fields[name]
     return json.dumps(fields, sort_keys=True)
 
 
