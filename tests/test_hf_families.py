@@ -56,6 +56,11 @@ def _model(name: str, hidden: int = 64) -> torch.nn.Module:
         return T.MptForCausalLM(T.MptConfig(vocab_size=128, d_model=hidden, n_heads=4, n_layers=2))
     if name == "diffllama":  # two attentions a layer over one softmax (shared after CSE), v tiled
         return T.DiffLlamaForCausalLM(T.DiffLlamaConfig(**config))
+    if name in ("gemma2", "vaultgemma"):  # tanh soft-capping of the scores, a cap that bends
+        cls, cfg = ((T.Gemma2ForCausalLM, T.Gemma2Config) if name == "gemma2" else
+                    (T.VaultGemmaForCausalLM, T.VaultGemmaConfig))
+        return cls(cfg(head_dim=hidden // 4, attn_logit_softcapping=1.0, initializer_range=0.3,
+                       **config))
     if name == "gptj":
         return T.GPTJForCausalLM(T.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
                                               n_inner=128, n_positions=256, rotary_dim=8))
@@ -71,7 +76,9 @@ def _model(name: str, hidden: int = 64) -> torch.nn.Module:
 # rewrite (session 43), each norm 3–4 kernels. XGLM 26 and MPT 24 before session 43 (attention
 # unfused: the clamp and the batch-1 head views; the fp32 scores' finfo(float16).min fill).
 # DiffLlama: 38 before session 44 (its two attentions share one softmax: "other users").
-KERNELS = {"diffllama": 24, "apertus": 20, "nanochat": 23, "xglm": 14, "mpt": 14, "cohere": 14,
+# Gemma-2 / VaultGemma (attention soft-capping): 30 / 26 before session 45 (attention unfused:
+# "no attention kernel takes a soft cap").
+KERNELS = {"gemma2": 18, "vaultgemma": 14, "diffllama": 24, "apertus": 20, "nanochat": 23, "xglm": 14, "mpt": 14, "cohere": 14,
            "starcoder2": 14, "gptj": 16, "opt": 15, "qwen3": 18, "olmo2": 22, "gemma3": 22}
 ATTENTIONS = {"diffllama": 4}  # attention kernels in the two layers (else 2)
 
@@ -99,7 +106,7 @@ def test_family_report_and_cpu_logits(name):
 def _onnx_model(name: str) -> torch.nn.Module:
     T = transformers
     torch.manual_seed(0)
-    if name == "diffllama":
+    if name in ("diffllama", "gemma2"):
         return _model(name).eval()
     if name == "falcon":
         return T.FalconForCausalLM(T.FalconConfig(
@@ -111,7 +118,7 @@ def _onnx_model(name: str) -> torch.nn.Module:
         multi_query=True)).eval()
 
 
-@pytest.mark.parametrize("name", ["falcon", "gpt_bigcode", "diffllama"])
+@pytest.mark.parametrize("name", ["falcon", "gpt_bigcode", "diffllama", "gemma2"])
 def test_onnx_dynamo_export(name, tmp_path):
     """The dynamo ONNX exports of families the ONNX surveys broke on (sessions 21, 44):
     * Falcon (new decoder architecture): DuplicateGathers dropped a gathered tensor that a slice
@@ -119,7 +126,8 @@ def test_onnx_dynamo_export(name, tmp_path):
     * GPTBigCode: Kᵀ of the repeated KV head is a 5-D swap between broadcast_to and reshape, so
       the attention was left unfused ("keys repeated 1x but values 4x"; 26 kernels);
     * DiffLlama: the one-head value halves tiled by a broadcast, repeated 4x beside keys 2x
-      ("keys repeated 2x but values 4x"; 32 kernels, now 24).
+      ("keys repeated 2x but values 4x"; 32 kernels, now 24);
+    * Gemma-2: ``Div → Tanh → Mul`` on the scores (soft-capping; 30 kernels, now 18).
     Now: the cpu build matches onnxruntime, and the sm90 report has one attention per attention
     of a layer."""
     ort = pytest.importorskip("onnxruntime")
@@ -143,12 +151,12 @@ def test_onnx_dynamo_export(name, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["qwen3", "olmo2", "apertus", "nanochat", "xglm", "mpt",
-                                  "diffllama"])
+                                  "diffllama", "gemma2"])
 def test_gpu_families(name, tmp_path):
     """On the GPU, in fp16 at head dim 64, against the float64 model: Qwen3 / OLMo2 (the q / k
     norms fused with their slices of the QKV GEMM's output), Apertus (xIELU across SinkReshape),
     NanoChat (weightless RMSNorms), XGLM (batch-1 head views, the clamp), MPT (fp32 ALiBi) and
-    DiffLlama (two attentions over one softmax, tiled values)."""
+    DiffLlama (two attentions over one softmax, tiled values), Gemma-2 (soft-capped scores)."""
     from tests.cuda_tools import check_vs_float64
 
     model = _model(name, hidden=256)
