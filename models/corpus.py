@@ -233,6 +233,21 @@ class Differential(nn.Module):
         return p @ v1 - 0.8 * (p @ v2)
 
 
+class SoftCapped(nn.Module):
+    """Gemma-2's logit soft-capping: ``tanh(s / cap) · cap`` on the scaled scores (in the module's
+    dtype), then the causal mask and an fp32 softmax cast back; a cap of 2 bends most scores."""
+
+    def __init__(self, cap: float = 2.0) -> None:
+        super().__init__()
+        self.cap = cap
+        self.register_buffer("mask", _causal_bool(), persistent=False)
+
+    def forward(self, q, k, v):
+        s = torch.tanh((q @ k.transpose(-1, -2)) * D**-0.5 / self.cap) * self.cap
+        p = torch.softmax(s.masked_fill(self.mask, float("-inf")).float(), -1).to(q.dtype)
+        return p @ v
+
+
 class RelativeBias(nn.Module):
     """T5's form: unscaled ``q·kᵀ + bias`` with a learned per-head bias of the relative position
     (``table[h, j - i + S - 1]``, a (1, H, S, S) term varying along queries and keys), fp32
@@ -578,6 +593,7 @@ FORMULATIONS: list[Formulation] = [
        lambda: (ClampedHeadsFolded().half().eval(), _projections()), attention=1, frontend="onnx-legacy"),
     _f("attn_relative_position_bias", "attention", _attn(RelativeBias()), attention=1),
     _f("attn_differential_shared_softmax", "attention", _attn(Differential()), attention=2),
+    _f("attn_soft_capped", "attention", _attn(SoftCapped()), attention=1),
     _f("attn_padding_bitwise_and", "attention",
        lambda: (PaddingBitwiseAnd().eval(), _padding_inputs()), attention=1),
     _f("attn_dropout_eval", "attention", _attn(DropoutEval(float("-inf"))), attention=1),
@@ -603,6 +619,8 @@ FORMULATIONS: list[Formulation] = [
     _f("onnx_legacy_attn_masked_fill", "attention", _attn(MaskedFill(float("-inf"))), attention=1,
        frontend="onnx-legacy"),
     _f("onnx_dynamo_sdpa_causal", "attention", _attn(SDPA()), attention=1, frontend="onnx-dynamo"),
+    _f("onnx_dynamo_attn_soft_capped", "attention", _attn(SoftCapped()), attention=1,
+       frontend="onnx-dynamo"),
     # norms followed by a Linear
     _f("rmsnorm_llama_linear", "norm", _mod(NormLinear("llama"))),
     _f("rmsnorm_issue_form_linear", "norm", _mod(NormLinear("issue"))),

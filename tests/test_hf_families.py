@@ -78,8 +78,9 @@ def _model(name: str, hidden: int = 64) -> torch.nn.Module:
 # DiffLlama: 38 before session 44 (its two attentions share one softmax: "other users").
 # Gemma-2 / VaultGemma (attention soft-capping): 30 / 26 before session 45 (attention unfused:
 # "no attention kernel takes a soft cap").
-KERNELS = {"gemma2": 18, "vaultgemma": 14, "diffllama": 24, "apertus": 20, "nanochat": 23, "xglm": 14, "mpt": 14, "cohere": 14,
-           "starcoder2": 14, "gptj": 16, "opt": 15, "qwen3": 18, "olmo2": 22, "gemma3": 22}
+KERNELS = {"gemma2": 18, "vaultgemma": 14, "diffllama": 24, "apertus": 20, "nanochat": 23,
+           "xglm": 14, "mpt": 14, "cohere": 14, "starcoder2": 14, "gptj": 16, "opt": 15, "qwen3": 18,
+           "olmo2": 22, "gemma3": 22}
 ATTENTIONS = {"diffllama": 4}  # attention kernels in the two layers (else 2)
 
 

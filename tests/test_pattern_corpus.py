@@ -53,6 +53,7 @@ KERNELS: dict[str, int] = {
     # of the value halves stay copy kernels (q, k are inputs: nothing to pack them with), and
     # o1 - λ·o2 (8 before session 44, the S×S scores in HBM; stock TVM 13)
     "attn_differential_shared_softmax": 6,
+    "attn_soft_capped": 1,  # Gemma-2's tanh soft cap in the kernel (7 before session 45: unfused)
     "attn_padding_bitwise_and": 2,  # the mask (a view since ConstantIndexTensor; was 4), the attention
     "attn_dropout_eval": 1,
     "attn_gqa_repeat_interleave": 1,
@@ -75,6 +76,7 @@ KERNELS: dict[str, int] = {
     "onnx_dynamo_attn_masked_fill": 1,
     "onnx_legacy_attn_masked_fill": 1,
     "onnx_dynamo_sdpa_causal": 1,
+    "onnx_dynamo_attn_soft_capped": 1,
     "rmsnorm_llama_linear": 1,
     "rmsnorm_issue_form_linear": 1,
     "rmsnorm_gemma_linear": 1,
