@@ -15,6 +15,7 @@ import warnings
 from ..errors import InputSpecError, ModelError, UnsupportedOpError
 from .spec import ImportedModel, InputOverride, Ranges, TensorSpec, check_override_names, check_symbols
 from .symbolic import bound_symbols
+from .torch_complex import lower_complex
 from .torch_fixes import custom_convert_map
 from .torch_moe import moe_convert_map
 
@@ -173,6 +174,12 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
 
     dynamic = dynamic or {}
     ep = decompose(ep, source)
+    if reference is None:  # torch's own program (complex tensors and all)
+        with quiet_torch_internals():
+            module = ep.module()
+        reference = _torch_reference(module)
+    # Relax has no complex dtype: complex tensors become (real, imaginary) pairs
+    ep = lower_complex(ep, source)
     unsupported = scan_unsupported(ep)
     if unsupported:
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)
@@ -185,10 +192,6 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
     mod = bound_symbols(mod, dynamic, binding)
     ret = mod["main"].ret_ty
     n_out = len(ret.fields) if hasattr(ret, "fields") else 1
-    if reference is None:
-        with quiet_torch_internals():
-            module = ep.module()
-        reference = _torch_reference(module)
     return ImportedModel(mod, specs, [f"output{i}" for i in range(n_out)], "torch", source, reference,
                          dynamic)
 

@@ -51,10 +51,12 @@ def record_fallback(func: tirx.PrimFunc, reason: str) -> tirx.PrimFunc:
 
 
 def _third_party(rule) -> bool:
-    """A rule from TVM's dlight: its internal assertions (e.g. ``collect_block_iter_vars_used_in_
-    access_region``'s on Resize and TfIdf kernels) are TVM's defects, not tvmfuse's; strict mode
-    records them as fallbacks like any user run instead of failing the build."""
-    return type(rule).__module__.startswith("tvm.")
+    """A rule from TVM's dlight, or a thin tvmfuse guard around one (``wraps_dlight``): its
+    internal assertions (e.g. ``collect_block_iter_vars_used_in_access_region``'s on Resize and
+    TfIdf kernels, GEMV's ``compute_at`` on a RoPE-pair stack before an RMSNorm) are TVM's
+    defects, not tvmfuse's; strict mode records them as fallbacks like any user run instead of
+    failing the build."""
+    return type(rule).__module__.startswith("tvm.") or getattr(rule, "wraps_dlight", False)
 
 
 def try_rule(rule, func: tirx.PrimFunc, target: Target, tunable: bool) -> tuple[

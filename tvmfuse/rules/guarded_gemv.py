@@ -51,6 +51,8 @@ class GuardedGEMV(dl.gpu.GEMV):
     """``dl.gpu.GEMV``; a function it takes whose reductions sum ≤ :data:`TINY` elements gets
     ``dl.gpu.Fallback``'s schedule instead (module docstring)."""
 
+    wraps_dlight = True  # what raises in here is dlight's GEMV (rules/fallback.py: _third_party)
+
     def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
         if _reduce_extents(func) == []:  # no reduction: no GEMV (module docstring)
             return None
