@@ -139,3 +139,25 @@ def test_llama4_text_model():
     names = [k["name"] for k in report["kernels"]]
     assert sum(n == "attention" for n in names) == 2, names
     assert not any(n.startswith("take") for n in names), names  # the pairs' parts are slices
+
+
+def test_meta_llama_block():
+    """A block as Meta's Llama reference code writes it (``models/meta_llama.py``: complex RoPE,
+    hand-written GQA attention): the cpu build equals torch, and in fp16 on sm90 it is the six
+    kernels of a Llama layer — QKV GEMM (norm statistics in it), the RoPE'd q / k / v pack, the
+    wgmma flash attention, the output GEMM with the residual, the gate / up pair GEMM, the down
+    GEMM with the residual."""
+    from models.meta_llama import Block
+    from tvmfuse.frontend import import_model
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    torch.manual_seed(0)
+    block = Block().eval()
+    x = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(0))
+    _check(block, (x,))
+    report = analyze(import_model(block.half(), (x.half(),)).mod, get_target("sm90"), "float16",
+                     stock=False)
+    rules = [k.get("rule") for k in report["kernels"]]
+    assert len(rules) == 6 and rules.count("flash_attention_sm90") == 1, report["kernels"]
+    assert rules.count("elementwise") == 1, rules  # the RoPE pack, pairs and all
