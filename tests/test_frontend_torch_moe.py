@@ -1,7 +1,8 @@
 """The mixture-of-experts converters (``tvmfuse/frontend/torch_moe.py``): ``histc`` and the grouped
 product of transformers' MoE layers, op by op against torch on the cpu target, and transformers'
 MoE families at random init as a user brings them (each failed to import before session 44:
-"unsupported operators (grouped_mm_fallback.default, histc.default)")."""
+"unsupported operators (grouped_mm_fallback.default, histc.default)"; DeepSeek-V3 before
+session 45: "Currently supports only sorted output for topk operator")."""
 
 from __future__ import annotations
 
@@ -77,10 +78,16 @@ def _moe(name: str) -> torch.nn.Module:
         return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=64,
                                                       shared_expert_intermediate_size=64))
+    if name == "deepseek_v3":  # MLA attention, grouped top-k routing (topk(sorted=False))
+        return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_shared_experts=1,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+            v_head_dim=16, qk_nope_head_dim=8))
     return T.OlmoeForCausalLM(T.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3"])
 def test_moe_family_cpu_logits_and_report(name):
     """The cpu build equals torch's logits; on sm90 (fp16) each layer keeps one attention."""
     from tvmfuse.frontend import import_model
@@ -128,6 +135,17 @@ def test_pt2_of_a_moe_model_loads_in_a_fresh_process(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "input" in proc.stdout
+
+
+def test_topk_unsorted():
+    """``topk(sorted=False)`` (DeepSeek-V3's router; TVM's converter refused it): torch leaves
+    the order open, the values and indices come back sorted, the same set as torch's."""
+    fn = Fn(lambda _, x: torch.topk(x, 3, dim=-1, sorted=False))
+    x = torch.randn(4, 9, generator=torch.Generator().manual_seed(0))
+    values, indices = tvmfuse.compile(fn, (x,), target="cpu").load()(x)
+    want = torch.topk(x, 3, dim=-1)
+    np.testing.assert_array_equal(np.asarray(indices), want.indices.numpy())
+    np.testing.assert_array_equal(np.asarray(values), want.values.numpy())
 
 
 def test_bf16_experts_through_aten_grouped_mm():

@@ -183,6 +183,18 @@ def _cumsum(node, importer) -> relax.Var:
     return importer.block_builder.emit(relax.op.cumsum(x, dim, dtype))
 
 
+def _topk(node, importer) -> relax.Var:
+    """``aten.topk(x, k, dim=-1, largest=True, sorted=True)``, ``sorted=False`` included: torch
+    leaves that order unspecified, and the sorted order TVM computes is one it allows (TVM's
+    converter refuses the flag; DeepSeek-V3's router asks for it)."""
+    x = importer.env[node.args[0]]
+    k = node.args[1] if len(node.args) > 1 else node.kwargs.get("k", 1)
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    largest = node.args[3] if len(node.args) > 3 else node.kwargs.get("largest", True)
+    return importer.block_builder.emit(
+        relax.op.topk(x, k=k, axis=dim, largest=largest, ret_type="both", dtype="int64"))
+
+
 def _same_dim(a, b) -> bool:
     """Two shape entries (ints or PrimExprs) are the same dim, compared without ``==`` on Exprs."""
     a, b = (int(d.value) if isinstance(d, tirx.IntImm) else d for d in (a, b))
@@ -284,6 +296,7 @@ def custom_convert_map() -> dict[str, Callable]:
     plain = _product(with_bias=False)
     return {"mm.default": plain, "matmul.default": plain, "bmm.default": plain,
             "addmm.default": _product(with_bias=True), "cumsum.default": _cumsum,
+            "topk.default": _topk,
             "div.Tensor": _div_mode, "div.Scalar": _div_mode, "div.Tensor_mode": _div_mode,
             "div.Scalar_mode": _div_mode, "empty.default": _empty, "empty.memory_format": _empty,
             "empty_permuted.default": _empty,
