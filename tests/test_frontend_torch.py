@@ -273,3 +273,16 @@ def test_div_rounding_modes_in_torch_dtypes():
     for out, ref in zip(outs, refs):
         assert out.dtype == ref.dtype
         torch.testing.assert_close(out, ref)
+
+
+def test_aliased_example_inputs_stay_separate_inputs():
+    """``compile(m, (x, x))``: torch.export traces the same tensor passed twice as one input (the
+    second parameter unused), so the library read its first input for both, silently (6.7 off
+    for ``2a + b``). Example inputs stand for shapes and dtypes: aliased ones are cloned first."""
+    import tvmfuse
+
+    module = Fn(lambda _, a, b: a * 2 + b)
+    x = torch.randn(3, 4)
+    run = tvmfuse.compile(module, (x, x), target="cpu").load()
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(torch.as_tensor(run(a, b)), a * 2 + b)

@@ -73,6 +73,19 @@ def test_meta_llama_rope(dtype):
     _check(MetaRope().eval(), (q, k), 1e-6 if dtype == torch.float32 else 1e-3)
 
 
+def test_meta_llama_rope_symbolic_length():
+    """One library for every length up to the buffer's: the pairs keep the symbolic S."""
+    module = MetaRope().eval()
+    x = torch.randn(1, S, H, D)
+    lib = tvmfuse.compile(module, (x, x), target="cpu", inputs=[f"xq:1xSx{H}x{D}", f"xk:1xSx{H}x{D}"],
+                          dynamic={"S": (1, 2 * S)})
+    run = lib.load()
+    g = torch.Generator().manual_seed(0)
+    for seq in (1, 17, 2 * S):
+        q, k = (torch.randn(1, seq, H, D, generator=g) for _ in range(2))
+        np.testing.assert_allclose(np.asarray(run(q, k)), module(q, k).numpy(), rtol=1e-6, atol=1e-6)
+
+
 def test_polar_complex_cat_permute_real_imag():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, S, H, D, generator=g)

@@ -221,6 +221,7 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
     source = source or f"nn.Module {type(module).__name__}"
     module = module.eval()
     dynamic = dynamic or {}
+    example_inputs = _unaliased(example_inputs)
     example_inputs, dynamic_shapes = _dynamic_examples(module, example_inputs, overrides, dynamic,
                                                        source)
     try:
@@ -235,6 +236,28 @@ def import_module(module, example_inputs: tuple, overrides: dict[str, InputOverr
     named = {ep_name: overrides[name] for name, ep_name in zip(names, ep_names)
              if name in overrides and any(isinstance(d, str) for d in overrides[name].shape)}
     return import_exported(ep, named, source, reference=_torch_reference(module), dynamic=dynamic)
+
+
+def _unaliased(example_inputs: tuple) -> tuple:
+    """``example_inputs`` with each tensor that shares storage with an earlier one cloned.
+    torch.export traces aliased inputs as one (``f(x, x)``: the second parameter unused, the
+    first read twice), so a library built from them would read one input for both, silently;
+    example inputs stand for shapes and dtypes, and the user means separate inputs."""
+    import torch
+    from torch.utils import _pytree
+
+    seen: set[int] = set()
+
+    def fresh(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        key = x.untyped_storage().data_ptr()
+        if key in seen and x.numel():
+            return x.clone()
+        seen.add(key)
+        return x
+
+    return tuple(_pytree.tree_map(fresh, tuple(example_inputs)))
 
 
 def export_with_dims(module, args: tuple, dynamic_shapes: tuple | None):
