@@ -37,7 +37,10 @@ def check_vs_float64(module, inputs, target: str, tmp_path, tol: float,
     out = run(*(x.cuda() for x in inputs))
     with torch.no_grad():
         dt = getattr(torch, ref_dtype)
-        ref = module.to(dt)(*(x.to(dt) if x.is_floating_point() else x for x in inputs))
+        # .double() / .float(), not .to(dt): Module.to casts a complex buffer (a complex RoPE's
+        # freqs_cis) to the real dtype too, dropping its imaginary part
+        ref = getattr(module, {"float64": "double", "float32": "float"}[ref_dtype])()(
+            *(x.to(dt) if x.is_floating_point() else x for x in inputs))
     err = rel_err(out, ref)
     print(f"rel_err {err:.2e}")
     assert err <= tol
