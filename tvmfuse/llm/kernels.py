@@ -207,8 +207,9 @@ def _row_macro(spec: CacheSpec, scope: str):
     D, M, G = spec.head_dim, spec.max_seq, spec.q_heads // spec.kv_heads
     k0, v0, q0, _ = spec.rows
     dt = spec.dtype
-    sc = float((spec.softcap or spec.scale) * _LOG2E)
-    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
+    attn = spec.attention_spec()  # the scale and soft cap as every attention kernel takes them
+    sc = float(attn.score_unit * _LOG2E)
+    cap_in = attn.tanh_scale
     w = spec.window or M  # no window: p − (M − 1) ≤ 0
 
     @T.macro

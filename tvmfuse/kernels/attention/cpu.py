@@ -65,7 +65,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
     sc = float(spec.score_unit * _LOG2E)  # S·log2e = t·sc, t the raw product or its tanh
     l2e = float(_LOG2E)
     neg_inf = float("-inf")
-    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
+    cap_in = spec.tanh_scale
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
 
     def keep(i, j):

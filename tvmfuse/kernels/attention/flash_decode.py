@@ -390,8 +390,8 @@ def _primfunc(spec: AttentionSpec, target: tvm.target.Target | None, config: Dec
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)
     bdt = spec.bias_dtype or dt
     # q is pre-scaled: s = q·k·scale·log2e, or soft-capped s = tanh(q·k·scale/cap)·cap·log2e
-    sc = float(spec.scale * _LOG2E if spec.softcap is None else spec.scale / spec.softcap)
-    cap_out = float(spec.softcap * _LOG2E) if spec.softcap is not None else None
+    sc = float(spec.scale * _LOG2E if spec.softcap is None else spec.tanh_scale)
+    cap_out = float(spec.score_unit * _LOG2E) if spec.softcap is not None else None
     l2e = float(_LOG2E)
     full = T.uint32(0xFFFFFFFF)
 

@@ -108,7 +108,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     bdt = spec.bias_dtype or dt
     causal = causal_offset(spec) is not None
     sc = float(spec.score_unit * _LOG2E)
-    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
+    cap_in = spec.tanh_scale
     # with a bias S is scaled before the max; otherwise the scale rides the exp2's FFMA
     s_mul = 1.0 if has_bias else sc
     l2e = float(_LOG2E)

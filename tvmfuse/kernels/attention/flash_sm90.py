@@ -15,9 +15,10 @@ warpgroups (warp specialisation)::
         [S = tanh(S·scale/cap)]          soft-capped (spec.softcap): tanh.approx.f32, and ``cap``
                                          in place of ``scale`` below (spec.score_unit)
         S  masked (−inf) on diagonal / ragged / window-edge tiles only; with an additive bias
-                                         S += bias / scale (so that S·c adds bias·log2e)
+                                         S += bias / u (so that S·c adds bias·log2e)
         m' = max(m, rowmax S·c);  α = 2^(m − m');  P = 2^(S·c − m');  l = α·l + rowsum P
-                                         (c = scale·log2e folded into one FFMA)
+                                         (c = u·log2e folded into one FFMA; u = scale, or
+                                         cap when soft-capped: spec.score_unit)
         O  = α·O + P·V_j                 wgmma m64n{D}k16, A = P from registers (RS), B = V
                                          read MN-major from shared (trans-b)
     out = O / l (rows that see no key: 0), stored from registers, rows ≥ Sq masked.
@@ -156,7 +157,7 @@ def flash_kernel(spec: AttentionSpec, cfg: Sm90FlashConfig) -> tirx.PrimFunc:
     n_m = _cdiv(Sq, BM)
     causal = causal_offset(spec) is not None
     c_log2 = float(spec.score_unit * _LOG2E)
-    cap_in = float(spec.scale / spec.softcap) if spec.softcap is not None else None
+    cap_in = spec.tanh_scale
     has_bias = spec.bias_shape is not None
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
     bias_shape = spec.bias_shape if has_bias else (1, 1, 1, 1)

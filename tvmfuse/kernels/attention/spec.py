@@ -120,6 +120,12 @@ class AttentionSpec:
         return self.softcap if self.softcap is not None else self.scale
 
     @property
+    def tanh_scale(self) -> float | None:
+        """The factor inside the soft cap's tanh, ``scale / softcap`` (None without a cap): a
+        kernel keeps ``t = tanh(tanh_scale · q·k)`` and scales it by :attr:`score_unit`."""
+        return None if self.softcap is None else self.scale / self.softcap
+
+    @property
     def group(self) -> int:
         """Query heads per KV head (1 = MHA, Hq = MQA)."""
         return self.q_heads // self.kv_heads
