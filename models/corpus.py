@@ -248,6 +248,24 @@ class SoftCapped(nn.Module):
         return p @ v
 
 
+class LatentRope(nn.Module):
+    """DeepSeek's multi-head latent attention written out: each head's q·k spans its own D dims
+    and D/4 RoPE dims whose key part one head shares with all (``k_pe`` expanded), the values
+    keep D, so q and k are wider than v (20 vs 16; not 24, the corpus keeps 24 for S); masked_fill
+    causal, fp32 softmax cast back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mask", _causal_bool(), persistent=False)
+
+    def forward(self, q, k, v):
+        r = D // 4
+        q_pe, k_pe = q[..., :r] * 0.5, k[:, :1, :, D - r:].expand(-1, q.shape[1], -1, -1)
+        s = torch.cat([q, q_pe], -1) @ torch.cat([k, k_pe], -1).transpose(-1, -2) * (D + r) ** -0.5
+        p = torch.softmax(s.masked_fill(self.mask, float("-inf")).float(), -1).to(q.dtype)
+        return p @ v
+
+
 class RelativeBias(nn.Module):
     """T5's form: unscaled ``q·kᵀ + bias`` with a learned per-head bias of the relative position
     (``table[h, j - i + S - 1]``, a (1, H, S, S) term varying along queries and keys), fp32
@@ -594,6 +612,7 @@ FORMULATIONS: list[Formulation] = [
     _f("attn_relative_position_bias", "attention", _attn(RelativeBias()), attention=1),
     _f("attn_differential_shared_softmax", "attention", _attn(Differential()), attention=2),
     _f("attn_soft_capped", "attention", _attn(SoftCapped()), attention=1),
+    _f("attn_latent_rope", "attention", _attn(LatentRope()), attention=1),
     _f("attn_padding_bitwise_and", "attention",
        lambda: (PaddingBitwiseAnd().eval(), _padding_inputs()), attention=1),
     _f("attn_dropout_eval", "attention", _attn(DropoutEval(float("-inf"))), attention=1),

@@ -268,6 +268,19 @@ class Sdpa(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+class LatentRope(nn.Module):
+    """DeepSeek's multi-head latent attention in prefill: each head's q·k runs over its own dims
+    plus RoPE dims whose key part one head shares with all (``k_pe`` expanded over heads), and
+    the values keep the head dim, so q and k are 1.5× as wide as v; SDPA with ``is_causal``."""
+
+    def forward(self, q, k, v):
+        r = q.shape[-1] // 2
+        q_pe = q[..., :r] * 0.5
+        k_pe = k[:, :1, :, r:].expand(-1, q.shape[1], -1, -1)
+        return F.scaled_dot_product_attention(torch.cat([q, q_pe], -1), torch.cat([k, k_pe], -1),
+                                              v, is_causal=True, scale=(1.5 * D) ** -0.5)
+
+
 # name → (module factory, kv heads, layout, extra "keep" padding input, fused attention expected)
 FORMS: dict[str, tuple] = {
     "hand_written": (HandWritten, H, "bhsd", False),
@@ -298,6 +311,7 @@ FORMS: dict[str, tuple] = {
     "clamped_heads_folded": (lambda: ClampedHeadsFolded(S, H), H, "proj", False),
     "alibi_fp32_bias": (lambda: Fp32Alibi(S, H), H, "bhsd", False),
     "soft_capped": (SoftCapped, H, "bhsd", False),  # Gemma-2: the kernels' softcap
+    "latent_rope": (LatentRope, H, "bhsd", False),  # DeepSeek's MLA: v narrower than q and k
 }
 
 

@@ -50,7 +50,7 @@ def random_inputs(spec: AttentionSpec, seed: int = 0):
     rng = np.random.default_rng(seed)
     q = rng.standard_normal((spec.batch, spec.q_len, spec.q_heads, spec.head_dim))
     k = rng.standard_normal((spec.batch, spec.kv_len, spec.kv_heads, spec.head_dim))
-    v = rng.standard_normal((spec.batch, spec.kv_len, spec.kv_heads, spec.head_dim))
+    v = rng.standard_normal((spec.batch, spec.kv_len, spec.kv_heads, spec.value_dim))
     bias = None
     if spec.bias_shape is not None:
         bias = rng.standard_normal(spec.bias_shape)
@@ -61,12 +61,12 @@ def random_inputs(spec: AttentionSpec, seed: int = 0):
 
 
 def _spec(b, sq, skv, hq, hkv, d, dtype="float32", causal="none", bias=None, bias_dtype=None,
-          layouts=("BSHD", "BSHD"), softcap=None):
+          layouts=("BSHD", "BSHD"), softcap=None, dv=None):
     """``softcap``: the random inputs' scores (unit-normal q, k at scale 1/√d) are about unit
-    normal, so a cap of 1–2 bends most of them."""
+    normal, so a cap of 1–2 bends most of them. ``dv``: the value head dim where it differs (MLA)."""
     return AttentionSpec(b, sq, skv, hq, hkv, d, dtype, 1.0 / np.sqrt(d), causal, bias,
                          bias_dtype or (dtype if bias else None), qkv_layout=layouts[0],
-                         out_layout=layouts[1], softcap=softcap)
+                         out_layout=layouts[1], softcap=softcap, v_head_dim=dv)
 
 
 def in_layout(x, layout: str):
@@ -103,6 +103,9 @@ CPU_CASES = {
     "softcap_causal_gqa": _spec(1, 40, 40, 4, 2, 64, causal="TopLeft", softcap=1.5),
     "softcap_bias_fp16": _spec(2, 31, 31, 4, 4, 64, "float16", bias=(2, 1, 1, 31), softcap=2.0),
     "softcap_decode": _spec(3, 1, 100, 8, 2, 128, softcap=1.0),
+    # multi-head latent attention (DeepSeek-V2/V3): q·k over 192 dims, values of 128
+    "mla_causal": _spec(1, 40, 40, 4, 4, 192, causal="TopLeft", dv=128),
+    "mla_gqa_bias_fp16": _spec(2, 31, 45, 4, 2, 24, "float16", bias=(2, 1, 1, 45), dv=16),
 }
 
 
@@ -242,6 +245,10 @@ FLASH_BUILDS = {
                                                 layouts=LAYOUTS["sbhd_out"]), "sm80"),
     "softcap_causal_gqa_d128_fp16_sm80": (_spec(2, 300, 300, 8, 2, 128, "float16", causal="TopLeft",
                                                 softcap=50.0), "sm80"),
+    "mla_causal_d192_v128_fp16_sm80": (_spec(2, 300, 300, 8, 8, 192, "float16", causal="TopLeft",
+                                             dv=128), "sm80"),
+    "mla_causal_d192_v128_bf16_sm90": (_spec(1, 300, 300, 8, 8, 192, "bfloat16", causal="TopLeft",
+                                             dv=128), "sm90"),
 }
 
 
@@ -291,6 +298,27 @@ def test_flash_rejects_unsupported():
         flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 64, "float32"))
     with pytest.raises(ValueError, match="does not divide"):
         flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 64, "float16"), config=FlashConfig(block_n=24))
+
+
+def test_mla_dispatch():
+    """A value head dim of its own (MLA, 192 / 128): the sm80 flash kernel on sm80 and, with the
+    reason, on sm_90a (the wgmma kernel has one head dim); at Sq = 1 the row fallback."""
+    spec = _spec(1, 64, 64, 4, 4, 192, "float16", "TopLeft", dv=128)
+    sm80 = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_80"}))
+    assert str(sm80.attrs["global_symbol"]) == "flash_attention" and "tvmfuse.fallback" not in sm80.attrs
+    sm90 = attention_primfunc(spec, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert str(sm90.attrs["global_symbol"]) == "flash_attention"
+    assert "value head dim 128 differs" in str(sm90.attrs["tvmfuse.fallback"])
+    assert re.findall(r"T.Buffer\(\(([\d, ]+)\)", sm90.script())[:4] == [
+        "1, 64, 4, 192", "1, 64, 4, 192", "1, 64, 4, 128", "1, 64, 4, 128"]
+    from tvmfuse.kernels.attention.flash_sm80 import flash_attention_primfunc
+
+    with pytest.raises(ValueError, match="head dims 128 .q, k. and 64"):
+        flash_attention_primfunc(_spec(1, 64, 64, 2, 2, 128, "float16", dv=64))
+    decode = dataclasses.replace(spec, q_len=1, causal="BottomRight")
+    func = attention_primfunc(decode, tvm.target.Target({"kind": "cuda", "arch": "sm_90a"}))
+    assert "value head dim 128 differs" in str(func.attrs["tvmfuse.fallback"])
+    assert spec.flops == 2 * 4 * (192 + 128) * (64 * 65 // 2)
 
 
 @needs_nvcc
@@ -359,6 +387,13 @@ GPU_CASES = {
                                    softcap=2.0),
     "decode_softcap_gqa_d128_fp16": _spec(3, 1, 1000, 32, 8, 128, "float16", softcap=1.0),
     "generic_softcap_fp16_d48_causal": _spec(1, 50, 50, 2, 2, 48, "float16", "TopLeft", softcap=1.0),
+    # multi-head latent attention: q·k over 192 dims, values of 128 (the sm80 flash kernel on
+    # every arch; decode has no split-KV kernel for it, the row fallback takes it)
+    "mla_causal_d192_v128_fp16": _spec(2, 200, 200, 8, 8, 192, "float16", "TopLeft", dv=128),
+    "mla_ragged_bias_d192_v128_bf16": _spec(2, 77, 333, 4, 4, 192, "bfloat16", bias=(2, 1, 1, 333),
+                                            dv=128),
+    "generic_mla_decode_d192_v128_fp16": _spec(2, 1, 300, 8, 8, 192, "float16", "BottomRight",
+                                               dv=128),
 }
 # the kernel each case must run (``global_symbol`` of the dispatched PrimFunc) and whether its
 # CUDA source issues tensor-core mma.sync: decode_* the split-KV kernel, generic_* the fallback

@@ -286,3 +286,30 @@ def test_aliased_example_inputs_stay_separate_inputs():
     run = tvmfuse.compile(module, (x, x), target="cpu").load()
     a, b = torch.randn(3, 4), torch.randn(3, 4)
     torch.testing.assert_close(torch.as_tensor(run(a, b)), a * 2 + b)
+
+
+class _SplitByCounts(nn.Module):
+    """JetMoe's mixture of attention heads: ``x.split(counts.tolist())``."""
+
+    def forward(self, x, counts):
+        sizes = counts.tolist()
+        for s in sizes:
+            torch._check(s >= 0)
+        torch._check(sum(sizes) == x.shape[0])
+        a, b = x.split(sizes)
+        return a.sum(0) + b.sum(0)
+
+
+def test_converter_failure_names_the_node_and_its_data_dependent_sizes():
+    """TVM's split converter raised ``TypeError: unsupported operand type(s) for +: 'Node' and
+    'int'`` on JetMoe, and the user got that alone. The error now names the FX node, the model's
+    line and where its sizes were read from a tensor."""
+    from tvmfuse.errors import ModelError
+
+    x, counts = torch.randn(8, 4), torch.tensor([3, 5])
+    with pytest.raises(ModelError) as info:
+        tvmfuse.compile(_SplitByCounts(), (x, counts), target="cpu")
+    text = str(info.value)
+    assert "at node split_with_sizes" in text, text
+    assert "test_frontend_torch.py" in text and "data-dependent" in text, text
+    assert "_local_scalar_dense" in text, text

@@ -78,18 +78,27 @@ def _moe(name: str) -> torch.nn.Module:
         return T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(**common, num_experts=4, num_experts_per_tok=2,
                                                       moe_intermediate_size=64,
                                                       shared_expert_intermediate_size=64))
-    if name == "deepseek_v3":  # MLA attention, grouped top-k routing (topk(sorted=False))
+    # MLA attention as the checkpoints shape it: q·k over nope + rope dims (128 + 64 there,
+    # 16 + 8 here), values narrower (128; 16); grouped top-k routing (topk(sorted=False))
+    mla = dict(kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16)
+    if name == "deepseek_v3":
         return T.DeepseekV3ForCausalLM(T.DeepseekV3Config(
             **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_shared_experts=1,
             n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-            v_head_dim=16, qk_nope_head_dim=8))
+            first_k_dense_replace=1, q_lora_rank=32, **mla))
+    if name == "deepseek_v2":  # V2-Lite's form: no query LoRA, greedy top-k
+        return T.DeepseekV2ForCausalLM(T.DeepseekV2Config(
+            **{**common, "num_key_value_heads": 4}, moe_intermediate_size=32, n_shared_experts=1,
+            n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=None,
+            **mla))
     return T.OlmoeForCausalLM(T.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2))
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v2"])
 def test_moe_family_cpu_logits_and_report(name):
-    """The cpu build equals torch's logits; on sm90 (fp16) each layer keeps one attention."""
+    """The cpu build equals torch's logits; on sm90 (fp16) each layer keeps one attention
+    (DeepSeek's MLA, values narrower than q and k, was unfused before session 46: "key shape
+    [1, 32, 4, 24] and value shape [1, 32, 4, 16] differ")."""
     from tvmfuse.frontend import import_model
     from tvmfuse.report import analyze
     from tvmfuse.targets import get_target

@@ -12,6 +12,8 @@ stays unfused with its reason, and still computes the right numbers.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -201,7 +203,7 @@ def test_sliding_window_one_kernel_sm90():
 
 
 ONNX_FORMS = ["hand_written", "padding_masked_fill", "gqa_repeat_interleave", "sdpa_is_causal",
-              "soft_capped"]
+              "soft_capped", "latent_rope"]
 
 
 @pytest.mark.parametrize("dynamo", [False, True], ids=["legacy", "dynamo"])
@@ -267,6 +269,48 @@ def test_sliding_window_gpu_matches_torch(how: str, target: str, tmp_path):
     got = model(*[x.cuda() for x in inputs])
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
     _check_numerics(module, inputs, got, torch.float16)
+
+def _latent_rope_kernel(target: str):
+    """The latent-rope form at head dim 128 (q·k over 192, values 128) compiled for ``target``:
+    (module, inputs, its one attention kernel, the fused kernels' names)."""
+    module, inputs = forms.build("latent_rope", head_dim=128)
+    _, stages, _ = _compile(module, inputs, target=target)
+    assert _attention_calls(stages["fuse_attention"]) == 1
+    (kernel,) = [f for gv, f in stages["legalize"].functions.items()
+                 if gv.name_hint in ("attention", "flash_attention")]
+    names = [gv.name_hint for gv, f in stages["fuse_tir"].functions.items()
+             if isinstance(f, tvm.tirx.PrimFunc)]
+    return module, inputs, kernel, names
+
+
+def test_latent_rope_one_flash_kernel_sm90():
+    """DeepSeek's MLA widths (q, k 192; v 128) were left unfused ("key shape and value shape
+    differ") before session 46; now one mma.sync flash kernel, on sm90 with the reason it is not
+    the wgmma one, and no score-matrix kernel beside it."""
+    _, _, kernel, names = _latent_rope_kernel("sm90")
+    assert "ldmatrix" in kernel.script()  # the flash kernel, not the CUDA-core row fallback
+    assert "value head dim 128 differs" in str(kernel.attrs["tvmfuse.fallback"])
+    shapes = re.findall(r"T.Buffer\(\(([\d, ]+)\)", kernel.script())[:4]  # q, k, v, out
+    B, S, H = forms.B, forms.S, forms.H  # q, k, v (B, S, H, D); out in the consumer's (B, H, S, Dv)
+    assert shapes == [f"{B}, {S}, {H}, 192", f"{B}, {S}, {H}, 192", f"{B}, {S}, {H}, 128",
+                      f"{B}, {H}, {S}, 128"], shapes
+    assert not [n for n in names if any(op in n for op in ("matmul", "softmax", "where"))], names
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("target", ["sm90", "sm80"])
+def test_latent_rope_gpu_matches_torch(target: str, tmp_path):
+    """The MLA widths on the GPU (the sm80 flash kernel with 192-wide q, k and 128-wide v)."""
+    import tvmfuse
+
+    module, inputs, kernel, _ = _latent_rope_kernel(target)
+    assert "ldmatrix" in kernel.script()  # the flash kernel, not the CUDA-core row fallback
+    lib = tvmfuse.compile(module, inputs, target=target)
+    model = tvmfuse.load(lib.export(tmp_path / "latent_rope.so"), device="cuda")
+    got = model(*[x.cuda() for x in inputs])
+    got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
+    _check_numerics(module, inputs, got, torch.float16)
+
 
 BIAS_FORMS = ["padding_masked_fill",  # a data-dependent padding mask: an additive bias operand
               "alibi_fp32_bias"]  # a constant fp32 one

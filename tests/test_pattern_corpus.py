@@ -54,6 +54,10 @@ KERNELS: dict[str, int] = {
     # o1 - λ·o2 (8 before session 44, the S×S scores in HBM; stock TVM 13)
     "attn_differential_shared_softmax": 6,
     "attn_soft_capped": 1,  # Gemma-2's tanh soft cap in the kernel (7 before session 45: unfused)
+    # DeepSeek's MLA: the q / k concatenations (with the shared RoPE key) as one pack kernel, the
+    # attention with 20-wide q, k and 16-wide v (7 before session 46: unfused, "key shape and
+    # value shape differ")
+    "attn_latent_rope": 2,
     "attn_padding_bitwise_and": 2,  # the mask (a view since ConstantIndexTensor; was 4), the attention
     "attn_dropout_eval": 1,
     "attn_gqa_repeat_interleave": 1,

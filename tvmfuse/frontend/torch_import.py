@@ -55,6 +55,33 @@ def scan_unsupported(ep) -> list[tuple[str, str]]:
     return found
 
 
+def failed_at(err: BaseException) -> str:
+    """Where in the user's model TVM's converter raised ``err``: " at node N (aten op) from
+    file:line", with the data-dependent sizes (``.tolist()``, ``.item()``, ``nonzero``) its inputs
+    carry, which no converter takes; "" where the traceback names no FX node."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    node, tb = None, err.__traceback__
+    while tb is not None:  # the innermost _translate_fx_graph frame holds the node it converts
+        if tb.tb_frame.f_code.co_name == "_translate_fx_graph":
+            node = tb.tb_frame.f_locals.get("node", node)
+        tb = tb.tb_next
+    if node is None or not hasattr(node, "meta"):
+        return ""
+    def origin(n) -> str:  # the model's own line: the last frame of the node's stack trace
+        frames = [ln.strip() for ln in (n.meta.get("stack_trace") or "").splitlines()
+                  if ln.strip().startswith("File ")]
+        return f" ({frames[-1][5:]})" if frames else ""
+
+    where = f" at node {node.name} ({getattr(node.target, '__name__', node.target)}){origin(node)}"
+    sources = [a for a in (*node.all_input_nodes, node) if free_unbacked_symbols(a.meta.get("val"))]
+    if sources:
+        where += (f"; its sizes are data-dependent, read from a tensor at {sources[0].name}"
+                  f"{origin(sources[0])} (.tolist(), .item(), nonzero), and tvmfuse needs sizes "
+                  "known before run time")
+    return where
+
+
 def _user_inputs(ep, source: str, overrides: dict[str, InputOverride],
                  dynamic: Ranges) -> tuple[list[TensorSpec], dict[str, int | str]]:
     """The user inputs' specs, and how each torch symbol binds: to an int (``--input`` fixed it) or
@@ -188,7 +215,8 @@ def import_exported(ep, overrides: dict[str, InputOverride], source: str, refere
         mod = from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
                                     custom_convert_map=converters())
     except Exception as err:
-        raise ModelError(f"{source}: torch import failed: {type(err).__name__}: {err}") from err
+        raise ModelError(f"{source}: torch import failed{failed_at(err)}: {type(err).__name__}: "
+                         f"{err}") from err
     mod = bound_symbols(mod, dynamic, binding)
     ret = mod["main"].ret_ty
     n_out = len(ret.fields) if hasattr(ret, "fields") else 1
@@ -398,7 +426,7 @@ def import_factory(spec: str, overrides: dict[str, InputOverride],
     return import_module(module, tuple(example_inputs), overrides, source=spec, dynamic=dynamic)
 
 
-__all__ = ["import_exported", "import_factory", "import_module", "import_pt2", "load_factory",
-           "scan_unsupported"]
+__all__ = ["failed_at", "import_exported", "import_factory", "import_module", "import_pt2",
+           "load_factory", "scan_unsupported"]
 
 

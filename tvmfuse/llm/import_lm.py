@@ -21,10 +21,12 @@ from tvm import relax
 from ..errors import ModelError, UnsupportedOpError
 from ..frontend.onnx_import import import_onnx, load_onnx
 from ..frontend.spec import InputOverride
+from ..frontend.torch_complex import lower_complex
 from ..frontend.torch_import import (
     converters,
     decompose,
     export_with_dims,
+    failed_at,
     quiet_torch_internals,
     scan_unsupported,
 )
@@ -53,6 +55,8 @@ def _from_exported(ep, source: str) -> tvm.IRModule:
     from tvm.relax.frontend.torch import from_exported_program
 
     ep = decompose(ep, source)
+    # Relax has no complex dtype: complex tensors (Meta's / DeepSeek's RoPE) as (real, imag) pairs
+    ep = lower_complex(ep, source)
     unsupported = scan_unsupported(ep)
     if unsupported:
         raise UnsupportedOpError(f"PyTorch ({source})", unsupported)
@@ -67,7 +71,8 @@ def _from_exported(ep, source: str) -> tvm.IRModule:
             return from_exported_program(ep, keep_params_as_input=False, run_ep_decomposition=False,
                                          custom_convert_map=converters())
     except Exception as err:
-        raise ModelError(f"{source}: torch import failed: {type(err).__name__}: {err}") from err
+        raise ModelError(f"{source}: torch import failed{failed_at(err)}: {type(err).__name__}: "
+                         f"{err}") from err
 
 
 def _torch_module(model, max_seq: int, max_batch: int) -> tvm.IRModule:

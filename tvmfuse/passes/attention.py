@@ -807,7 +807,7 @@ class _Matcher:
             k, v = _common_group(k, v)
         qs, ks, vs = (static_shape(x.expr) for x in (q, k, v))
         qs, ks, vs = ([s[a] for a in x.axes] for s, x in ((qs, q), (ks, k), (vs, v)))
-        if ks != vs:
+        if ks[:3] != vs[:3]:  # the head dims may differ (multi-head latent attention)
             raise _Reject(f"key shape {ks} and value shape {vs} differ (BSHD)")
         dtypes = {str(x.expr.ty.dtype) for x in (q, k, v)}
         if len(dtypes) != 1:

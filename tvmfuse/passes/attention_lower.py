@@ -15,8 +15,8 @@ see ``kernels/attention/spec.py``); the kernels skip the KV tiles outside the ba
 a causal mask is an error (TVM gives it no meaning). On CUDA targets the window kernels can be
 switched off (:func:`gpu_window_gate`): with ``Options(gpu_window_attention=False)`` a call with a
 window is decomposed as above. Calls the
-spec cannot describe (symbolic shapes, value head dim != query head dim) go to the stock rule, which
-rejects GQA itself.
+spec cannot describe (symbolic shapes) go to the stock rule, which rejects GQA itself. A value head
+dim that differs from the query's (multi-head latent attention) is the spec's ``v_head_dim``.
 
 Also repairs ``ToMixedPrecision`` for attention: 0.27's ``FInferMixedPrecision`` of both ops
 rebuilds the call as ``attention(q, k, v)``, silently dropping bias, scale and causal mask.
@@ -47,7 +47,7 @@ def attention_spec(call: relax.Call):
     """The :class:`AttentionSpec` of an attention call, or None when the spec cannot express it."""
     q, k, v = (static_shape(a) for a in call.args[:3])
     bias = static_shape(call.args[3]) if len(call.args) > 3 else None
-    if None in (q, k, v) or (len(call.args) > 3 and bias is None) or v[3] != q[3]:
+    if None in (q, k, v) or (len(call.args) > 3 and bias is None):
         return None
     window = call.attrs.window_size
     causal, softcap = parse_causal_attr(call.attrs.causal_mask)
@@ -62,7 +62,7 @@ def attention_spec(call: relax.Call):
         bias_shape=tuple(bias) if bias is not None else None,
         bias_dtype=str(call.args[3].ty.dtype) if bias is not None else None,
         out_dtype=str(call.ty.dtype), window=int(window) if window is not None else None,
-        softcap=softcap)
+        softcap=softcap, v_head_dim=v[3] if v[3] != q[3] else None)
 
 
 def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:

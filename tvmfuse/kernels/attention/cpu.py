@@ -7,11 +7,11 @@ row's first visible key to its diagonal's (:func:`.spec.band_tiles`)::
     s_j   = (scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · log2 e      j in tile, visible(i, j)
             (soft-capped: c · tanh(scale · q·k / c) in place of scale · q·k)
     m'    = max(m, max_j s_j);   α = 2^(m − m');   l = α·l + Σ_j 2^(s_j − m')
-    acc   = α·acc + Σ_j 2^(s_j − m') · v[b,j,g]                          (g = h // group)
+    acc   = α·acc + Σ_j 2^(s_j − m') · v[b,j,g]              (g = h // group; Dv-long)
     out   = acc / l
 
 (indices of the spec's formula; the buffers are read and written in ``qkv_layout`` /
-``out_layout`` through :func:`.spec.at`), with ``m``, ``l`` and ``acc`` (D floats) in
+``out_layout`` through :func:`.spec.at`), with ``m``, ``l`` and ``acc`` (Dv floats) in
 fp32 scratch local to the row: no Sq×Skv buffer exists. A row that sees no key (BottomRight
 with Sq > Skv, or an all −inf bias row) yields 0. The (b, h) loop is parallel. This is the
 numerics reference of the cpu target, not a fast kernel.
@@ -48,10 +48,10 @@ def bias_strides(spec: AttentionSpec) -> tuple[int, int, int]:
 def row_macro(spec: AttentionSpec, scope: str = "global"):
     """The per-query-row body: ``row(q, k, v, bias, out, bh, i)`` for (b·Hq + h, i).
 
-    ``scope`` is where the row's fp32 scratch (``acc[D]``, ``s[TK]``, 4 scalars) lives: "global"
+    ``scope`` is where the row's fp32 scratch (``acc[Dv]``, ``s[TK]``, 4 scalars) lives: "global"
     (llvm: the stack) or "local" (CUDA: registers / local memory of the thread).
     """
-    Skv, Hq, D = spec.kv_len, spec.q_heads, spec.head_dim
+    Skv, Hq, D, DV = spec.kv_len, spec.q_heads, spec.head_dim, spec.value_dim
     G = spec.group
     odt = spec.result_dtype
     has_bias = spec.bias_shape is not None
@@ -80,7 +80,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
         with T.sblock("row"):
             T.reads()
             T.writes()
-            acc = T.sblock_alloc_buffer((D,), "float32", scope=scope)
+            acc = T.sblock_alloc_buffer((DV,), "float32", scope=scope)
             s = T.sblock_alloc_buffer((TK,), "float32", scope=scope)
             st = T.sblock_alloc_buffer((4,), "float32", scope=scope)  # m, l, m_new, alpha
             b: T.let[T.int32] = bh // Hq
@@ -88,7 +88,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
             g: T.let[T.int32] = h // G
             st[0] = neg_inf
             st[1] = T.float32(0)
-            for d in T.serial(D):
+            for d in T.serial(DV):
                 acc[d] = T.float32(0)
             if spec.window is None:  # every tile (Python values: nothing emitted)
                 t0 = T.meta_var(0)
@@ -117,7 +117,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                 st[3] = T.if_then_else(st[0] == neg_inf, T.float32(0),
                                        T.exp2(st[0] - st[2]))
                 st[1] = st[1] * st[3]
-                for d in T.serial(D):
+                for d in T.serial(DV):
                     acc[d] = acc[d] * st[3]
                 for jj in T.serial(TK):
                     s[jj] = T.if_then_else(s[jj] == neg_inf, T.float32(0),
@@ -125,10 +125,10 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
                     st[1] = st[1] + s[jj]
                 for jj in T.serial(TK):
                     if s[jj] > T.float32(0):
-                        for d in T.serial(D):
+                        for d in T.serial(DV):
                             acc[d] += s[jj] * T.Cast("float32", v[at(QKV_L, b, kt * TK + jj, g, d)])
                 st[0] = st[2]
-            for d in T.serial(D):
+            for d in T.serial(DV):
                 out[at(OUT_L, b, i, h, d)] = T.Cast(
                     odt, T.if_then_else(st[1] > T.float32(0), acc[d] / st[1], T.float32(0)))
 
@@ -138,7 +138,7 @@ def row_macro(spec: AttentionSpec, scope: str = "global"):
 def primfunc_around(spec: AttentionSpec, body) -> tvm.tirx.PrimFunc:
     """The PrimFunc ``(q, k, v, [bias,] out)`` of ``spec`` whose body is the macro
     ``body(q, k, v, bias, out)`` (``bias`` is ``q``, unused, when the spec has none)."""
-    q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
+    q_shape, kv_shape, v_shape, out_shape = spec.q_shape, spec.kv_shape, spec.v_shape, spec.out_shape
     dt, odt = spec.dtype, spec.result_dtype
     bias_shape = spec.bias_shape or (1, 1, 1, 1)
     bdt = spec.bias_dtype or dt
@@ -147,7 +147,7 @@ def primfunc_around(spec: AttentionSpec, body) -> tvm.tirx.PrimFunc:
 
         @T.prim_func(s_tir=True)
         def attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
-                      v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
+                      v: T.Buffer(v_shape, dt), bias: T.Buffer(bias_shape, bdt),
                       out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.noalias": True})
             body(q, k, v, bias, out)
@@ -156,7 +156,7 @@ def primfunc_around(spec: AttentionSpec, body) -> tvm.tirx.PrimFunc:
 
         @T.prim_func(s_tir=True)
         def attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
-                      v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
+                      v: T.Buffer(v_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.noalias": True})
             body(q, k, v, q, out)
 

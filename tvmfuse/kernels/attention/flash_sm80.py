@@ -6,7 +6,7 @@ One thread block per (query tile of ``BM`` rows, query head, batch); ``NW`` warp
     Q tile  (BM × D)  → shared (cp.async) → registers (ldmatrix), once
     for each KV tile n (BN keys; causal: only tiles left of the diagonal; sliding window: from the
                         tile of the first key in the band, tiles left of it never loaded):
-        K_n, V_n  → shared, NS-stage cp.async ring (tile n+NS−1 loads while n computes)
+        K_n, V_n  → shared (rows of D and Dv), NS-stage cp.async ring (tile n+NS−1 loads while n computes)
         S  = Q·K_nᵀ                      mma.sync m16n8k16, fp32 accumulators in registers
         [S = tanh(S·scale/c)]            soft-capped (spec.softcap c): tanh.approx.f32, then c in
                                          place of scale below (spec.score_unit)
@@ -63,8 +63,11 @@ def check(spec: AttentionSpec) -> str | None:
     """Why this kernel cannot compute ``spec`` (callers fall back to another lowering), or None."""
     if spec.dtype not in _PTX_TYPE:
         return f"dtype {spec.dtype} unsupported (float16 or bfloat16)"
-    if spec.head_dim not in (32, 64, 128):
+    if spec.value_dim == spec.head_dim and spec.head_dim not in (32, 64, 128):
         return f"head_dim {spec.head_dim} unsupported (32, 64 or 128)"
+    if spec.value_dim != spec.head_dim and (spec.head_dim, spec.value_dim) != (192, 128):
+        return (f"head dims {spec.head_dim} (q, k) and {spec.value_dim} (v) unsupported (MLA: "
+                "192 with 128-wide values)")
     if not spec.scale > 0:
         return f"scale must be positive, not {spec.scale}"
     return None
@@ -82,25 +85,26 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     _check(spec)
     cfg = config or default_config(spec)
     B, Sq, Skv, Hq, D = spec.batch, spec.q_len, spec.kv_len, spec.q_heads, spec.head_dim
+    DV = spec.value_dim  # the head dim of v and out (D but for multi-head latent attention)
     G = spec.group
     dt, odt = spec.dtype, spec.result_dtype
     QKV_L, OUT_L = spec.qkv_layout, spec.out_layout  # memory layouts (spec.at)
-    q_shape, kv_shape, out_shape = spec.q_shape, spec.kv_shape, spec.out_shape
+    q_shape, kv_shape, v_shape, out_shape = spec.q_shape, spec.kv_shape, spec.v_shape, spec.out_shape
     ptx_t = _PTX_TYPE[dt]
     mma_op = f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx_t}.{ptx_t}.f32"
     cvt_op = f"cvt.rn.{ptx_t}x2.f32"
     NW, MT, BN, NS = cfg.warps, cfg.m_tiles, cfg.block_n, cfg.stages
     BM = cfg.block_m
     NT = 32 * NW
-    CH = D // 8  # 16-byte chunks per row
+    CH, CHV = D // 8, DV // 8  # 16-byte chunks per row of Q and K, of V
     # swizzle: chunk c of row r sits at c ^ ((r % 8) // SW). 128-byte rows and longer: SW 1, the
     # 8 rows of an ldmatrix phase take 8 chunk slots; 64-byte rows (D 32): two rows share a
     # 128-byte bank line, so row pairs take 4 chunk slots (SW 2) and the phase still spans all banks
-    SW = 8 // min(CH, 8)
+    SW, SWV = 8 // min(CH, 8), 8 // min(CHV, 8)
     KD = D // 16  # k16 steps of Q·Kᵀ
     NN = BN // 8  # n8 tiles of S
     KN = BN // 16  # k16 steps of P·V
-    ND = D // 8  # n8 tiles of O
+    ND = DV // 8  # n8 tiles of O
     n_m = (Sq + BM - 1) // BM
     has_bias = spec.bias_shape is not None
     fb, fh, fi = bias_strides(spec) if has_bias else (0, 0, 0)
@@ -114,23 +118,24 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
     l2e = float(_LOG2E)
     q_off, k_off = 0, BM * D
     v_off = k_off + NS * BN * D
-    smem_elems = v_off + NS * BN * D
-    if BM * CH % NT or BN * CH % NT or NN % 2:
+    smem_elems = v_off + NS * BN * DV
+    if BM * CH % NT or BN * CH % NT or BN * CHV % NT or NN % 2:
         raise ValueError(f"flash attention: tile config {cfg} does not divide over {NT} threads")
     n_q_loads = BM * CH // NT
-    n_kv_loads = BN * CH // NT
+    n_kv_loads, n_v_loads = BN * CH // NT, BN * CHV // NT
     # causal: heavy (long) query tiles first
     r_base, r_sign = (n_m - 1, -1) if causal else (0, 1)
 
     @T.macro
-    def load_tile(smem, src, row0, n_rows, base, b, hh, tx, n_loads):
-        # rows of D elements → swizzled 16-byte chunks; rows ≥ n_rows read nothing (zero fill)
+    def load_tile(smem, src, row0, n_rows, base, b, hh, tx, n_loads, ch, sw):
+        # rows of 8·ch elements → swizzled 16-byte chunks (chunk ^ (row % 8) // sw); rows ≥ n_rows
+        # read nothing (zero fill)
         for it in T.unroll(n_loads):
-            r: T.let[T.int32] = (tx + it * NT) // CH
-            c: T.let[T.int32] = (tx + it * NT) % CH
+            r: T.let[T.int32] = (tx + it * NT) // ch
+            c: T.let[T.int32] = (tx + it * NT) % ch
             T.ptx["cp.async.cg.shared.global"](
                     T.cuda.cvta_generic_to_shared(
-                        T.address_of(smem[base + r * D + T.bitwise_xor(c, (r % 8) // SW) * 8])),
+                        T.address_of(smem[base + r * (ch * 8) + T.bitwise_xor(c, (r % 8) // sw) * 8])),
                     T.address_of(src[at(QKV_L, b, T.min(row0 + r, n_rows - 1), hh, c * 8)]),
                     16,
                     T.Cast("uint32", T.if_then_else(row0 + r < n_rows, 16, 0)),
@@ -143,14 +148,14 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
         T.tvm_storage_sync("shared")
         if j + NS - 1 < n_end:
             load_tile(smem, k, (j + NS - 1) * BN, Skv, k_off + ((j + NS - 1) % NS) * BN * D,
-                      b, g, tx, n_kv_loads)
-            load_tile(smem, v, (j + NS - 1) * BN, Skv, v_off + ((j + NS - 1) % NS) * BN * D,
-                      b, g, tx, n_kv_loads)
+                      b, g, tx, n_kv_loads, CH, SW)
+            load_tile(smem, v, (j + NS - 1) * BN, Skv, v_off + ((j + NS - 1) % NS) * BN * DV,
+                      b, g, tx, n_v_loads, CHV, SWV)
         T.ptx["cp.async.commit_group"]()
         T.ptx["cp.async.wait_group"](NS - 1)
         T.tvm_storage_sync("shared")
         kbase: T.let[T.int32] = k_off + (j % NS) * BN * D
-        vbase: T.let[T.int32] = v_off + (j % NS) * BN * D
+        vbase: T.let[T.int32] = v_off + (j % NS) * BN * DV
         # S = Q·Kᵀ
         for i in T.unroll(MT * NN * 4):
             s_acc[i] = T.float32(0)
@@ -232,8 +237,8 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
                 T.ptx["ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"](
                     kb_frag[0], kb_frag[1], kb_frag[2], kb_frag[3],
                     T.cuda.cvta_generic_to_shared(T.address_of(smem[
-                        vbase + (kt * 16 + ((lane // 8) % 2) * 8 + lane % 8) * D
-                        + T.bitwise_xor(dn2 * 2 + lane // 16, (lane % 8) // SW) * 8])))
+                        vbase + (kt * 16 + ((lane // 8) % 2) * 8 + lane % 8) * DV
+                        + T.bitwise_xor(dn2 * 2 + lane // 16, (lane % 8) // SWV) * 8])))
                 for mt in T.unroll(MT):
                     for half in T.unroll(2):
                         T.ptx[mma_op](
@@ -291,13 +296,13 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
             n_lo: T.let[T.int32] = band_of(m0, n_end)[1]
             n_full: T.let[T.int32] = band_of(m0, n_end)[2]
         # prologue: Q and KV tiles n_start .. n_start + NS−2 in flight (stage = tile % NS)
-        load_tile(smem, q, m0, Sq, q_off, b, h, tx, n_q_loads)
+        load_tile(smem, q, m0, Sq, q_off, b, h, tx, n_q_loads, CH, SW)
         for p in T.unroll(NS - 1):
             if n_start + p < n_end:
                 load_tile(smem, k, (n_start + p) * BN, Skv, k_off + stage(n_start + p) * BN * D,
-                          b, g, tx, n_kv_loads)
-                load_tile(smem, v, (n_start + p) * BN, Skv, v_off + stage(n_start + p) * BN * D,
-                          b, g, tx, n_kv_loads)
+                          b, g, tx, n_kv_loads, CH, SW)
+                load_tile(smem, v, (n_start + p) * BN, Skv, v_off + stage(n_start + p) * BN * DV,
+                          b, g, tx, n_v_loads, CHV, SWV)
             T.ptx["cp.async.commit_group"]()
         T.ptx["cp.async.wait_group"](NS - 2)
         T.tvm_storage_sync("shared")
@@ -344,7 +349,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
 
         @T.prim_func
         def flash_attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
-                            v: T.Buffer(kv_shape, dt), bias: T.Buffer(bias_shape, bdt),
+                            v: T.Buffer(v_shape, dt), bias: T.Buffer(bias_shape, bdt),
                             out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(q, k, v, bias, out)
@@ -353,7 +358,7 @@ def flash_attention_primfunc(spec: AttentionSpec, target: tvm.target.Target | No
 
         @T.prim_func
         def flash_attention(q: T.Buffer(q_shape, dt), k: T.Buffer(kv_shape, dt),
-                            v: T.Buffer(kv_shape, dt), out: T.Buffer(out_shape, odt)):
+                            v: T.Buffer(v_shape, dt), out: T.Buffer(out_shape, odt)):
             T.func_attr({"tir.is_scheduled": True, "tir.noalias": True})
             body(q, k, v, q, out)
 

@@ -5,11 +5,14 @@ its legalisation reads an :class:`AttentionSpec` off the call, asks
 :func:`.attention.attention_primfunc` for a kernel and emits ``R.call_tir`` to it. Layout is
 TVM's ``R.nn.attention`` layout::
 
-    q    (B, Sq,  Hq,  D)        k, v (B, Skv, Hkv, D)        Hq % Hkv == 0 (GQA / MQA)
+    q    (B, Sq,  Hq,  D)        k (B, Skv, Hkv, D)   v (B, Skv, Hkv, Dv)   Hq % Hkv == 0 (GQA / MQA)
     bias (B|1, Hq|1, Sq|1, Skv)  additive, optional (padding masks arrive as (B, 1, 1, Skv))
-    out  (B, Sq,  Hq,  D)
+    out  (B, Sq,  Hq,  Dv)
     out[b, i, h] = Σ_j softmax_j(scale · q[b, i, h]·k[b, j, h // (Hq/Hkv)] + bias[..] + causal(i, j))
                    · v[b, j, h // (Hq/Hkv)]
+
+``Dv`` (``v_head_dim``; None means ``D``) differs from ``D`` in multi-head latent attention
+(DeepSeek-V2/V3, MiniCPM3: q·k over 192 = 128 + 64 RoPE dims, values of 128).
 
 ``causal``: ``"none"``, ``"TopLeft"`` (key j visible to query i iff j ≤ i) or ``"BottomRight"``
 (iff j ≤ i + Skv − Sq; the KV-cache alignment). Both are the same when Sq == Skv.
@@ -90,6 +93,7 @@ class AttentionSpec:
     out_layout: str = "BSHD"  # memory layout of out
     window: int | None = None  # sliding window: each query sees its last ``window`` keys
     softcap: float | None = None  # S = softcap · tanh(scale · q·k / softcap) before bias and mask
+    v_head_dim: int | None = None  # Dv of v and out where it differs from head_dim (MLA); None: D
 
     def __post_init__(self) -> None:
         if self.softcap is not None and not self.softcap > 0:
@@ -102,14 +106,21 @@ class AttentionSpec:
         for name in ("qkv_layout", "out_layout"):
             if getattr(self, name) not in LAYOUTS:
                 raise ValueError(f"{name} must be one of {LAYOUTS}, not {getattr(self, name)!r}")
+        if self.v_head_dim is not None and self.v_head_dim < 1:
+            raise ValueError(f"v_head_dim must be positive, not {self.v_head_dim}")
         if self.q_heads % self.kv_heads:
             raise ValueError(f"q_heads {self.q_heads} is not a multiple of kv_heads {self.kv_heads}")
 
     @property
+    def value_dim(self) -> int:
+        """``Dv``: the head dim of v and out (``head_dim`` unless ``v_head_dim`` says otherwise)."""
+        return self.v_head_dim if self.v_head_dim is not None else self.head_dim
+
+    @property
     def flops(self) -> int:
-        """``4·B·Hq·D·(visible (query, key) pairs)``: Q·Kᵀ and P·V (:func:`visible_pairs`)."""
+        """``2·B·Hq·(D + Dv)·(visible (query, key) pairs)``: Q·Kᵀ and P·V (:func:`visible_pairs`)."""
         pairs = visible_pairs(self.q_len, self.kv_len, self.causal, self.window)
-        return 4 * self.batch * self.q_heads * self.head_dim * pairs
+        return 2 * self.batch * self.q_heads * (self.head_dim + self.value_dim) * pairs
 
     @property
     def score_unit(self) -> float:
@@ -141,13 +152,18 @@ class AttentionSpec:
 
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:
-        """Shape of the k and v buffers (in ``qkv_layout``)."""
+        """Shape of the k buffer, and of v where ``Dv == D`` (in ``qkv_layout``)."""
         return at(self.qkv_layout, self.batch, self.kv_len, self.kv_heads, self.head_dim)
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        """Shape of the v buffer (in ``qkv_layout``): :attr:`kv_shape` with ``Dv``."""
+        return at(self.qkv_layout, self.batch, self.kv_len, self.kv_heads, self.value_dim)
 
     @property
     def out_shape(self) -> tuple[int, int, int, int]:
         """Shape of the out buffer (in ``out_layout``)."""
-        return at(self.out_layout, self.batch, self.q_len, self.q_heads, self.head_dim)
+        return at(self.out_layout, self.batch, self.q_len, self.q_heads, self.value_dim)
 
 
 def visible_pairs(q_len: int, kv_len: int, causal: str = "none", window: int | None = None) -> int:
@@ -170,7 +186,7 @@ def spec_json(spec: AttentionSpec) -> str:
     for name in ("qkv_layout", "out_layout"):  # the default is left out: older records stay valid
         if fields[name] == "BSHD":
             del fields[name]
-    for name in ("window", "softcap"):  # left out when unset, as above
+    for name in ("window", "softcap", "v_head_dim"):  # left out when unset, as above
         if fields[name] is None:
             del fields[name]
     return json.dumps(fields, sort_keys=True)
