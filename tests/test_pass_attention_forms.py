@@ -270,11 +270,15 @@ def test_sliding_window_gpu_matches_torch(how: str, target: str, tmp_path):
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()
     _check_numerics(module, inputs, got, torch.float16)
 
+MLA_ON = Options(gpu_mla_attention=True)
+
+
 def _latent_rope_kernel(target: str):
-    """The latent-rope form at head dim 128 (q·k over 192, values 128) compiled for ``target``:
-    (module, inputs, its one attention kernel, the fused kernels' names)."""
+    """The latent-rope form at head dim 128 (q·k over 192, values 128) compiled for ``target``
+    with the CUDA kernel for it on: (module, inputs, its one attention kernel, the fused kernels'
+    names)."""
     module, inputs = forms.build("latent_rope", head_dim=128)
-    _, stages, _ = _compile(module, inputs, target=target)
+    _, stages, _ = _compile(module, inputs, target=target, options=MLA_ON)
     assert _attention_calls(stages["fuse_attention"]) == 1
     (kernel,) = [f for gv, f in stages["legalize"].functions.items()
                  if gv.name_hint in ("attention", "flash_attention")]
@@ -283,10 +287,20 @@ def _latent_rope_kernel(target: str):
     return module, inputs, kernel, names
 
 
+def test_latent_rope_left_on_cuda_until_the_option():
+    """By default a CUDA target leaves MLA unfused, with the reason (the kernel's GPU numerics
+    have not run); the cpu target fuses it (test_form_torch_export_fp16)."""
+    module, inputs = forms.build("latent_rope", head_dim=128)
+    _, stages, _ = _compile(module, inputs, target="sm90")
+    assert _attention_calls(stages["fuse_attention"]) == 0
+    (decision,) = attention_decisions(stages["fuse_attention"])
+    assert "Options(gpu_mla_attention=True)" in decision["reason"], decision
+
+
 def test_latent_rope_one_flash_kernel_sm90():
     """DeepSeek's MLA widths (q, k 192; v 128) were left unfused ("key shape and value shape
-    differ") before session 46; now one mma.sync flash kernel, on sm90 with the reason it is not
-    the wgmma one, and no score-matrix kernel beside it."""
+    differ") before session 46; with Options.gpu_mla_attention one mma.sync flash kernel, on sm90
+    with the reason it is not the wgmma one, and no score-matrix kernel beside it."""
     _, _, kernel, names = _latent_rope_kernel("sm90")
     assert "ldmatrix" in kernel.script()  # the flash kernel, not the CUDA-core row fallback
     assert "value head dim 128 differs" in str(kernel.attrs["tvmfuse.fallback"])
@@ -305,7 +319,7 @@ def test_latent_rope_gpu_matches_torch(target: str, tmp_path):
 
     module, inputs, kernel, _ = _latent_rope_kernel(target)
     assert "ldmatrix" in kernel.script()  # the flash kernel, not the CUDA-core row fallback
-    lib = tvmfuse.compile(module, inputs, target=target)
+    lib = tvmfuse.compile(module, inputs, target=target, options=MLA_ON)
     model = tvmfuse.load(lib.export(tmp_path / "latent_rope.so"), device="cuda")
     got = model(*[x.cuda() for x in inputs])
     got = (got if isinstance(got, torch.Tensor) else got[0]).double().cpu().numpy()

@@ -54,10 +54,9 @@ KERNELS: dict[str, int] = {
     # o1 - λ·o2 (8 before session 44, the S×S scores in HBM; stock TVM 13)
     "attn_differential_shared_softmax": 6,
     "attn_soft_capped": 1,  # Gemma-2's tanh soft cap in the kernel (7 before session 45: unfused)
-    # DeepSeek's MLA: the q / k concatenations (with the shared RoPE key) as one pack kernel, the
-    # attention with 20-wide q, k and 16-wide v (7 before session 46: unfused, "key shape and
-    # value shape differ")
-    "attn_latent_rope": 2,
+    # DeepSeek's MLA (values narrower than q and k): unfused on CUDA targets until the kernel's
+    # GPU numerics have run (Options.gpu_mla_attention; 2 with it on, below); the cpu target fuses
+    "attn_latent_rope": 5,
     "attn_padding_bitwise_and": 2,  # the mask (a view since ConstantIndexTensor; was 4), the attention
     "attn_dropout_eval": 1,
     "attn_gqa_repeat_interleave": 1,
@@ -127,6 +126,9 @@ KERNELS: dict[str, int] = {
 # sm90 kernel launches with the gated CUDA sliding-window kernels enabled (the cpu target always
 # fuses the band: ``attention`` of the formulation)
 KERNELS_GPU_WINDOW_OFF: dict[str, int] = {"attn_sliding_window_band": 4}
+# sm90 kernel launches with the gated CUDA kernel for values of their own width (MLA) enabled: the
+# q / k concatenations (with the shared RoPE key) as one pack kernel, and the attention
+KERNELS_GPU_MLA_ON: dict[str, int] = {"attn_latent_rope": 2}
 
 
 def _imported(f: Formulation, tmp_path):
@@ -175,6 +177,11 @@ def test_corpus(f: Formulation, tmp_path):
             report = analyze(imported.mod, get_target("sm90"), f.dtype, stock=False)
         names = [k["name"] for k in report["kernels"]]
         assert report["fused_kernel_count"] == KERNELS_GPU_WINDOW_OFF[f.name], names
+    if f.name in KERNELS_GPU_MLA_ON:
+        with use_options(Options(gpu_mla_attention=True)):
+            report = analyze(imported.mod, get_target("sm90"), f.dtype, stock=False)
+        names = [k["name"] for k in report["kernels"]]
+        assert report["fused_kernel_count"] == KERNELS_GPU_MLA_ON[f.name], names
 
 
 def test_corpus_size():

@@ -190,6 +190,13 @@ class Options:
     # unfused with its reason (and an R.nn.attention with window_size is decomposed); the cpu
     # target always fuses it into the windowed cpu kernel
     gpu_window_attention: bool = True
+    # multi-head latent attention (values narrower than q and k: DeepSeek-V2/V3's 192 / 128) on
+    # CUDA targets: the sm80 flash kernel with its own value width (nvcc builds it for sm80 and
+    # sm90a without spills; its GPU numerics, tests/test_attention_kernels.py mla_* and
+    # test_pass_attention_forms.py latent_rope, have not run yet: no GPU in session 46). Off: on
+    # CUDA targets such an attention stays unfused with its reason, as before session 46; the cpu
+    # target always fuses it into the cpu kernel
+    gpu_mla_attention: bool = False
     # device properties for tile and cost decisions: a name of device_props.DEVICES or a
     # DeviceProperties; None: TVMFUSE_DEVICE, else the GPU present, else the target's table entry
     device: Any = None

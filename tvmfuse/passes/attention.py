@@ -36,6 +36,8 @@ Masks are accepted only when the equivalence is proved:
   ``window_size=w`` (each query sees its last w keys; BottomRight preferred when both fit). On
   a CUDA target with ``Options(gpu_window_attention=False)`` the band stays unfused with its reason
   (``attention_lower.gpu_window_gate``);
+* values narrower than q and k (multi-head latent attention) are the kernels' ``v_head_dim``; on
+  a CUDA target only with ``Options(gpu_mla_attention=True)`` (``attention_lower.gpu_value_dim_gate``);
 * a mask that depends on model inputs becomes the additive ``bias`` when it is constant along the
   query axis (a padding mask, (B|1, H|1, 1, Skv)); ``where(and(C, P), a, b)`` with a constant
   all-true C (HF's broadcast padding mask) is reduced to ``where(P, a, b)`` first;
@@ -64,7 +66,7 @@ from tvm.relax.dpl import is_op, rewrite_call, wildcard
 
 from ..attrs import causal_attr
 from ._util import last_axis_only, scalar_value, shape_expr, static_shape, without_large_constants
-from .attention_lower import gpu_window_gate
+from .attention_lower import gpu_value_dim_gate, gpu_window_gate
 from .constant_values import ConstantValues, function_bindings
 
 DECISIONS_ATTR = "tvmfuse.attention_decisions"
@@ -809,6 +811,9 @@ class _Matcher:
         qs, ks, vs = ([s[a] for a in x.axes] for s, x in ((qs, q), (ks, k), (vs, v)))
         if ks[:3] != vs[:3]:  # the head dims may differ (multi-head latent attention)
             raise _Reject(f"key shape {ks} and value shape {vs} differ (BSHD)")
+        if why := gpu_value_dim_gate(ks[3] != vs[3]):
+            raise _Reject(f"values {vs[3]} wide beside queries and keys {ks[3]} wide (multi-head "
+                          f"latent attention): {why}")
         dtypes = {str(x.expr.ty.dtype) for x in (q, k, v)}
         if len(dtypes) != 1:
             raise _Reject(f"query/key/value dtypes differ: {sorted(dtypes)}")

@@ -16,7 +16,8 @@ a causal mask is an error (TVM gives it no meaning). On CUDA targets the window 
 switched off (:func:`gpu_window_gate`): with ``Options(gpu_window_attention=False)`` a call with a
 window is decomposed as above. Calls the
 spec cannot describe (symbolic shapes) go to the stock rule, which rejects GQA itself. A value head
-dim that differs from the query's (multi-head latent attention) is the spec's ``v_head_dim``.
+dim that differs from the query's (multi-head latent attention) is the spec's ``v_head_dim``; on
+CUDA targets it is decomposed unless ``Options(gpu_mla_attention=True)`` (:func:`gpu_value_dim_gate`).
 
 Also repairs ``ToMixedPrecision`` for attention: 0.27's ``FInferMixedPrecision`` of both ops
 rebuilds the call as ``attention(q, k, v)``, silently dropping bias, scale and causal mask.
@@ -77,7 +78,8 @@ def legalize_attention(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                                f"q {call.args[0].ty}")
         rule = stock._nn_attention_bias if len(call.args) > 3 else stock._nn_attention
         return rule(bb, call)
-    func = None if gpu_window_gate(spec.window) else attention_kernel(spec)
+    gated = gpu_window_gate(spec.window) or gpu_value_dim_gate(spec.v_head_dim is not None)
+    func = None if gated else attention_kernel(spec)
     if func is None:  # no kernel for this dtype / head dim (or window) on target
         return _decomposed(call, spec)
     gvar = bb.add_func(func, "attention")  # the report classifies kernels by this name
@@ -95,6 +97,19 @@ def gpu_window_gate(window: int | None) -> str | None:
     if current_options().gpu_window_attention:
         return None
     return "the CUDA sliding-window kernels are off (Options(gpu_window_attention=False))"
+
+
+def gpu_value_dim_gate(narrower_values: bool) -> str | None:
+    """Why values of their own width (multi-head latent attention) get no attention kernel on the
+    current target, or None: on CUDA targets unless ``Options(gpu_mla_attention=True)`` (the
+    kernels' GPU numerics have not run yet); the cpu kernel always."""
+    target = tvm.target.Target.current(allow_none=True)
+    if not narrower_values or target is None or target.kind.name != "cuda":
+        return None
+    if current_options().gpu_mla_attention:
+        return None
+    return ("the CUDA kernel for values of their own width is off until its GPU numerics have run "
+            "(Options(gpu_mla_attention=True) turns it on)")
 
 
 def attention_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc | None:
