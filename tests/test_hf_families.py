@@ -44,6 +44,8 @@ def _model(name: str, hidden: int = 64) -> torch.nn.Module:
                                                 bos_token_id=1))
     if name == "gemma3":  # q / k norms after the head transpose, (1 + w) norms, sliding layers
         return T.Gemma3ForCausalLM(T.Gemma3TextConfig(head_dim=hidden // 4, sliding_window=16, **config))
+    if name == "helium":  # RMSNorm eps 1e-8: the dynamo ONNX exporter drops its ``+ eps``
+        return T.HeliumForCausalLM(T.HeliumConfig(head_dim=hidden // 4, **config))
     if name == "apertus":  # xIELU MLP (no gate): expm1(min(x, eps)) − x on the up GEMM's output
         return T.ApertusForCausalLM(T.ApertusConfig(**config))
     if name == "nanochat":  # RMSNorms without a weight (F.rms_norm(x, (n,))), q / k norms after RoPE
@@ -80,7 +82,7 @@ def _model(name: str, hidden: int = 64) -> torch.nn.Module:
 # "no attention kernel takes a soft cap").
 KERNELS = {"gemma2": 18, "vaultgemma": 14, "diffllama": 24, "apertus": 20, "nanochat": 23,
            "xglm": 14, "mpt": 14, "cohere": 14, "starcoder2": 14, "gptj": 16, "opt": 15, "qwen3": 18,
-           "olmo2": 22, "gemma3": 22}
+           "olmo2": 22, "gemma3": 22, "helium": 14}
 ATTENTIONS = {"diffllama": 4}  # attention kernels in the two layers (else 2)
 
 
@@ -170,14 +172,18 @@ def test_gpu_families(name, tmp_path):
 @pytest.mark.parametrize("name, frontend, dtype", [("qwen3", "torch", "float16"),
                                                    ("qwen3", "onnx-dynamo", "float16"),
                                                    ("cohere", "torch", "float16"),
-                                                   ("qwen3", "torch", "bfloat16")])
+                                                   ("qwen3", "torch", "bfloat16"),
+                                                   ("helium", "onnx-dynamo", "float16")])
 def test_fp32_model_under_float16_as_half(name, frontend, dtype, tmp_path):
     """An fp32 model compiled with ``--dtype float16`` (every fp32 ONNX export takes this path) gets
     the kernels of the same model after ``.half()``: Qwen3, 18 on sm90 (27 before session 23, when
     the residual stream stayed fp32 from the embedding gather on); Cohere, 14 (its logit scale
     after the last folded norm keeps that GEMM's fp32 output: no cast kernel). The cpu build at
     float16 stays within fp16 rounding of the fp32 reference (measured 7e-4 against onnxruntime).
-    Under bfloat16 the same (the report's baseline failed on bf16 ``x ** 2``; 5e-3 from torch)."""
+    Under bfloat16 the same (the report's baseline failed on bf16 ``x ** 2``; 5e-3 from torch).
+    Helium's dynamo export has ``Sqrt(ReduceMean(x²))`` with no ``+ eps`` (1e-8, dropped by the
+    exporter): its norms were left decomposed (30 kernels), then their statistics beside the
+    GEMMs (24); 14, as from torch, since session 46."""
     from tvmfuse.frontend import import_model, input_overrides
     from tvmfuse.report import analyze
     from tvmfuse.targets import get_target

@@ -118,3 +118,16 @@ def test_norm_through_two_reshapes_folds():
     after = NormGemmPrologue()(before)
     assert "R.nn.layer_norm" not in after.script() and "layer_norm_stats" in _names(after)
     assert_same_numerics(before, after, rtol=1e-5)
+
+
+@pytest.mark.parametrize("centered", [False, True], ids=["rms", "layer"])
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_statistics_function_is_recognised(eps, centered):
+    """The rules that move statistics into a GEMM read (eps, centered) back off this pass's
+    PrimFunc. With eps 0 (a norm whose exporter dropped ``+ eps``: Helium's dynamo ONNX) TE folds
+    the add away; the statistics stayed two kernels beside the GEMM (Helium 24 kernels, 14 with
+    this)."""
+    from tvmfuse.passes.norm_gemm import row_stats_params, stats_function
+
+    func = stats_function(relax.TensorType([8, 64], "float16"), eps, centered)
+    assert row_stats_params(func) == (eps, centered)

@@ -228,6 +228,68 @@ def test_rms_norm_onnx_form():
     assert_same_numerics(RMSOnnx, after)
 
 
+@I.ir_module
+class RMSOnnxNoEps:
+    """The dynamo ONNX export of Helium's RMSNorm (eps 1e-8): the exporter dropped the Add,
+    ``Sqrt(ReduceMean(x²))``; session 46 found it 16 kernels more than the torch import."""
+
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), w: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            sq = R.power(x, R.const(2.0, "float32"))
+            ms = R.mean(sq, axis=[1], keepdims=True)
+            sd = R.sqrt(ms)
+            inv = R.divide(R.const(1.0, "float32"), sd)
+            n = R.multiply(x, inv)
+            y = R.multiply(w, n)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class RMSNoEpsExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), w: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            y = R.nn.rms_norm(x, w, axes=[-1], epsilon=0.0)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class LayerNormNoEps:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), g: R.Tensor((64,), "float32"),
+             b: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            mu = R.mean(x, axis=[-1], keepdims=True)
+            c = R.subtract(x, mu)
+            var = R.mean(R.multiply(c, c), axis=[-1], keepdims=True)
+            n = R.divide(c, R.sqrt(var))
+            y = R.add(R.multiply(n, g), b)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class LayerNormNoEpsExpected:
+    @R.function
+    def main(x: R.Tensor((4, 64), "float32"), g: R.Tensor((64,), "float32"),
+             b: R.Tensor((64,), "float32")) -> R.Tensor((4, 64), "float32"):
+        with R.dataflow():
+            y = R.nn.layer_norm(x, g, b, axes=[-1], epsilon=0.0)
+            R.output(y)
+        return y
+
+
+def test_norms_without_eps():
+    """No ``+ eps`` before the square root (dropped by the exporter, or never written): eps 0."""
+    for before, expected in ((RMSOnnxNoEps, RMSNoEpsExpected), (LayerNormNoEps, LayerNormNoEpsExpected)):
+        after = apply_pass(FuseDecomposedNorms(), before)
+        tvm.ir.assert_structural_equal(after, expected)
+        assert_same_numerics(before, after)
+
+
 def test_layer_norm_decomposed():
     after = apply_pass(FuseDecomposedNorms(), LayerNormDecomposed)
     tvm.ir.assert_structural_equal(after, LayerNormExpected)

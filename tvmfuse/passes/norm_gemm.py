@@ -72,15 +72,15 @@ def row_stats_params(func: tirx.PrimFunc) -> tuple[float, bool] | None:
     params = list(func.params)
     if len(params) not in (2, 3) or not all(isinstance(p.ty, BufferType) for p in params):
         return None
-    try:  # the value of the block ``rstd``: ``rsqrt(… + eps)``
+    try:  # the value of the block ``rstd``: ``rsqrt(… + eps)``, or ``rsqrt(…)`` (eps 0 folded)
         sch = s_tir.Schedule(func)
         value = sch.get(sch.get_sblock("rstd")).body.value
     except (*TVM_ERRORS, AttributeError):  # no block ``rstd``, or not a store
         return None
-    if not (isinstance(value, tvm.ir.Call) and value.op.name == "tirx.rsqrt"
-            and isinstance(value.args[0], tirx.Add) and isinstance(value.args[0].b, tirx.FloatImm)):
+    if not (isinstance(value, tvm.ir.Call) and value.op.name == "tirx.rsqrt"):
         return None
-    eps = float(value.args[0].b.value)
+    arg = value.args[0]
+    eps = float(arg.b.value) if isinstance(arg, tirx.Add) and isinstance(arg.b, tirx.FloatImm) else 0.0
     centered = len(params) == 3
     x_ty = relax.TensorType(list(params[0].shape), str(params[0].dtype))
     ref = stats_function(x_ty, eps, centered)

@@ -1,7 +1,9 @@
 """Decomposed RMSNorm / LayerNorm / softmax → one ``R.nn`` op each (one kernel after legalisation).
 
 Exporters spell norms out: HF Llama's RMSNorm becomes Pow → ReduceMean → Add → Sqrt → Reciprocal →
-Mul → Mul (ONNX) or pow/mean/add/rsqrt/mul/mul (torch.export). TVM's FuseOps then cuts it in two:
+Mul → Mul (ONNX) or pow/mean/add/rsqrt/mul/mul (torch.export); where eps is too small to
+change the fp32 statistic the dynamo ONNX exporter drops the Add (Helium's 1e-8: ``Sqrt(mean)``),
+which is eps = 0 here. TVM's FuseOps then cuts it in two:
 a reduction cannot absorb its broadcasting consumer. Rewritten to ``R.nn.rms_norm`` the row is read
 once and written once. Only exact forms are rewritten (last-axis reduction, keepdims, scalar eps,
 exponent 2, weight over the last axis); anything else is left as it was.
@@ -54,7 +56,7 @@ def _rms_norm_pattern(weighted: bool = True):
     xs, xm = up_sq | x0, up_mul | x0
     square = is_op("relax.power")(xs, two) | is_op("relax.multiply")(xs, xs)
     mean = is_op("relax.mean")(square)
-    normed, one = _over_sqrt(xm, _commutative("relax.add", mean, eps))
+    normed, one = _over_sqrt(xm, _commutative("relax.add", mean, eps) | mean)  # no add: eps 0
     down = is_op("relax.astype")(normed)
     out = _commutative("relax.multiply", down | normed, w) if weighted else normed
     return out, dict(x=x0, up_sq=up_sq, up_mul=up_mul, down=down, w=w, eps=eps, two=two, mean=mean,
@@ -71,7 +73,7 @@ def _layer_norm_pattern(weighted: bool = True):
     centered, again = is_op("relax.subtract")(x, mu), is_op("relax.subtract")(x, mu)
     square = is_op("relax.power")(centered, two) | is_op("relax.multiply")(centered, centered)
     var = is_op("relax.mean")(square)
-    normed, one = _over_sqrt(again, _commutative("relax.add", var, eps))
+    normed, one = _over_sqrt(again, _commutative("relax.add", var, eps) | var)  # no add: eps 0
     scaled = _commutative("relax.multiply", normed, gamma)
     out = (_commutative("relax.add", scaled, beta) | scaled) if weighted else normed
     return out, dict(x=x, gamma=gamma, beta=beta, eps=eps, two=two, mu=mu, var=var, square=square,
@@ -144,7 +146,7 @@ def _rewrite_rms(func: relax.Function, weighted: bool = True) -> relax.Function:
             return expr
         if p["one"] in m and scalar_value(m[p["one"]]) != 1:
             return expr
-        eps = scalar_value(m[p["eps"]])
+        eps = scalar_value(m[p["eps"]]) if p["eps"] in m else 0.0
         if eps is None or str(data.ty.dtype) != str(w.ty.dtype):
             return expr
         weight = _row_weight(w, shape[-1], lambda e: bound.get(e, e))
@@ -176,7 +178,7 @@ def _rewrite_layer_norm(func: relax.Function, weighted: bool = True) -> relax.Fu
             return expr
         if p["one"] in m and scalar_value(m[p["one"]]) != 1:
             return expr
-        eps = scalar_value(m[p["eps"]])
+        eps = scalar_value(m[p["eps"]]) if p["eps"] in m else 0.0
         if eps is None:
             return expr
         gamma, beta = (v if len(static_shape(v)) == 1 else relax.op.reshape(v, shape_expr([shape[-1]]))
