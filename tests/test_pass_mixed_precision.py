@@ -414,3 +414,28 @@ def test_bf16_retypes_half_constants():
     (power,) = [b.value for blk in after.body.blocks for b in blk.bindings
                 if getattr(b.value, "op", None) == tvm.ir.Op.get("relax.power")]
     assert [str(a.ty.dtype) for a in power.args] == ["bfloat16", "bfloat16"]
+
+
+def test_bf16_module_under_bfloat16_keeps_its_kernels():
+    """A bf16 module compiled with ``--dtype bfloat16`` gets the kernels it gets without a dtype.
+    ToMixedPrecision converts to fp16 and MixedPrecision renames fp16 to bf16; the renaming ran
+    after the cast clean-up, so the module's own fp32 ↔ bf16 casts met fp16 ones and stayed:
+    transformers' Qwen3 20 kernels on sm90 against 18 (the q / k norms' casts and a k slice, and
+    a round trip in two GEMM epilogues), before session 46. The cpu logits stay within bf16
+    rounding of the fp32 model's."""
+    from tests.test_hf_families import _model
+    from tests.test_llm_import_lm import Logits
+    from tvmfuse.report import analyze
+    from tvmfuse.targets import get_target
+
+    fp32 = Logits(_model("qwen3").eval())
+    model = Logits(_model("qwen3").eval().to(torch.bfloat16))
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(0))
+    mod = import_model(model, (ids,)).mod
+    counts = [len(analyze(mod, get_target("sm90"), dtype, stock=False)["kernels"])
+              for dtype in (None, "bfloat16")]
+    assert counts == [18, 18], counts
+    got = torch.as_tensor(tvmfuse.compile(model, (ids,), target="cpu", dtype="bfloat16").load()(ids))
+    with torch.no_grad():
+        want = fp32(ids)
+    assert float((got.float() - want).norm() / want.norm()) < 2e-2

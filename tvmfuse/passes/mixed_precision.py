@@ -267,13 +267,14 @@ class MixedPrecision:
         mod = _map_functions(mod, lambda f: _HalfSources(_norm_epilogue_ends(stats, f)).visit_expr(f))
         mod = relax.transform.ToMixedPrecision(out_dtype="float32")(mod)
         mod = _map_functions(mod, _FoldScalarCasts().visit_expr)
+        # bf16 before the cast clean-up: a bf16 module's own casts then meet bf16 ones, not fp16
+        if self.dtype == "bfloat16":
+            mod = relax.transform.Normalize()(_map_functions(mod, _Fp16ToBf16().visit_expr))
         # wrap_param leaves ``v = v16`` aliases behind: the cast rewrites below match through them.
         mod = relax.transform.CanonicalizeBindings()(mod)
         mod = _map_functions(mod, drop_noop_casts)
         # acc → half → fp32 before a norm epilogue would round it and split it from the GEMM.
         mod = NormEpilogueFp32()(mod)
-        if self.dtype == "bfloat16":
-            mod = relax.transform.Normalize()(_map_functions(mod, _Fp16ToBf16().visit_expr))
         # The dtypes are final: statistics of a half tensor read it, not an fp32 copy of it.
         return _stats_of_half(mod)
 
