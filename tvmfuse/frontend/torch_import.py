@@ -68,6 +68,7 @@ def failed_at(err: BaseException) -> str:
         tb = tb.tb_next
     if node is None or not hasattr(node, "meta"):
         return ""
+
     def origin(n) -> str:  # the model's own line: the last frame of the node's stack trace
         frames = [ln.strip() for ln in (n.meta.get("stack_trace") or "").splitlines()
                   if ln.strip().startswith("File ")]
