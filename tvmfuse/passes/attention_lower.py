@@ -91,10 +91,7 @@ def gpu_window_gate(window: int | None) -> str | None:
     None. The CUDA window kernels (flash sm90a / sm80, split-KV decode, the CUDA-core fallback; GPU
     numerics checked on the H200 in session 8) are used unless ``Options(gpu_window_attention=False)``;
     the cpu kernel always."""
-    target = tvm.target.Target.current(allow_none=True)
-    if window is None or target is None or target.kind.name != "cuda":
-        return None
-    if current_options().gpu_window_attention:
+    if window is None or not _cuda_option_off("gpu_window_attention"):
         return None
     return "the CUDA sliding-window kernels are off (Options(gpu_window_attention=False))"
 
@@ -103,13 +100,16 @@ def gpu_value_dim_gate(narrower_values: bool) -> str | None:
     """Why values of their own width (multi-head latent attention) get no attention kernel on the
     current target, or None: on CUDA targets unless ``Options(gpu_mla_attention=True)`` (the
     kernels' GPU numerics have not run yet); the cpu kernel always."""
-    target = tvm.target.Target.current(allow_none=True)
-    if not narrower_values or target is None or target.kind.name != "cuda":
-        return None
-    if current_options().gpu_mla_attention:
+    if not narrower_values or not _cuda_option_off("gpu_mla_attention"):
         return None
     return ("the CUDA kernel for values of their own width is off until its GPU numerics have run "
             "(Options(gpu_mla_attention=True) turns it on)")
+
+
+def _cuda_option_off(option: str) -> bool:
+    """The current target is CUDA and the ``Options`` switch ``option`` (a gated kernel) is off."""
+    target = tvm.target.Target.current(allow_none=True)
+    return target is not None and target.kind.name == "cuda" and not getattr(current_options(), option)
 
 
 def attention_kernel(spec: AttentionSpec) -> tvm.tirx.PrimFunc | None:

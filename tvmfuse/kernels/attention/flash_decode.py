@@ -275,8 +275,8 @@ def check(spec: AttentionSpec) -> str | None:
         return f"needs q_len == 1, not {spec.q_len}"
     if spec.dtype not in ("float16", "bfloat16", "float32"):
         return f"dtype {spec.dtype} unsupported"
-    if spec.value_dim != spec.head_dim:
-        return f"value head dim {spec.value_dim} differs from the query/key head dim {spec.head_dim}"
+    if spec.value_dim_differs:
+        return spec.value_dim_differs
     vec = _vec(spec)
     lanes = spec.head_dim // vec
     if spec.head_dim % vec or lanes & (lanes - 1) or _THREADS % lanes:

@@ -108,8 +108,8 @@ def check(spec: AttentionSpec, cfg: Sm90FlashConfig | None = None) -> str | None
         return f"dtype {spec.dtype} unsupported (float16 or bfloat16)"
     if spec.result_dtype not in _PTX_TYPE and spec.result_dtype != "float32":
         return f"output dtype {spec.result_dtype} unsupported"
-    if spec.value_dim != spec.head_dim:
-        return f"value head dim {spec.value_dim} differs from the query/key head dim {spec.head_dim}"
+    if spec.value_dim_differs:
+        return spec.value_dim_differs
     if spec.head_dim not in (64, 128):
         return f"head_dim {spec.head_dim} unsupported (64 or 128)"
     if spec.bias_shape is not None:

@@ -117,6 +117,13 @@ class AttentionSpec:
         return self.v_head_dim if self.v_head_dim is not None else self.head_dim
 
     @property
+    def value_dim_differs(self) -> str | None:
+        """The reason a kernel with one head dim for q, k and v declines this spec, or None."""
+        if self.value_dim == self.head_dim:
+            return None
+        return f"value head dim {self.value_dim} differs from the query/key head dim {self.head_dim}"
+
+    @property
     def flops(self) -> int:
         """``2·B·Hq·(D + Dv)·(visible (query, key) pairs)``: Q·Kᵀ and P·V (:func:`visible_pairs`)."""
         pairs = visible_pairs(self.q_len, self.kv_len, self.causal, self.window)
